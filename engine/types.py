@@ -1,0 +1,160 @@
+"""The engine's public data types: what goes in (SamplingParams) and what comes out (RequestOutput).
+
+These are plain frozen/slotted dataclasses. The HTTP layer (`app/`) converts its pydantic wire models into
+`SamplingParams` in exactly one function per API family, and converts `RequestOutput` back to the wire.
+Nothing here imports torch, fastapi or pydantic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+"""Why a sequence ended: EOS / stop string / stop token -> "stop"; max_tokens or context end -> "length";
+aborted by the caller (client gone, timeout) -> "abort"; the engine failed -> "error"."""
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Per-request sampling and stopping controls. Defaults match the OpenAI API.
+
+    temperature == 0 means greedy. top_k <= 0 means off. max_tokens None means "the rest of the context".
+    logprobs None means off; 0 means the chosen token's logprob only; k > 0 adds the top-k alternatives.
+    n > 1 runs n independent sequences on the same prompt; with a seed, sequence i uses seed + i.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Mapping[int, float] | None = None
+    seed: int | None = None
+    max_tokens: int | None = None
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class TopLogprob:
+    token_id: int
+    token: str
+    logprob: float
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """The log-probability of one generated token, with the top-k alternatives when asked for."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One increment of one sequence of a request, as the engine emits it.
+
+    `text` and `token_ids` are the *new* text and tokens since the previous output of the same `index`
+    (the concatenated `text` deltas equal the final decoded output; a held-back partial stop string or
+    incomplete UTF-8 character is emitted later or never). The last output of a sequence has
+    `finish_reason` set. `completion_tokens` counts all tokens generated so far for this index.
+    """
+
+    request_id: str
+    index: int
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that matched, if any
+    logprobs: list[TokenLogprob] | None = None
+    error: str | None = None  # set with finish_reason == "error"
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot of the engine's load, read by health checks and metrics."""
+
+    running: int
+    waiting: int
+    kv_used_blocks: int
+    kv_total_blocks: int
+    block_size: int
+    preemptions_total: int
+    prompt_tokens_total: int
+    generated_tokens_total: int
+    steps_total: int
+    last_step_age_s: float  # seconds since the loop last finished a step (0 when idle and healthy)
+    alive: bool
+
+    @property
+    def kv_used_tokens(self) -> int:
+        return self.kv_used_blocks * self.block_size
+
+    @property
+    def kv_total_tokens(self) -> int:
+        return self.kv_total_blocks * self.block_size
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_used_blocks / self.kv_total_blocks if self.kv_total_blocks else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything the engine needs, frozen. Built by main.py from config.Settings."""
+
+    model_path: str  # a local folder, or a local .gguf file
+    model_name: str  # the id the API reports
+    gguf_file: str | None = None  # file name inside model_path when loading GGUF
+    device: str = "auto"  # auto | cpu | cuda | cuda:N | tt
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    max_num_seqs: int = 64
+    max_model_len: int | None = None  # None: the model's own context length
+    max_num_batched_tokens: int = 512  # tokens per step (prefill chunk budget)
+    block_size: int = 16
+    kv_cache_memory_fraction: float = 0.5  # of the memory free after the model loads
+    kv_cache_bytes: int | None = None  # explicit size; overrides the fraction
+    cache_dir: str | None = None  # where converted GGUF models are cached
+    seed: int = 0
+    trust_remote_code: bool = False
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+class EngineError(Exception):
+    """Base class for errors the engine reports to its callers."""
+
+
+class EngineDeadError(EngineError):
+    """The engine loop has stopped; no request can be served."""
+
+
+class PromptTooLongError(EngineError):
+    """The prompt (or prompt + max_tokens) does not fit in the model's context."""
+
+    def __init__(self, message: str, *, prompt_tokens: int, max_model_len: int, param: str) -> None:
+        super().__init__(message)
+        self.prompt_tokens = prompt_tokens
+        self.max_model_len = max_model_len
+        self.param = param
