@@ -228,15 +228,6 @@ class AuthMiddleware:
         return self.authenticator.authenticate(header(scope, b"authorization"))
 
 
-def build_auth_middleware_kwargs(settings) -> dict:
-    """The middleware's arguments from `config.Settings` (keys, JWT secret, rate limit)."""
-    keys = parse_api_keys(settings.api_keys, settings.api_keys_file)
-    authenticator = Authenticator(keys, settings.jwt_secret)
-    rate = float(settings.rate_limit_per_s or 0)
-    limiter = RateLimiter(rate, max(1, int(settings.rate_limit_burst or 1))) if rate > 0 else None
-    return {"authenticator": authenticator, "rate_limiter": limiter}
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m app.auth mint ...`: print a token for the server's `--jwt-secret`."""
     parser = argparse.ArgumentParser(prog="python -m app.auth", description=main.__doc__)

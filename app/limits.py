@@ -75,11 +75,15 @@ async def send_error(
 
 
 class Admission:
-    """A counter of admitted generation requests with a hard limit; `try_enter` never waits."""
+    """A counter of admitted generation requests with a hard limit; `try_enter` never waits.
+
+    `active` counts every guarded request in flight (generation or not): a drain waits for it to reach 0.
+    """
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.in_flight = 0
+        self.active = 0
         self.refused_total = 0
 
     def try_enter(self) -> bool:
@@ -142,9 +146,11 @@ class LimitsMiddleware:
         except Rejection as r:
             await send_error(send, r.status, r.message, r.error_type, r.code, r.headers)
             return
+        self.admission.active += 1
         try:
             await self._serve(scope, receive, send, generation)
         finally:
+            self.admission.active -= 1
             if generation:
                 self.admission.leave()
 
