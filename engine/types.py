@@ -158,3 +158,11 @@ class PromptTooLongError(EngineError):
         self.prompt_tokens = prompt_tokens
         self.max_model_len = max_model_len
         self.param = param
+
+
+class InvalidRequestError(EngineError):
+    """The request's parameters or prompt are invalid (the HTTP layer answers 400 with `param`)."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param

@@ -1,0 +1,224 @@
+"""The async front: per-request queues over one synchronous step loop running in its own thread.
+
+One producer (the loop thread) and one queue per request. The event loop only enqueues commands (add, abort)
+and awaits its queue, so a slow step never blocks it. A consumer that goes away (cancelled, closed) aborts its
+request, which frees its KV blocks at the start of the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.llm_engine import LLMEngine
+from engine.types import (
+    EngineConfig,
+    EngineDeadError,
+    EngineError,
+    EngineStats,
+    InvalidRequestError,
+    RequestOutput,
+    SamplingParams,
+)
+
+log = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.5
+
+
+@dataclass(slots=True)
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[list[RequestOutput]]
+    remaining: set[int] = field(default_factory=set)
+
+
+@dataclass(frozen=True, slots=True)
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class _Abort:
+    request_id: str
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self._commands: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._alive = True
+        self._last_step_end = time.monotonic()
+
+    @classmethod
+    def from_config(cls, cfg: EngineConfig) -> AsyncEngine:
+        return cls(LLMEngine.from_config(cfg), cfg.model_name)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
+    def device(self) -> str:
+        return str(self.engine.device)
+
+    @property
+    def dtype(self) -> str:
+        return str(self.engine.dtype).removeprefix("torch.")
+
+    @property
+    def alive(self) -> bool:
+        return self._alive
+
+    def start(self) -> None:
+        with self._lock:
+            if self._thread is None and self._alive:
+                self._thread = threading.Thread(target=self._run, name="peregrine-engine", daemon=True)
+                self._thread.start()
+
+    async def shutdown(self) -> None:
+        self._stopping.set()
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+        self._alive = False
+
+    def check_prompt(self, prompt_len: int, max_tokens: int | None) -> None:
+        self.engine.check_prompt(prompt_len, max_tokens)
+
+    async def generate(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        """Streams the request's outputs; ends when all `params.n` sequences have finished."""
+        stream = self._open(prompt_token_ids, params, request_id)
+        try:
+            while stream.remaining:
+                for out in await stream.queue.get():
+                    if out.finished:
+                        stream.remaining.discard(out.index)
+                    yield out
+        finally:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            if stream.remaining:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._submit(_Abort(request_id))
+
+    def stats(self) -> EngineStats:
+        busy = self.engine.has_work
+        age = time.monotonic() - self._last_step_end if busy or not self._alive else 0.0
+        return self.engine.stats(last_step_age_s=age, alive=self._alive)
+
+    def _open(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> _Stream:
+        if not self._alive:
+            raise EngineDeadError("the engine loop has stopped")
+        self.engine.validate(prompt_token_ids, params)
+        self.start()
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), set(range(params.n)))
+        with self._lock:
+            if request_id in self._streams:
+                raise InvalidRequestError(f"request id {request_id!r} is already in flight", param="request_id")
+            self._streams[request_id] = stream
+        self._submit(_Add(request_id, list(prompt_token_ids), params))
+        return stream
+
+    def _submit(self, command: _Add | _Abort) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                self._wake.clear()
+                self._apply_commands()
+                if not self.engine.has_work:
+                    self._wake.wait(IDLE_WAIT_S)
+                    continue
+                outputs = self.engine.step()
+                self._last_step_end = time.monotonic()
+                self._dispatch(outputs)
+            self._dispatch(self._drain_as_aborted() + self.engine.abort_all())
+        except BaseException as exc:  # the loop is dead: every waiter must hear about it
+            log.exception("engine loop died")
+            self._alive = False
+            self._fail_all(f"engine loop died: {type(exc).__name__}: {exc}")
+        finally:
+            self._alive = False
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Add):
+                self._add(command)
+            else:
+                self._dispatch(self.engine.abort_request(command.request_id))
+
+    def _add(self, command: _Add) -> None:
+        try:
+            self.engine.add_request(command.request_id, command.prompt_token_ids, command.params)
+        except EngineError as exc:  # validated before queueing; this guards the loop, not the caller
+            self._dispatch([RequestOutput(command.request_id, i, "", [], len(command.prompt_token_ids), 0,
+                                          finish_reason="error", error=str(exc)) for i in range(command.params.n)])
+
+    def _drain_as_aborted(self) -> list[RequestOutput]:
+        outs: list[RequestOutput] = []
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return outs
+            if isinstance(command, _Add):
+                n = len(command.prompt_token_ids)
+                outs += [RequestOutput(command.request_id, i, "", [], n, 0, finish_reason="abort")
+                         for i in range(command.params.n)]
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        by_request: dict[str, list[RequestOutput]] = {}
+        for out in outputs:
+            by_request.setdefault(out.request_id, []).append(out)
+        with self._lock:
+            targets = [(self._streams.get(rid), outs) for rid, outs in by_request.items()]
+        for stream, outs in targets:
+            if stream is not None:
+                _deliver(stream, outs)
+
+    def _fail_all(self, message: str) -> None:
+        with self._lock:
+            streams = dict(self._streams)
+        for rid, stream in streams.items():
+            outs = [RequestOutput(rid, i, "", [], 0, 0, finish_reason="error", error=message)
+                    for i in sorted(stream.remaining)]
+            _deliver(stream, outs)
+
+
+def _deliver(stream: _Stream, outs: list[RequestOutput]) -> None:
+    with contextlib.suppress(RuntimeError):  # the consumer's event loop is closed: nobody is listening
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, outs)

@@ -1,0 +1,110 @@
+"""Paged attention for any Hugging Face model that routes attention through `AttentionInterface`.
+
+The model runs on one packed row of tokens from all scheduled sequences (`[1, total_tokens]`): single-token
+items (decodes) first, then multi-token prefill chunks. For each layer, `paged_attention` writes the new K/V
+into the cache slots of their positions, then attends:
+- decodes: batched, over each sequence's cached context gathered into a padded [batch, kv_heads, ctx, dim]
+  tensor with a length mask;
+- prefill chunks: one SDPA per chunk, causal with the chunk's offset into its sequence.
+The step's metadata (slots, gather indices, masks) is built once per step and shared by all layers; it reaches
+this function as the `peregrine` keyword argument that transformers forwards from `model(...)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.kv_cache import KVCache
+
+ATTN_IMPL = "peregrine_paged"
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillChunk:
+    offset: int  # first index of the chunk in the packed token row
+    length: int  # tokens in the chunk
+    start: int  # position of the chunk's first token in its sequence
+    context_slots: torch.Tensor | None  # [start + length] cache slots, None when start == 0
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionMetadata:
+    kv_cache: KVCache
+    slot_mapping: torch.Tensor  # [total_tokens] long: where each new token's K/V goes
+    num_decodes: int  # the first num_decodes tokens are single-token items
+    decode_slots: torch.Tensor | None  # [num_decodes, max_ctx] long, padded with the null slot
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_ctx] bool, True = attend
+    prefills: tuple[PrefillChunk, ...]
+
+
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, heads, total_tokens, dim]
+    key: torch.Tensor,  # [1, kv_heads, total_tokens, dim]
+    value: torch.Tensor,  # [1, kv_heads, total_tokens, dim]
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    peregrine: AttentionMetadata | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """Returns ([1, total_tokens, heads, dim], None), the shape transformers' attention modules expect."""
+    if peregrine is None:
+        raise RuntimeError("peregrine_paged attention needs the step metadata (model(..., peregrine=meta))")
+    meta = peregrine
+    layer = module.layer_idx
+    q = query[0].transpose(0, 1)  # [tokens, heads, dim]
+    k = key[0].transpose(0, 1)  # [tokens, kv_heads, dim]
+    v = value[0].transpose(0, 1)
+    k_cache, v_cache = meta.kv_cache.k[layer], meta.kv_cache.v[layer]
+    k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    out = torch.empty_like(q)
+    if meta.num_decodes:
+        out[: meta.num_decodes] = _decode(q[: meta.num_decodes], k_cache, v_cache, meta, scaling)
+    for chunk in meta.prefills:
+        span = slice(chunk.offset, chunk.offset + chunk.length)
+        out[span] = _prefill(q[span], k[span], v[span], k_cache, v_cache, chunk, scaling)
+    return out.unsqueeze(0), None
+
+
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+            scaling: float | None) -> torch.Tensor:
+    keys = k_cache[meta.decode_slots].transpose(1, 2)  # [batch, kv_heads, ctx, dim]
+    values = v_cache[meta.decode_slots].transpose(1, 2)
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scaling, enable_gqa=True
+    )  # [batch, heads, 1, dim]
+    return out.squeeze(2)
+
+
+def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             chunk: PrefillChunk, scaling: float | None) -> torch.Tensor:
+    query = q.transpose(0, 1).unsqueeze(0)  # [1, heads, chunk, dim]
+    if chunk.context_slots is None:
+        keys, values, mask = k, v.to(k.dtype), None
+    else:
+        keys, values = k_cache[chunk.context_slots], v_cache[chunk.context_slots]
+        mask = causal_mask(chunk.length, chunk.start, q.device)
+    out = F.scaled_dot_product_attention(
+        query, keys.transpose(0, 1).unsqueeze(0).to(q.dtype), values.transpose(0, 1).unsqueeze(0).to(q.dtype),
+        attn_mask=mask, is_causal=mask is None, scale=scaling, enable_gqa=True,
+    )  # [1, heads, chunk, dim]
+    return out[0].transpose(0, 1)
+
+
+def causal_mask(length: int, start: int, device: torch.device) -> torch.Tensor:
+    """[length, start + length] bool: query i (at position start + i) sees keys 0 .. start + i."""
+    rows = torch.arange(length, device=device)[:, None] + start
+    cols = torch.arange(start + length, device=device)[None, :]
+    return cols <= rows
+
+
+def register() -> None:
+    """Make `ATTN_IMPL` a valid `attn_implementation` for transformers models (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPL, paged_attention)

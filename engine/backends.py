@@ -1,0 +1,114 @@
+"""Device backends behind one small interface, chosen from a plain dict by the device type.
+
+Invariants every backend keeps:
+- `free_memory_bytes()` is measured, not guessed: what the device could still hand out right now;
+- `prepare(model)` returns the module the runner calls (the same one, moved or compiled as the device needs);
+- `synchronize()` waits for queued work; the engine calls it only at boundaries, never per token.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+
+class Backend(Protocol):
+    name: str
+    device: torch.device
+
+    def free_memory_bytes(self) -> int: ...
+
+    def prepare(self, model: torch.nn.Module) -> torch.nn.Module: ...
+
+    def synchronize(self) -> None: ...
+
+
+class CpuBackend:
+    name = "cpu"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def free_memory_bytes(self) -> int:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+
+    def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model
+
+    def synchronize(self) -> None:
+        return None
+
+
+class CudaBackend:
+    """CUDA: free memory from the driver after the model is resident; no per-token host syncs in the engine
+    beyond the sampler's one copy of the sampled ids."""
+
+    name = "cuda"
+
+    def __init__(self, device: torch.device) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"device {device} requested but torch.cuda.is_available() is False")
+        self.device = device
+
+    def free_memory_bytes(self) -> int:
+        torch.cuda.synchronize(self.device)
+        free, _total = torch.cuda.mem_get_info(self.device)
+        return int(free)
+
+    def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model.to(self.device)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+
+class TTBackend:
+    """Tenstorrent devices through torch-ttnn (optional extra `peregrine[tt]`)."""
+
+    name = "tt"
+
+    def __init__(self, device: torch.device) -> None:
+        missing = [m for m in ("ttnn", "torch_ttnn") if importlib.util.find_spec(m) is None]
+        if missing:
+            raise RuntimeError(
+                f"device 'tt' needs the Python module(s) {', '.join(missing)}, which are not installed; "
+                "install the optional extra with `pip install 'peregrine[tt]'` (torch-ttnn, which brings ttnn)"
+            )
+        self.device = device
+        self._tt_device = None
+
+    def free_memory_bytes(self) -> int:
+        import psutil  # torch-ttnn keeps the KV cache in host tensors it moves per op
+
+        return int(psutil.virtual_memory().available)
+
+    def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
+        import torch_ttnn
+        import ttnn
+
+        self._tt_device = ttnn.open_device(device_id=0)
+        options = torch_ttnn.TorchTtnnOption(device=self._tt_device)
+        return torch.compile(model, backend=torch_ttnn.backend, options=options)
+
+    def synchronize(self) -> None:
+        return None
+
+
+BACKENDS: dict[str, Callable[[torch.device], Backend]] = {
+    "cpu": CpuBackend,
+    "cuda": CudaBackend,
+    "tt": TTBackend,
+}
+
+
+def get_backend(device: torch.device | str) -> Backend:
+    device = torch.device(device) if isinstance(device, str) and device != "tt" else device
+    kind = device if isinstance(device, str) else device.type
+    if kind not in BACKENDS:
+        raise ValueError(f"unknown device {device!r}; known: {', '.join(BACKENDS)}")
+    return BACKENDS[kind](device)  # type: ignore[arg-type]

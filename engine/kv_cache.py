@@ -1,0 +1,84 @@
+"""The KV cache: one K and one V tensor per layer, allocated once at start, split into paged blocks.
+
+Layout per layer: [num_slots + 1, kv_heads, head_dim] where slot = block * block_size + offset. The extra last
+slot is kept at zero and is where padded gathers point, so memory that was never written (allocated with
+`torch.empty`, so the OS commits pages only when used) never reaches the attention math.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheSpec:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    @classmethod
+    def from_hf_config(cls, config: object, dtype: torch.dtype) -> KVCacheSpec:
+        text = getattr(config, "get_text_config", lambda: config)()
+        heads = text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        return cls(text.num_hidden_layers, kv_heads, head_dim, dtype)
+
+
+def plan_num_blocks(
+    spec: KVCacheSpec,
+    block_size: int,
+    free_bytes: int,
+    fraction: float,
+    explicit_bytes: int | None,
+    max_useful_tokens: int,
+) -> int:
+    """Blocks that fit in `explicit_bytes`, else in `fraction` of `free_bytes`; never more than useful."""
+    budget = explicit_bytes if explicit_bytes is not None else int(free_bytes * fraction)
+    block_bytes = spec.bytes_per_token * block_size
+    num_blocks = min(budget // block_bytes, -(-max_useful_tokens // block_size))
+    if num_blocks <= 0:
+        raise MemoryError(
+            f"KV cache budget {budget} bytes is below one block ({block_bytes} bytes); "
+            "raise kv_cache_memory_fraction or kv_cache_bytes"
+        )
+    return int(num_blocks)
+
+
+class KVCache:
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, block_size: int, device: torch.device) -> None:
+        self.spec = spec
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_slots = num_blocks * block_size
+        shape = (self.num_slots + 1, spec.num_kv_heads, spec.head_dim)
+        self.k = [self._alloc(shape, device) for _ in range(spec.num_layers)]
+        self.v = [self._alloc(shape, device) for _ in range(spec.num_layers)]
+        log.info(
+            "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s, %d layers)",
+            num_blocks, block_size, self.num_slots, self.nbytes / 2**20, spec.dtype, spec.num_layers,
+        )
+
+    @property
+    def null_slot(self) -> int:
+        """A slot that is always zero: the target of padded gathers."""
+        return self.num_slots
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_slots * self.spec.bytes_per_token
+
+    def _alloc(self, shape: tuple[int, int, int], device: torch.device) -> torch.Tensor:
+        t = torch.empty(shape, dtype=self.spec.dtype, device=device)
+        t[-1].zero_()
+        return t

@@ -1,0 +1,228 @@
+"""The synchronous engine: one `step()` serves every running request by one token (or one prefill chunk).
+
+`AsyncEngine` (engine/async_engine.py) runs `step()` in its own thread; tests and benchmarks may drive it
+directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.backends import get_backend
+from engine.block_manager import BlockManager
+from engine.kv_cache import KVCache, KVCacheSpec, plan_num_blocks
+from engine.model_runner import ModelRunner
+from engine.outputs import SequenceOutput
+from engine.sampler import Sampler
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.sequence import Sequence
+from engine.types import (
+    EngineConfig,
+    EngineStats,
+    InvalidRequestError,
+    PromptTooLongError,
+    RequestOutput,
+    SamplingParams,
+)
+
+log = logging.getLogger(__name__)
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(slots=True)
+class Counters:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    steps: int = 0
+
+
+class LLMEngine:
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, cfg: EngineConfig, device: torch.device,
+                 dtype: torch.dtype, max_model_len: int) -> None:
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.device = device
+        self.dtype = dtype
+        backend = get_backend(device)
+        self.kv_cache = _allocate_kv(model, cfg, backend.free_memory_bytes(), dtype, device, max_model_len)
+        self.max_model_len = min(max_model_len, self.kv_cache.num_slots)
+        self.blocks = BlockManager(self.kv_cache.num_blocks, cfg.block_size)
+        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.runner = ModelRunner(backend.prepare(model), self.kv_cache, device)
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.eos_token_ids = eos_token_ids(model, tokenizer)
+        self.sampler = Sampler(device, cfg.seed, self.eos_token_ids)
+        self.counters = Counters()
+        self._outputs: dict[tuple[str, int], SequenceOutput] = {}
+
+    @classmethod
+    def from_config(cls, cfg: EngineConfig) -> LLMEngine:
+        loaded = _load_model(cfg)
+        return cls(loaded.model, loaded.tokenizer, cfg, loaded.device, loaded.dtype, loaded.max_model_len)
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model, sample, update and emit."""
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        logits = self.runner.run(batch)
+        sampled = self.sampler.sample(logits, [item.seq for item in batch.sampling])
+        grown = self.scheduler.update(batch, [s.token_id for s in sampled])
+        self._count(batch, len(grown))
+        return [self._emit(seq, tok) for seq, tok in zip(grown, sampled, strict=True)]
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.validate(prompt_token_ids, params)
+        max_tokens = self.resolve_max_tokens(len(prompt_token_ids), params.max_tokens)
+        for index in range(params.n):
+            seq = Sequence(request_id, index, list(prompt_token_ids), params, max_tokens)
+            self._outputs[seq.seq_id] = SequenceOutput(seq, self.tokenizer)
+            self.scheduler.add(seq)
+        self.counters.prompt_tokens += len(prompt_token_ids)
+
+    def abort_request(self, request_id: str) -> list[RequestOutput]:
+        """Ends the request's sequences now; their KV blocks are free when this returns."""
+        return [self._release(seq).aborted() for seq in self.scheduler.abort(request_id)]
+
+    def abort_all(self) -> list[RequestOutput]:
+        return [self._release(seq).aborted() for seq in self.scheduler.abort_all()]
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def check_prompt(self, prompt_len: int, max_tokens: int | None) -> None:
+        if prompt_len >= self.max_model_len:
+            raise PromptTooLongError(
+                f"The prompt has {prompt_len} tokens; this model's context is {self.max_model_len} tokens, "
+                "which must also leave room for at least one generated token.",
+                prompt_tokens=prompt_len, max_model_len=self.max_model_len, param="messages",
+            )
+        if max_tokens is not None and prompt_len + max_tokens > self.max_model_len:
+            raise PromptTooLongError(
+                f"The prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds this model's "
+                f"context of {self.max_model_len} tokens.",
+                prompt_tokens=prompt_len, max_model_len=self.max_model_len, param="max_tokens",
+            )
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_token_ids:
+            raise InvalidRequestError("the prompt must contain at least one token", param="prompt")
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
+            raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
+        _validate_params(params)
+        self.check_prompt(len(prompt_token_ids), params.max_tokens)
+
+    def resolve_max_tokens(self, prompt_len: int, max_tokens: int | None) -> int:
+        room = self.max_model_len - prompt_len
+        return room if max_tokens is None else min(max_tokens, room)
+
+    def stats(self, last_step_age_s: float = 0.0, alive: bool = True) -> EngineStats:
+        return EngineStats(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            kv_used_blocks=self.blocks.num_used_blocks,
+            kv_total_blocks=self.blocks.num_blocks,
+            block_size=self.blocks.block_size,
+            preemptions_total=self.scheduler.preemptions_total,
+            prompt_tokens_total=self.counters.prompt_tokens,
+            generated_tokens_total=self.counters.generated_tokens,
+            steps_total=self.counters.steps,
+            last_step_age_s=last_step_age_s,
+            alive=alive,
+        )
+
+    def _emit(self, seq: Sequence, sampled: Any) -> RequestOutput:
+        out = self._outputs[seq.seq_id].on_token(sampled, self.eos_token_ids, self.max_model_len)
+        if out.finish_reason is not None:
+            self.scheduler.finish(seq, out.finish_reason, out.stop_reason)
+            self._release(seq)
+        return out
+
+    def _release(self, seq: Sequence) -> SequenceOutput:
+        self.sampler.release(seq)
+        return self._outputs.pop(seq.seq_id)
+
+    def _count(self, batch: SchedulerOutput, generated: int) -> None:
+        self.counters.steps += 1
+        self.counters.generated_tokens += generated
+
+
+def _validate_params(p: SamplingParams) -> None:
+    checks = [
+        (p.n >= 1, "n", "n must be at least 1"),
+        (p.temperature >= 0.0, "temperature", "temperature must be >= 0"),
+        (0.0 < p.top_p <= 1.0, "top_p", "top_p must be in (0, 1]"),
+        (0.0 <= p.min_p <= 1.0, "min_p", "min_p must be in [0, 1]"),
+        (p.repetition_penalty > 0.0, "repetition_penalty", "repetition_penalty must be > 0"),
+        (p.max_tokens is None or p.max_tokens >= 1, "max_tokens", "max_tokens must be at least 1"),
+        (p.min_tokens >= 0, "min_tokens", "min_tokens must be >= 0"),
+        (p.logprobs is None or 0 <= p.logprobs <= MAX_LOGPROBS, "logprobs",
+         f"logprobs must be between 0 and {MAX_LOGPROBS}"),
+    ]
+    for ok, param, message in checks:
+        if not ok:
+            raise InvalidRequestError(message, param=param)
+
+
+def eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    gen_cfg = getattr(model, "generation_config", None)
+    eos = getattr(gen_cfg, "eos_token_id", None)
+    ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+def _allocate_kv(model: torch.nn.Module, cfg: EngineConfig, free_bytes: int, dtype: torch.dtype,
+                 device: torch.device, max_model_len: int) -> KVCache:
+    spec = KVCacheSpec.from_hf_config(model.config, dtype)
+    started = time.perf_counter()
+    num_blocks = plan_num_blocks(
+        spec, cfg.block_size, free_bytes, cfg.kv_cache_memory_fraction, cfg.kv_cache_bytes,
+        max_useful_tokens=cfg.max_num_seqs * max_model_len,
+    )
+    cache = KVCache(spec, num_blocks, cfg.block_size, device)
+    log.info("KV cache sized from %s (free after load: %.0f MiB), allocated in %.2fs",
+             "kv_cache_bytes" if cfg.kv_cache_bytes is not None else f"{cfg.kv_cache_memory_fraction:.0%} of free",
+             free_bytes / 2**20, time.perf_counter() - started)
+    return cache
+
+
+def _load_model(cfg: EngineConfig) -> Any:
+    """engine.loader.load_model once it exists; until then a plain transformers load (no GGUF cache)."""
+    try:
+        from engine.loader import load_model
+    except ModuleNotFoundError:
+        return _plain_load(cfg)
+    return load_model(cfg)
+
+
+@dataclass(slots=True)
+class _Loaded:
+    model: torch.nn.Module
+    tokenizer: Any
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+
+
+def _plain_load(cfg: EngineConfig) -> _Loaded:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
+                          "cpu" if cfg.device == "auto" else cfg.device)
+    dtype = {"auto": torch.bfloat16, "float32": torch.float32, "bfloat16": torch.bfloat16,
+             "float16": torch.float16}[cfg.dtype]
+    kwargs = {"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model_path, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=dtype, **kwargs).to(device).eval()
+    limit = getattr(model.config, "max_position_embeddings", None) or 2048
+    return _Loaded(model, tokenizer, device, dtype, min(limit, cfg.max_model_len or limit))

@@ -1,0 +1,62 @@
+"""Per-sequence output state: detokenize, hold back possible stop strings, decide finishing, build deltas."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.sampler import SampledToken
+from engine.sequence import Sequence
+from engine.stopping import StopDecision, StopStringMatcher, check_token_stop
+from engine.types import RequestOutput, TokenLogprob, TopLogprob
+
+
+class SequenceOutput:
+    """Turns each sampled token of one sequence into a `RequestOutput` delta."""
+
+    def __init__(self, seq: Sequence, tokenizer: Any) -> None:
+        self.seq = seq
+        self._tokenizer = tokenizer
+        self._detok = IncrementalDetokenizer(tokenizer, seq.params.skip_special_tokens)
+        self._stops = StopStringMatcher(seq.params.stop, seq.params.include_stop_str_in_output)
+
+    def on_token(self, sampled: SampledToken, eos: Collection[int], max_model_len: int) -> RequestOutput:
+        """Process the token just appended to the sequence; `finish_reason` is set when it ends here."""
+        decision = check_token_stop(self.seq, eos, max_model_len)
+        hide = decision is not None and decision.reason == "stop" and not self.seq.params.include_stop_str_in_output
+        delta = "" if hide else self._detok.add(sampled.token_id)
+        if decision is not None:
+            delta += self._detok.finish()
+        text, matched = self._stops.feed(delta)
+        if matched is not None:
+            decision = StopDecision("stop", matched)
+        elif decision is not None:
+            text += self._stops.flush()
+        return self._output(text, sampled, decision)
+
+    def aborted(self) -> RequestOutput:
+        return RequestOutput(
+            self.seq.request_id, self.seq.index, "", [], len(self.seq.prompt_token_ids),
+            len(self.seq.output_token_ids), finish_reason="abort",
+        )
+
+    def _output(self, text: str, sampled: SampledToken, decision: StopDecision | None) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.seq.request_id,
+            index=self.seq.index,
+            text=text,
+            token_ids=[sampled.token_id],
+            prompt_tokens=len(self.seq.prompt_token_ids),
+            completion_tokens=len(self.seq.output_token_ids),
+            finish_reason=decision.reason if decision else None,
+            stop_reason=decision.stop_reason if decision else None,
+            logprobs=[self._logprob(sampled)] if sampled.logprob is not None else None,
+        )
+
+    def _logprob(self, sampled: SampledToken) -> TokenLogprob:
+        top = tuple(TopLogprob(t, self._token_text(t), lp) for t, lp in sampled.top)
+        return TokenLogprob(sampled.token_id, self._token_text(sampled.token_id), sampled.logprob or 0.0, top)
+
+    def _token_text(self, token_id: int) -> str:
+        return self._tokenizer.decode([token_id], skip_special_tokens=False)
