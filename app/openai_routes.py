@@ -1,0 +1,166 @@
+"""The OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models.
+
+Routers stay thin: check the model name, convert the request (`app/convert_openai.py`), check the
+prompt fits (a 400 before any streaming starts), run it (`app/engine_client.py`), convert the outputs
+back. `stream: true` in the body selects SSE, whatever the Accept header says.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from app import convert_openai as conv
+from app.engine_client import check_prompts, generate, until_disconnected
+from app.errors import ServiceUnavailableError, model_not_found
+from app.schemas_openai import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+)
+from app.streaming import SSE, stream_response
+
+router = APIRouter(prefix="/v1", tags=["openai"])
+STARTED_AT = int(time.time())
+
+
+def get_engine(request: Request) -> Any:
+    engine = getattr(request.app.state, "engine", None)
+    if engine is None:
+        raise ServiceUnavailableError("The model is still loading; retry when GET /ready answers 200.")
+    return engine
+
+
+def served_names(request: Request, engine: Any) -> list[str]:
+    """The served id first, then aliases a client may also use (the model path or name it was started with)."""
+    settings = request.app.state.settings
+    names = [engine.model_name]
+    for alias in (getattr(settings, "served_model_name", None), getattr(settings, "model", None)):
+        if alias and str(alias) not in names:
+            names.append(str(alias))
+    return names
+
+
+def check_model(request: Request, engine: Any, model: str | None) -> str:
+    """Accept the served id or an alias; answer with the served id. 404 for anything else."""
+    if model is None or model in served_names(request, engine):
+        return engine.model_name
+    raise model_not_found(model, [engine.model_name])
+
+
+def _request_id(request: Request) -> str:
+    return getattr(request.state, "request_id", None) or uuid.uuid4().hex
+
+
+@router.post("/chat/completions", response_model=ChatCompletionResponse)
+async def create_chat_completion(
+    body: ChatCompletionRequest, request: Request
+) -> Response | ChatCompletionResponse:
+    """Chat completion (OpenAI `POST /v1/chat/completions`).
+
+    Renders `messages` with the model's chat template and generates a reply. `stream: true` returns
+    server-sent events (`chat.completion.chunk` objects, then `data: [DONE]`); with
+    `stream_options.include_usage` a last chunk with empty `choices` carries `usage`. Besides the OpenAI
+    fields, vLLM's extra sampling keys are accepted at top level: `top_k`, `min_p`,
+    `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`, `skip_special_tokens`,
+    `include_stop_str_in_output`.
+    """
+    engine = get_engine(request)
+    model = check_model(request, engine, body.model)
+    params = conv.to_sampling_params(body, engine.vocab_size)
+    prompt = conv.chat_prompt_ids(engine.tokenizer, body.messages)
+    check_prompts(engine, [prompt], params, prompt_param="messages")
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    outputs = generate(engine, [prompt], params, rid)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        events = conv.chat_chunks(outputs, id=rid, model=model, n=params.n, include_usage=include_usage)
+        return stream_response(events, SSE, request_id=_request_id(request))
+    result = conv.ChatResult(id=rid, model=model, n=params.n, want_logprobs=params.logprobs is not None)
+
+    async def collect() -> None:
+        async for _, out in outputs:
+            result.add(out)
+
+    await until_disconnected(request, collect())
+    return result.response()
+
+
+@router.post("/completions", response_model=CompletionResponse)
+async def create_completion(body: CompletionRequest, request: Request) -> Response | CompletionResponse:
+    """Text completion (OpenAI `POST /v1/completions`).
+
+    `prompt` may be a string, a list of strings, a list of token ids, or a list of lists of token ids;
+    each prompt gets `n` choices (choice index = prompt index * n + i). `logprobs` (an int, or a bool
+    meaning 1) returns OpenAI's legacy logprobs object; `echo` prepends the prompt to the text.
+    `stream: true` returns server-sent events of `text_completion` chunks, then `data: [DONE]`.
+    """
+    engine = get_engine(request)
+    model = check_model(request, engine, body.model)
+    params = conv.to_sampling_params(body, engine.vocab_size)
+    prompts = conv.completion_prompt_ids(engine.tokenizer, body.prompt, engine.vocab_size)
+    check_prompts(engine, prompts, params, prompt_param="prompt")
+    echo = [engine.tokenizer.decode(p) if body.echo else "" for p in prompts]
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    outputs = generate(engine, prompts, params, rid)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        events = conv.completion_chunks(
+            outputs, id=rid, model=model, n=params.n, prompt_texts=echo, include_usage=include_usage
+        )
+        return stream_response(events, SSE, request_id=_request_id(request))
+    result = conv.CompletionResult(
+        id=rid, model=model, n=params.n, prompt_texts=echo, want_logprobs=params.logprobs is not None
+    )
+
+    async def collect() -> None:
+        async for p, out in outputs:
+            result.add(p, out)
+
+    await until_disconnected(request, collect())
+    return result.response()
+
+
+def model_card(request: Request, engine: Any) -> ModelCard:
+    return ModelCard(
+        id=engine.model_name,
+        created=STARTED_AT,
+        max_model_len=engine.max_model_len,
+        custom_metadata={
+            "model_type": "llm",
+            "provider_id": "peregrine",
+            "provider_resource_id": engine.model_name,
+        },
+    )
+
+
+@router.get("/models", response_model=ModelList)
+async def list_models(request: Request) -> ModelList:
+    """The served models, in OpenAI's list shape. `custom_metadata` carries what Llama Stack reads
+    (`model_type`, `provider_id`, `provider_resource_id`)."""
+    return ModelList(data=[model_card(request, get_engine(request))])
+
+
+@router.get("/models/{model_id:path}")
+async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
+    """One model. The answer has both OpenAI's fields (`id`, `object`, ...) and llama-stack-client's
+    (`identifier`, `provider_resource_id`, `type`, `model_type`), so both clients can read it."""
+    engine = get_engine(request)
+    if model_id not in served_names(request, engine):
+        raise model_not_found(model_id, [engine.model_name])
+    card = model_card(request, engine).model_dump()
+    return card | {
+        "identifier": engine.model_name,
+        "provider_resource_id": engine.model_name,
+        "provider_id": "peregrine",
+        "type": "model",
+        "metadata": {},
+        "model_type": "llm",
+    }

@@ -1,0 +1,196 @@
+"""Pydantic wire models of the OpenAI-compatible API: what clients send and what they get back.
+
+Requests accept the OpenAI fields plus vLLM's extra sampling keys at top level (`top_k`, `min_p`,
+`repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`, `skip_special_tokens`,
+`include_stop_str_in_output`), because that is where OpenAI SDK `extra_body` and Llama Stack's
+`remote::vllm` provider put them. Unknown keys are ignored (clients send many that do not change a
+text-only answer: `tools`, `response_format`, `parallel_tool_calls`, ...). Range checks live here, so a bad
+value is a 400 that names the field; checks that need the model (vocabulary, context length) live in
+`app/convert_openai.py`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+# ---------------------------------------------------------------- requests
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class ContentPart(BaseModel):
+    """One part of a message's content. Only `{"type": "text", "text": ...}` can be served."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool", "function", "ipython"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+class SamplingRequest(BaseModel):
+    """The sampling and stopping fields both endpoints share."""
+
+    model: str | None = Field(None, description="The served model id (see GET /v1/models). Optional.")
+    max_tokens: int | None = Field(None, ge=1, description="Omitted: the rest of the context.")
+    temperature: float | None = Field(None, ge=0.0, description="0 is greedy. Default 1.")
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=128)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = Field(
+        None, description="Token id (as a string) -> bias in [-100, 100]."
+    )
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # vLLM's extra sampling keys
+    top_k: int | None = Field(None, ge=-1, description="-1 or 0: off.")
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, description="Alias of max_tokens; wins if both.")
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+PromptInput = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: PromptInput = Field(..., description="A string, strings, token ids, or lists of token ids.")
+    logprobs: bool | int | None = Field(None, description="0-20 alternatives per token (true means 1).")
+    echo: bool = False
+    best_of: int | None = Field(None, ge=1)
+    suffix: str | None = None
+
+
+# ---------------------------------------------------------------- responses
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class TopLogprobOut(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprobOut(TopLogprobOut):
+    top_logprobs: list[TopLogprobOut]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprobOut] | None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    """Also the stream chunk shape (`usage` null on all but the optional last chunk)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "peregrine"
+    max_model_len: int | None = None
+    custom_metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

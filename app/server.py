@@ -1,0 +1,89 @@
+"""`create_app`: the FastAPI application, its routers, error handlers and request ids.
+
+The app can exist before the engine does: `create_app(engine=None, settings)` serves `/health` (200)
+and readiness (503) while the model loads; `app.state.engine = engine` switches the model routes on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import uuid
+from typing import Any
+
+from fastapi import FastAPI
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app import health, openai_routes
+from app.errors import classify, install_error_handlers
+
+log = logging.getLogger("peregrine.app")
+REQUEST_ID_HEADER = "x-request-id"
+_CLIENT_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")  # a client's id is echoed only if it is this tame
+
+
+def create_app(engine: Any = None, settings: Any = None, embedder: Any = None) -> FastAPI:
+    """Build the HTTP app around an engine (or None while it loads) and the Settings object."""
+    app = FastAPI(
+        title="Peregrine",
+        version="0.1.0",
+        description="A self-hosted LLM inference server speaking the OpenAI and Llama Stack APIs.",
+        strict_content_type=False,  # a JSON body without a Content-Type header is still read as JSON
+    )
+    app.state.engine = engine
+    app.state.settings = settings
+    app.state.embedder = embedder
+    install_error_handlers(app)
+    app.include_router(health.router)
+    app.include_router(openai_routes.router)
+    app.add_middleware(RequestIdMiddleware)
+    return app
+
+
+class RequestIdMiddleware:
+    """Give every request an id (the client's `x-request-id` if sane, else a fresh one), put it in
+    `request.state.request_id`, echo it in the response header, and turn an unhandled exception into the
+    500 envelope that names it (logged with the traceback), as long as the response has not started."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = _incoming_id(scope) or uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        started = False
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", request_id.encode())]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception as exc:
+            if started:
+                raise
+            status, body = classify(exc, request_id)
+            await _send_json(send_with_id, status, body)
+
+
+def _incoming_id(scope: Scope) -> str | None:
+    for key, value in scope.get("headers", []):
+        if key == b"x-request-id":
+            text = value.decode("latin-1")
+            return text if _CLIENT_ID.match(text) else None
+    return None
+
+
+async def _send_json(send: Send, status: int, body: dict) -> None:
+    payload = json.dumps(body).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})
