@@ -23,7 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.types import EngineDeadError, EngineError, PromptTooLongError
+from engine.types import EngineDeadError, EngineError, InvalidRequestError, PromptTooLongError
 
 log = logging.getLogger("peregrine.app")
 
@@ -97,6 +97,8 @@ def classify(exc: BaseException, request_id: str | None = None) -> tuple[int, di
         return exc.status_code, error_body(exc.message, exc.error_type, exc.param, exc.code)
     if isinstance(exc, PromptTooLongError):
         return 400, error_body(str(exc), "invalid_request_error", exc.param, "context_length_exceeded")
+    if isinstance(exc, InvalidRequestError):
+        return 400, error_body(str(exc), "invalid_request_error", exc.param, None)
     if isinstance(exc, EngineDeadError):
         return 503, error_body(
             f"The engine is not running: {exc}", "service_unavailable", None, "engine_dead"

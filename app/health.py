@@ -5,7 +5,8 @@ loading (Llama Stack's `remote::vllm` provider and process supervisors probe it)
 the engine exists but its loop has died, so a supervisor restarts the process.
 
 `GET /ready` (alias `GET /health/ready`) is readiness: 503 until the engine is attached to the app and
-its loop is running, then 200. Load balancers and the test fixtures wait on it.
+its loop is running, then 200; 503 again once a shutdown drains the server (`app.state.draining`).
+Load balancers and the test fixtures wait on it.
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ router = APIRouter(tags=["health"])
 
 
 def engine_state(request: Request) -> str:
-    """One of "loading" (no engine yet), "ready", "dead" (the loop stopped)."""
+    """One of "loading" (no engine yet), "ready", "dead" (the loop stopped), "draining" (shutting down)."""
     engine = getattr(request.app.state, "engine", None)
     if engine is None:
         return "loading"
-    return "ready" if engine.stats().alive else "dead"
+    if not engine.stats().alive:
+        return "dead"
+    return "draining" if getattr(request.app.state, "draining", False) else "ready"
 
 
 @router.get("/health")

@@ -17,6 +17,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app import health, openai_routes
 from app.errors import classify, install_error_handlers
+from app.hardening import install_hardening
 
 log = logging.getLogger("peregrine.app")
 REQUEST_ID_HEADER = "x-request-id"
@@ -37,7 +38,8 @@ def create_app(engine: Any = None, settings: Any = None, embedder: Any = None) -
     install_error_handlers(app)
     app.include_router(health.router)
     app.include_router(openai_routes.router)
-    app.add_middleware(RequestIdMiddleware)
+    install_hardening(app, settings)  # auth, limits, draining, disconnect/timeout cancellation
+    app.add_middleware(RequestIdMiddleware)  # added last: outermost, so every answer carries the id
     return app
 
 
