@@ -165,7 +165,13 @@ class Embedder:
         return self.encode(texts, dimensions).vectors
 
     def count_tokens(self, texts: list[str]) -> int:
-        return sum(len(ids) for ids in self._tokenize(texts, pad=False)["input_ids"])
+        return sum(self.token_counts(texts))
+
+    def token_counts(self, texts: list[str], truncate: bool = True) -> list[int]:
+        """Tokens per text, special tokens included; `truncate=False` gives the full length."""
+        if truncate:
+            return [len(ids) for ids in self._tokenize(texts, pad=False)["input_ids"]]
+        return [len(ids) for ids in self.tokenizer(self._case(texts))["input_ids"]]
 
     def encode(self, texts: list[str], dimensions: int | None = None) -> EmbeddingResult:
         """Embed `texts` in length-sorted padded batches; the result keeps the input order."""
@@ -193,11 +199,12 @@ class Embedder:
                 pooled = torch.nn.functional.normalize(pooled[:, :dimensions], p=2, dim=1)
         return pooled.cpu(), int(encoded["attention_mask"].sum())
 
+    def _case(self, texts: list[str]) -> list[str]:
+        return [t.lower() for t in texts] if self.pipeline.do_lower_case else texts
+
     def _tokenize(self, texts: list[str], pad: bool):
-        if self.pipeline.do_lower_case:
-            texts = [t.lower() for t in texts]
         return self.tokenizer(
-            texts,
+            self._case(texts),
             padding=pad,
             truncation=True,
             max_length=self.max_seq_length,
