@@ -18,12 +18,14 @@ generator's `finally`, which aborts its engine request.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from app.errors import classify
@@ -55,6 +57,52 @@ SSE_NO_DONE = StreamFormat("sse", done_marker=False)
 NDJSON = StreamFormat("ndjson")
 
 SSE_KEEPALIVE = b": ping\n\n"  # a comment line: every SSE client ignores it
+
+DoneMarker = Literal["auto", "always", "never"]
+LAST_CLIENT_WITHOUT_DONE = (0, 6, 0)  # llama-stack-client <= 0.6.0 raises JSONDecodeError on [DONE]
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+
+
+def stream_format(request: Request, *, openai: bool) -> StreamFormat:
+    """The framing of one streamed answer, decided per request (docs/llama-stack.md has the table).
+
+    Framing: NDJSON if `?format=ndjson` or the `Accept` header names `application/x-ndjson`; else SSE
+    (`?format=sse` forces SSE). `[DONE]` (SSE only), first rule that applies:
+    1. per request: `?done=true|false` or header `X-Peregrine-Done: true|false`;
+    2. the `stream_done_marker` setting, when "always" or "never";
+    3. "auto" (default): OpenAI routes send it, except to llama-stack-client <= 0.6.0 (its requests carry
+       `X-LlamaStack-Client-Version`); the legacy Llama Stack routes never send it (no client of that
+       API expects it, and the 0.0.x-0.2.x clients crash on it).
+    """
+    query, headers = request.query_params, request.headers
+    fmt = (query.get("format") or "").lower()
+    if fmt == "ndjson" or (fmt != "sse" and "application/x-ndjson" in headers.get("accept", "").lower()):
+        return NDJSON
+    return SSE if _wants_done(request, openai) else SSE_NO_DONE
+
+
+def _wants_done(request: Request, openai: bool) -> bool:
+    asked = (request.query_params.get("done") or request.headers.get("x-peregrine-done") or "").lower()
+    if asked in _TRUE | _FALSE:
+        return asked in _TRUE
+    setting: DoneMarker = getattr(request.app.state.settings, "stream_done_marker", "auto")
+    if setting != "auto":
+        return setting == "always"
+    client = _version(request.headers.get("x-llamastack-client-version"))
+    return openai and (client is None or client > LAST_CLIENT_WITHOUT_DONE)
+
+
+def _version(text: str | None) -> tuple[int, ...] | None:
+    """"0.6.0" -> (0, 6, 0); "0.6.1rc2" -> (0, 6, 1); unreadable -> None (treated as a current client)."""
+    if not text:
+        return None
+    parts: list[int] = []
+    for piece in text.strip().lstrip("v").split(".")[:3]:
+        digits = "".join(itertools.takewhile(str.isdigit, piece))
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts) if parts else None
 
 
 async def encode_stream(
