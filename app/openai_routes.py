@@ -15,6 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from app import convert_openai as conv
+from app import embeddings
 from app.engine_client import check_prompts, generate, until_disconnected
 from app.errors import ServiceUnavailableError, model_not_found
 from app.schemas_openai import (
@@ -25,7 +26,7 @@ from app.schemas_openai import (
     ModelCard,
     ModelList,
 )
-from app.streaming import SSE, stream_response
+from app.streaming import stream_format, stream_response
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 STARTED_AT = int(time.time())
@@ -82,7 +83,7 @@ async def create_chat_completion(
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = conv.chat_chunks(outputs, id=rid, model=model, n=params.n, include_usage=include_usage)
-        return stream_response(events, SSE, request_id=_request_id(request))
+        return stream_response(events, stream_format(request, openai=True), request_id=_request_id(request))
     result = conv.ChatResult(id=rid, model=model, n=params.n, want_logprobs=params.logprobs is not None)
 
     async def collect() -> None:
@@ -115,7 +116,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         events = conv.completion_chunks(
             outputs, id=rid, model=model, n=params.n, prompt_texts=echo, include_usage=include_usage
         )
-        return stream_response(events, SSE, request_id=_request_id(request))
+        return stream_response(events, stream_format(request, openai=True), request_id=_request_id(request))
     result = conv.CompletionResult(
         id=rid, model=model, n=params.n, prompt_texts=echo, want_logprobs=params.logprobs is not None
     )
@@ -145,7 +146,7 @@ def model_card(request: Request, engine: Any) -> ModelCard:
 async def list_models(request: Request) -> ModelList:
     """The served models, in OpenAI's list shape. `custom_metadata` carries what Llama Stack reads
     (`model_type`, `provider_id`, `provider_resource_id`)."""
-    return ModelList(data=[model_card(request, get_engine(request))])
+    return ModelList(data=[model_card(request, get_engine(request)), *embeddings.embedding_cards(request)])
 
 
 @router.get("/models/{model_id:path}")
@@ -153,6 +154,8 @@ async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
     """One model. The answer has both OpenAI's fields (`id`, `object`, ...) and llama-stack-client's
     (`identifier`, `provider_resource_id`, `type`, `model_type`), so both clients can read it."""
     engine = get_engine(request)
+    if (embedding := embeddings.embedding_model_detail(request, model_id)) is not None:
+        return embedding
     if model_id not in served_names(request, engine):
         raise model_not_found(model_id, [engine.model_name])
     card = model_card(request, engine).model_dump()

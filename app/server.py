@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app import health, openai_routes
+from app import embeddings, health, llama_stack, openai_routes
 from app.errors import classify, install_error_handlers
 from app.hardening import install_hardening
 
@@ -38,6 +38,8 @@ def create_app(engine: Any = None, settings: Any = None, embedder: Any = None) -
     install_error_handlers(app)
     app.include_router(health.router)
     app.include_router(openai_routes.router)
+    app.include_router(embeddings.router)
+    app.include_router(llama_stack.router)
     install_hardening(app, settings)  # auth, limits, draining, disconnect/timeout cancellation
     app.add_middleware(RequestIdMiddleware)  # added last: outermost, so every answer carries the id
     return app
