@@ -1,0 +1,127 @@
+"""Batched sampler on hand-made logits (torch, no model)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.sampler import Sampler, apply_penalties, filter_probs
+from engine.sequence import Sequence
+from engine.types import SamplingParams
+
+CPU = torch.device("cpu")
+EOS = 0
+
+
+def seq(params: SamplingParams, outputs: list[int] | None = None, prompt: list[int] | None = None,
+        rid: str = "r", index: int = 0) -> Sequence:
+    s = Sequence(rid, index, prompt or [1], params, max_tokens=100)
+    s.output_token_ids = list(outputs or [])
+    return s
+
+
+def sampler() -> Sampler:
+    return Sampler(CPU, seed=0, eos_token_ids=[EOS])
+
+
+def test_greedy_rows_take_the_argmax() -> None:
+    logits = torch.tensor([[0.1, 3.0, 0.2, 0.0], [5.0, 1.0, 0.0, 0.0]])
+    seqs = [seq(SamplingParams(temperature=0.0)) for _ in range(2)]
+    assert [t.token_id for t in sampler().sample(logits, seqs)] == [1, 0]
+
+
+def test_mixed_batch_keeps_greedy_rows_greedy() -> None:
+    logits = torch.tensor([[0.0, 0.0, 9.0, 0.0]] * 3)
+    seqs = [seq(SamplingParams(temperature=0.0)), seq(SamplingParams(temperature=5.0)),
+            seq(SamplingParams(temperature=0.0))]
+    for _ in range(20):
+        got = [t.token_id for t in sampler().sample(logits, seqs)]
+        assert got[0] == 2 and got[2] == 2
+
+
+def test_temperature_sampling_follows_the_distribution() -> None:
+    probs = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    logits = probs.clamp_min(1e-12).log().repeat(4000, 1)
+    seqs = [seq(SamplingParams(temperature=1.0)) for _ in range(4000)]
+    ids = torch.tensor([t.token_id for t in sampler().sample(logits, seqs)])
+    freq = torch.bincount(ids, minlength=4).float() / 4000
+    assert torch.allclose(freq, probs, atol=0.04), freq
+
+
+def test_top_k_top_p_min_p_filter_per_row() -> None:
+    probs = torch.tensor([[0.4, 0.3, 0.2, 0.1]] * 4)
+    seqs = [seq(SamplingParams(top_k=2)), seq(SamplingParams(top_p=0.6)), seq(SamplingParams(min_p=0.6)),
+            seq(SamplingParams())]
+    kept = filter_probs(probs, seqs) > 0
+    assert kept.tolist() == [
+        [True, True, False, False],  # top-k 2
+        [True, True, False, False],  # 0.4 < 0.6, 0.4 + 0.3 reaches it
+        [True, True, False, False],  # >= 0.6 * 0.4
+        [True, True, True, True],  # no filter
+    ]
+
+
+def test_top_k_one_is_greedy_even_at_high_temperature() -> None:
+    logits = torch.randn(64, 50)
+    seqs = [seq(SamplingParams(temperature=3.0, top_k=1)) for _ in range(64)]
+    got = [t.token_id for t in sampler().sample(logits, seqs)]
+    assert got == logits.argmax(-1).tolist()
+
+
+def test_seeded_rows_do_not_depend_on_batch_mates() -> None:
+    torch.manual_seed(0)
+    row = torch.randn(1, 100)
+    params = SamplingParams(temperature=1.0, seed=42)
+
+    def draws(batch_mates: int) -> list[int]:
+        s, target = sampler(), seq(params, rid="seeded")
+        mates = [seq(SamplingParams(temperature=1.0), rid=f"m{i}") for i in range(batch_mates)]
+        out = []
+        for _ in range(10):
+            logits = torch.cat([torch.randn(batch_mates, 100), row])
+            out.append(s.sample(logits, [*mates, target])[-1].token_id)
+        return out
+
+    assert draws(0) == draws(3) == draws(7)
+    assert len(set(draws(0))) > 1  # it does sample
+
+
+def test_n_sequences_with_a_seed_differ_by_index() -> None:
+    logits = torch.zeros(2, 1000)
+    params = SamplingParams(temperature=1.0, seed=7)
+    a, b = sampler().sample(logits, [seq(params, index=0), seq(params, index=1)])
+    assert a.token_id != b.token_id
+
+
+def test_penalties() -> None:
+    logits = torch.tensor([[2.0, -2.0, 1.0, 1.0]])
+    rep = apply_penalties(logits, [seq(SamplingParams(repetition_penalty=2.0), outputs=[0], prompt=[1])])
+    assert rep.tolist() == [[1.0, -4.0, 1.0, 1.0]]
+    freq = apply_penalties(logits, [seq(SamplingParams(frequency_penalty=0.5, presence_penalty=0.25),
+                                        outputs=[2, 2, 3], prompt=[1])])
+    assert freq.tolist() == [[2.0, -2.0, 1.0 - 1.0 - 0.25, 1.0 - 0.5 - 0.25]]
+
+
+def test_logit_bias_and_min_tokens() -> None:
+    logits = torch.tensor([[9.0, 1.0, 0.0]])
+    biased = sampler().sample(logits, [seq(SamplingParams(temperature=0.0, logit_bias={2: 100.0}))])
+    assert biased[0].token_id == 2
+    held = sampler().sample(logits, [seq(SamplingParams(temperature=0.0, min_tokens=2), outputs=[1])])
+    assert held[0].token_id == 1  # EOS (id 0) is forbidden before min_tokens
+    free = sampler().sample(logits, [seq(SamplingParams(temperature=0.0, min_tokens=2), outputs=[1, 1])])
+    assert free[0].token_id == EOS
+
+
+def test_logprobs_are_the_raw_log_softmax_with_top_k() -> None:
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0], [0.0, 0.0, 0.0, 5.0]])
+    seqs = [seq(SamplingParams(temperature=0.0, logprobs=2, repetition_penalty=1.5), outputs=[1]),
+            seq(SamplingParams(temperature=0.0))]
+    first, second = sampler().sample(logits, seqs)
+    ref = torch.log_softmax(logits[0], -1)
+    assert first.logprob == pytest.approx(float(ref[first.token_id]), abs=1e-6)
+    assert [t for t, _ in first.top] == [1, 2]
+    assert [lp for _, lp in first.top] == pytest.approx(ref[[1, 2]].tolist(), abs=1e-6)
+    assert second.logprob is None and second.top == ()
+    assert math.isclose(sum(math.exp(v) for v in ref.tolist()), 1.0, rel_tol=1e-6)
