@@ -1,0 +1,321 @@
+"""Scale out on Ray Serve: N replicas of the same FastAPI app, each with its own engine, behind Ray's proxy.
+
+`python main.py --ray-replicas N` (or `--ray-autoscale MIN:MAX`) lands in `run()`. It joins the Ray cluster
+named by `--ray-address` / `RAY_ADDRESS`, or starts a local one, and deploys one Serve application:
+
+    client -> Ray Serve proxy (host:port, the single HTTP entry point) -> replica 1..N
+                                                                           create_app(own engine, settings)
+
+Each replica is a Ray actor that loads the model once in `__init__`, starts its own engine loop, and serves
+the very app `main.py` serves without Ray (`app.create_app`): same routes, errors, auth and limits. Ray's
+proxy forwards the ASGI messages one by one, so SSE / NDJSON streams are not buffered, and a client that
+goes away cancels the replica's handler, which aborts the request in that replica's engine.
+
+What Ray adds on top, here and nowhere else:
+- every response carries `x-peregrine-replica: <replica id>` (a pure ASGI middleware, streaming-safe);
+- `GET /health` also lists the deployment's replicas (id, state, pid, node) as the Serve controller sees
+  them, so an operator sees the spread and the restarts;
+- `check_health` turns a dead engine loop into an unhealthy replica, which Ray replaces.
+
+Ray is an optional extra (`pip install .[ray]`); only `main.py`'s Ray branch imports this module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray import serve
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from config import Settings
+from engine.types import EngineConfig
+
+log = logging.getLogger("peregrine.ray")
+
+APP_NAME = "peregrine"
+DEPLOYMENT_NAME = "Peregrine"
+REPLICA_HEADER = "x-peregrine-replica"
+CONTROLLER_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class ReplicaPlan:
+    """What every replica needs to build what `main.py` builds in one process. Pickled to each replica.
+
+    `engine_config.model_path` must exist on every node that runs a replica (one machine: it does; several:
+    a shared download dir, or the same path prepared on each node, see docs/scale-out.md).
+    """
+
+    settings: Settings
+    engine_config: EngineConfig
+    embedder_path: str | None = None  # a local embedding model folder; None: /v1/embeddings is off
+    embedder_name: str | None = None
+    embedder_device: str = "cpu"
+
+
+# --- deployment options (pure: no Ray calls) -------------------------------------------------------------
+
+
+def deployment_options(settings: Settings, cluster_gpus: float) -> dict[str, Any]:
+    """Serve deployment options from Settings: replicas or autoscaling, per-replica resources, queueing.
+
+    Each replica admits up to `max_num_seqs` requests (a full batch); more wait in Ray's router, where they
+    can go to whichever replica frees up first, and past `max_queue` waiting requests the proxy answers 503.
+    """
+    options: dict[str, Any] = {
+        "ray_actor_options": {
+            "num_cpus": settings.ray_num_cpus,
+            "num_gpus": replica_gpus(settings, cluster_gpus),
+        },
+        "max_ongoing_requests": settings.max_num_seqs,
+        "max_queued_requests": settings.max_queue if settings.max_queue > 0 else -1,
+        "graceful_shutdown_timeout_s": settings.shutdown_timeout,
+        "health_check_period_s": 10.0,
+    }
+    bounds = settings.ray_autoscale_bounds
+    if bounds is None:
+        options["num_replicas"] = settings.ray_replicas
+    else:
+        options["autoscaling_config"] = autoscaling_config(settings, *bounds)
+    return options
+
+
+def autoscaling_config(settings: Settings, min_replicas: int, max_replicas: int) -> dict[str, Any]:
+    """Scale on ongoing requests per replica (running + queued at the replica), Ray's own signal.
+
+    The target defaults to half a batch: a replica that is half full on average still has room for bursts,
+    and one more replica is added before requests start to queue. Delays are Ray's defaults (scale up
+    after 30 s above target, down after 600 s below), so a short burst does not reload a model.
+    """
+    return {
+        "min_replicas": min_replicas,
+        "max_replicas": max_replicas,
+        "initial_replicas": min_replicas,
+        "target_ongoing_requests": settings.ray_target_ongoing_requests or max(1, settings.max_num_seqs // 2),
+        "upscale_delay_s": 30.0,
+        "downscale_delay_s": 600.0,
+    }
+
+
+def replica_gpus(settings: Settings, cluster_gpus: float) -> float:
+    """GPUs per replica: the setting if given; else one GPU each when the device allows CUDA and the
+    cluster has GPUs (Ray then sets CUDA_VISIBLE_DEVICES, so each replica sees only its own), else none."""
+    if settings.ray_num_gpus is not None:
+        return settings.ray_num_gpus
+    wants_cuda = settings.device == "auto" or settings.device.startswith("cuda")
+    return 1.0 if wants_cuda and cluster_gpus > 0 else 0.0
+
+
+def replica_device(device: str, num_gpus: float) -> str:
+    """Inside a replica Ray exposes only the replica's own GPU(s), so `cuda:N` becomes `cuda` (device 0)."""
+    if device.startswith("cuda:") and num_gpus > 0:
+        return "cuda"
+    return device
+
+
+# --- the replica -----------------------------------------------------------------------------------------
+
+
+class ReplicaMiddleware:
+    """Names the replica in every response (`x-peregrine-replica`) and adds the replica list to `/health`.
+
+    Pure ASGI, so streamed bodies pass through message by message. Only the small `/health` body is read
+    and rewritten: the app's own health answer (status code and fields) plus `replica` (this one's id),
+    `load` (this replica's engine: running and waiting requests, tokens generated) and `replicas` (all).
+    """
+
+    def __init__(self, app: ASGIApp, replica_id: str, engine: Any, list_replicas: Any) -> None:
+        self.app = app
+        self.replica_id = replica_id
+        self.engine = engine
+        self.list_replicas = list_replicas  # async () -> list[dict] | None
+        self.header = (REPLICA_HEADER.encode(), replica_id.encode())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+        elif scope["method"] == "GET" and scope["path"] == "/health":
+            await self._health(scope, receive, send)
+        else:
+            await self.app(scope, receive, self._with_header(send))
+
+    def _with_header(self, send: Send) -> Send:
+        async def send_with_header(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+            await send(message)
+
+        return send_with_header
+
+    async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
+        start: Message = {}
+        body = bytearray()
+
+        async def capture(message: Message) -> None:
+            nonlocal start
+            if message["type"] == "http.response.start":
+                start = message
+            else:
+                body.extend(message.get("body", b""))
+
+        await self.app(scope, receive, capture)
+        payload = json.loads(body) if body else {}
+        stats = self.engine.stats()
+        load = {"running": stats.running, "waiting": stats.waiting,
+                "generated_tokens_total": stats.generated_tokens_total}  # fmt: skip
+        payload |= {"replica": self.replica_id, "load": load, "replicas": await self.list_replicas()}
+        data = json.dumps(payload).encode()
+        headers = [(k, v) for k, v in start.get("headers", []) if k.lower() not in (b"content-length",)]
+        headers += [(b"content-length", str(len(data)).encode()), self.header]
+        await send({"type": "http.response.start", "status": start.get("status", 200), "headers": headers})
+        await send({"type": "http.response.body", "body": data})
+
+
+async def list_replicas(app_name: str = APP_NAME, deployment: str = DEPLOYMENT_NAME) -> list[dict] | None:
+    """The deployment's replicas as the Serve controller sees them; None if the controller does not answer."""
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    try:
+        controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+        details = await asyncio.wait_for(
+            controller.get_serve_instance_details.remote(), timeout=CONTROLLER_TIMEOUT_S
+        )
+        replicas = details["applications"][app_name]["deployments"][deployment]["replicas"]
+    except Exception as exc:  # health must answer even when the controller is busy or restarting
+        log.warning("could not list replicas: %s", exc)
+        return None
+    return [_replica_entry(r) for r in replicas]
+
+
+def _replica_entry(replica: dict) -> dict:
+    state = replica.get("state")
+    return {
+        "id": replica.get("replica_id"),
+        "state": getattr(state, "value", state),
+        "pid": replica.get("pid"),
+        "node_id": replica.get("node_id"),
+        "node_ip": replica.get("node_ip"),
+        "started_at": replica.get("start_time_s"),
+    }
+
+
+@serve.ingress()
+class PeregrineReplica:
+    """One replica: its own engine (and embedder), built once, serving `create_app`'s app."""
+
+    def __init__(self, plan: ReplicaPlan) -> None:
+        from engine import AsyncEngine
+
+        self.plan = plan
+        self.replica_id = serve.get_replica_context().replica_tag
+        num_gpus = len(ray.get_gpu_ids())
+        cfg = plan.engine_config
+        self.engine_config = _with_device(cfg, replica_device(cfg.device, num_gpus))
+        log.info("replica %s (pid %d) loading %s", self.replica_id, os.getpid(), cfg.model_path)
+        self.engine = AsyncEngine.from_config(self.engine_config)
+        self.engine.start()
+        self.embedder = self._load_embedder()
+
+    def _load_embedder(self) -> Any:
+        if self.plan.embedder_path is None:
+            return None
+        from engine.embedder import Embedder
+
+        return Embedder.from_path(self.plan.embedder_path, device=self.plan.embedder_device,
+                                  name=self.plan.embedder_name)  # fmt: skip
+
+    def __serve_build_asgi_app__(self) -> ASGIApp:
+        from app import create_app
+
+        app = create_app(self.engine, self.plan.settings, self.embedder)
+        app.add_middleware(
+            ReplicaMiddleware, replica_id=self.replica_id, engine=self.engine, list_replicas=list_replicas
+        )
+        return app
+
+    def check_health(self) -> None:
+        """Called by the Serve controller; raising marks the replica unhealthy and Ray replaces it."""
+        if not self.engine.stats().alive:
+            raise RuntimeError(f"replica {self.replica_id}: the engine loop has stopped")
+
+    async def __del__(self) -> None:
+        await self.engine.shutdown()
+
+
+def _with_device(cfg: EngineConfig, device: str) -> EngineConfig:
+    from dataclasses import replace
+
+    return cfg if cfg.device == device else replace(cfg, device=device)
+
+
+def build_application(plan: ReplicaPlan, cluster_gpus: float = 0.0) -> serve.Application:
+    """The Serve application: the replica class with options from Settings, bound to the plan."""
+    options = deployment_options(plan.settings, cluster_gpus)
+    return serve.deployment(PeregrineReplica, name=DEPLOYMENT_NAME, **options).bind(plan)
+
+
+# --- the driver (main.py's Ray branch) ------------------------------------------------------------------
+
+
+def connect(settings: Settings) -> bool:
+    """Join the cluster at `settings.ray_address` (also read from RAY_ADDRESS), or start a local one.
+
+    Returns True when this process started the cluster (and so must stop it). A local cluster gets no
+    dashboard and only the CPUs of this machine; its temp files go to Ray's default (RAY_TMPDIR or /tmp/ray).
+    """
+    address = settings.ray_address or "local"
+    ray.init(address=address, include_dashboard=False, logging_level=settings.log_level.upper())
+    return address == "local"
+
+
+def run(plan: ReplicaPlan) -> None:
+    """Deploy the app on Ray Serve and serve until SIGINT / SIGTERM; then remove it (and the local cluster)."""
+    settings = plan.settings
+    started_cluster = connect(settings)
+    try:
+        serve.start(http_options=http_options(settings))
+        gpus = float(ray.cluster_resources().get("GPU", 0.0))
+        serve.run(build_application(plan, gpus), name=APP_NAME, route_prefix="/")
+        log.info(
+            "Peregrine on Ray Serve at http://%s:%d (%s)", settings.host, settings.port, _scale_text(settings)
+        )
+        _wait_for_signal()
+    finally:
+        _stop(started_cluster)
+
+
+def http_options(settings: Settings) -> dict[str, Any]:
+    """The proxy listens where `main.py` would: host, port, root path and keep-alive from Settings."""
+    return {"host": settings.host, "port": settings.port, "root_path": settings.root_path,
+            "keep_alive_timeout_s": settings.keep_alive}  # fmt: skip
+
+
+def _scale_text(settings: Settings) -> str:
+    bounds = settings.ray_autoscale_bounds
+    return f"autoscaling {bounds[0]}..{bounds[1]} replicas" if bounds else f"{settings.ray_replicas} replicas"
+
+
+def _wait_for_signal() -> None:
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+
+
+def _stop(started_cluster: bool) -> None:
+    """Remove our application; if this process started the cluster, stop Serve and the cluster too."""
+    try:
+        if started_cluster:
+            serve.shutdown()
+        else:
+            serve.delete(APP_NAME)
+    finally:
+        ray.shutdown()

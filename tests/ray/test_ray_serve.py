@@ -1,0 +1,537 @@
+"""Peregrine on Ray Serve, end to end: `python main.py --ray-replicas 2` on a local Ray cluster.
+
+One cluster for the whole module (starting Ray is the slow part): two replicas of a tiny random Llama, each
+with half a CPU, behind Ray's proxy on a free loopback port, with an API key. The cluster is private to the
+test: its own RAY_TMPDIR, a loopback-only node address, no dashboard. Every process it starts inherits that
+RAY_TMPDIR, which is how the last test (and the fixture's safety net) finds and checks them by PID.
+
+"Correct" means equal to the answer the same model gives through the same app without Ray: the reference
+answers come from `create_app` over an in-process engine on the same folder, the same greedy request.
+The tests run in file order; the shutdown test is last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytest.importorskip("ray.serve", reason="the ray extra is not installed (pip install .[ray])")
+openai = pytest.importorskip("openai")
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+REPO = Path(__file__).resolve().parents[2]
+API_KEY = "ray-test-key"
+HEADER = "x-peregrine-replica"
+START_TIMEOUT_S = 300.0  # Ray's cluster start plus two model loads, on a busy 2-core machine
+STOP_TIMEOUT_S = 90.0
+REQUEST_TIMEOUT_S = 240.0  # a request that takes longer than this has hung
+MAX_MODEL_LEN = 4096
+PROMPTS = [
+    "The quick brown fox",
+    "Peregrine falcons are",
+    "Continuous batching lets",
+    "Hello world! How are",
+    "Paged attention stores",
+    "Numbers: 0 1 2",
+    "def add(a, b):",
+    "Café, naïve, and",
+    "The lazy dog",
+    "Keys and values in",
+]
+SHORT = 24  # tokens per answer in the correctness test
+
+
+@dataclass
+class Cluster:
+    base_url: str
+    proc: subprocess.Popen
+    ray_tmpdir: str
+    log_path: Path
+    model_dir: Path
+    model_id: str
+
+    def client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key=API_KEY, max_retries=0,
+                                  timeout=REQUEST_TIMEOUT_S)  # fmt: skip
+
+
+# --- fixtures ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def long_model_dir(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """conftest's tiny Llama with a 4096-token context, so one streamed answer can run for thousands of steps."""
+    path = tmp_path_factory.mktemp("ray-model") / "tiny-llama-4k"
+    shutil.copytree(tiny_model_dir.path, path)
+    config = json.loads((path / "config.json").read_text())
+    config["max_position_embeddings"] = MAX_MODEL_LEN
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def cluster(long_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    workdir = tmp_path_factory.mktemp("ray-server")
+    ray_tmpdir = tempfile.mkdtemp(prefix="prg-ray-", dir="/tmp")  # short: Ray puts unix sockets under it
+    log_path = workdir / "server.log"
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PEREGRINE_", "RAY_"))}
+    # A private local cluster: own temp dir, and Ray's single-machine mode, which binds the node to 127.0.0.1.
+    env |= {"RAY_TMPDIR": ray_tmpdir, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_DEDUP_LOGS": "0",
+            "PYTHONPATH": str(REPO)}  # fmt: skip
+    cmd = [
+        sys.executable, str(REPO / "main.py"), "--model", str(long_model_dir), "--device", "cpu",
+        "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-bytes", "64MiB",
+        "--embedding-model", "none", "--skip-preflight", "--host", "127.0.0.1", "--port", str(port),
+        "--api-keys", API_KEY, "--ray-replicas", "2", "--ray-num-cpus", "0.5",
+    ]  # fmt: skip
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_for_replicas(base_url, proc, log_path, count=2, timeout=START_TIMEOUT_S)
+        model_id = httpx.get(f"{base_url}/v1/models", headers=_auth(), timeout=30).json()["data"][0]["id"]
+        yield Cluster(base_url, proc, ray_tmpdir, log_path, long_model_dir, model_id)
+    finally:
+        _stop(proc)
+        for pid in _cluster_pids(ray_tmpdir):  # safety net; test_shutdown_* asserts there were none
+            _kill(pid)
+        shutil.rmtree(ray_tmpdir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def reference(long_model_dir: Path) -> Reference:
+    """Answers from the same app over an in-process engine on the same model folder (no Ray, no HTTP)."""
+    return Reference(long_model_dir)
+
+
+class Reference:
+    """Greedy answers of the non-Ray app, computed on demand and cached."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self.model_dir = model_dir
+        self._cache: dict[tuple, str] = {}
+
+    async def answer(self, kind: str, prompt: str, max_tokens: int) -> str:
+        key = (kind, prompt, max_tokens)
+        if key not in self._cache:
+            self._cache |= await self._compute([key])
+        return self._cache[key]
+
+    async def prepare(self, keys: list[tuple[str, str, int]]) -> None:
+        missing = [k for k in keys if k not in self._cache]
+        if missing:
+            self._cache |= await self._compute(missing)
+
+    async def _compute(self, keys: list[tuple[str, str, int]]) -> dict[tuple, str]:
+        from app import create_app
+        from config import Settings
+        from engine import AsyncEngine
+        from engine.types import EngineConfig
+
+        settings = Settings(model=str(self.model_dir), device="cpu", dtype="float32", embedding_model="none",
+                            max_model_len=MAX_MODEL_LEN)  # fmt: skip
+        engine = AsyncEngine.from_config(EngineConfig(
+            model_path=str(self.model_dir), model_name=settings.model_id, device="cpu", dtype="float32",
+            max_model_len=MAX_MODEL_LEN, kv_cache_bytes=64 << 20))  # fmt: skip
+        engine.start()
+        transport = httpx.ASGITransport(app=create_app(engine, settings))
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://reference") as http:
+                client = openai.AsyncOpenAI(base_url="http://reference/v1", api_key="none", http_client=http)
+                answers = [await _ask(client, settings.model_id, *key) for key in keys]
+        finally:
+            await engine.shutdown()
+        return dict(zip(keys, answers, strict=True))
+
+
+# --- the tests ---------------------------------------------------------------------------------------------
+
+
+async def test_concurrent_requests_are_correct_and_spread(cluster: Cluster, reference: Reference) -> None:
+    """20 concurrent greedy requests (chat and completions, stream and not) through the proxy with the
+    openai SDK: each answer equals the non-Ray answer, and both replicas served some (by the header)."""
+    cases = [(("chat", "completion")[i % 2], PROMPTS[i // 2], bool(i // 2 % 2)) for i in range(20)]
+    await reference.prepare([(kind, prompt, SHORT) for kind, prompt, _ in cases])
+    client = cluster.client()
+    results = await asyncio.gather(*(
+        _timed(_ask_raw(client, cluster.model_id, kind, prompt, SHORT, stream)) for kind, prompt, stream in cases
+    ))  # fmt: skip
+    for (kind, prompt, stream), (text, finish, replica) in zip(cases, results, strict=True):
+        assert text == await reference.answer(kind, prompt, SHORT), (kind, prompt, stream)
+        assert finish == "length"
+        assert replica
+    served = {replica for _, _, replica in results}
+    assert len(served) == 2, f"one replica served all 20 requests: {served}"
+    assert served <= {r["id"] for r in _health(cluster.base_url)["replicas"]}
+
+
+@pytest.mark.parametrize("fmt", ["sse", "ndjson"])
+def test_stream_is_not_buffered(cluster: Cluster, fmt: str) -> None:
+    """The first chunk reaches the client while the replica's engine is still generating the answer:
+    right after it arrives, that replica reports the request running and fewer tokens generated than the
+    answer will have; the stream then goes on to deliver all of them."""
+    max_tokens = 1500
+    body = {"model": cluster.model_id, "prompt": PROMPTS[0], "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    before = _loads(cluster.base_url)
+    with _http(cluster) as http, http.stream("POST", f"/v1/completions?format={fmt}", json=body) as response:
+        assert response.status_code == 200
+        replica = response.headers[HEADER]
+        lines = response.iter_lines()
+        first = _next_event(lines, fmt)
+        assert first["choices"][0]["text"] is not None
+        load = _load_of(cluster.base_url, replica)
+        assert load["running"] >= 1
+        assert load["generated_tokens_total"] - before[replica]["generated_tokens_total"] < max_tokens
+        events = [first, *_events(lines, fmt)]
+    finishes = [e["choices"][0]["finish_reason"] for e in events if e.get("choices")]
+    assert finishes[-1] == "length"
+    assert len(events) > 100  # token by token, not one block
+    assert (
+        _load_of(cluster.base_url, replica)["generated_tokens_total"]
+        - before[replica]["generated_tokens_total"]
+        == max_tokens
+    )
+
+
+def test_client_disconnect_aborts_in_the_replica(cluster: Cluster) -> None:
+    """Closing a stream after its first chunk aborts the request in the serving replica's engine: it stops
+    running long before its max_tokens."""
+    max_tokens = 3000
+    body = {"model": cluster.model_id, "messages": [{"role": "user", "content": PROMPTS[1]}],
+            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+    before = _loads(cluster.base_url)
+    with _http(cluster) as http, http.stream("POST", "/v1/chat/completions", json=body) as response:
+        replica = response.headers[HEADER]
+        _next_event(response.iter_lines(), "sse")
+    load = _wait_until(lambda: _idle(_load_of(cluster.base_url, replica)), timeout=120, what="abort")
+    assert load["generated_tokens_total"] - before[replica]["generated_tokens_total"] < max_tokens
+
+
+def test_auth_and_errors_pass_through(cluster: Cluster) -> None:
+    """The replica's auth and error envelope reach the client unchanged, with the replica header."""
+    no_key = httpx.post(f"{cluster.base_url}/v1/completions", json={"model": cluster.model_id, "prompt": "x"})
+    assert no_key.status_code == 401
+    assert no_key.json()["error"]["type"]
+    assert no_key.headers[HEADER]
+    bad_model = httpx.post(f"{cluster.base_url}/v1/completions", headers=_auth(),
+                           json={"model": "no-such-model", "prompt": "x", "max_tokens": 2})  # fmt: skip
+    assert bad_model.status_code == 404
+    assert bad_model.json()["error"]["param"] == "model"
+    too_long = httpx.post(f"{cluster.base_url}/v1/completions", headers=_auth(),
+                          json={"model": cluster.model_id, "prompt": "x", "max_tokens": MAX_MODEL_LEN + 1})  # fmt: skip
+    assert too_long.status_code == 400
+
+
+def test_health_lists_the_replicas(cluster: Cluster) -> None:
+    health = _health(cluster.base_url)
+    assert health["status"] == "ok"
+    assert [r["state"] for r in health["replicas"]] == ["RUNNING", "RUNNING"]
+    assert health["replica"] in {r["id"] for r in health["replicas"]}
+    assert all(isinstance(r["pid"], int) and r["pid"] > 0 for r in health["replicas"])
+
+
+async def test_killed_replica_errors_its_requests_and_comes_back(
+    cluster: Cluster, reference: Reference
+) -> None:
+    """SIGKILL one replica's process while both serve long streams: the streams it was serving end in an
+    error (never a silent, clean end), the others complete correctly, nothing hangs; Ray starts a new
+    replica, and requests sent once it is up succeed."""
+    max_tokens, prompt = 600, PROMPTS[2]
+    expected = await reference.answer("completion", prompt, max_tokens)
+    replicas = {r["id"]: r["pid"] for r in _health(cluster.base_url)["replicas"]}
+    client = cluster.client()
+    first_chunk: dict[str, asyncio.Event] = {rid: asyncio.Event() for rid in replicas}
+    streams = [asyncio.create_task(_long_stream(client, cluster.model_id, prompt, max_tokens, first_chunk))
+               for _ in range(12)]  # fmt: skip
+    victim = await _first_replica_streaming(first_chunk)
+    os.kill(replicas[victim], signal.SIGKILL)
+    results = await asyncio.gather(*streams)
+
+    on_victim = [r for r in results if r.replica == victim]
+    on_survivor = [r for r in results if r.replica != victim]
+    assert on_victim, "no stream was on the killed replica"
+    assert not [r for r in results if r.silent], f"a stream ended silently: {results}"
+    for r in on_victim:
+        assert r.error is not None, f"a stream on the killed replica ended without an error: {r}"
+    for r in on_survivor:
+        assert r.error is None and r.finish_reason == "length" and r.text == expected, r
+
+    health = _wait_until(lambda: _replaced(_health(cluster.base_url), victim, replicas[victim]),
+                         timeout=180, what="a replacement replica")  # fmt: skip
+    assert victim not in {r["id"] for r in health["replicas"]}
+    cases = [
+        (kind, p, stream) for kind in ("chat", "completion") for p in PROMPTS[:2] for stream in (False, True)
+    ]
+    after = await asyncio.gather(*(
+        _timed(_ask_raw(client, cluster.model_id, kind, p, SHORT, stream)) for kind, p, stream in cases
+    ))  # fmt: skip
+    for (kind, p, _), (text, finish, _) in zip(cases, after, strict=True):
+        assert text == await reference.answer(kind, p, SHORT)
+        assert finish == "length"
+
+
+def test_shutdown_leaves_no_ray_processes(cluster: Cluster) -> None:
+    """SIGTERM to main.py removes the app and stops the local cluster it started: every process of that
+    cluster (they all carry its RAY_TMPDIR) is gone, and main.py exits 0."""
+    assert _cluster_pids(cluster.ray_tmpdir), "found no process of the test cluster to begin with"
+    os.kill(cluster.proc.pid, signal.SIGTERM)
+    returncode = cluster.proc.wait(timeout=STOP_TIMEOUT_S)
+    left = _wait_until(lambda: not _cluster_pids(cluster.ray_tmpdir) or None, timeout=30, what="no Ray process",
+                       fail=False)  # fmt: skip
+    assert left, f"Ray processes left behind: {_describe(_cluster_pids(cluster.ray_tmpdir))}"
+    assert returncode == 0, cluster.log_path.read_text(errors="replace")[-4000:]
+
+
+# --- helpers: requests -------------------------------------------------------------------------------------
+
+
+async def _ask(client: openai.AsyncOpenAI, model: str, kind: str, prompt: str, max_tokens: int) -> str:
+    text, _, _ = await _ask_raw(client, model, kind, prompt, max_tokens, stream=False)
+    return text
+
+
+async def _ask_raw(client, model: str, kind: str, prompt: str, max_tokens: int, stream: bool):
+    """One greedy request; returns (text, finish_reason, replica header)."""
+    common = {"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": stream,
+              "extra_body": {"ignore_eos": True}}  # fmt: skip
+    if kind == "chat":
+        raw = await client.chat.completions.with_raw_response.create(
+            messages=[{"role": "user", "content": prompt}], **common
+        )
+    else:
+        raw = await client.completions.with_raw_response.create(prompt=prompt, **common)
+    replica = raw.headers.get(HEADER)
+    parsed = await raw.parse() if asyncio.iscoroutinefunction(raw.parse) else raw.parse()
+    if not stream:
+        choice = parsed.choices[0]
+        return (choice.message.content if kind == "chat" else choice.text), choice.finish_reason, replica
+    parts, finish = [], None
+    async for chunk in parsed:
+        if chunk.choices:
+            choice = chunk.choices[0]
+            parts.append((choice.delta.content if kind == "chat" else choice.text) or "")
+            finish = choice.finish_reason or finish
+    return "".join(parts), finish, replica
+
+
+async def _timed(coro):
+    """A request that does not finish within REQUEST_TIMEOUT_S has hung: fail, do not wait forever."""
+    return await asyncio.wait_for(coro, REQUEST_TIMEOUT_S)
+
+
+@dataclass
+class StreamResult:
+    replica: str | None
+    text: str
+    finish_reason: str | None
+    chunks: int
+    error: BaseException | None
+    silent: bool = False  # ended cleanly but without a finish_reason: the failure mode that must not happen
+
+
+async def _long_stream(client, model: str, prompt: str, max_tokens: int, first_chunk: dict) -> StreamResult:
+    result = StreamResult(None, "", None, 0, None)
+    try:
+        await _timed(_consume(client, model, prompt, max_tokens, first_chunk, result))
+    except TimeoutError:
+        pytest.fail(f"a stream hung: {result}")
+    except Exception as exc:  # an error is an answer; a clean end without a finish_reason is not
+        result.error = exc
+    return result
+
+
+async def _consume(client, model, prompt, max_tokens, first_chunk, result: StreamResult) -> None:
+    raw = await client.completions.with_raw_response.create(
+        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+        extra_body={"ignore_eos": True})  # fmt: skip
+    result.replica = raw.headers.get(HEADER)
+    parsed = await raw.parse() if asyncio.iscoroutinefunction(raw.parse) else raw.parse()
+    async for chunk in parsed:
+        result.chunks += 1
+        first_chunk[result.replica].set()
+        if chunk.choices:
+            result.text += chunk.choices[0].text or ""
+            result.finish_reason = chunk.choices[0].finish_reason or result.finish_reason
+    result.silent = result.finish_reason is None
+
+
+async def _first_replica_streaming(first_chunk: dict[str, asyncio.Event]) -> str:
+    waits = {asyncio.create_task(e.wait()): rid for rid, e in first_chunk.items()}
+    done, pending = await asyncio.wait(waits, timeout=REQUEST_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
+    for task in pending:
+        task.cancel()
+    assert done, "no stream delivered a chunk"
+    return waits[next(iter(done))]
+
+
+# --- helpers: SSE / NDJSON lines ---------------------------------------------------------------------------
+
+
+def _next_event(lines: Iterator[str], fmt: str) -> dict:
+    for line in lines:
+        event = _parse(line, fmt)
+        if event is not None:
+            return event
+    raise AssertionError("the stream ended before its first event")
+
+
+def _events(lines: Iterator[str], fmt: str) -> list[dict]:
+    return [e for e in (_parse(line, fmt) for line in lines) if e is not None]
+
+
+def _parse(line: str, fmt: str) -> dict | None:
+    if fmt == "sse":
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            return None
+        line = line.removeprefix("data: ")
+    return json.loads(line) if line.strip() else None
+
+
+# --- helpers: health, replicas, processes ------------------------------------------------------------------
+
+
+def _http(cluster: Cluster) -> httpx.Client:
+    return httpx.Client(base_url=cluster.base_url, headers=_auth(), timeout=REQUEST_TIMEOUT_S)
+
+
+def _auth() -> dict[str, str]:
+    return {"Authorization": f"Bearer {API_KEY}"}
+
+
+def _health(base_url: str) -> dict:
+    response = httpx.get(f"{base_url}/health", timeout=30)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _load_of(base_url: str, replica: str, tries: int = 200) -> dict:
+    """This replica's engine load, from /health answers until the proxy routes one to that replica."""
+    for _ in range(tries):
+        health = _health(base_url)
+        if health["replica"] == replica:
+            return health["load"]
+    raise AssertionError(f"{tries} /health requests and none reached replica {replica}")
+
+
+def _loads(base_url: str) -> dict[str, dict]:
+    ids = {r["id"] for r in _health(base_url)["replicas"]}
+    return {rid: _load_of(base_url, rid) for rid in ids}
+
+
+def _idle(load: dict) -> dict | None:
+    return load if load["running"] == 0 and load["waiting"] == 0 else None
+
+
+def _replaced(health: dict, victim: str, victim_pid: int) -> dict | None:
+    """The health answer once two replicas run again and neither is the killed one."""
+    replicas = health.get("replicas") or []
+    running = [r for r in replicas if r["state"] == "RUNNING"]
+    fresh = all(r["id"] != victim and r["pid"] != victim_pid for r in replicas)
+    return health if len(running) == len(replicas) == 2 and fresh else None
+
+
+def _wait_until(check, timeout: float, what: str, fail: bool = True):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            value = check()
+        except (httpx.TransportError, AssertionError):
+            value = None
+        if value:
+            return value
+        time.sleep(0.5)
+    if fail:
+        pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
+    return None
+
+
+def _wait_for_replicas(
+    base_url: str, proc: subprocess.Popen, log_path: Path, count: int, timeout: float
+) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(
+                f"main.py exited with {proc.returncode}:\n{log_path.read_text(errors='replace')[-6000:]}"
+            )
+        try:
+            health = httpx.get(f"{base_url}/health", timeout=10).json()
+            running = [r for r in health.get("replicas") or [] if r["state"] == "RUNNING"]
+            if len(running) == count:
+                return
+        except (httpx.TransportError, ValueError, KeyError):
+            pass
+        time.sleep(1.0)
+    pytest.fail(
+        f"{count} replicas not running after {timeout:.0f}s:\n{log_path.read_text(errors='replace')[-6000:]}"
+    )
+
+
+def _cluster_pids(ray_tmpdir: str) -> list[int]:
+    """PIDs of processes whose environment carries this cluster's RAY_TMPDIR (all of Ray's, inherited)."""
+    marker = f"RAY_TMPDIR={ray_tmpdir}".encode() + b"\0"
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker in environ and state != "Z":
+            pids.append(int(entry.name))
+    return pids
+
+
+def _describe(pids: list[int]) -> list[str]:
+    out = []
+    for pid in pids:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+            out.append(f"{pid}: {cmdline[:120]!r}")
+        except OSError:
+            pass
+    return out
+
+
+def _kill(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
