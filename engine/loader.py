@@ -1,0 +1,212 @@
+"""Load a causal LM and its tokenizer onto the chosen device, in the chosen dtype, ready for inference.
+
+Two sources (from `EngineConfig`):
+  - a local folder with config.json, tokenizer files and safetensors (or .bin) weights: loaded directly;
+  - a .gguf file (`model_path` + `gguf_file`): converted ONCE by transformers (tokenizer conversion and
+    dequantization take ~30 s for SmolLM2-135M on 2 cores) and the result is cached in `cfg.cache_dir`
+    as an ordinary folder, so later starts load it in about a second and need no network.
+
+What is cached: the weights dequantized to dense float32 safetensors (the faithful copy: a Q4_1 block
+dequantizes exactly into float32, while bfloat16 would round the result), plus the tokenizer, its chat
+template, config.json and generation_config.json. The folder is named after the file and a hash of its
+size and first and last 4 MiB, so a changed file gets a new conversion and a reinstalled identical one
+does not. Serving in bfloat16 casts from that copy at load time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.devices import resolve_backend, resolve_dtype
+from engine.types import EngineConfig
+
+log = logging.getLogger(__name__)
+
+GGUF_CACHE_FORMAT = 1  # bump when the cached layout changes; old folders are then ignored
+_HASH_CHUNK = 4 * 1024 * 1024
+_CONTEXT_ATTRS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+DEFAULT_CACHE_DIR = Path("~/.cache/peregrine")
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: Any  # a transformers PreTrainedTokenizerBase
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+
+
+class LoadError(RuntimeError):
+    """The model cannot be loaded as configured. The message is for the user."""
+
+
+def load_model(cfg: EngineConfig) -> LoadedModel:
+    """Resolve device and dtype, convert a GGUF once (cached), load tokenizer and weights; eval, no grad."""
+    backend, device = resolve_backend(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device, backend)
+    folder = model_folder(cfg)
+    start = time.perf_counter()
+    tokenizer = load_tokenizer(folder, cfg.trust_remote_code)
+    model = load_weights(folder, dtype, device, cfg.trust_remote_code)
+    max_len = context_length(model.config, cfg.max_model_len)
+    log.info(
+        "loaded %s from %s on %s in %s in %.1f s (max_model_len %d)",
+        cfg.model_name,
+        folder,
+        device,
+        str(dtype).removeprefix("torch."),
+        time.perf_counter() - start,
+        max_len,
+    )
+    return LoadedModel(model, tokenizer, device, dtype, max_len)
+
+
+def model_folder(cfg: EngineConfig) -> Path:
+    """The folder transformers loads: `model_path` itself, or the cached conversion of its GGUF file."""
+    path = Path(cfg.model_path)
+    if cfg.gguf_file is None:
+        if not (path / "config.json").is_file():
+            raise LoadError(f"{path} has no config.json: not a transformers model folder")
+        return path
+    cache_dir = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else DEFAULT_CACHE_DIR.expanduser()
+    return ensure_gguf_converted(path / cfg.gguf_file, cache_dir)
+
+
+def load_tokenizer(folder: Path, trust_remote_code: bool = False) -> Any:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    if not getattr(tokenizer, "chat_template", None):
+        log.warning("%s has no chat template: chat requests will be refused by the template step", folder)
+    return tokenizer
+
+
+def load_weights(
+    folder: Path, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False
+) -> Any:
+    """AutoModelForCausalLM in eval mode with gradients off, placed straight on a CUDA device when used."""
+    from transformers import AutoModelForCausalLM
+
+    placement = {"device_map": {"": str(device)}} if device.type == "cuda" else {}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, dtype=dtype, trust_remote_code=trust_remote_code, **placement
+        )
+    except (ValueError, OSError) as exc:
+        raise LoadError(f"transformers cannot load {folder} as a causal LM: {exc}") from exc
+    if device.type != "cuda":
+        model = model.to(device)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def context_length(config: Any, requested: int | None) -> int:
+    """The model's context (from its config), or the requested one if it is not longer."""
+    text_config = getattr(config, "text_config", None) or config
+    own = next((int(v) for a in _CONTEXT_ATTRS if (v := getattr(text_config, a, None))), None)
+    if requested is None:
+        if own is None:
+            raise LoadError("the model's config gives no context length: pass --max-model-len")
+        return own
+    if own is not None and requested > own:
+        raise LoadError(f"--max-model-len {requested} is longer than the model's context ({own} tokens)")
+    return requested
+
+
+# --- GGUF conversion cache ----------------------------------------------------------------------------
+
+
+def gguf_fingerprint(path: Path) -> str:
+    """A short content hash: size + first and last 4 MiB (the header and tensor data both change)."""
+    size = path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        digest.update(f.read(_HASH_CHUNK))
+        f.seek(max(0, size - _HASH_CHUNK))
+        digest.update(f.read(_HASH_CHUNK))
+    return digest.hexdigest()[:16]
+
+
+def gguf_cache_folder(gguf_path: Path, cache_dir: Path) -> Path:
+    return cache_dir / "gguf" / f"{gguf_path.stem}-{gguf_fingerprint(gguf_path)}"
+
+
+def is_converted(folder: Path) -> bool:
+    marker = folder / "peregrine.json"
+    if not marker.is_file():
+        return False
+    try:
+        return json.loads(marker.read_text()).get("format") == GGUF_CACHE_FORMAT
+    except (OSError, ValueError):
+        return False
+
+
+def ensure_gguf_converted(gguf_path: Path, cache_dir: Path) -> Path:
+    """The cached dense folder for `gguf_path`, converting first if needed (atomic: a half-written
+    conversion is never used, and two processes converting at once both end with one good folder)."""
+    if not gguf_path.is_file():
+        raise LoadError(f"GGUF file not found: {gguf_path}")
+    target = gguf_cache_folder(gguf_path, cache_dir)
+    if is_converted(target):
+        log.info("GGUF %s: using the cached conversion %s", gguf_path.name, target)
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    log.info(
+        "GGUF %s: converting once to float32 safetensors in %s (about 30 s per 100M parameters)",
+        gguf_path.name,
+        target,
+    )
+    start = time.perf_counter()
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        convert_gguf(gguf_path, tmp)
+        _publish(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("GGUF %s: converted in %.1f s", gguf_path.name, time.perf_counter() - start)
+    return target
+
+
+def convert_gguf(gguf_path: Path, out: Path) -> None:
+    """Dequantize with transformers (tokenizer and chat template included) and save as a plain folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = gguf_path.parent, gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    # The weights are dense now; drop the GGUF quantization record so the folder loads as a plain model.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    marker = {
+        "format": GGUF_CACHE_FORMAT,
+        "source": str(gguf_path),
+        "dtype": "float32",
+        "fingerprint": gguf_fingerprint(gguf_path),
+    }
+    (out / "peregrine.json").write_text(json.dumps(marker, indent=2) + "\n")
+
+
+def _publish(tmp: Path, target: Path) -> None:
+    if target.exists() and not is_converted(target):
+        shutil.rmtree(target, ignore_errors=True)  # a stale or foreign folder: replace it
+    try:
+        os.rename(tmp, target)
+    except OSError:
+        if not is_converted(target):  # someone else published first: theirs is as good as ours
+            raise

@@ -1,0 +1,252 @@
+"""Will the model fit? Checked before anything is downloaded or loaded, so a start fails in a second with
+the arithmetic shown ("needs 16.1 GB (...), 9.8 GB free on /data") rather than after an hour.
+
+Three parts:
+  - `ModelFootprint`: what a model needs, read from metadata only (safetensors headers, GGUF header,
+    config.json, the Hub's file sizes and parameter counts); `*_footprint` build it.
+  - `Resources`: what the machine has free (disk per filesystem, RAM, VRAM); `measure_resources` reads it.
+  - `check`: pure arithmetic over the two, returning one `Need` per resource. Unit-tested with figures.
+
+Memory is weights in the serving dtype plus the smallest useful KV cache: one sequence of the full
+context (or the explicit --kv-cache-bytes when larger). A GGUF conversion, done once, needs the dense
+float32 model in RAM and on disk in the cache directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFootprint:
+    """What serving a model needs, from its metadata."""
+
+    param_count: int  # weights, in elements
+    kv_elems_per_token: int  # 2 (K and V) * layers * kv_heads * head_dim
+    context_len: int  # the model's own context length
+    download_bytes: int = 0  # files still to fetch from the Hub
+    convert_bytes: int = 0  # dense float32 weights a first GGUF conversion writes to the cache
+
+
+@dataclass(frozen=True, slots=True)
+class Disk:
+    path: str  # the directory that needs space
+    free: int  # bytes free on its filesystem
+    fs: int  # filesystem id (st_dev): two paths on one filesystem share its free space
+
+
+@dataclass(frozen=True, slots=True)
+class Resources:
+    ram_free: int
+    disks: tuple[Disk, ...] = ()
+    vram_free: int | None = None  # free bytes on the chosen CUDA device; None when not on CUDA
+
+
+@dataclass(frozen=True, slots=True)
+class Need:
+    """One resource the model needs, and what is free. `message` is what the user reads on refusal."""
+
+    needed: int
+    free: int
+    where: str  # "RAM", "VRAM on cuda:0", "on /data"
+    breakdown: str  # "weights 15.0 GB in bfloat16 + KV cache 1.1 GB for 8192 tokens"
+
+    @property
+    def ok(self) -> bool:
+        return self.needed <= self.free
+
+    @property
+    def message(self) -> str:
+        return f"needs {fmt_bytes(self.needed)} ({self.breakdown}), {fmt_bytes(self.free)} free {self.where}"
+
+
+# --- arithmetic ---------------------------------------------------------------------------------------
+
+
+def fmt_bytes(n: int | float) -> str:
+    """Decimal units, one decimal: 16_100_000_000 -> '16.1 GB'."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def kv_cache_need(
+    fp: ModelFootprint, dtype_bytes: int, max_model_len: int | None, kv_cache_bytes: int | None
+) -> int:
+    """The smallest KV cache that holds one sequence of the full context, or the explicit size if larger."""
+    tokens = max_model_len or fp.context_len
+    minimum = fp.kv_elems_per_token * dtype_bytes * tokens
+    return max(minimum, kv_cache_bytes or 0)
+
+
+def memory_need(
+    fp: ModelFootprint, dtype: str, *, max_model_len: int | None, kv_cache_bytes: int | None
+) -> tuple[int, str]:
+    """Bytes for weights in `dtype` + KV cache, with the breakdown in words."""
+    weights = fp.param_count * DTYPE_BYTES[dtype]
+    kv = kv_cache_need(fp, DTYPE_BYTES[dtype], max_model_len, kv_cache_bytes)
+    tokens = max_model_len or fp.context_len
+    kv_words = f"KV cache {fmt_bytes(kv)}" + (
+        "" if kv_cache_bytes and kv_cache_bytes >= kv else f" for {tokens} tokens"
+    )
+    return weights + kv, f"weights {fmt_bytes(weights)} in {dtype} + {kv_words}"
+
+
+def check(
+    fp: ModelFootprint,
+    res: Resources,
+    *,
+    dtype: str,
+    on_cuda: bool,
+    device_label: str = "cuda",
+    download_dir: str = "",
+    cache_dir: str = "",
+    max_model_len: int | None = None,
+    kv_cache_bytes: int | None = None,
+) -> list[Need]:
+    """Every need against what is free. The model fits when all are `ok`."""
+    needs = list(_disk_needs(fp, res.disks, download_dir, cache_dir))
+    total, words = memory_need(fp, dtype, max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes)
+    if on_cuda and res.vram_free is not None:
+        needs.append(Need(total, res.vram_free, f"in VRAM on {device_label}", words))
+    elif not on_cuda:
+        needs.append(Need(total, res.ram_free, "in RAM", words))
+    if fp.convert_bytes:
+        needs.append(Need(fp.convert_bytes, res.ram_free, "in RAM", "one-time GGUF conversion to float32"))
+    return needs
+
+
+def _disk_needs(
+    fp: ModelFootprint, disks: Iterable[Disk], download_dir: str, cache_dir: str
+) -> Iterable[Need]:
+    demands = [
+        (download_dir, fp.download_bytes, "download"),
+        (cache_dir, fp.convert_bytes, "GGUF conversion cache"),
+    ]
+    by_path = {d.path: d for d in disks}
+    per_fs: dict[int, list[tuple[Disk, int, str]]] = {}
+    for path, amount, what in demands:
+        if amount and path in by_path:
+            per_fs.setdefault(by_path[path].fs, []).append((by_path[path], amount, what))
+    for items in per_fs.values():
+        words = " + ".join(f"{what} {fmt_bytes(amount)}" for _, amount, what in items)
+        paths = " and ".join(dict.fromkeys(disk.path for disk, _, _ in items))
+        yield Need(sum(a for _, a, _ in items), items[0][0].free, f"on {paths}", words)
+
+
+def refusal(needs: Iterable[Need]) -> str | None:
+    """The user's message when something does not fit, else None."""
+    failed = [n.message for n in needs if not n.ok]
+    if not failed:
+        return None
+    return "the model does not fit: " + "; ".join(failed) + " (--skip-preflight to start anyway)"
+
+
+# --- reading what the model needs ---------------------------------------------------------------------
+
+
+def kv_elems_from_config(config: Mapping[str, object]) -> tuple[int, int]:
+    """(2 * layers * kv_heads * head_dim, context length) from a transformers config.json."""
+    cfg = dict(config.get("text_config") or config)  # multimodal configs nest the language model
+    layers = int(cfg.get("num_hidden_layers") or cfg.get("n_layer") or cfg.get("num_layers") or 0)
+    heads = int(cfg.get("num_attention_heads") or cfg.get("n_head") or 1)
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    head_dim = int(cfg.get("head_dim") or int(cfg.get("hidden_size") or cfg.get("n_embd") or 0) // heads)
+    context = next((int(cfg[k]) for k in _CONTEXT_KEYS if cfg.get(k)), 2048)
+    return 2 * layers * kv_heads * head_dim, context
+
+
+def safetensors_params(path: Path) -> int:
+    """Elements in a .safetensors file, from its JSON header (the weights are not read)."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    return sum(_prod(t["shape"]) for name, t in header.items() if name != "__metadata__")
+
+
+def folder_footprint(folder: Path) -> ModelFootprint:
+    """A local transformers folder: parameter count from safetensors headers (or .bin sizes)."""
+    config = json.loads((folder / "config.json").read_text())
+    kv, context = kv_elems_from_config(config)
+    shards = sorted(folder.glob("*.safetensors"))
+    if shards:
+        params = sum(safetensors_params(p) for p in shards)
+    else:  # PyTorch pickles: size / bytes per element of the stored dtype
+        stored = DTYPE_BYTES.get(str(config.get("torch_dtype") or config.get("dtype") or "float32"), 4)
+        params = sum(p.stat().st_size for p in folder.glob("*.bin")) // stored
+    return ModelFootprint(params, kv, context)
+
+
+def gguf_footprint(path: Path, *, cached: bool) -> ModelFootprint:
+    """A .gguf file: tensor element counts and attention shape from its header; a first conversion
+    writes the dense float32 weights (cached=False)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    params = sum(int(t.n_elements) for t in reader.tensors)
+    arch = str(_gguf_value(reader, "general.architecture", "llama"))
+
+    def meta(key: str, default: int) -> int:
+        return int(_gguf_value(reader, f"{arch}.{key}", default))
+
+    heads = meta("attention.head_count", 1)
+    head_dim = meta("attention.key_length", meta("embedding_length", 0) // heads)
+    kv = 2 * meta("block_count", 0) * meta("attention.head_count_kv", heads) * head_dim
+    return ModelFootprint(params, kv, meta("context_length", 2048), convert_bytes=0 if cached else params * 4)
+
+
+def hub_footprint(
+    param_count: int | None, file_sizes: Mapping[str, int], missing_bytes: int, config: Mapping[str, object]
+) -> ModelFootprint:
+    """A Hub model: the Hub's parameter count, else weight-file bytes / bytes per stored element."""
+    kv, context = kv_elems_from_config(config)
+    if not param_count:
+        weight_bytes = sum(n for f, n in file_sizes.items() if f.endswith((".safetensors", ".bin")))
+        stored = DTYPE_BYTES.get(str(config.get("torch_dtype") or config.get("dtype") or "bfloat16"), 2)
+        param_count = weight_bytes // stored
+    return ModelFootprint(int(param_count), kv, context, download_bytes=missing_bytes)
+
+
+def _gguf_value(reader: object, key: str, default: object) -> object:
+    field = reader.fields.get(key)  # type: ignore[attr-defined]
+    return field.contents() if field is not None else default
+
+
+def _prod(shape: Iterable[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+# --- measuring what the machine has -------------------------------------------------------------------
+
+
+def disk_of(path: Path) -> Disk:
+    """Free space for a directory that may not exist yet (its nearest existing parent is measured)."""
+    probe = path.expanduser().absolute()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return Disk(str(path), shutil.disk_usage(probe).free, os.stat(probe).st_dev)
+
+
+def measure_resources(dirs: Iterable[Path], cuda_index: int | None = None) -> Resources:
+    """Free RAM (psutil 'available'), free disk for each directory, free VRAM on the CUDA device if any."""
+    import psutil
+
+    vram = None
+    if cuda_index is not None:
+        import torch
+
+        vram, _total = torch.cuda.mem_get_info(cuda_index)
+    return Resources(psutil.virtual_memory().available, tuple(disk_of(d) for d in dirs), vram)
