@@ -117,8 +117,30 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535, description="Port to listen on (0: any free port).")
     root_path: str = Field("", description="ASGI root path when served behind a proxy under a prefix.")
     keep_alive: int = Field(5, ge=0, description="HTTP keep-alive timeout, seconds.")
-    max_queue: int = Field(256, ge=0, description="Most requests waiting for the engine; more get 503.")
-    request_timeout: float = Field(600.0, gt=0, description="Seconds before a request is aborted.")
+    max_queue: int = Field(
+        256,
+        ge=0,
+        description="Most generation requests waiting behind a full batch: at most max_num_seqs + max_queue "
+        "are in flight; the next gets 429 at once.",
+    )
+    request_timeout: float = Field(
+        600.0,
+        gt=0,
+        description="Seconds a generation request (streaming included) may run before it is aborted.",
+    )
+    engine_stall_timeout: float = Field(
+        120.0,
+        gt=0,
+        description="Readiness turns 503 when the engine has work but no step finished for this long.",
+    )
+    rate_limit_per_s: float = Field(
+        0.0,
+        ge=0,
+        description="Requests per second allowed per API key / token (per address with auth off). 0: off.",
+    )
+    rate_limit_burst: int = Field(
+        0, ge=0, description="Requests a client may send at once. 0: one second's worth."
+    )
     max_body_bytes: Size = Field("8MiB", description="Largest accepted request body, e.g. 512KiB.")
     shutdown_timeout: float = Field(
         30.0, ge=0, description="Seconds to let in-flight requests finish on SIGTERM."
