@@ -1,0 +1,107 @@
+"""API tests run against a real server: `python main.py` on a free loopback port, one per test session.
+
+The server serves the default (bundled SmolLM2) model with a small KV cache, from a temporary working
+directory (so no developer's `.env` is read) and without any `PEREGRINE_*` variables of the caller's.
+Readiness is awaited on `GET /ready` with a generous timeout; the process is stopped by its PID.
+
+`PEREGRINE_TEST_SERVER_URL=http://127.0.0.1:8000` runs the tests against a server you started yourself.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+READY_TIMEOUT_S = 900.0  # loading and dequantizing the GGUF on a busy 2-core machine can take minutes
+STOP_TIMEOUT_S = 60.0
+SERVER_ARGS = ["--kv-cache-bytes", "256MiB", "--max-model-len", "2048", "--log-level", "info"]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _log_tail(path: Path, chars: int = 6000) -> str:
+    text = path.read_text(errors="replace") if path.exists() else ""
+    return text[-chars:]
+
+
+def wait_ready(base_url: str, proc: subprocess.Popen | None, log_path: Path, timeout: float) -> None:
+    """Poll GET /ready until 200; fail at once (with the server's log) if the process exits."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            pytest.fail(f"server exited with {proc.returncode} before ready:\n{_log_tail(log_path)}")
+        try:
+            if httpx.get(f"{base_url}/ready", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(1.0)
+    pytest.fail(f"server not ready after {timeout:.0f}s:\n{_log_tail(log_path)}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    os.kill(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=STOP_TIMEOUT_S)
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The base URL (server root, no /v1) of a running Peregrine server."""
+    external = os.environ.get("PEREGRINE_TEST_SERVER_URL")
+    if external:
+        wait_ready(external.rstrip("/"), None, Path("/nonexistent"), READY_TIMEOUT_S)
+        yield external.rstrip("/")
+        return
+    workdir = tmp_path_factory.mktemp("server")
+    log_path = workdir / "server.log"
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PEREGRINE_")}
+    cmd = [sys.executable, str(REPO / "main.py"), "--host", "127.0.0.1", "--port", str(port), *SERVER_ARGS]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT)
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(base_url, proc, log_path, READY_TIMEOUT_S)
+        yield base_url
+    finally:
+        stop(proc)
+
+
+@pytest.fixture(scope="session")
+def client(server: str) -> openai.OpenAI:
+    """The real OpenAI SDK pointed at the server (no retries, so an error shows as it is)."""
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="session")
+def model_id(server: str) -> str:
+    """The served LLM's id (the list may also hold an embedding model)."""
+    data = httpx.get(f"{server}/v1/models", timeout=60).json()["data"]
+    return next(m["id"] for m in data if m.get("custom_metadata", {}).get("model_type", "llm") == "llm")
+
+
+@pytest.fixture(scope="session")
+def http(server: str) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server, timeout=300) as c:
+        yield c
