@@ -5,8 +5,11 @@ loading (Llama Stack's `remote::vllm` provider and process supervisors probe it)
 the engine exists but its loop has died, so a supervisor restarts the process.
 
 `GET /ready` (alias `GET /health/ready`) is readiness: 503 until the engine is attached to the app and
-its loop is running, then 200; 503 again once a shutdown drains the server (`app.state.draining`).
-Load balancers and the test fixtures wait on it.
+its loop is running, then 200; 503 again once a shutdown drains the server (`app.state.draining`), if the
+loop dies, or if it stalls (has work but finished no step within `engine_stall_timeout`). Load balancers
+and the test fixtures wait on it.
+
+`GET /health/engine` is the engine's load as JSON (running, waiting, KV blocks, steps, admission counters).
 """
 
 from __future__ import annotations
@@ -17,14 +20,26 @@ from fastapi.responses import JSONResponse
 router = APIRouter(tags=["health"])
 
 
+DEFAULT_STALL_TIMEOUT_S = 120.0
+
+
 def engine_state(request: Request) -> str:
-    """One of "loading" (no engine yet), "ready", "dead" (the loop stopped), "draining" (shutting down)."""
+    """One of "loading" (no engine yet), "ready", "dead" (the loop stopped), "draining" (shutting down),
+    "stalled" (the engine has work but no step finished within `engine_stall_timeout` seconds)."""
     engine = getattr(request.app.state, "engine", None)
     if engine is None:
         return "loading"
-    if not engine.stats().alive:
+    stats = engine.stats()
+    if not stats.alive:
         return "dead"
-    return "draining" if getattr(request.app.state, "draining", False) else "ready"
+    if getattr(request.app.state, "draining", False):
+        return "draining"
+    return "stalled" if stats.last_step_age_s > _stall_timeout(request) else "ready"
+
+
+def _stall_timeout(request: Request) -> float:
+    settings = getattr(request.app.state, "settings", None)
+    return float(getattr(settings, "engine_stall_timeout", None) or DEFAULT_STALL_TIMEOUT_S)
 
 
 @router.get("/health")
@@ -35,10 +50,36 @@ async def health(request: Request) -> JSONResponse:
                         status_code=503 if state == "dead" else 200)  # fmt: skip
 
 
+@router.get("/health/engine")
+async def engine_health(request: Request) -> JSONResponse:
+    """Engine load and the HTTP side's admission counters, as JSON (503 while loading, or if the loop died).
+
+    `kv_used_blocks` and `running` + `waiting` return to 0 when no request is in flight: the soak tests
+    read this to prove that aborted and disconnected requests leave nothing behind."""
+    state = engine_state(request)
+    body: dict = {"status": state}
+    engine = getattr(request.app.state, "engine", None)
+    if engine is not None:
+        stats = engine.stats()
+        body |= {name: getattr(stats, name) for name in stats.__dataclass_fields__}
+        body["kv_usage"] = stats.kv_usage
+    admission = getattr(request.app.state, "admission", None)
+    if admission is not None:
+        body |= {
+            "http_in_flight": admission.in_flight,
+            "http_active": admission.active,
+            "http_refused_total": admission.refused_total,
+            "http_admission_limit": admission.limit,
+        }
+    body["draining"] = bool(getattr(request.app.state, "draining", False))
+    return JSONResponse(body, status_code=503 if state in ("loading", "dead") else 200)
+
+
 @router.get("/ready")
 @router.get("/health/ready", include_in_schema=False)
 async def ready(request: Request) -> JSONResponse:
-    """Readiness: 200 once the model is loaded and the engine loop runs; 503 before (and if it died)."""
+    """Readiness: 200 once the model is loaded and the engine loop runs; 503 before, while draining, if the
+    loop died, or if it is stalled (work waiting, no step finished within `engine_stall_timeout`)."""
     state = engine_state(request)
     body = {"status": state}
     if state == "ready":

@@ -124,3 +124,50 @@ async def test_draining_server_gives_up_at_the_deadline_and_second_signal_forces
     forced.handle_exit(signal.SIGTERM, None)
     forced.handle_exit(signal.SIGINT, None)
     assert forced.should_exit and forced.force_exit
+
+
+class FakeEngine:
+    """Just enough of AsyncEngine for the health routes."""
+
+    model_name, device, max_model_len = "fake", "cpu", 128
+
+    def __init__(self) -> None:
+        self.alive, self.age, self.running = True, 0.0, 0
+
+    def stats(self):
+        from engine.types import EngineStats
+
+        return EngineStats(running=self.running, waiting=0, kv_used_blocks=3 * self.running, kv_total_blocks=10,
+                           block_size=16, preemptions_total=0, prompt_tokens_total=0, generated_tokens_total=0,
+                           steps_total=5, last_step_age_s=self.age, alive=self.alive)  # fmt: skip
+
+
+async def test_readiness_tells_the_truth() -> None:
+    from app.server import create_app
+
+    engine = FakeEngine()
+    app = create_app(None, SimpleNamespace(**(vars(settings()) | {"engine_stall_timeout": 30.0})))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+
+        async def ready() -> tuple[int, str]:
+            r = await c.get("/ready")
+            return r.status_code, r.json()["status"]
+
+        assert await ready() == (503, "loading")
+        assert (await c.get("/health")).status_code == 200, "alive while loading"
+        app.state.engine = engine
+        assert await ready() == (200, "ready")
+        engine.running, engine.age = 1, 31.0
+        assert await ready() == (503, "stalled")
+        stats = (await c.get("/health/engine")).json()
+        assert stats["status"] == "stalled" and stats["running"] == 1 and stats["kv_used_blocks"] == 3
+        assert stats["http_active"] == 0 and stats["http_admission_limit"] == 2
+        engine.age = 0.5
+        app.state.draining = True
+        assert await ready() == (503, "draining")
+        assert (await c.get("/health")).status_code == 200
+        app.state.draining = False
+        engine.alive = False
+        assert await ready() == (503, "dead")
+        assert (await c.get("/health")).status_code == 503
+        assert (await c.get("/health/engine")).status_code == 503
