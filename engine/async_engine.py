@@ -158,6 +158,7 @@ class AsyncEngine:
                 self._apply_commands()
                 if not self.engine.has_work:
                     self._wake.wait(IDLE_WAIT_S)
+                    self._last_step_end = time.monotonic()  # idle is healthy: the stall clock starts at new work
                     continue
                 outputs = self.engine.step()
                 self._last_step_end = time.monotonic()
