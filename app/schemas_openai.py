@@ -13,7 +13,12 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+
+MAX_STOP = 16  # stop strings per request: each is checked at every generated token
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+MAX_PROMPTS = 128  # prompts in one completions request: each becomes an engine request
 
 # ---------------------------------------------------------------- requests
 
@@ -44,10 +49,12 @@ class SamplingRequest(BaseModel):
 
     model: str | None = Field(None, description="The served model id (see GET /v1/models). Optional.")
     max_tokens: int | None = Field(None, ge=1, description="Omitted: the rest of the context.")
-    temperature: float | None = Field(None, ge=0.0, description="0 is greedy. Default 1.")
+    temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 is greedy; at most 2. Default 1.")
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=128)
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = Field(
+        None, description=f"Up to {MAX_STOP} stop strings, each at most {MAX_STOP_CHARS} characters."
+    )
     seed: int | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
@@ -63,9 +70,19 @@ class SamplingRequest(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0.0)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        strings = [stop] if isinstance(stop, str) else stop or []
+        if len(strings) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings are allowed, got {len(strings)}")
+        if any(len(s) > MAX_STOP_CHARS for s in strings):
+            raise ValueError(f"a stop string may be at most {MAX_STOP_CHARS} characters long")
+        return stop
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -84,6 +101,29 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, prompt: Any) -> Any:
+        """One clear message for a prompt of the wrong shape (pydantic's union errors list four)."""
+        if isinstance(prompt, str):
+            return prompt
+        if not isinstance(prompt, list) or not (
+            all(isinstance(p, str) for p in prompt)
+            or all(_is_token_id(p) for p in prompt)
+            or all(isinstance(p, list) and all(_is_token_id(t) for t in p) for p in prompt)
+        ):
+            raise ValueError(
+                "prompt must be a string, a list of strings, a list of token ids (integers), "
+                "or a list of lists of token ids"
+            )
+        if prompt and not _is_token_id(prompt[0]) and len(prompt) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}")
+        return prompt
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 # ---------------------------------------------------------------- responses
