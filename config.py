@@ -154,9 +154,30 @@ class Settings(BaseSettings):
     api_keys_file: Path | None = Field(None, description="File with one API key per line.")
     jwt_secret: Secret | None = Field(None, description="HS256 secret for accepting JWT bearer tokens.")
 
+    rate_limit_per_s: float = Field(
+        0.0, ge=0, description="Requests per second per API key (or per client when auth is off); 0: off."
+    )
+    rate_limit_burst: int = Field(
+        0, ge=0, description="Requests at once before the rate limit; 0: one second's worth."
+    )
+
     # --- scale out -----------------------------------------------------------------------------------
-    ray_replicas: int = Field(1, ge=1, description="Replicas when served with Ray Serve.")
-    ray_autoscale: bool = Field(False, description="Let Ray Serve autoscale replicas.")
+    ray_replicas: int = Field(1, ge=1, description="Replicas on Ray Serve; more than 1 serves through Ray.")
+    ray_autoscale: str | None = Field(
+        None, description="MIN:MAX replicas, autoscaled by Ray Serve on ongoing requests (e.g. 1:4)."
+    )
+    ray_address: str | None = Field(
+        None, description="Ray cluster to join (also read from RAY_ADDRESS). Default: start a local one."
+    )
+    ray_num_cpus: float = Field(1.0, gt=0, description="CPUs Ray reserves for each replica.")
+    ray_num_gpus: float | None = Field(
+        None,
+        ge=0,
+        description="GPUs per replica. Default: 1 when the device allows CUDA and the cluster has GPUs.",
+    )
+    ray_target_ongoing_requests: int | None = Field(
+        None, ge=1, description="Autoscaling target per replica. Default: half of --max-num-seqs."
+    )
 
     @field_validator("device")
     @classmethod
@@ -177,6 +198,22 @@ class Settings(BaseSettings):
     @classmethod
     def _expand_home(cls, value: Path | None) -> Path | None:
         return value.expanduser() if value is not None else None
+
+    @field_validator("ray_autoscale")
+    @classmethod
+    def _check_autoscale(cls, value: str | None) -> str | None:
+        if value is None or not value.strip():
+            return None
+        low, sep, high = value.strip().partition(":")
+        if (
+            not sep
+            or not low.isdigit()
+            or not high.isdigit()
+            or not 0 <= int(low) <= int(high)
+            or int(high) < 1
+        ):
+            raise ValueError("must be MIN:MAX replicas with 0 <= MIN <= MAX and MAX >= 1, e.g. 1:4")
+        return f"{int(low)}:{int(high)}"
 
     @field_validator("root_path")
     @classmethod
@@ -206,6 +243,18 @@ class Settings(BaseSettings):
         return bool(self.api_key_list) or self.jwt_secret is not None
 
     @property
+    def ray_autoscale_bounds(self) -> tuple[int, int] | None:
+        if self.ray_autoscale is None:
+            return None
+        low, high = self.ray_autoscale.split(":")
+        return int(low), int(high)
+
+    @property
+    def use_ray(self) -> bool:
+        """Serve through Ray Serve (several replicas, or autoscaling) instead of one in-process engine."""
+        return self.ray_replicas > 1 or self.ray_autoscale is not None
+
+    @property
     def hf_token_value(self) -> str | None:
         return self.hf_token.get_secret_value() if self.hf_token else None
 
@@ -233,20 +282,28 @@ class Settings(BaseSettings):
             init_settings,
             env_settings,
             dotenv_settings,
-            _HfTokenSource(settings_cls),
+            _ConventionalEnvSource(settings_cls),
             file_secret_settings,
         )
 
 
-class _HfTokenSource(PydanticBaseSettingsSource):
-    """The conventional HF_TOKEN (environment, then .env), below PEREGRINE_HF_TOKEN in priority."""
+# Settings that also answer to the variable their ecosystem uses, below PEREGRINE_<NAME> in priority.
+CONVENTIONAL_ENV = {"hf_token": "HF_TOKEN", "ray_address": "RAY_ADDRESS"}
+
+
+class _ConventionalEnvSource(PydanticBaseSettingsSource):
+    """HF_TOKEN and RAY_ADDRESS from the environment, then from .env."""
 
     def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
         return None, field_name, False
 
     def __call__(self) -> dict[str, Any]:
-        token = os.environ.get("HF_TOKEN") or _dotenv_value(ENV_FILE, "HF_TOKEN")
-        return {"hf_token": token} if token else {}
+        found = {}
+        for field_name, var in CONVENTIONAL_ENV.items():
+            value = os.environ.get(var) or _dotenv_value(ENV_FILE, var)
+            if value:
+                found[field_name] = value
+        return found
 
 
 def _dotenv_value(path: str, key: str) -> str | None:

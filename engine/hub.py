@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fnmatch
 import importlib.util
+import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -288,3 +289,28 @@ def default_download_dir() -> Path:
     from huggingface_hub import constants
 
     return Path(os.fspath(constants.HF_HUB_CACHE))
+
+
+def fetch_config(
+    plan: DownloadPlan,
+    *,
+    token: str | None = None,
+    download_dir: Path | None = None,
+    endpoint: str | None = None,
+) -> dict:
+    """config.json of a planned Hub model (a few kB, kept in the cache for the download that follows)."""
+    from huggingface_hub import hf_hub_download
+
+    try:
+        path = hf_hub_download(
+            plan.repo_id,
+            "config.json",
+            revision=plan.revision,
+            cache_dir=download_dir,
+            token=token,
+            endpoint=endpoint,
+            local_files_only=not plan.missing,
+        )
+    except Exception as exc:  # noqa: BLE001
+        raise _hub_error(exc, plan.repo_id, plan.revision) from None
+    return json.loads(Path(path).read_text())

@@ -1,0 +1,240 @@
+"""Start Peregrine: settings -> preflight -> download -> app -> uvicorn, with the engine loading behind it.
+
+    python main.py --help                     # every flag, with its default and environment variable
+    python main.py                            # the bundled SmolLM2-135M-Instruct on 127.0.0.1:8000
+    python main.py --model Qwen/Qwen2.5-7B-Instruct --device cuda --dtype bfloat16
+
+The HTTP server starts before the model is loaded: `/health` answers at once and readiness
+(`/health/ready`) is 503 until the engine runs. Nothing heavy (torch, transformers) is imported before
+the flags are parsed, so `--help` and a bad flag answer fast.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from config import Settings, settings_or_exit
+
+log = logging.getLogger("peregrine")
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """The outcome of the steps before serving: local files, and the device and dtype chosen for them."""
+
+    model_path: Path  # a folder, or a .gguf file
+    device: str  # "cpu", "cuda:0", "tt"
+    dtype: str  # "float32", "bfloat16", "float16"
+    embedder_at: tuple[Path, str] | None = None  # the embedding model's folder and served name
+
+
+class StartError(RuntimeError):
+    """A start-up step failed in a way the user can fix; the message says how."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    settings = settings_or_exit(argv)
+    configure_logging(settings.log_level)
+    try:
+        prepared = prepare(settings)
+    except StartError as exc:
+        log.error("%s", exc)
+        return 1
+    return (serve_on_ray if settings.use_ray else serve)(settings, prepared)
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(), format="%(asctime)s %(levelname)-7s %(name)s: %(message)s", stream=sys.stderr
+    )
+
+
+# --- before serving: device, dtype, preflight, download -------------------------------------------------
+
+
+def prepare(settings: Settings) -> Prepared:
+    """Resolve the model source, device and dtype; refuse early if it will not fit; download if needed."""
+    from engine.devices import DeviceError, resolve_backend, resolve_dtype
+    from engine.hub import HubError, download, plan_download, resolve_source
+
+    try:
+        source = resolve_source(settings.model, settings.revision)
+        backend, device = resolve_backend(settings.device)
+        dtype = str(resolve_dtype(settings.dtype, device, backend)).removeprefix("torch.")
+        plan = plan_download(source, **_hub_args(settings)) if source.kind == "hub" else None
+        log.info("model %s (%s), device %s, dtype %s", settings.model, source.label, device, dtype)
+        device_name = "tt" if backend.name == "tt" else str(device)
+        if not settings.skip_preflight:
+            run_preflight(settings, source, plan, device_name, dtype)
+        path = download(plan, **_hub_args(settings, plan=False)) if plan else source.path
+    except (DeviceError, HubError) as exc:
+        raise StartError(str(exc)) from None
+    return Prepared(Path(str(path)), device_name, dtype, embedder_location(settings))
+
+
+def _hub_args(settings: Settings, plan: bool = True) -> dict[str, Any]:
+    args: dict[str, Any] = {"token": settings.hf_token_value, "download_dir": settings.download_dir}
+    return args | ({"trust_remote_code": settings.trust_remote_code} if plan else {})
+
+
+def run_preflight(settings: Settings, source: Any, plan: Any, device: str, dtype: str) -> None:
+    """Disk for the download (and a GGUF conversion), RAM or VRAM for weights + minimal KV cache."""
+    from engine import preflight
+    from engine.hub import default_download_dir, fetch_config
+    from engine.loader import gguf_cache_folder, is_converted
+
+    download_dir = settings.download_dir or default_download_dir()
+    if source.kind == "gguf":
+        cached = is_converted(gguf_cache_folder(source.path, settings.cache_dir))
+        footprint = preflight.gguf_footprint(source.path, cached=cached)
+    elif source.kind == "folder":
+        footprint = preflight.folder_footprint(source.path)
+    else:
+        config = fetch_config(plan, **_hub_args(settings, plan=False))
+        footprint = preflight.hub_footprint(plan.param_count, plan.files, plan.missing_bytes, config)
+    cuda_index = int(device.partition(":")[2] or 0) if device.startswith("cuda") else None
+    resources = preflight.measure_resources([download_dir, settings.cache_dir], cuda_index)
+    needs = preflight.check(
+        footprint, resources, dtype=dtype, on_cuda=cuda_index is not None, device_label=device,
+        download_dir=str(download_dir), cache_dir=str(settings.cache_dir),
+        max_model_len=settings.max_model_len, kv_cache_bytes=settings.kv_cache_bytes,
+    )  # fmt: skip
+    for need in needs:
+        log.info("preflight: %s", need.message)
+    refusal = preflight.refusal(needs)
+    if refusal:
+        raise StartError(refusal)
+
+
+def engine_config(settings: Settings, prepared: Prepared) -> Any:
+    """The frozen engine.types.EngineConfig for the prepared model."""
+    from engine.types import EngineConfig
+
+    path = prepared.model_path
+    is_gguf = path.suffix == ".gguf"
+    return EngineConfig(
+        model_path=str(path.parent if is_gguf else path),
+        model_name=settings.model_id,
+        gguf_file=path.name if is_gguf else None,
+        device=prepared.device,
+        dtype=prepared.dtype,
+        max_num_seqs=settings.max_num_seqs,
+        max_model_len=settings.max_model_len,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        block_size=settings.block_size,
+        kv_cache_memory_fraction=settings.kv_cache_memory_fraction,
+        kv_cache_bytes=settings.kv_cache_bytes,
+        cache_dir=str(settings.cache_dir),
+        seed=settings.seed,
+        trust_remote_code=settings.trust_remote_code,
+    )
+
+
+def embedder_location(settings: Settings) -> tuple[Path, str] | None:
+    """The embedding model's folder and served name, or None when --embedding-model none."""
+    if settings.embedding_model.strip().lower() in ("", "none", "off"):
+        return None
+    from engine.embedder import resolve_embedding_model
+
+    try:
+        return resolve_embedding_model(settings.embedding_model)
+    except (ValueError, FileNotFoundError) as exc:
+        raise StartError(f"--embedding-model: {exc}") from None
+
+
+# --- serving ---------------------------------------------------------------------------------------------
+
+
+def serve(settings: Settings, prepared: Prepared) -> int:
+    """uvicorn in this thread; the engine (and the embedder) load in a background thread meanwhile."""
+    import uvicorn
+
+    from app import create_app
+    from app.hardening import DrainingServer
+
+    app = create_app(engine=None, settings=settings)
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.port, root_path=settings.root_path,
+        timeout_keep_alive=settings.keep_alive, log_config=None, log_level=settings.log_level,
+    )  # fmt: skip
+    server = DrainingServer(config, app, settings.shutdown_timeout)
+    loader = Loader(app, server, engine_config(settings, prepared), prepared.embedder_at, prepared.device)
+    threading.Thread(target=loader.run, name="peregrine-loader", daemon=True).start()
+    log.info("listening on http://%s:%d%s (ready once the model is loaded)", settings.host, settings.port,
+             settings.root_path)  # fmt: skip
+    server.run()
+    loader.shutdown()
+    return 1 if loader.failed else 0
+
+
+class Loader:
+    """Loads the engine (and embedder) in the background, then switches the app's model routes on.
+    A failed load stops the server, and `main` exits 1."""
+
+    def __init__(self, app: Any, server: Any, cfg: Any, embedder_at: tuple[Path, str] | None, device: str):
+        self.app, self.server, self.cfg, self.embedder_at, self.device = app, server, cfg, embedder_at, device
+        self.engine: Any = None
+        self.failed = False
+
+    def run(self) -> None:
+        try:
+            self._load()
+        except Exception:
+            log.exception("loading the model failed; stopping the server")
+            self.failed = True
+            self.server.should_exit = True
+
+    def _load(self) -> None:
+        from engine import AsyncEngine
+
+        if self.embedder_at is not None:
+            from engine.embedder import Embedder
+
+            path, name = self.embedder_at
+            device = self.device if self.device.startswith("cuda") else "cpu"
+            self.app.state.embedder = Embedder.from_path(path, device=device, dtype="float32", name=name)
+            log.info("embedding model %s loaded from %s", name, path)
+        engine = AsyncEngine.from_config(self.cfg)
+        engine.start()
+        self.engine = engine
+        self.app.state.engine = engine
+        stats = engine.stats()
+        log.info(
+            "ready: %s on %s in %s, max_model_len %d, KV cache %d tokens (%d blocks of %d), max %d sequences",
+            engine.model_name, engine.device, engine.dtype, engine.max_model_len, stats.kv_total_tokens,
+            stats.kv_total_blocks, stats.block_size, self.cfg.max_num_seqs,
+        )  # fmt: skip
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            asyncio.run(self.engine.shutdown())
+
+
+def serve_on_ray(settings: Settings, prepared: Prepared) -> int:
+    """Several replicas behind Ray Serve's proxy (see app/ray_serve.py); each loads its own engine."""
+    try:
+        from app import ray_serve
+    except ModuleNotFoundError as exc:
+        log.error("--ray-replicas / --ray-autoscale need Ray: pip install -e '.[ray]' (%s)", exc)
+        return 1
+    embedder_at = prepared.embedder_at
+    ray_serve.run(
+        ray_serve.ReplicaPlan(
+            settings=settings,
+            engine_config=engine_config(settings, prepared),
+            embedder_path=str(embedder_at[0]) if embedder_at else None,
+            embedder_name=embedder_at[1] if embedder_at else None,
+            embedder_device=prepared.device if prepared.device.startswith("cuda") else "cpu",
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
