@@ -3,18 +3,20 @@
 In order, for every route but the health ones:
 
 1. Draining (shutdown under way): 503 with `Retry-After`, so a load balancer retries elsewhere.
-2. Admission control for generation routes: at most `max_queue` generation requests are admitted at once
-   (running + waiting in the engine). The next one is refused at once with 429 and `Retry-After` rather
-   than queued without bound; every admitted request runs to completion.
+2. Admission control for generation routes: at most `limit` generation requests (`max_num_seqs +
+   max_queue`: a full batch plus a bounded waiting queue) are admitted at once, counted from the moment
+   their headers arrive. The next one is refused at once with 429 and `Retry-After`, before its body is
+   read, rather than queued without bound; every admitted request runs to completion.
 3. Body size: a `Content-Length` over `max_body_bytes`, or a body that grows past it, is refused with 413
    before it is buffered whole.
 4. Body encoding: a JSON body must be UTF-8 and parse as JSON; otherwise 400 with the position of the fault
    (FastAPI would otherwise answer non-UTF-8 with a vague message, and deep nesting with a 500).
-5. Generation routes run under `request_timeout` (seconds, whole request including streaming) and are
-   cancelled as soon as the client disconnects, whether it is waiting for a non-streaming answer or
-   reading a stream. Cancellation reaches the route's `finally`, which aborts the engine request, so its
-   KV memory is freed within one engine step. A timeout before the response started answers 504; after a
-   stream started it goes out as one last error event and the stream ends.
+5. Generation routes run under `request_timeout` (seconds, from the headers to the last byte, streaming
+   included) and are cancelled as soon as the client disconnects, whether it is waiting for a
+   non-streaming answer or reading a stream. Cancellation reaches the route's `finally`, which aborts the
+   engine request, so its KV memory is freed within one engine step. A body still uploading at the
+   deadline gets 408; a timeout before the response started answers 504; after a stream started it goes
+   out as one last error event and the stream ends.
 
 Errors use the OpenAI envelope (`app/errors.py`), written here with `send_error` because middlewares sit
 outside FastAPI's exception handlers.
@@ -147,8 +149,11 @@ class LimitsMiddleware:
             await send_error(send, r.status, r.message, r.error_type, r.code, r.headers)
             return
         self.admission.active += 1
+        deadline = None
+        if generation and self.request_timeout is not None:
+            deadline = asyncio.get_running_loop().time() + self.request_timeout
         try:
-            await self._serve(scope, receive, send, generation)
+            await self._serve(scope, receive, send, deadline)
         finally:
             self.admission.active -= 1
             if generation:
@@ -168,19 +173,26 @@ class LimitsMiddleware:
             message = f"The server is at capacity ({self.admission.limit} generation requests in flight); retry shortly."
             raise Rejection(429, message, "server_overloaded", "rate_limit_error", retry)
 
-    async def _serve(self, scope, receive, send, generation: bool) -> None:
+    async def _serve(self, scope, receive, send, deadline: float | None) -> None:
+        """Buffer and check the body (within the deadline: a slow upload must not hold a slot forever)."""
         if scope["method"] not in BODY_METHODS:
             await self.app(scope, receive, send)
             return
         try:
-            body = await self._read_body(scope, receive)
+            try:
+                async with asyncio.timeout_at(deadline):
+                    body = await self._read_body(scope, receive)
+            except TimeoutError:
+                raise Rejection(
+                    408, self._timeout_message("the request body did not arrive"), "request_timeout"
+                ) from None
             if body is None:  # the client left while sending
                 return
             _check_json(scope, body)
         except Rejection as r:
             await send_error(send, r.status, r.message, r.error_type, r.code, r.headers)
             return
-        await self._run(scope, body, receive, send, generation)
+        await self._run(scope, body, receive, send, deadline)
 
     async def _read_body(self, scope, receive) -> bytes | None:
         declared = header(scope, b"content-length")
@@ -199,8 +211,8 @@ class LimitsMiddleware:
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
-    async def _run(self, scope, body: bytes, receive, send, generation: bool) -> None:
-        """Run the app with the buffered body; cancel it on disconnect (and, for generation, on timeout)."""
+    async def _run(self, scope, body: bytes, receive, send, deadline: float | None) -> None:
+        """Run the app with the buffered body; cancel it on disconnect, or at the deadline (generation)."""
         state = _Exchange()
         gone = asyncio.Event()
         replayed = False
@@ -236,9 +248,7 @@ class LimitsMiddleware:
             stop("disconnected")
 
         watcher = asyncio.ensure_future(watch())
-        timer = None
-        if generation and self.request_timeout is not None:
-            timer = asyncio.get_running_loop().call_later(self.request_timeout, stop, "timed_out")
+        timer = None if deadline is None else asyncio.get_running_loop().call_at(deadline, stop, "timed_out")
         try:
             await task
         except asyncio.CancelledError:
@@ -254,10 +264,11 @@ class LimitsMiddleware:
                 t.cancel()
             await asyncio.gather(task, watcher, return_exceptions=True)
 
+    def _timeout_message(self, what: str) -> str:
+        return f"Timed out: {what} within the server's request_timeout ({self.request_timeout:g} s)."
+
     async def _send_timeout(self, send, state: _Exchange) -> None:
-        message = (
-            f"The request did not finish within the server's request_timeout ({self.request_timeout:g} s)."
-        )
+        message = self._timeout_message("the request did not finish")
         log.warning("request timed out after %g s", self.request_timeout)
         if not state.started:
             await send_error(send, 504, message, "timeout_error", "request_timeout")

@@ -315,3 +315,26 @@ async def test_client_gone_while_sending_the_body_stops_quietly() -> None:
 async def _until(predicate) -> None:
     while not predicate():
         await asyncio.sleep(0.01)
+
+
+async def test_slow_upload_of_a_generation_request_is_408_and_frees_its_slot() -> None:
+    admission = Admission(1)
+    reached = asyncio.Event()
+
+    async def never(scope, receive, send):
+        reached.set()
+
+    middleware = LimitsMiddleware(never, max_body_bytes=LIMIT, admission=admission, request_timeout=0.2)
+    first_chunk_only = _receiver([b'{"prompt": ', b"never sent"], gone=asyncio.Event())
+
+    async def stalled_receive():
+        message = await first_chunk_only()
+        if message["body"] != b'{"prompt": ':
+            await asyncio.Event().wait()  # the rest of the body never arrives
+        return message
+
+    sent: list[dict] = []
+    await asyncio.wait_for(middleware(_scope("/v1/completions"), stalled_receive, _sink(sent)), 30)
+    assert sent[0]["status"] == 408 and not reached.is_set()
+    assert json.loads(sent[1]["body"])["error"]["code"] == "request_timeout"
+    assert admission.in_flight == 0 and admission.active == 0
