@@ -220,3 +220,31 @@ def text_of(outputs: list, index: int = 0) -> str:
 @pytest.fixture(scope="session")
 def tiny(tiny_model_dir: TinyModel) -> Loaded:
     return load_hf(tiny_model_dir.path, dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def smollm2_fp32(smollm2: Loaded) -> Loaded:
+    """A float32 copy of SmolLM2 for exact token-for-token comparisons with transformers' generate:
+    in bfloat16 our paged attention and transformers' SDPA round differently, and near-ties flip."""
+    import copy
+
+    import torch
+
+    model = copy.deepcopy(smollm2.model).to(torch.float32)
+    return Loaded(model, smollm2.tokenizer, smollm2.max_model_len)
+
+
+@pytest.fixture
+def engine_factory() -> Iterator[Any]:
+    """Builds LLMEngines and checks, after the test, that each one's KV usage is back to zero."""
+    engines: list[Any] = []
+
+    def build(loaded: Loaded, **overrides: Any) -> Any:
+        engine = make_engine(loaded, **overrides)
+        engines.append(engine)
+        return engine
+
+    yield build
+    for engine in engines:
+        assert not engine.has_work, "a test left requests in the engine"
+        assert engine.blocks.num_used_blocks == 0, "KV blocks leaked"
