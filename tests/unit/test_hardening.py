@@ -171,3 +171,9 @@ async def test_readiness_tells_the_truth() -> None:
         assert await ready() == (503, "dead")
         assert (await c.get("/health")).status_code == 503
         assert (await c.get("/health/engine")).status_code == 503
+
+
+def test_the_default_bind_is_loopback() -> None:
+    import config
+
+    assert is_loopback(config.Settings.model_fields["host"].default)

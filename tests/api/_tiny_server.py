@@ -1,0 +1,131 @@
+"""A real Peregrine server (`python main.py`) on the tiny random model, for the hardening tests.
+
+The tiny model (2 layers, hidden 64, built by `tests/conftest.py`) makes a request cost milliseconds, so
+the soak and overload tests can send thousands. Each server runs from a temporary working directory (no
+`.env`), without the caller's `PEREGRINE_*` variables, on a free loopback port; it is stopped by its PID.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+READY_TIMEOUT_S = 600.0
+STOP_TIMEOUT_S = 60.0
+BASE_ARGS = ["--device", "cpu", "--dtype", "float32", "--embedding-model", "none", "--skip-preflight",
+             "--log-level", "warning"]  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class TinyServer:
+    def __init__(self, model_dir: Path, workdir: Path, *args: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = workdir / "server.log"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PEREGRINE_")}
+        cmd = [sys.executable, str(REPO / "main.py"), "--model", str(model_dir), "--host", "127.0.0.1",
+               "--port", str(self.port), *BASE_ARGS, *args]  # fmt: skip
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def log_tail(self, chars: int = 6000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"server exited with {self.proc.returncode} before ready:\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/ready", timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        pytest.fail(f"server not ready after {timeout:.0f}s:\n{self.log_tail()}")
+
+    def engine_stats(self) -> dict:
+        return httpx.get(f"{self.url}/health/engine", timeout=30).json()
+
+    def stop(self) -> None:
+        if self.proc.poll() is not None:
+            return
+        os.kill(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=STOP_TIMEOUT_S)
+
+
+def wait_until(predicate, timeout: float, what: str, interval: float = 0.1):
+    """Poll `predicate` until it returns a truthy value (returned); fail naming `what` after `timeout`."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})")
+
+
+class HeldUpload:
+    """A generation request whose headers are sent but whose body is held back.
+
+    The server admits a generation request when its headers arrive, so this holds one admission slot,
+    deterministically, until `finish()` sends the rest of the body (and returns the HTTP status and body).
+    """
+
+    def __init__(self, port: int, path: str, body: bytes, headers: dict[str, str] | None = None) -> None:
+        self.body = body
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=120)
+        extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+        head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n{extra}\r\n")  # fmt: skip
+        self.sock.sendall(head.encode() + body[:1])
+
+    def finish(self) -> tuple[int, bytes]:
+        self.sock.sendall(self.body[1:])
+        return self.read()
+
+    def read(self) -> tuple[int, bytes]:
+        chunks = []
+        while chunk := self.sock.recv(65536):
+            chunks.append(chunk)
+        self.sock.close()
+        raw = b"".join(chunks)
+        head, _, payload = raw.partition(b"\r\n\r\n")
+        status = int(head.split(b" ", 2)[1])
+        if b"transfer-encoding: chunked" in head.lower():
+            payload = _dechunk(payload)
+        return status, payload
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _dechunk(data: bytes) -> bytes:
+    out, rest = [], data
+    while rest:
+        size_line, _, rest = rest.partition(b"\r\n")
+        size = int(size_line.split(b";")[0], 16)
+        if size == 0:
+            break
+        out.append(rest[:size])
+        rest = rest[size + 2 :]
+    return b"".join(out)

@@ -1,0 +1,255 @@
+"""Auth, error classes and graceful shutdown against a real server on the tiny model (issue 5).
+
+One server runs with auth on (two API keys and a JWT secret), a per-client rate limit, a small body limit
+and a short request timeout; another is started to be sent SIGTERM mid-generation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import jwt
+import openai
+import pytest
+from _tiny_server import HeldUpload, TinyServer, wait_until
+
+from app.auth import mint_token
+
+pytestmark = pytest.mark.slow
+
+KEYS = ("sk-peregrine-test-one", "sk-peregrine-test-two")
+SECRET = "issue-5-test-secret-0123456789abcdef-0123456789abcdef"
+BURST = 40
+MAX_BODY = 65536
+HI = [{"role": "user", "content": "hi"}]
+OPEN_PATHS = {"/health", "/health/engine", "/health/ready", "/ready", "/v1/health"}
+
+
+@pytest.fixture(scope="module")
+def auth_server(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TinyServer]:
+    server = TinyServer(
+        tiny_model_dir.path, tmp_path_factory.mktemp("auth-server"),
+        "--api-keys", ",".join(KEYS), "--jwt-secret", SECRET,
+        "--rate-limit-per-s", "0.001", "--rate-limit-burst", str(BURST),
+        "--max-body-bytes", str(MAX_BODY), "--request-timeout", "5",
+    )  # fmt: skip
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+_token_counter = iter(range(10**6))
+
+
+def fresh_token(**claims) -> str:
+    """A valid token with its own token_id, hence its own rate-limit bucket."""
+    return mint_token(SECRET, "issue5", f"tok-{next(_token_counter)}", ttl_s=600, **claims)
+
+
+def sdk(server: TinyServer, api_key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=api_key, max_retries=0, timeout=120)
+
+
+def envelope(r: httpx.Response, status: int, error_type: str) -> dict:
+    assert r.status_code == status, (r.request.method, r.request.url, r.text)
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["type"] == error_type
+    return error
+
+
+def concrete_routes(server: TinyServer) -> list[tuple[str, str]]:
+    schema = httpx.get(f"{server.url}/openapi.json", headers={"Authorization": f"Bearer {KEYS[1]}"}).json()
+    routes = []
+    for path, methods in schema["paths"].items():
+        for method in methods:
+            routes.append((method.upper(), path.replace("{model_id}", "tiny").replace("{provider_id}", "x")))
+    return [*routes, ("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/no/such/route")]
+
+
+def test_every_non_health_route_refuses_bad_credentials(auth_server: TinyServer) -> None:
+    expired = jwt.encode(
+        {"team_id": "t", "token_id": "i", "exp": int(time.time()) - 60}, SECRET, algorithm="HS256"
+    )
+    bad_signature = mint_token("another-secret-0123456789abcdef-0123456789", "t", "i")
+    unsigned = jwt.encode({"team_id": "t", "token_id": "i"}, None, algorithm="none")
+    bad = {
+        "none": {},
+        "wrong key": {"Authorization": "Bearer sk-peregrine-test-thre"},
+        "not bearer": {"Authorization": f"Basic {KEYS[0]}"},
+        "expired jwt": {"Authorization": f"Bearer {expired}"},
+        "badly signed jwt": {"Authorization": f"Bearer {bad_signature}"},
+        "unsigned jwt": {"Authorization": f"Bearer {unsigned}"},
+    }
+    routes = concrete_routes(auth_server)
+    guarded = [(m, p) for m, p in routes if p not in OPEN_PATHS]
+    assert len(guarded) >= 10 and ("POST", "/v1/chat/completions") in guarded
+    with httpx.Client(base_url=auth_server.url, timeout=60) as http:
+        for method, path in guarded:
+            for label, headers in bad.items():
+                r = http.request(method, path, headers=headers, json={})
+                error = envelope(r, 401, "authentication_error")
+                assert r.headers["www-authenticate"] == "Bearer", (label, path)
+                if label == "expired jwt":
+                    assert error["code"] == "token_expired"
+        for path in OPEN_PATHS:
+            assert http.get(path).status_code == 200, path
+        for headers in ({"Authorization": f"Bearer {KEYS[1]}"}, {"Authorization": f"Bearer {fresh_token()}"}):
+            for method, path in guarded:
+                r = http.request(method, path, headers=headers, json={})
+                assert r.status_code not in (401, 403, 429), (method, path, r.text)
+
+
+def test_credentials_never_reach_the_log(auth_server: TinyServer) -> None:
+    token = fresh_token()
+    httpx.get(f"{auth_server.url}/v1/models", headers={"Authorization": f"Bearer {token}"})
+    httpx.get(f"{auth_server.url}/v1/models", headers={"Authorization": "Bearer sk-a-guess-that-is-wrong"})
+    log = auth_server.log_path.read_text(errors="replace")
+    for secret in (*KEYS, token, SECRET, "sk-a-guess-that-is-wrong"):
+        assert secret not in log
+
+
+def test_sdk_raises_the_matching_error_classes(auth_server: TinyServer) -> None:
+    with pytest.raises(openai.AuthenticationError) as info:
+        sdk(auth_server, "sk-wrong").models.list()
+    assert info.value.body["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        sdk(auth_server, fresh_token(exp=int(time.time()) - 5)).chat.completions.create(
+            model="tiny", messages=HI
+        )
+    claimless = jwt.encode({"team_id": "t"}, SECRET, algorithm="HS256")
+    with pytest.raises(openai.PermissionDeniedError) as info:
+        sdk(auth_server, claimless).chat.completions.create(model="tiny", messages=HI, max_tokens=1)
+    assert "token_id" in info.value.message
+
+    good = sdk(auth_server, fresh_token())
+    ok = good.chat.completions.create(model="tiny", messages=HI, max_tokens=2)
+    assert ok.choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.BadRequestError) as info:
+        good.chat.completions.create(model="tiny", messages=HI, temperature=5)
+    assert info.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError) as info:
+        good.completions.create(model="tiny", prompt=[10**7], max_tokens=1)
+    assert info.value.body["param"] == "prompt" and "vocabulary" in info.value.message
+    with pytest.raises(openai.BadRequestError) as info:
+        good.chat.completions.create(model="tiny", messages=HI, stop=[str(i) for i in range(17)])
+    assert info.value.body["param"] == "stop"
+    with pytest.raises(openai.NotFoundError) as info:
+        good.chat.completions.create(model="no-such-model", messages=HI, max_tokens=1)
+    assert info.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.APIStatusError) as info:
+        good.completions.create(model="tiny", prompt="x" * (MAX_BODY + 1), max_tokens=1)
+    assert info.value.status_code == 413 and info.value.body["code"] == "request_too_large"
+
+
+def test_rate_limit_is_per_client_with_retry_after(auth_server: TinyServer) -> None:
+    token = fresh_token()
+    with httpx.Client(base_url=auth_server.url, headers={"Authorization": f"Bearer {token}"}) as http:
+        statuses = [http.get("/v1/models").status_code for _ in range(BURST)]
+        assert statuses == [200] * BURST
+    with pytest.raises(openai.RateLimitError) as info:
+        sdk(auth_server, token).chat.completions.create(model="tiny", messages=HI, max_tokens=1)
+    assert info.value.body["code"] == "rate_limit_exceeded"
+    assert int(info.value.response.headers["retry-after"]) >= 1
+    assert sdk(auth_server, fresh_token()).models.list().data, "another token has its own bucket"
+    assert httpx.get(f"{auth_server.url}/health").status_code == 200, "health is never rate limited"
+
+
+def test_bad_bodies_are_400_with_a_clear_message(auth_server: TinyServer) -> None:
+    headers = {"Authorization": f"Bearer {fresh_token()}", "content-type": "application/json"}
+    with httpx.Client(base_url=auth_server.url, headers=headers, timeout=60) as http:
+        error = envelope(
+            http.post("/v1/chat/completions", content=b'{"messages": [\xff]}'), 400, "invalid_request_error"
+        )
+        assert error["code"] == "invalid_encoding" and "UTF-8" in error["message"]
+        error = envelope(
+            http.post("/v1/completions", content=b'{"prompt": "x",}'), 400, "invalid_request_error"
+        )
+        assert error["code"] == "invalid_json" and "column" in error["message"]
+        for body, param in (
+            ({"model": "tiny", "messages": []}, "messages"),
+            ({"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+            ({"model": "tiny", "prompt": {"text": "x"}}, "prompt"),
+            ({"model": "tiny", "prompt": "x", "n": "two"}, "n"),
+            ({"model": "tiny", "prompt": "x", "top_p": 1.5}, "top_p"),
+        ):
+            path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+            assert envelope(http.post(path, json=body), 400, "invalid_request_error")["param"] == param
+
+
+def test_slow_upload_times_out_with_408(auth_server: TinyServer) -> None:
+    body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 1}).encode()
+    held = HeldUpload(auth_server.port, "/v1/completions", body, {"Authorization": f"Bearer {KEYS[0]}"})
+    status, payload = held.read()  # never finish the body: the server gives up after request_timeout
+    assert status == 408
+    assert json.loads(payload)["error"]["code"] == "request_timeout"
+    stats = wait_until(
+        lambda: (s := auth_server.engine_stats())["http_in_flight"] == 0 and s, 60, "slot freed"
+    )
+    assert stats["http_active"] == 0
+
+
+# ----------------------------------------------------------------------------- SIGTERM
+
+
+def _stream(url: str, results: dict, key: int, started: threading.Event) -> None:
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    text, finish, done = [], None, False
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
+        results[key] = {"status": r.status_code}
+        for line in r.iter_lines():
+            started.set()
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                choice = json.loads(line[6:])["choices"][0]
+                text.append(choice["text"])
+                finish = choice["finish_reason"] or finish
+    results[key] |= {"finish": finish, "done": done}
+
+
+def test_sigterm_drains_in_flight_streams_and_exits_0(tiny_model_dir, tmp_path: Path) -> None:
+    server = TinyServer(tiny_model_dir.path, tmp_path, "--shutdown-timeout", "120")
+    try:
+        server.wait_ready()
+        results: dict[int, dict] = {}
+        started = [threading.Event() for _ in range(3)]
+        threads = [
+            threading.Thread(target=_stream, args=(server.url, results, i, started[i])) for i in range(3)
+        ]
+        for t in threads:
+            t.start()
+        for event in started:
+            assert event.wait(120), "a stream did not start"
+        body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 3}).encode()
+        held = HeldUpload(server.port, "/v1/completions", body)  # in flight until we finish it
+        wait_until(lambda: server.engine_stats()["http_active"] >= 1, 60, "the held request to be admitted")
+
+        os.kill(server.proc.pid, signal.SIGTERM)
+        wait_until(
+            lambda: httpx.get(f"{server.url}/ready", timeout=10).status_code == 503, 60, "readiness 503"
+        )
+        assert httpx.get(f"{server.url}/ready").json()["status"] == "draining"
+        assert httpx.get(f"{server.url}/health").status_code == 200, "still alive while draining"
+        with pytest.raises(openai.InternalServerError) as info:
+            sdk(server, "none").completions.create(model="tiny", prompt="new", max_tokens=1)
+        assert info.value.status_code == 503 and info.value.body["code"] == "server_shutting_down"
+        assert server.proc.poll() is None, "the drain waits for the held request"
+
+        status, payload = held.finish()
+        assert status == 200 and json.loads(payload)["choices"][0]["finish_reason"] in ("stop", "length")
+        for t in threads:
+            t.join(120)
+        assert [results[i] for i in range(3)] == [{"status": 200, "finish": "length", "done": True}] * 3
+        assert server.proc.wait(timeout=120) == 0, server.log_tail()
+    finally:
+        server.stop()
