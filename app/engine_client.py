@@ -16,6 +16,7 @@ from typing import Any
 from starlette.requests import Request
 
 from app.errors import APIError, EngineFailureError, ServiceUnavailableError
+from app.metrics import start_timer
 from engine.types import PromptTooLongError, RequestOutput, SamplingParams
 
 
@@ -43,13 +44,16 @@ async def generate(
     """
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
     unfinished: dict[str, int] = {rid: params.n for rid in ids}
+    timer = start_timer(len(p) for p in prompts)  # TTFT / TPOT / e2e and token counts for GET /metrics
     try:
         async for i, out in _merge(engine, prompts, params, ids):
+            timer.on_output(i, out)
             _raise_if_failed(out)
             if out.finished:
                 unfinished[ids[i]] -= 1
             yield i, out
     finally:
+        timer.close()
         for rid, left in unfinished.items():
             if left > 0:
                 engine.abort(rid)

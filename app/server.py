@@ -18,6 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from app import embeddings, health, llama_stack, openai_routes
 from app.errors import classify, install_error_handlers
 from app.hardening import install_hardening
+from app.metrics import install_metrics
 
 log = logging.getLogger("peregrine.app")
 REQUEST_ID_HEADER = "x-request-id"
@@ -41,6 +42,7 @@ def create_app(engine: Any = None, settings: Any = None, embedder: Any = None) -
     app.include_router(embeddings.router)
     app.include_router(llama_stack.router)
     install_hardening(app, settings)  # auth, limits, draining, disconnect/timeout cancellation
+    install_metrics(app)  # GET /metrics; its middleware sits outside hardening, so 401/429 are counted
     app.add_middleware(RequestIdMiddleware)  # added last: outermost, so every answer carries the id
     return app
 
