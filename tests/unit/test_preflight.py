@@ -1,0 +1,216 @@
+"""Preflight arithmetic with injected figures, and the metadata readers on small files made here."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine import preflight
+from engine.preflight import Disk, ModelFootprint, Need, Resources
+
+GB = 10**9
+
+# A 7.5B-parameter model with a Llama-3-8B-like attention: 32 layers, 8 KV heads of 128.
+BIG = ModelFootprint(param_count=7_500_000_000, kv_elems_per_token=2 * 32 * 8 * 128, context_len=8192)
+
+
+def test_fmt_bytes() -> None:
+    assert preflight.fmt_bytes(16_100_000_000) == "16.1 GB"
+    assert preflight.fmt_bytes(538_090_408) == "538.1 MB"
+    assert preflight.fmt_bytes(999) == "999 B"
+    assert preflight.fmt_bytes(2.5e12) == "2.5 TB"
+
+
+def test_kv_need_is_one_full_sequence_or_the_explicit_size() -> None:
+    per_token_bf16 = 2 * 32 * 8 * 128 * 2  # 131072 bytes
+    assert preflight.kv_cache_need(BIG, 2, None, None) == per_token_bf16 * 8192
+    assert preflight.kv_cache_need(BIG, 2, 1024, None) == per_token_bf16 * 1024
+    assert preflight.kv_cache_need(BIG, 2, 1024, 4 * GB) == 4 * GB  # explicit and larger: that
+    assert (
+        preflight.kv_cache_need(BIG, 2, None, 1) == per_token_bf16 * 8192
+    )  # explicit but smaller: the minimum
+
+
+def test_memory_need_counts_weights_in_the_serving_dtype() -> None:
+    bf16, words = preflight.memory_need(BIG, "bfloat16", max_model_len=None, kv_cache_bytes=None)
+    fp32, _ = preflight.memory_need(BIG, "float32", max_model_len=None, kv_cache_bytes=None)
+    assert bf16 == 15 * GB + 131072 * 8192
+    assert fp32 == 30 * GB + 2 * 131072 * 8192
+    assert words == "weights 15.0 GB in bfloat16 + KV cache 1.1 GB for 8192 tokens"
+
+
+def test_refuses_with_the_arithmetic_when_ram_is_short() -> None:
+    res = Resources(ram_free=int(9.8 * GB))
+    needs = preflight.check(BIG, res, dtype="bfloat16", on_cuda=False)
+    assert [n.ok for n in needs] == [False]
+    message = preflight.refusal(needs)
+    assert message == (
+        "the model does not fit: needs 16.1 GB (weights 15.0 GB in bfloat16 + KV cache 1.1 GB for 8192 tokens), "
+        "9.8 GB free in RAM (--skip-preflight to start anyway)"
+    )
+
+
+def test_fits_when_there_is_room() -> None:
+    needs = preflight.check(BIG, Resources(ram_free=64 * GB), dtype="bfloat16", on_cuda=False)
+    assert all(n.ok for n in needs) and preflight.refusal(needs) is None
+
+
+def test_cuda_checks_vram_not_ram() -> None:
+    res = Resources(ram_free=1 * GB, vram_free=80 * GB)
+    needs = preflight.check(BIG, res, dtype="bfloat16", on_cuda=True, device_label="cuda:0")
+    assert [(n.where, n.ok) for n in needs] == [("in VRAM on cuda:0", True)]
+    short = preflight.check(BIG, Resources(ram_free=64 * GB, vram_free=12 * GB), dtype="bfloat16", on_cuda=True,
+                            device_label="cuda:1")  # fmt: skip
+    assert "12.0 GB free in VRAM on cuda:1" in (preflight.refusal(short) or "")
+
+
+def test_a_shorter_context_makes_it_fit() -> None:
+    res = Resources(ram_free=int(15.5 * GB))
+    assert preflight.refusal(preflight.check(BIG, res, dtype="bfloat16", on_cuda=False)) is not None
+    fits = preflight.check(BIG, res, dtype="bfloat16", on_cuda=False, max_model_len=2048)
+    assert preflight.refusal(fits) is None
+
+
+def test_disk_for_download_on_its_filesystem() -> None:
+    fp = ModelFootprint(10, 2, 16, download_bytes=16_100_000_000)
+    disks = (Disk("/data/hf", int(9.8 * GB), fs=1), Disk("/home/u/.cache/peregrine", 100 * GB, fs=2))
+    needs = preflight.check(fp, Resources(ram_free=64 * GB, disks=disks), dtype="float32", on_cuda=False,
+                            download_dir="/data/hf", cache_dir="/home/u/.cache/peregrine")  # fmt: skip
+    refusal = preflight.refusal(needs)
+    assert refusal is not None and "needs 16.1 GB (download 16.1 GB), 9.8 GB free on /data/hf" in refusal
+
+
+def test_download_and_conversion_on_one_filesystem_add_up() -> None:
+    fp = ModelFootprint(10, 2, 16, download_bytes=3 * GB, convert_bytes=4 * GB)
+    disks = (Disk("/a", 6 * GB, fs=7), Disk("/b", 6 * GB, fs=7))
+    needs = preflight.check(fp, Resources(ram_free=64 * GB, disks=disks), dtype="float32", on_cuda=False,
+                            download_dir="/a", cache_dir="/b")  # fmt: skip
+    disk_need = next(n for n in needs if n.where.startswith("on "))
+    assert disk_need == Need(7 * GB, 6 * GB, "on /a and /b", "download 3.0 GB + GGUF conversion cache 4.0 GB")
+    assert not disk_need.ok
+
+
+def test_nothing_to_download_needs_no_disk() -> None:
+    fp = ModelFootprint(10, 2, 16)
+    needs = preflight.check(fp, Resources(ram_free=GB, disks=(Disk("/a", 0, fs=1),)), dtype="float32",
+                            on_cuda=False, download_dir="/a", cache_dir="/a")  # fmt: skip
+    assert [n.where for n in needs] == ["in RAM"]
+
+
+def test_gguf_conversion_needs_float32_in_ram() -> None:
+    fp = ModelFootprint(1_000_000_000, 2, 16, convert_bytes=4 * GB)
+    needs = preflight.check(fp, Resources(ram_free=3 * GB), dtype="bfloat16", on_cuda=False)
+    failed = [n for n in needs if not n.ok]
+    assert [n.breakdown for n in failed] == ["one-time GGUF conversion to float32"]
+
+
+def test_kv_elems_from_config_variants() -> None:
+    llama = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096,
+             "max_position_embeddings": 131072}  # fmt: skip
+    assert preflight.kv_elems_from_config(llama) == (2 * 32 * 8 * 128, 131072)
+    gpt2 = {"n_layer": 12, "n_head": 12, "n_embd": 768, "n_positions": 1024}
+    assert preflight.kv_elems_from_config(gpt2) == (2 * 12 * 12 * 64, 1024)
+    explicit_head = {"num_hidden_layers": 2, "num_attention_heads": 4, "head_dim": 256, "hidden_size": 64}
+    assert preflight.kv_elems_from_config(explicit_head) == (2 * 2 * 4 * 256, 2048)
+    nested = {"text_config": llama, "vision_config": {}}
+    assert preflight.kv_elems_from_config(nested) == (2 * 32 * 8 * 128, 131072)
+
+
+def write_safetensors(path: Path, tensors: dict[str, tuple[str, list[int]]]) -> None:
+    """A valid safetensors file with zeroed data (no torch needed)."""
+    sizes = {"F32": 4, "BF16": 2}
+    header, offset = {}, 0
+    for name, (dtype, shape) in tensors.items():
+        n = int(np.prod(shape)) * sizes[dtype]
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + n]}
+        offset += n
+    header["__metadata__"] = {"format": "pt"}
+    blob = json.dumps(header).encode()
+    path.write_bytes(len(blob).to_bytes(8, "little") + blob + bytes(offset))
+
+
+def test_folder_footprint_counts_parameters_from_headers(tmp_path: Path) -> None:
+    config = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64,
+              "max_position_embeddings": 512}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    write_safetensors(
+        tmp_path / "model-00001-of-00002.safetensors", {"a": ("BF16", [64, 64]), "b": ("BF16", [64])}
+    )
+    write_safetensors(tmp_path / "model-00002-of-00002.safetensors", {"c": ("F32", [10, 3])})
+    fp = preflight.folder_footprint(tmp_path)
+    assert fp == ModelFootprint(64 * 64 + 64 + 30, 2 * 2 * 2 * 16, 512)
+
+
+def test_folder_footprint_from_pytorch_bin_sizes(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(
+        json.dumps({"num_hidden_layers": 1, "hidden_size": 8, "torch_dtype": "float16"})
+    )
+    (tmp_path / "pytorch_model.bin").write_bytes(bytes(2000))
+    assert preflight.folder_footprint(tmp_path).param_count == 1000
+
+
+def write_gguf(path: Path, *, arch: str = "llama") -> None:
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(3)
+    writer.add_context_length(4096)
+    writer.add_embedding_length(256)
+    writer.add_head_count(8)
+    writer.add_head_count_kv(2)
+    writer.add_token_list(["<s>", "</s>", "hello"])  # an array of strings, skipped by the reader
+    writer.add_tensor("token_embd.weight", np.zeros((10, 256), dtype=np.float32))
+    writer.add_tensor("blk.0.attn_q.weight", np.zeros((256, 256), dtype=np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gguf_header_reader_and_footprint(tmp_path: Path) -> None:
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path)
+    meta, shapes = preflight.read_gguf_header(path)
+    assert meta["general.architecture"] == "llama" and meta["llama.block_count"] == 3
+    assert "tokenizer.ggml.tokens" not in meta
+    assert set(shapes) == {"token_embd.weight", "blk.0.attn_q.weight"}
+    fp = preflight.gguf_footprint(path, cached=False)
+    params = 10 * 256 + 256 * 256
+    assert fp == ModelFootprint(params, 2 * 3 * 2 * 32, 4096, convert_bytes=params * 4)
+    assert preflight.gguf_footprint(path, cached=True).convert_bytes == 0
+
+
+def test_gguf_reader_refuses_other_files(tmp_path: Path) -> None:
+    bogus = tmp_path / "x.gguf"
+    bogus.write_bytes(b"PK\x03\x04" + bytes(64))
+    with pytest.raises(ValueError, match="not a GGUF"):
+        preflight.read_gguf_header(bogus)
+
+
+def test_hub_footprint_prefers_the_hubs_parameter_count() -> None:
+    config = {
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "hidden_size": 8,
+        "max_position_embeddings": 64,
+    }
+    files = {"model.safetensors": 2000, "config.json": 100}
+    assert preflight.hub_footprint(123, files, 2100, config).param_count == 123
+    fallback = preflight.hub_footprint(None, files, 2100, config | {"torch_dtype": "bfloat16"})
+    assert (fallback.param_count, fallback.download_bytes) == (1000, 2100)
+
+
+def test_disk_of_a_directory_not_created_yet(tmp_path: Path) -> None:
+    disk = preflight.disk_of(tmp_path / "not" / "yet")
+    assert disk.path == str(tmp_path / "not" / "yet")
+    assert disk.fs == os.stat(tmp_path).st_dev and disk.free > 0
+
+
+def test_measure_resources_reads_ram_and_disks(tmp_path: Path) -> None:
+    res = preflight.measure_resources([tmp_path])
+    assert res.ram_free > 0 and res.vram_free is None
+    assert [d.path for d in res.disks] == [str(tmp_path)]
