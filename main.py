@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from config import Settings, settings_or_exit
+from config import Settings, load_settings, settings_or_exit
 
 log = logging.getLogger("peregrine")
 
@@ -223,17 +223,40 @@ def serve_on_ray(settings: Settings, prepared: Prepared) -> int:
     except ModuleNotFoundError as exc:
         log.error("--ray-replicas / --ray-autoscale need Ray: pip install -e '.[ray]' (%s)", exc)
         return 1
-    embedder_at = prepared.embedder_at
-    ray_serve.run(
-        ray_serve.ReplicaPlan(
-            settings=settings,
-            engine_config=engine_config(settings, prepared),
-            embedder_path=str(embedder_at[0]) if embedder_at else None,
-            embedder_name=embedder_at[1] if embedder_at else None,
-            embedder_device=prepared.device if prepared.device.startswith("cuda") else "cpu",
-        )
-    )
+    ray_serve.run(ray_plan(settings, prepared))
     return 0
+
+
+def ray_plan(settings: Settings, prepared: Prepared) -> Any:
+    """What each Ray replica builds: the same engine config and embedder as `serve` (app/ray_serve.py)."""
+    from app.ray_serve import ReplicaPlan
+
+    embedder_at = prepared.embedder_at
+    return ReplicaPlan(
+        settings=settings,
+        engine_config=engine_config(settings, prepared),
+        embedder_path=str(embedder_at[0]) if embedder_at else None,
+        embedder_name=embedder_at[1] if embedder_at else None,
+        embedder_device=prepared.device if prepared.device.startswith("cuda") else "cpu",
+    )
+
+
+def ray_app(args: dict[str, Any]) -> Any:
+    """Ray Serve application builder for a running cluster: `serve run main:ray_app model=... ray_replicas=2`,
+    `serve deploy`, and KubeRay's RayService (`import_path: main:ray_app`, deploy/kuberay/rayservice.yaml).
+    `args` are Settings field names, on top of the PEREGRINE_* environment, exactly like flags."""
+    from app import ray_serve
+
+    settings = load_settings([_flag(name, value) for name, value in args.items()])
+    configure_logging(settings.log_level)
+    return ray_serve.build_application(ray_plan(settings, prepare(settings)), ray_serve.cluster_gpus())
+
+
+def _flag(name: str, value: Any) -> str:
+    flag = name.replace("_", "-")
+    if isinstance(value, bool):
+        return f"--{flag}" if value else f"--no-{flag}"
+    return f"--{flag}={value}"
 
 
 if __name__ == "__main__":
