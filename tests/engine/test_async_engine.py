@@ -1,0 +1,148 @@
+"""The async front: streaming, concurrency, abort and cancellation, loop death, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from conftest import make_engine, run_all, text_of, tokens_of
+
+from engine import AsyncEngine, EngineConfig, EngineDeadError, RequestOutput, SamplingParams
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def greedy(max_tokens: int = 16) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+@pytest.fixture
+async def front(tiny: Any) -> AsyncIterator[AsyncEngine]:
+    engine = AsyncEngine(make_engine(tiny, max_num_batched_tokens=32), "tiny")
+    engine.start()
+    yield engine
+    await engine.shutdown()
+    assert engine.engine.blocks.num_used_blocks == 0
+
+
+async def collect(engine: AsyncEngine, prompt: list[int], params: SamplingParams, rid: str) -> list[RequestOutput]:
+    return [out async for out in engine.generate(prompt, params, rid)]
+
+
+async def wait_for(condition: Any, timeout: float = 60.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+async def test_streams_the_same_tokens_as_the_sync_engine(front: AsyncEngine, tiny: Any) -> None:
+    prompt = tiny.tokenizer.encode("Hello world")
+    expected = run_all(make_engine(tiny), {"s": (prompt, greedy())})["s"]
+    outs = await collect(front, prompt, greedy(), "a")
+    assert len(outs) == 16 and all(len(o.token_ids) == 1 for o in outs)
+    assert tokens_of(outs) == tokens_of(expected) and text_of(outs) == text_of(expected)
+    assert [o.finished for o in outs] == [False] * 15 + [True]
+    assert outs[-1].completion_tokens == 16 and outs[-1].prompt_tokens == len(prompt)
+
+
+async def test_concurrent_requests_and_n(front: AsyncEngine, tiny: Any) -> None:
+    prompts = [tiny.tokenizer.encode(t) for t in ["Hello world", "def add(a, b):", "Numbers: 0 1 2"]]
+    expected = [tokens_of(run_all(make_engine(tiny), {"s": (p, greedy())})["s"]) for p in prompts]
+    results = await asyncio.gather(*(collect(front, p, greedy(), f"r{i}") for i, p in enumerate(prompts)))
+    assert [tokens_of(r) for r in results] == expected
+    many = await collect(front, prompts[0], SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=8,
+                                                            ignore_eos=True), "n")
+    assert sorted(o.index for o in many if o.finished) == [0, 1]
+    assert len(tokens_of(many, 0)) == len(tokens_of(many, 1)) == 8
+
+
+async def test_abort_mid_generation_ends_stream_and_frees_kv(front: AsyncEngine, tiny: Any) -> None:
+    outs = []
+    async for out in front.generate(tiny.tokenizer.encode("Hello"), greedy(400), "long"):
+        outs.append(out)
+        if len(outs) == 3:
+            assert front.stats().kv_used_blocks > 0
+            front.abort("long")
+    assert outs[-1].finish_reason == "abort" and len(outs) < 400
+    assert front.stats().kv_used_blocks == 0  # freed in the step that processed the abort
+    front.abort("no-such-request")  # harmless
+
+
+async def test_cancelled_consumer_aborts_its_request(front: AsyncEngine, tiny: Any) -> None:
+    started = asyncio.Event()
+
+    async def consume() -> None:
+        async for _ in front.generate(tiny.tokenizer.encode("Hello"), greedy(400), "gone"):
+            started.set()
+
+    task = asyncio.create_task(consume())
+    await asyncio.wait_for(started.wait(), 60)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await wait_for(lambda: front.stats().running == 0 and front.stats().kv_used_blocks == 0)
+
+
+async def test_event_loop_keeps_running_during_generation(front: AsyncEngine, tiny: Any) -> None:
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(ticker())
+    await collect(front, tiny.tokenizer.encode("Hello"), greedy(32), "t")
+    task.cancel()
+    assert ticks > 32  # the loop ran other work while the engine thread stepped
+
+
+async def test_loop_death_fails_in_flight_requests_then_refuses(front: AsyncEngine, tiny: Any) -> None:
+    def broken_step() -> list[RequestOutput]:
+        raise RuntimeError("device fell off the bus")
+
+    front.engine.step = broken_step  # type: ignore[method-assign]
+    outs = await collect(front, tiny.tokenizer.encode("Hello"), SamplingParams(n=2, max_tokens=4), "x")
+    assert sorted(o.index for o in outs) == [0, 1]
+    assert all(o.finish_reason == "error" and "device fell off the bus" in (o.error or "") for o in outs)
+    assert front.stats().alive is False
+    with pytest.raises(EngineDeadError):
+        await collect(front, tiny.tokenizer.encode("Hello"), greedy(), "y")
+    front.engine.abort_all()  # the dead loop left its sequence behind; release it for the teardown check
+
+
+async def test_shutdown_aborts_in_flight_requests(tiny: Any) -> None:
+    engine = AsyncEngine(make_engine(tiny), "tiny")
+    first = asyncio.Event()
+    outs: list[RequestOutput] = []
+
+    async def consume() -> None:
+        async for out in engine.generate(tiny.tokenizer.encode("Hello"), greedy(400), "s"):
+            outs.append(out)
+            first.set()
+
+    task = asyncio.create_task(consume())
+    await asyncio.wait_for(first.wait(), 60)
+    await engine.shutdown()
+    await asyncio.wait_for(task, 60)
+    assert outs[-1].finish_reason == "abort"
+    assert engine.stats().kv_used_blocks == 0 and not engine.stats().alive
+
+
+async def test_from_config_loads_a_model_folder(tiny_model_dir: Any, tiny: Any) -> None:
+    cfg = EngineConfig(model_path=str(tiny_model_dir.path), model_name="tiny-llama", device="cpu",
+                       dtype="float32", kv_cache_bytes=1 << 20)
+    engine = AsyncEngine.from_config(cfg)
+    assert (engine.model_name, engine.device, engine.dtype) == ("tiny-llama", "cpu", "float32")
+    assert engine.vocab_size == len(tiny.tokenizer) and engine.max_model_len <= 512
+    try:
+        outs = await collect(engine, engine.tokenizer.encode("Hello"), greedy(4), "c")
+        assert len(tokens_of(outs)) == 4
+        stats = engine.stats()
+        assert stats.generated_tokens_total == 4 and stats.kv_used_blocks == 0 and stats.kv_total_blocks > 0
+    finally:
+        await engine.shutdown()
