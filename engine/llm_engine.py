@@ -49,7 +49,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.device = device
         self.dtype = dtype
-        backend = get_backend(device)
+        backend = get_backend("tt" if cfg.device == "tt" else device)  # tt runs from host (cpu) tensors
         self.kv_cache = _allocate_kv(model, cfg, backend.free_memory_bytes(), dtype, device, max_model_len)
         self.max_model_len = min(max_model_len, self.kv_cache.num_slots)
         self.blocks = BlockManager(self.kv_cache.num_blocks, cfg.block_size)
@@ -63,7 +63,9 @@ class LLMEngine:
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> LLMEngine:
-        loaded = _load_model(cfg)
+        from engine.loader import load_model
+
+        loaded = load_model(cfg)
         return cls(loaded.model, loaded.tokenizer, cfg, loaded.device, loaded.dtype, loaded.max_model_len)
 
     def step(self) -> list[RequestOutput]:
@@ -195,34 +197,3 @@ def _allocate_kv(model: torch.nn.Module, cfg: EngineConfig, free_bytes: int, dty
              free_bytes / 2**20, time.perf_counter() - started)
     return cache
 
-
-def _load_model(cfg: EngineConfig) -> Any:
-    """engine.loader.load_model once it exists; until then a plain transformers load (no GGUF cache)."""
-    try:
-        from engine.loader import load_model
-    except ModuleNotFoundError:
-        return _plain_load(cfg)
-    return load_model(cfg)
-
-
-@dataclass(slots=True)
-class _Loaded:
-    model: torch.nn.Module
-    tokenizer: Any
-    device: torch.device
-    dtype: torch.dtype
-    max_model_len: int
-
-
-def _plain_load(cfg: EngineConfig) -> _Loaded:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if cfg.device == "auto" else cfg.device)
-    dtype = {"auto": torch.bfloat16, "float32": torch.float32, "bfloat16": torch.bfloat16,
-             "float16": torch.float16}[cfg.dtype]
-    kwargs = {"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model_path, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=dtype, **kwargs).to(device).eval()
-    limit = getattr(model.config, "max_position_embeddings", None) or 2048
-    return _Loaded(model, tokenizer, device, dtype, min(limit, cfg.max_model_len or limit))
