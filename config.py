@@ -117,6 +117,12 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535, description="Port to listen on (0: any free port).")
     root_path: str = Field("", description="ASGI root path when served behind a proxy under a prefix.")
     keep_alive: int = Field(5, ge=0, description="HTTP keep-alive timeout, seconds.")
+    stream_done_marker: Literal["auto", "always", "never"] = Field(
+        "auto",
+        description="End SSE streams with data: [DONE]. auto: on the OpenAI routes, except for "
+        "llama-stack-client <= 0.6.0; never on the legacy Llama Stack routes. A request's ?done=true|false "
+        "or X-Peregrine-Done header wins.",
+    )
     max_queue: int = Field(
         256,
         ge=0,
