@@ -1,7 +1,7 @@
 """The OpenAI API's one converter: wire request -> (prompt token ids, SamplingParams), engine outputs -> wire.
 
 `to_sampling_params` is the only place an OpenAI request becomes engine `SamplingParams`. The prompt side
-(`chat_prompt_ids`, `completion_prompt_ids`) applies the chat template or tokenizes/validates the raw
+(`chat_prompt_ids`, `completion_prompts`) applies the chat template or tokenizes/validates the raw
 prompt. The output side folds engine `RequestOutput`s into the non-stream response objects
 (`ChatResult`, `CompletionResult`) or maps them to stream chunks (`chat_chunks`, `completion_chunks`).
 No generation logic lives here.
@@ -167,8 +167,9 @@ def _text_content(i: int, content: str | list | None) -> str:
     return "".join(texts)
 
 
-def completion_prompt_ids(tokenizer: Any, prompt: Any, vocab_size: int) -> list[list[int]]:
-    """One list of token ids per prompt: a string, a list of strings, token ids, or lists of token ids."""
+def completion_prompts(tokenizer: Any, prompt: Any, vocab_size: int) -> list[tuple[str, list[int]]]:
+    """(text, token ids) per prompt; `prompt` is a string, strings, token ids, or lists of token ids.
+    The text (what `echo` prepends) is the prompt as sent, or the decoded ids."""
     prompts: list[str | list[int]]
     if isinstance(prompt, str):
         prompts = [prompt]
@@ -180,15 +181,20 @@ def completion_prompt_ids(tokenizer: Any, prompt: Any, vocab_size: int) -> list[
         raise BadRequestError("prompt must not be empty.", param="prompt")
     out = []
     for p in prompts:
-        ids = (
-            list(tokenizer.encode(p))
-            if isinstance(p, str)
-            else list(_check_token_ids(p, vocab_size, "prompt"))
-        )
+        if isinstance(p, str):
+            text, ids = p, list(tokenizer.encode(p))
+        else:
+            ids = list(_check_token_ids(p, vocab_size, "prompt"))
+            text = tokenizer.decode(ids)
         if not ids:
             raise BadRequestError("prompt must not be empty.", param="prompt")
-        out.append(ids)
+        out.append((text, ids))
     return out
+
+
+def completion_prompt_ids(tokenizer: Any, prompt: Any, vocab_size: int) -> list[list[int]]:
+    """The token ids of each prompt (see `completion_prompts`)."""
+    return [ids for _, ids in completion_prompts(tokenizer, prompt, vocab_size)]
 
 
 # ---------------------------------------------------------------- engine -> wire: logprobs

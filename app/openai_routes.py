@@ -106,9 +106,11 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     engine = get_engine(request)
     model = check_model(request, engine, body.model)
     params = conv.to_sampling_params(body, engine.vocab_size)
-    prompts = conv.completion_prompt_ids(engine.tokenizer, body.prompt, engine.vocab_size)
+    texts, prompts = zip(
+        *conv.completion_prompts(engine.tokenizer, body.prompt, engine.vocab_size), strict=True
+    )
     check_prompts(engine, prompts, params, prompt_param="prompt")
-    echo = [engine.tokenizer.decode(p) if body.echo else "" for p in prompts]
+    echo = [text if body.echo else "" for text in texts]
     rid = f"cmpl-{uuid.uuid4().hex}"
     outputs = generate(engine, prompts, params, rid)
     if body.stream:

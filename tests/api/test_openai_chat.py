@@ -11,7 +11,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-MAX_TOKENS = 24
+MAX_TOKENS = 12
 
 
 def _stream_text(client: openai.OpenAI, model: str, **kwargs) -> tuple[str, str | None, list]:
@@ -22,41 +22,41 @@ def _stream_text(client: openai.OpenAI, model: str, **kwargs) -> tuple[str, str 
     return text, finish, chunks
 
 
-def test_capital_of_france_non_stream_and_stream_agree(client: openai.OpenAI, model_id: str) -> None:
-    r = client.chat.completions.create(
+@pytest.fixture(scope="module")
+def paris(client: openai.OpenAI, model_id: str):
+    """The greedy non-stream answer to the question, shared by the tests that compare against it."""
+    return client.chat.completions.create(
         model=model_id, messages=QUESTION, max_tokens=MAX_TOKENS, temperature=0
     )
-    answer = r.choices[0].message.content
-    assert "Paris" in answer
-    assert r.choices[0].message.role == "assistant"
-    assert r.choices[0].finish_reason in ("stop", "length")
-    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-") and r.model == model_id
-    assert r.usage.prompt_tokens > 0 and r.usage.completion_tokens > 0
-    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
 
+
+def test_capital_of_france_non_stream(paris, model_id: str) -> None:
+    assert "Paris" in paris.choices[0].message.content
+    assert paris.choices[0].message.role == "assistant"
+    assert paris.choices[0].finish_reason in ("stop", "length")
+    assert paris.choices[0].logprobs is None
+    assert paris.object == "chat.completion" and paris.id.startswith("chatcmpl-") and paris.model == model_id
+    usage = paris.usage
+    assert usage.prompt_tokens > 0 and 0 < usage.completion_tokens <= MAX_TOKENS
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+
+def test_capital_of_france_stream_equals_non_stream(client: openai.OpenAI, model_id: str, paris) -> None:
     text, finish, chunks = _stream_text(
-        client, model_id, messages=QUESTION, max_tokens=MAX_TOKENS, temperature=0
-    )
-    assert text == answer
-    assert finish == r.choices[0].finish_reason
-    assert chunks[0].choices[0].delta.role == "assistant"
-    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
-
-
-def test_stream_include_usage_last_chunk(client: openai.OpenAI, model_id: str) -> None:
-    r = client.chat.completions.create(model=model_id, messages=QUESTION, max_tokens=5, temperature=0)
-    _, _, chunks = _stream_text(
         client,
         model_id,
         messages=QUESTION,
-        max_tokens=5,
+        max_tokens=MAX_TOKENS,
         temperature=0,
         stream_options={"include_usage": True},
     )
-    last = chunks[-1]
-    assert last.choices == [] and last.usage is not None
+    assert text == paris.choices[0].message.content
+    assert finish == paris.choices[0].finish_reason
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    last = chunks[-1]  # stream_options.include_usage: a last chunk with no choices carries the usage
+    assert last.choices == [] and last.usage.model_dump() == paris.usage.model_dump()
     assert all(c.usage is None for c in chunks[:-1])
-    assert last.usage.model_dump() == r.usage.model_dump()
 
 
 def test_stream_selected_by_body_not_accept_header(http: httpx.Client, model_id: str) -> None:
@@ -85,13 +85,15 @@ def test_length_and_usage_counts(client: openai.OpenAI, model_id: str) -> None:
 
 
 def test_n_choices(client: openai.OpenAI, model_id: str) -> None:
-    r = client.chat.completions.create(model=model_id, messages=QUESTION, max_tokens=4, n=2, temperature=0)
+    kwargs = dict(
+        model=model_id, messages=QUESTION, max_tokens=4, n=2, temperature=0, extra_body={"ignore_eos": True}
+    )
+    r = client.chat.completions.create(**kwargs)
     assert [c.index for c in r.choices] == [0, 1]
     assert r.choices[0].message.content == r.choices[1].message.content  # greedy: identical
-    one = client.chat.completions.create(model=model_id, messages=QUESTION, max_tokens=4, temperature=0)
-    assert r.usage.completion_tokens == 2 * one.usage.completion_tokens
+    assert r.usage.completion_tokens == 8  # counted over both choices
 
-    _, _, chunks = _stream_text(client, model_id, messages=QUESTION, max_tokens=4, n=2, temperature=0)
+    _, _, chunks = _stream_text(client, **kwargs)
     texts = {0: "", 1: ""}
     for c in chunks:
         for choice in c.choices:
@@ -128,23 +130,21 @@ def test_logprobs_shape(client: openai.OpenAI, model_id: str) -> None:
         assert len(t.top_logprobs) == 2
         assert t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob
         assert t.logprob == pytest.approx(t.top_logprobs[0].logprob, abs=1e-4)  # greedy picks the top one
-    plain = client.chat.completions.create(model=model_id, messages=QUESTION, max_tokens=2, temperature=0)
-    assert plain.choices[0].logprobs is None
 
 
-def test_content_parts_and_system_message(client: openai.OpenAI, model_id: str) -> None:
+def test_content_parts_and_system_message(client: openai.OpenAI, model_id: str, paris) -> None:
     text_parts = [{"type": "text", "text": "What is the capital "}, {"type": "text", "text": "of France?"}]
     parts = [{"role": "user", "content": text_parts}]
-    a = client.chat.completions.create(model=model_id, messages=parts, max_tokens=6, temperature=0)
-    b = client.chat.completions.create(model=model_id, messages=QUESTION, max_tokens=6, temperature=0)
-    assert a.choices[0].message.content == b.choices[0].message.content
+    a = client.chat.completions.create(model=model_id, messages=parts, max_tokens=1, temperature=0)
+    assert a.usage.prompt_tokens == paris.usage.prompt_tokens
+    assert paris.choices[0].message.content.startswith(a.choices[0].message.content)
     sys_msgs = [{"role": "system", "content": "Answer in one word."}, *QUESTION]
-    c = client.chat.completions.create(model=model_id, messages=sys_msgs, max_tokens=6, temperature=0)
-    assert c.usage.prompt_tokens != b.usage.prompt_tokens
+    c = client.chat.completions.create(model=model_id, messages=sys_msgs, max_tokens=1, temperature=0)
+    assert c.usage.prompt_tokens != paris.usage.prompt_tokens
 
 
 def test_seeded_sampling_is_reproducible(client: openai.OpenAI, model_id: str) -> None:
-    kwargs = dict(model=model_id, messages=QUESTION, max_tokens=8, temperature=1.0, seed=1234, top_p=0.9)
+    kwargs = dict(model=model_id, messages=QUESTION, max_tokens=4, temperature=1.0, seed=1234, top_p=0.9)
     a = client.chat.completions.create(**kwargs)
     b = client.chat.completions.create(**kwargs)
     assert a.choices[0].message.content == b.choices[0].message.content
@@ -154,7 +154,7 @@ def test_vllm_extra_sampling_keys_accepted(client: openai.OpenAI, model_id: str)
     r = client.chat.completions.create(
         model=model_id,
         messages=QUESTION,
-        max_tokens=4,
+        max_tokens=3,
         temperature=0.7,
         presence_penalty=0.5,
         frequency_penalty=0.5,

@@ -25,13 +25,13 @@ def _stream(
 
 
 def test_non_stream_and_stream_agree(client: openai.OpenAI, model_id: str) -> None:
-    r = client.completions.create(model=model_id, prompt=PROMPT, max_tokens=8, temperature=0)
+    r = client.completions.create(model=model_id, prompt=PROMPT, max_tokens=6, temperature=0)
     assert r.object == "text_completion" and r.id.startswith("cmpl-") and r.model == model_id
     choice = r.choices[0]
     assert choice.text and choice.finish_reason in ("stop", "length")
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
     texts, finish, chunks = _stream(
-        client, model_id, prompt=PROMPT, max_tokens=8, temperature=0, stream_options={"include_usage": True}
+        client, model_id, prompt=PROMPT, max_tokens=6, temperature=0, stream_options={"include_usage": True}
     )
     assert texts[0] == choice.text and finish[0] == choice.finish_reason
     assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == r.usage.model_dump()
@@ -85,18 +85,18 @@ def test_token_id_prompts(client: openai.OpenAI, model_id: str) -> None:
 
 def test_stop_strings(client: openai.OpenAI, model_id: str) -> None:
     full = (
-        client.completions.create(model=model_id, prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
+        client.completions.create(model=model_id, prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text
     )
     word = full.split()[0]
     cut = client.completions.create(
-        model=model_id, prompt=PROMPT, max_tokens=12, temperature=0, stop=[word, "zzz"]
+        model=model_id, prompt=PROMPT, max_tokens=8, temperature=0, stop=[word, "zzz"]
     )
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].text == full[: full.index(word)]
     kept = client.completions.create(
         model=model_id,
         prompt=PROMPT,
-        max_tokens=12,
+        max_tokens=8,
         temperature=0,
         stop=word,
         extra_body={"include_stop_str_in_output": True},
