@@ -13,7 +13,7 @@ import importlib.util
 import json
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -76,7 +76,7 @@ class DownloadPlan:
     files: dict[str, int]
     missing: dict[str, int]
     param_count: int | None = None  # from the Hub's safetensors metadata, when it has it
-    param_dtypes: dict[str, int] = field(default_factory=dict)
+    commit: str | None = None  # what `revision` pointed to when planned
 
     @property
     def allow_patterns(self) -> list[str]:
@@ -173,8 +173,7 @@ def plan_download(
         raise HubError(f"{repo_id} has no safetensors or PyTorch weights at its top level")
     missing = {f: n for f, n in files.items() if not _cached(repo_id, f, info.sha or revision, download_dir)}
     params = info.safetensors.total if info.safetensors else None
-    dtypes = dict(info.safetensors.parameters) if info.safetensors else {}
-    return DownloadPlan(repo_id, info.sha or revision, files, missing, params, dtypes)
+    return DownloadPlan(repo_id, revision, files, missing, params, info.sha)
 
 
 def download(
@@ -209,20 +208,27 @@ def download(
 def _plan_from_cache(
     repo_id: str, revision: str, download_dir: Path | None, cause: Exception
 ) -> DownloadPlan:
-    from huggingface_hub import snapshot_download
-
-    try:
-        folder = Path(
-            snapshot_download(repo_id, revision=revision, cache_dir=download_dir, local_files_only=True)
-        )
-    except Exception:  # noqa: BLE001 - not cached: report the original, network, cause
-        raise _hub_error(cause, repo_id, revision) from None
-    names = [p.name for p in folder.iterdir() if p.is_file()]
-    files = {f: (folder / f).stat().st_size for f in select_files(names)}
-    if not any(f.endswith((".safetensors", ".bin")) for f in files):
+    """The plan for a model already in the local cache (revision -> commit via the cache's refs/)."""
+    folder = cached_snapshot(repo_id, revision, download_dir)
+    names = [p.name for p in folder.iterdir() if p.is_file()] if folder else []
+    files = {f: (folder / f).stat().st_size for f in select_files(names)} if folder else {}
+    if folder is None or not any(f.endswith((".safetensors", ".bin")) for f in files):
         raise _hub_error(cause, repo_id, revision)
-    log.info("the Hub is unreachable (%s); using the cached %s", type(cause).__name__, repo_id)
-    return DownloadPlan(repo_id, revision, files, missing={})
+    log.info(
+        "the Hub is unreachable (%s); using the cached %s at %s", type(cause).__name__, repo_id, folder.name
+    )
+    return DownloadPlan(repo_id, revision, files, missing={}, commit=folder.name)
+
+
+def cached_snapshot(repo_id: str, revision: str, download_dir: Path | None) -> Path | None:
+    """The cached snapshot folder of repo_id at revision (a branch, tag or commit), if there is one."""
+    from huggingface_hub.file_download import repo_folder_name
+
+    storage = (download_dir or default_download_dir()) / repo_folder_name(repo_id=repo_id, repo_type="model")
+    ref = storage / "refs" / revision
+    commit = ref.read_text().strip() if ref.is_file() else revision
+    folder = storage / "snapshots" / commit
+    return folder if folder.is_dir() else None
 
 
 def _cached(repo_id: str, filename: str, revision: str, download_dir: Path | None) -> bool:
