@@ -2,6 +2,7 @@
 # Create .venv and install Peregrine into it, with its test extras and the bundled models.
 #
 #   bash scripts/setup.sh          # idempotent: returns at once when nothing changed since the last run
+#   bash scripts/setup.sh --check  # exit 0 if .venv is up to date, 1 if setup would install something
 #
 # Order matters: torch goes in first. A bare `torch` requirement would pull the newest CUDA build (several
 # GB) on any machine; a CPU machine gets the pinned CPU build, a machine with an NVIDIA driver gets pip's
@@ -27,7 +28,12 @@ torch_requirement() {
 fingerprint() { { cat pyproject.toml scripts/setup.sh; torch_requirement; echo "${BUNDLED[*]}"; } | sha256sum | cut -d' ' -f1; }
 
 want="$(fingerprint)"
-if [ -x "$VENV/bin/python" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
+up_to_date() { [ -x "$VENV/bin/python" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; }
+if [ "${1:-}" = "--check" ]; then
+    up_to_date
+    exit $?
+fi
+if up_to_date; then
     exit 0
 fi
 
