@@ -64,9 +64,14 @@ def get_embedder(request: Request, model: str | None) -> Embedder:
     """The embedder `model` names (None: the one there is). 404 for an unknown name, 400 for the LLM."""
     embedder: Embedder | None = getattr(request.app.state, "embedder", None)
     if embedder is None:
-        raise ServiceUnavailableError(
-            "No embedding model is loaded (start the server with --embedding-model)."
-        )
+        setting = str(getattr(request.app.state.settings, "embedding_model", "") or "").strip().lower()
+        if setting in ("", "none", "off"):  # turned off for good: not a passing unavailability
+            raise NotFoundError(
+                "This server serves no embedding model (it was started with --embedding-model none).",
+                param="model",
+                code="model_not_found",
+            )
+        raise ServiceUnavailableError("The embedding model is still loading; retry shortly.")
     if model is None or model.lower() in {n.lower() for n in embedder_names(request, embedder)}:
         return embedder
     engine = getattr(request.app.state, "engine", None)
