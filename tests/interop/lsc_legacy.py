@@ -16,10 +16,7 @@ GREEDY = {"strategy": {"type": "greedy"}, "max_tokens": 8}
 
 
 def chat(client: LlamaStackClient, llm: str) -> dict:
-    messages = [
-        {"role": "system", "content": "Answer briefly."},
-        {"role": "user", "content": [{"type": "text", "text": "Name a colour."}]},
-    ]
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Name a colour."}]}]
     reply = client.inference.chat_completion(
         model_id=llm, messages=messages, sampling_params=GREEDY, logprobs={"top_k": 2}
     )
@@ -59,7 +56,9 @@ def chat(client: LlamaStackClient, llm: str) -> dict:
 def completion(client: LlamaStackClient, llm: str) -> dict:
     prompt = "The capital of France is"
     reply = client.inference.completion(model_id=llm, content=prompt, sampling_params=GREEDY)
-    chunks = list(client.inference.completion(model_id=llm, content=prompt, sampling_params=GREEDY, stream=True))
+    chunks = list(
+        client.inference.completion(model_id=llm, content=prompt, sampling_params=GREEDY, stream=True)
+    )
     return {
         "completion": {"content": reply.content, "stop_reason": reply.stop_reason},
         "completion_stream": {
@@ -70,7 +69,9 @@ def completion(client: LlamaStackClient, llm: str) -> dict:
 
 
 def embeddings(client: LlamaStackClient, emb: str) -> dict:
-    reply = client.inference.embeddings(model_id=emb, contents=["Falcons are fast.", "Peregrines dive."])
+    reply = client.inference.embeddings(
+        model_id=emb, contents=["Falcons are fast.", "Peregrines dive at 300 km/h."]
+    )
     short = client.inference.embeddings(model_id=emb, contents=["Falcons are fast."], output_dimension=32)
     return {"embeddings": reply.embeddings, "embeddings_32": short.embeddings}
 

@@ -19,10 +19,16 @@ PROMPT = [{"role": "user", "content": "Name a colour."}]
 
 def chat(client: LlamaStackClient, llm: str) -> dict:
     reply = client.chat.completions.create(model=llm, messages=PROMPT, max_tokens=8, temperature=0)
-    chunks = list(client.chat.completions.create(model=llm, messages=PROMPT, max_tokens=8, temperature=0, stream=True))
+    chunks = list(
+        client.chat.completions.create(model=llm, messages=PROMPT, max_tokens=8, temperature=0, stream=True)
+    )
     # vLLM's extra sampling keys, the way Llama Stack's own providers send them
     extra = client.chat.completions.create(
-        model=llm, messages=PROMPT, max_tokens=8, temperature=1.5, extra_body={"top_k": 1, "repetition_penalty": 1.0}
+        model=llm,
+        messages=PROMPT,
+        max_tokens=8,
+        temperature=1.5,
+        extra_body={"top_k": 1, "repetition_penalty": 1.0},
     )
     return {
         "chat": {
@@ -31,8 +37,12 @@ def chat(client: LlamaStackClient, llm: str) -> dict:
             "completion_tokens": reply.usage.completion_tokens if reply.usage else None,
         },
         "chat_stream": {
-            "deltas": [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content],
-            "finish_reasons": [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason],
+            "deltas": [
+                c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content
+            ],
+            "finish_reasons": [
+                c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+            ],
             "objects": sorted({c.object for c in chunks}),
         },
         "chat_top_k_1": extra.choices[0].message.content,
@@ -42,12 +52,16 @@ def chat(client: LlamaStackClient, llm: str) -> dict:
 def completions(client: LlamaStackClient, llm: str) -> dict:
     prompt = "The capital of France is"
     reply = client.completions.create(model=llm, prompt=prompt, max_tokens=6, temperature=0)
-    chunks = list(client.completions.create(model=llm, prompt=prompt, max_tokens=6, temperature=0, stream=True))
+    chunks = list(
+        client.completions.create(model=llm, prompt=prompt, max_tokens=6, temperature=0, stream=True)
+    )
     return {
         "completion": {"text": reply.choices[0].text, "finish_reason": reply.choices[0].finish_reason},
         "completion_stream": {
             "text": "".join(c.choices[0].text for c in chunks if c.choices),
-            "finish_reasons": [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason],
+            "finish_reasons": [
+                c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+            ],
         },
     }
 
@@ -77,7 +91,9 @@ def models(client: LlamaStackClient, llm: str, emb: str) -> dict:
     return out
 
 
-def main(base_url: str, llm: str, emb: str, parts: str = "inspect,models,chat,completions,embeddings") -> None:
+def main(
+    base_url: str, llm: str, emb: str, parts: str = "inspect,models,chat,completions,embeddings"
+) -> None:
     client = LlamaStackClient(base_url=base_url, max_retries=0, timeout=300)
     out: dict = {"client_version": __import__("llama_stack_client").__version__}
     wanted = set(parts.split(","))

@@ -1,0 +1,85 @@
+"""A real Llama Stack server (llama-stack 0.7.x, Python 3.12) whose only inference provider is Peregrine.
+
+The stack runs `examples/llama-stack-run.yaml` (the file the README shows) with `PEREGRINE_URL` pointing at
+the test server's /v1, on a free loopback port, from its own cached virtual environment; it is stopped by
+its PID. llama-stack-client 0.7.x then talks to the stack only, and must get Peregrine's answers.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.api.conftest import free_port
+from tests.interop.harness import check_embeddings, check_generation, direct, embedding_id, run_client
+from tests.interop.venvs import CLIENT_MODERN, SERVER, ensure_venv
+
+pytestmark = [pytest.mark.slow, pytest.mark.interop]
+__all__ = ["direct", "embedding_id"]  # fixtures, imported so pytest finds them here
+RUN_YAML = Path(__file__).resolve().parents[2] / "examples" / "llama-stack-run.yaml"
+START_TIMEOUT_S = 300
+
+
+def wait_stack(url: str, proc: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(
+                f"llama stack exited with {proc.returncode}:\n{log.read_text(errors='replace')[-6000:]}"
+            )
+        try:
+            if httpx.get(f"{url}/v1/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(1.0)
+    pytest.fail(f"llama stack not up after {START_TIMEOUT_S}s:\n{log.read_text(errors='replace')[-6000:]}")
+
+
+@pytest.fixture(scope="module")
+def stack(server: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    venv = ensure_venv(SERVER)
+    workdir = tmp_path_factory.mktemp("llama-stack")
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PEREGRINE_", "LLAMA_STACK_"))}
+    env |= {"PEREGRINE_URL": f"{server}/v1", "SQLITE_STORE_DIR": str(workdir / "store"), "HOME": str(workdir),
+            "LLAMA_STACK_HOST": "127.0.0.1"}  # fmt: skip
+    log = workdir / "stack.log"
+    cmd = [str(venv / "bin" / "llama"), "stack", "run", str(RUN_YAML), "--port", str(port)]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_stack(url, proc, log)
+        yield url
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=60)
+
+
+def test_llama_stack_serves_peregrine(
+    stack: str, model_id: str, embedding_id: str, direct: dict[str, Any]
+) -> None:
+    llm_id, emb_id = f"peregrine/{model_id}", f"peregrine/{embedding_id}"
+    seen = run_client(
+        CLIENT_MODERN, "lsc_modern.py", stack, llm_id, emb_id, "models,chat,completions,embeddings"
+    )
+    assert seen["models"][llm_id]["model_type"] == "llm"
+    assert seen["models"][llm_id]["provider_resource_id"] == model_id
+    assert seen["models"][emb_id]["model_type"] == "embedding"
+    assert seen["retrieve_embedding"]["provider_resource_id"] == embedding_id
+    check_generation(seen, direct)
+    check_embeddings(seen, direct)
