@@ -9,6 +9,7 @@ Run as a script to build them ahead of the tests: `python -m tests.interop.venvs
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-CACHE = REPO / ".cache" / "interop-venvs"
+CACHE = Path(os.environ.get("PEREGRINE_INTEROP_VENVS") or REPO / ".cache" / "interop-venvs")
 PYENV_ROOT = Path(os.environ.get("PYENV_ROOT", str(Path.home() / ".pyenv")))
 
 
@@ -68,24 +69,31 @@ def _runs(python: str) -> bool:
 
 
 def ensure_venv(spec: VenvSpec, timeout_s: float = 1800) -> Path:
-    """Return the venv folder for `spec`, building it first if the cache has none. Raises on failure."""
-    done = spec.path / ".complete"
-    if done.exists():
+    """Return the venv folder for `spec`, building it first if the cache has none. Raises on failure.
+    A lock file makes concurrent callers (two test runs) wait for one build instead of racing."""
+    if (spec.path / ".complete").exists():
         return spec.path
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / f"{spec.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (spec.path / ".complete").exists():
+            _build(spec, timeout_s)
+    return spec.path
+
+
+def _build(spec: VenvSpec, timeout_s: float) -> None:
     python = find_python(spec.python)
     if python is None:
         raise RuntimeError(f"no Python {spec.python} interpreter found (PATH or {PYENV_ROOT}/versions)")
     tmp = spec.path.with_name(spec.path.name + ".building")
     shutil.rmtree(tmp, ignore_errors=True)
-    CACHE.mkdir(parents=True, exist_ok=True)
     subprocess.run([python, "-m", "venv", str(tmp)], check=True, timeout=300)
     pip = [str(tmp / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
     subprocess.run([*pip, *spec.requirements], check=True, timeout=timeout_s)
     shutil.rmtree(spec.path, ignore_errors=True)
     tmp.rename(spec.path)  # venv scripts use their own folder's path via `bin/python`, which we always call
     _fix_shebangs(tmp, spec.path)
-    done.write_text("\n".join(spec.requirements) + "\n")
-    return spec.path
+    (spec.path / ".complete").write_text("\n".join(spec.requirements) + "\n")
 
 
 def _fix_shebangs(old: Path, new: Path) -> None:
