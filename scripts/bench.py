@@ -1,0 +1,279 @@
+"""Serving benchmark against any OpenAI-compatible server, or against peers it starts itself.
+
+    # one server you started yourself (any OpenAI-compatible base URL, without /v1)
+    python scripts/bench.py --base-url http://127.0.0.1:8000 --concurrency 1,4,16,64
+    # Peregrine and its peers, started here one after another on the same model and prompts
+    python scripts/bench.py --peers peregrine,transformers,transformers-cb,llamacpp,llamacpp-python
+    # server overhead: engine-only vs HTTP+SSE at 16 concurrent streams
+    python scripts/bench.py --peers engine,peregrine --concurrency 16
+    # a smoke run (seconds per peer, after loading)
+    python scripts/bench.py --peers peregrine --quick
+
+Prompts are fixed and seeded (`--dataset random`: random-token prompts of `--input-len` tokens;
+`--dataset chat`: the shipped chat set). Output length is fixed with `--output-len` wherever the server
+can be told to ignore EOS. Load is a concurrency sweep (`--concurrency`) or Poisson arrivals
+(`--request-rate`, capped by `--max-concurrency`). Metrics follow vLLM's serving benchmark
+(`bench_metrics.py`). A table goes to stdout and everything to a JSON file (`--out`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import bench_peers as peers
+import httpx
+from bench_client import FIXED_LENGTH, Target, run_load
+from bench_datasets import BenchRequest, chat_requests, load_tokenizer, random_requests
+from bench_metrics import RequestResult, ratio, summarize
+
+PEER_CHOICES = ("engine", *peers.PEER_NAMES)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--base-url", help="a running server's root URL (no /v1)")
+    where.add_argument("--peers", help=f"comma-separated servers to start here: {', '.join(PEER_CHOICES)}")
+    p.add_argument("--model", help="model id to send with --base-url (default: the first of GET /v1/models)")
+    p.add_argument("--backend", default="ignore_eos", choices=sorted(FIXED_LENGTH),
+                   help="how --base-url is asked for a fixed output length")  # fmt: skip
+    p.add_argument("--api-key", help="bearer token for --base-url")
+    p.add_argument("--dataset", default="random", choices=("random", "chat"))
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens (random dataset)")
+    p.add_argument("--output-len", type=int, default=128, help="output tokens (chat: 0 = each prompt's own)")
+    p.add_argument("--num-prompts", type=int, default=0, help="requests per load level (0: max(8, 2 x conc))")
+    p.add_argument("--concurrency", default="1,4,16,64", help="comma-separated concurrency levels")
+    p.add_argument("--request-rate", help="comma-separated Poisson request rates (req/s) instead of a sweep")
+    p.add_argument("--max-concurrency", type=int, default=64, help="in-flight cap with --request-rate")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals (1 = Poisson)")
+    p.add_argument("--warmup", type=int, default=2, help="unmeasured requests before each peer's runs")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokenizer", help="tokenizer.json or its folder (default: the bundled SmolLM2's)")
+    p.add_argument("--gguf", type=Path, help="GGUF for the peers (default: the bundled SmolLM2 Q4_1)")
+    p.add_argument("--dtype", default="bfloat16", help="dtype for Peregrine and transformers peers")
+    p.add_argument("--threads", type=int, default=2, help="CPU threads for the llama.cpp peers")
+    p.add_argument("--peregrine-args", default="", help="extra flags for python main.py (one string)")
+    p.add_argument("--llama-server", type=Path, help="llama-server binary (default: .cache/llama-build)")
+    p.add_argument(
+        "--peers-python", type=Path, help="python with llama-cpp-python (default: .cache/peers-venv)"
+    )
+    p.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for a peer to load")
+    p.add_argument("--out", type=Path, help="JSON results (default: bench-results/bench-<time>.json)")
+    p.add_argument("--quick", action="store_true", help="smoke run: 4 prompts of 32 tokens, 16 out, conc 1,4")
+    args = p.parse_args(argv)
+    if not args.base_url and not args.peers:
+        p.error("give --base-url URL or --peers NAMES")
+    if args.quick:
+        args.input_len, args.output_len, args.num_prompts, args.concurrency, args.warmup = 32, 16, 4, "1,4", 1
+    return args
+
+
+def load_levels(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """[{"concurrency": c, "rate": r}, ...]: the sweep's load levels."""
+    if args.request_rate:
+        return [{"concurrency": args.max_concurrency, "rate": float(r)} for r in args.request_rate.split(",")]
+    return [{"concurrency": int(c), "rate": None} for c in args.concurrency.split(",")]
+
+
+def level_name(level: dict[str, Any]) -> str:
+    return f"rate {level['rate']:g}/s" if level["rate"] else f"conc {level['concurrency']}"
+
+
+def build_requests(args: argparse.Namespace, tokenizer: Any, count: int) -> list[BenchRequest]:
+    if args.dataset == "chat":
+        return chat_requests(tokenizer, count, args.output_len or None, seed=args.seed)
+    return random_requests(tokenizer, count, args.input_len, args.output_len, seed=args.seed)
+
+
+def prompts_per_level(args: argparse.Namespace, level: dict[str, Any]) -> int:
+    return args.num_prompts or max(8, 2 * level["concurrency"])
+
+
+def mismatched_lengths(requests: list[BenchRequest], results: list[RequestResult]) -> int:
+    """Successful requests whose output length differs from the one asked for (EOS not ignored)."""
+    return sum(
+        1 for q, r in zip(requests, results, strict=True) if r.success and r.output_tokens != q.output_len
+    )
+
+
+async def measure(target: Target | None, engine: Any, reqs: list[BenchRequest], tokenizer: Any,
+                  level: dict[str, Any], args: argparse.Namespace) -> tuple[list[RequestResult], float]:  # fmt: skip
+    if engine is not None:
+        from bench_overhead import run_engine_load
+
+        return await run_engine_load(engine, reqs, level["concurrency"])
+    assert target is not None
+    return await run_load(
+        target, reqs, tokenizer, level["concurrency"], level["rate"], args.burstiness, args.seed
+    )
+
+
+def run_levels(
+    name: str, target: Target | None, engine: Any, tokenizer: Any, args: argparse.Namespace
+) -> list[dict]:
+    """Warm up, then run every load level; one JSON-able row per level."""
+    if args.warmup:
+        warm = random_requests(tokenizer, args.warmup, 16, 8, seed=args.seed + 1)
+        asyncio.run(
+            measure(target, engine, warm, tokenizer, {"concurrency": args.warmup, "rate": None}, args)
+        )
+    rows = []
+    for level in load_levels(args):
+        reqs = build_requests(args, tokenizer, prompts_per_level(args, level))
+        results, duration = asyncio.run(measure(target, engine, reqs, tokenizer, level, args))
+        summary = summarize(results, duration)
+        row = {"peer": name, "load": level_name(level), **level, "num_prompts": len(reqs),
+               "output_len_mismatch": mismatched_lengths(reqs, results), **summary.to_json()}  # fmt: skip
+        print(format_row(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def run_peer(name: str, opts: peers.PeerOptions, tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """Start one peer, measure it, stop it. Returns {"peer", "description", "rows" | "skipped"}."""
+    if name == "engine":
+        return run_engine(opts, tokenizer, args)
+    peer = peers.make_peer(name, opts)
+    info: dict[str, Any] = {
+        "peer": name,
+        "description": peer.description,
+        "command": shlex.join(peer.command),
+    }
+    if peer.skip_reason:
+        print(f"-- skipping {name}: {peer.skip_reason}", flush=True)
+        return info | {"skipped": peer.skip_reason}
+    log_dir = (args.out.parent if args.out else Path("bench-results")) / "logs"
+    print(f"-- starting {name}: {info['command']}", flush=True)
+    peers.start(peer, log_dir.resolve())
+    try:
+        why = peers.wait_ready(peer, args.ready_timeout)
+        if why:
+            print(f"-- skipping {name}: {why}", flush=True)
+            return info | {"skipped": why}
+        target = Target(peer.base_url, peer.model, peer.fixed_length, peer.stream_options)
+        return info | {"pid": peer.process.pid, "rows": run_levels(name, target, None, tokenizer, args)}
+    finally:
+        peers.stop(peer)
+        print(f"-- stopped {name} (pid {peer.process.pid if peer.process else '-'})", flush=True)
+
+
+def run_engine(opts: peers.PeerOptions, tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """The in-process engine, no HTTP: the baseline of the server-overhead comparison."""
+    from bench_overhead import load_engine
+
+    flags = peers.make_peer("peregrine", opts).command[2:]  # the very flags the peregrine peer gets
+    print(f"-- loading the engine in-process: main.py {shlex.join(flags)}", flush=True)
+    engine = load_engine(flags)
+    try:
+        rows = run_levels("engine", None, engine, tokenizer, args)
+    finally:
+        asyncio.run(engine.shutdown())
+    return {"peer": "engine", "description": "Peregrine's AsyncEngine in-process, no HTTP", "rows": rows}
+
+
+def run_base_url(tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
+    base = args.base_url.rstrip("/").removesuffix("/v1")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    model = args.model or httpx.get(f"{base}/v1/models", headers=headers, timeout=60).json()["data"][0]["id"]
+    target = Target(base, model, args.backend, api_key=args.api_key)
+    return {
+        "peer": base,
+        "description": f"{base} model {model}",
+        "rows": run_levels(base, target, None, tokenizer, args),
+    }
+
+
+def _cell(stats: dict[str, float]) -> str:
+    return "/".join(f"{stats[k]:.0f}" for k in ("mean", "p50", "p90", "p99"))
+
+
+HEADER = ("| peer | load | ok/fail | req/s | out tok/s | total tok/s | TTFT ms | TPOT ms | ITL ms | E2EL ms |\n"
+          "|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
+
+
+def format_row(row: dict[str, Any]) -> str:
+    flag = f" ({row['output_len_mismatch']} off-length)" if row.get("output_len_mismatch") else ""
+    return (f"| {row['peer']} | {row['load']} | {row['completed']}/{row['failed']}{flag} | "
+            f"{row['request_throughput']:.2f} | {row['output_throughput']:.1f} | {row['total_token_throughput']:.1f} | "
+            f"{_cell(row['ttft_ms'])} | {_cell(row['tpot_ms'])} | {_cell(row['itl_ms'])} | {_cell(row['e2el_ms'])} |")  # fmt: skip
+
+
+def ratios(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per load level: the first measured peer's output tok/s and p50 TPOT relative to each other peer."""
+    measured = [r for r in runs if r.get("rows")]
+    if len(measured) < 2:
+        return []
+    base, out = measured[0], []
+    for other in measured[1:]:
+        for mine, theirs in zip(base["rows"], other["rows"], strict=False):
+            out.append({"load": mine["load"], "base": base["peer"], "peer": other["peer"],
+                        "output_throughput_ratio": ratio(mine["output_throughput"], theirs["output_throughput"]),
+                        "tpot_p50_ratio": ratio(mine["tpot_ms"]["p50"], theirs["tpot_ms"]["p50"]),
+                        "ttft_p50_ratio": ratio(mine["ttft_ms"]["p50"], theirs["ttft_ms"]["p50"])})  # fmt: skip
+    return out
+
+
+def print_report(runs: list[dict[str, Any]], rel: list[dict[str, Any]]) -> None:
+    print("\nLatency cells: mean/p50/p90/p99 in ms. Throughput over each level's whole run.\n")
+    print(HEADER)
+    for run in runs:
+        for row in run.get("rows", []):
+            print(format_row(row))
+    for run in runs:
+        if "skipped" in run:
+            print(f"\nskipped {run['peer']}: {run['skipped']}")
+        for row in run.get("rows", []):
+            for err in row["errors"]:
+                print(f"\n{run['peer']} {row['load']} error: {err}")
+    if rel:
+        print(
+            f"\n| load | {rel[0]['base']} vs | out tok/s ratio | TPOT p50 ratio | TTFT p50 ratio |\n|---|---|---|---|---|"
+        )
+        for r in rel:
+            cells = [f"{r[k]:.2f}" if r[k] is not None else "-" for k in
+                     ("output_throughput_ratio", "tpot_p50_ratio", "ttft_p50_ratio")]  # fmt: skip
+            print(f"| {r['load']} | {r['peer']} | {' | '.join(cells)} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    gguf = args.gguf or peers.bundled_gguf()
+    dense = peers.ensure_dense_model(gguf) if (args.peers or not args.tokenizer) else None
+    tokenizer = load_tokenizer(args.tokenizer or dense)
+    out = args.out or Path("bench-results") / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    args.out = out
+    levels = load_levels(args)
+    opts = peers.PeerOptions(gguf=gguf, dense_dir=dense or Path(), dtype=args.dtype, threads=args.threads,
+                             max_concurrency=max(lv["concurrency"] for lv in levels),
+                             context_per_request=(args.input_len if args.dataset == "random" else 1536) + (args.output_len or 384) + 64,
+                             peregrine_args=tuple(shlex.split(args.peregrine_args)),
+                             llama_server=args.llama_server, peers_python=args.peers_python)  # fmt: skip
+    if args.base_url:
+        runs = [run_base_url(tokenizer, args)]
+    else:
+        names = [n.strip() for n in args.peers.split(",") if n.strip()]
+        unknown = [n for n in names if n not in PEER_CHOICES]
+        if unknown:
+            sys.exit(f"unknown peer(s) {', '.join(unknown)}; choose from {', '.join(PEER_CHOICES)}")
+        runs = [run_peer(name, opts, tokenizer, args) for name in names]
+    rel = ratios(runs)
+    print_report(runs, rel)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"command": shlex.join([sys.executable, *sys.argv]), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "machine": platform.platform(), "cpus": os.cpu_count(), "args": vars(args) | {"out": str(out)}}  # fmt: skip
+    out.write_text(json.dumps({"meta": meta, "runs": runs, "ratios": rel}, indent=2, default=str))
+    print(f"\nwrote {out}")
+    return 0 if any(r.get("rows") for r in runs) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

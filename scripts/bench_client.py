@@ -1,0 +1,168 @@
+"""The benchmark's client: one streamed OpenAI request, timed chunk by chunk, and the load generators
+(a fixed number of concurrent streams, or Poisson arrivals at a request rate).
+
+Each server family asks for a fixed output length in its own way (`FIXED_LENGTH`): vLLM's extension
+`ignore_eos` (Peregrine, vLLM, llama.cpp's llama-server), `min_tokens` (llama-cpp-python's server), a
+`generation_config` JSON with `min_new_tokens` (`transformers serve`). Sampling is greedy everywhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from bench_datasets import BenchRequest, count_tokens
+from bench_metrics import RequestResult
+
+
+def _gen_config(n: int) -> dict[str, Any]:
+    return {"generation_config": json.dumps({"max_new_tokens": n, "min_new_tokens": n, "do_sample": False})}
+
+
+FIXED_LENGTH: dict[str, Callable[[int], dict[str, Any]]] = {
+    "ignore_eos": lambda n: {"ignore_eos": True},
+    "min_tokens": lambda n: {"min_tokens": n},
+    "generation_config": _gen_config,
+    "none": lambda n: {},
+}
+USAGE_OPTION = {"stream_options": {"include_usage": True}}
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where and how to send requests."""
+
+    base_url: str  # the server root, without /v1
+    model: str
+    fixed_length: str = "ignore_eos"  # a key of FIXED_LENGTH
+    stream_options: bool = True  # servers that reject `stream_options` get usage in the last chunk anyway
+    api_key: str | None = None
+    timeout_s: float = 1800.0
+
+
+def request_body(target: Target, req: BenchRequest) -> tuple[str, dict[str, Any]]:
+    """(path, JSON body) of one streamed, greedy request asking for exactly `req.output_len` tokens."""
+    body: dict[str, Any] = {"model": target.model, "max_tokens": req.output_len, "temperature": 0.0,
+                            "stream": True}  # fmt: skip
+    body |= FIXED_LENGTH[target.fixed_length](req.output_len)
+    if target.stream_options:
+        body |= USAGE_OPTION
+    if req.kind == "chat":
+        return "/v1/chat/completions", body | {"messages": list(req.messages or ())}
+    return "/v1/completions", body | {"prompt": req.prompt}
+
+
+def chunk_text(event: dict[str, Any]) -> str:
+    choices = event.get("choices") or []
+    if not choices:
+        return ""
+    choice = choices[0]
+    return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+
+
+async def send(client: httpx.AsyncClient, target: Target, req: BenchRequest, tokenizer: Any) -> RequestResult:
+    """Send one request and time its stream. Never raises: failures come back as `success=False`."""
+    path, body = request_body(target, req)
+    headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
+    result = RequestResult(prompt_tokens=req.prompt_tokens)
+    start = time.perf_counter()
+    try:
+        async with client.stream("POST", target.base_url + path, json=body, headers=headers) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode(errors="replace")
+                result.error = f"HTTP {response.status_code}: {text[:200]}"
+                return result
+            usage = await _read_stream(response, result, start)
+    except (httpx.HTTPError, json.JSONDecodeError, OSError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"[:300]
+        return result
+    result.latency = time.perf_counter() - start
+    _settle_counts(result, usage, tokenizer)
+    return result
+
+
+async def _read_stream(response: httpx.Response, result: RequestResult, start: float) -> dict[str, Any]:
+    usage: dict[str, Any] = {}
+    pieces: list[str] = []
+    last = start
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == "[DONE]":
+            break
+        event = json.loads(payload)
+        if "error" in event:
+            result.error = f"stream error: {json.dumps(event['error'])[:200]}"
+            return usage
+        usage = event.get("usage") or usage
+        if text := chunk_text(event):
+            now = time.perf_counter()
+            if pieces:
+                result.itl.append(now - last)
+            else:
+                result.ttft = now - start
+            pieces.append(text)
+            last = now
+    result.text = "".join(pieces)
+    result.success = bool(pieces)
+    if not pieces:
+        result.error = "empty stream: no generated text"
+    return usage
+
+
+def _settle_counts(result: RequestResult, usage: dict[str, Any], tokenizer: Any) -> None:
+    """Token counts from the server's usage when it reports them, else from the local tokenizer."""
+    if usage.get("completion_tokens"):
+        result.output_tokens = int(usage["completion_tokens"])
+    elif result.text:
+        result.output_tokens = count_tokens(tokenizer, result.text)
+    if usage.get("prompt_tokens"):
+        result.prompt_tokens = int(usage["prompt_tokens"])
+
+
+def arrival_gaps(count: int, rate: float | None, burstiness: float = 1.0, seed: int = 0) -> list[float]:
+    """Seconds to wait before each request: 0 for rate None (all at once, bounded by concurrency),
+    else gamma-distributed gaps with mean 1/rate (burstiness 1 = Poisson), as vLLM draws them."""
+    if rate is None or rate == float("inf"):
+        return [0.0] * count
+    rng = random.Random(seed)
+    theta = 1.0 / (rate * burstiness)
+    return [rng.gammavariate(burstiness, theta) for _ in range(count)]
+
+
+async def run_load(
+    target: Target,
+    requests: Sequence[BenchRequest],
+    tokenizer: Any,
+    concurrency: int | None,
+    rate: float | None = None,
+    burstiness: float = 1.0,
+    seed: int = 0,
+) -> tuple[list[RequestResult], float]:
+    """Send every request (at most `concurrency` in flight, arriving at `rate`/s if given).
+    Returns the results in request order and the run's duration (first send to last completion)."""
+    limit = concurrency or len(requests)
+    semaphore = asyncio.Semaphore(limit)
+    limits = httpx.Limits(max_connections=limit + 4, max_keepalive_connections=limit + 4)
+    timeout = httpx.Timeout(target.timeout_s, connect=30.0)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+
+        async def one(req: BenchRequest) -> RequestResult:
+            async with semaphore:
+                return await send(client, target, req, tokenizer)
+
+        tasks: list[asyncio.Task[RequestResult]] = []
+        start = time.perf_counter()
+        for req, gap in zip(requests, arrival_gaps(len(requests), rate, burstiness, seed), strict=True):
+            if gap:
+                await asyncio.sleep(gap)
+            tasks.append(asyncio.create_task(one(req)))
+        results = list(await asyncio.gather(*tasks))
+    return results, time.perf_counter() - start

@@ -1,0 +1,82 @@
+"""The engine-only baseline for the server-overhead comparison (`scripts/bench.py --peers engine,peregrine`).
+
+It loads the engine in this process exactly as `main.py` would with the same flags (`config.Settings` ->
+`main.prepare` -> `main.engine_config` -> `AsyncEngine.from_config`) and drives the same requests through
+`AsyncEngine.generate` directly, with the same concurrency and timing rules as the HTTP client (TTFT at
+the first output carrying text, ITL between such outputs). The ratio of Peregrine's HTTP+SSE throughput
+to this one is the server's overhead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from bench_datasets import BenchRequest
+from bench_metrics import RequestResult
+from bench_peers import REPO
+
+
+def load_engine(server_args: Sequence[str]) -> Any:
+    """An AsyncEngine built from Peregrine's own command-line flags, loop started."""
+    sys.path.insert(0, str(REPO))
+    import main as peregrine_main
+    from config import settings_or_exit
+    from engine import AsyncEngine
+
+    settings = settings_or_exit(list(server_args))
+    prepared = peregrine_main.prepare(settings)
+    engine = AsyncEngine.from_config(peregrine_main.engine_config(settings, prepared))
+    engine.start()
+    return engine
+
+
+def prompt_ids(engine: Any, req: BenchRequest) -> list[int]:
+    """The token ids the server would build for this request (completion text, or the chat template)."""
+    tok = engine.tokenizer
+    if req.kind == "chat":
+        text = tok.apply_chat_template(list(req.messages or ()), add_generation_prompt=True, tokenize=False)
+        return list(tok.encode(text, add_special_tokens=False))
+    return list(tok.encode(req.prompt or "", add_special_tokens=False))
+
+
+async def one_request(engine: Any, ids: list[int], output_len: int) -> RequestResult:
+    from engine.types import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    result = RequestResult(prompt_tokens=len(ids))
+    start = last = time.perf_counter()
+    async for out in engine.generate(ids, params, f"bench-{uuid.uuid4().hex}"):
+        if out.finish_reason == "error":
+            result.error = f"engine error: {out.error}"
+            return result
+        if out.text:
+            now = time.perf_counter()
+            if result.success:
+                result.itl.append(now - last)
+            else:
+                result.ttft, result.success = now - start, True
+            last = now
+        result.output_tokens = out.completion_tokens
+    result.latency = time.perf_counter() - start
+    return result
+
+
+async def run_engine_load(
+    engine: Any, requests: Sequence[BenchRequest], concurrency: int | None
+) -> tuple[list[RequestResult], float]:
+    """Like `bench_client.run_load`, without HTTP: at most `concurrency` requests in flight."""
+    semaphore = asyncio.Semaphore(concurrency or len(requests))
+    prepared = [(prompt_ids(engine, r), r.output_len) for r in requests]
+
+    async def one(ids: list[int], n: int) -> RequestResult:
+        async with semaphore:
+            return await one_request(engine, ids, n)
+
+    start = time.perf_counter()
+    results = await asyncio.gather(*(one(ids, n) for ids, n in prepared))
+    return list(results), time.perf_counter() - start

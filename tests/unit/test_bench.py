@@ -1,0 +1,217 @@
+"""scripts/bench.py: the metric arithmetic on synthetic timings, the prompt sets, the request bodies, the SSE
+client against a scripted server, and (slow) a real bounded run against a Peregrine server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import sys
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+import bench  # noqa: E402
+import bench_client  # noqa: E402
+import bench_peers  # noqa: E402
+from bench_datasets import CHAT_FILE, BenchRequest, chat_requests, load_tokenizer, random_requests  # noqa: E402
+from bench_metrics import RequestResult, describe_ms, percentile, ratio, summarize  # noqa: E402
+
+
+def result(ttft: float, latency: float, out: int, itl: list[float], prompt: int = 10) -> RequestResult:
+    return RequestResult(True, prompt, out, ttft, latency, itl)
+
+
+@pytest.mark.parametrize("q", [0, 1, 37.5, 50, 90, 99, 100])
+def test_percentile_matches_numpy(q: float) -> None:
+    values = [0.3, 5.0, 1.25, 9.0, 2.0, 2.0, 7.5]
+    assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+    assert percentile([4.0], q) == 4.0
+    assert percentile([], q) == 0.0
+
+
+def test_summarize_follows_vllm_definitions() -> None:
+    ok1 = result(ttft=0.1, latency=1.1, out=11, itl=[0.1] * 10)  # TPOT (1.1 - 0.1) / 10 = 0.1
+    ok2 = result(ttft=0.3, latency=0.7, out=3, itl=[0.2, 0.2], prompt=20)  # TPOT 0.2
+    single = result(ttft=0.2, latency=0.2, out=1, itl=[])  # one token: no TPOT, no ITL
+    failed = RequestResult(error="HTTP 500: boom")
+    s = summarize([ok1, ok2, single, failed], duration_s=2.0)
+    assert (s.completed, s.failed) == (3, 1)
+    assert s.total_input_tokens == 40 and s.total_output_tokens == 15
+    assert s.request_throughput == pytest.approx(1.5)
+    assert s.output_throughput == pytest.approx(7.5)
+    assert s.total_token_throughput == pytest.approx(27.5)
+    assert s.ttft_ms["mean"] == pytest.approx(200.0)
+    assert s.ttft_ms["p50"] == pytest.approx(200.0)
+    assert s.tpot_ms["mean"] == pytest.approx(150.0)
+    assert s.tpot_ms["p99"] == pytest.approx(100 + 100 * 0.99)
+    assert s.itl_ms["mean"] == pytest.approx(1400 / 12)
+    assert s.e2el_ms["p90"] == pytest.approx(float(np.percentile([1100, 700, 200], 90)))
+    assert s.errors == ("HTTP 500: boom",)
+    assert json.loads(json.dumps(s.to_json()))["failed"] == 1
+
+
+def test_summarize_nothing_succeeded() -> None:
+    s = summarize([RequestResult(error="x")] * 3, duration_s=0.0)
+    assert (s.completed, s.failed, s.output_throughput) == (0, 3, 0.0)
+    assert s.ttft_ms == describe_ms([]) and s.errors == ("x",)
+    assert ratio(1.0, 0.0) is None and ratio(3.0, 2.0) == 1.5
+
+
+def test_describe_ms_std() -> None:
+    stats = describe_ms([0.001, 0.003])
+    assert stats["mean"] == pytest.approx(2.0) and stats["std"] == pytest.approx(1.0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(byte_level_tokenizer, tmp_path_factory: pytest.TempPathFactory):
+    folder = tmp_path_factory.mktemp("tok")
+    byte_level_tokenizer.save_pretrained(folder)
+    return load_tokenizer(folder)
+
+
+def test_random_prompts_are_seeded_and_exact(tokenizer) -> None:
+    one = random_requests(tokenizer, 6, input_len=24, output_len=7, seed=3)
+    assert one == random_requests(tokenizer, 6, input_len=24, output_len=7, seed=3)
+    assert one != random_requests(tokenizer, 6, input_len=24, output_len=7, seed=4)
+    assert all(r.kind == "completion" and r.output_len == 7 for r in one)
+    assert [r.prompt_tokens for r in one] == [24] * 6, "decode/re-encode settles on the exact length"
+    assert all(len(tokenizer.encode(r.prompt, add_special_tokens=False).ids) == 24 for r in one)
+
+
+def test_chat_set_ships_and_is_seeded(tokenizer) -> None:
+    rows = [json.loads(line) for line in CHAT_FILE.read_text().splitlines()]
+    assert len(rows) >= 100 and len({r["id"] for r in rows}) == len(rows)
+    assert all(r["messages"][-1]["role"] == "user" and 16 <= r["output_len"] <= 384 for r in rows)
+    reqs = chat_requests(tokenizer, 250, output_len=None, seed=1)
+    assert len(reqs) == 250 and reqs[0] == reqs[len(rows)], "cycled past the end of the set"
+    assert reqs == chat_requests(tokenizer, 250, output_len=None, seed=1)
+    assert {r.output_len for r in chat_requests(tokenizer, 5, output_len=64)} == {64}
+    assert all(r.prompt_tokens > 10 for r in reqs)
+
+
+@pytest.mark.parametrize(
+    ("mode", "extra"),
+    [("ignore_eos", {"ignore_eos": True}), ("min_tokens", {"min_tokens": 9}),
+     ("generation_config", {"generation_config": json.dumps(
+         {"max_new_tokens": 9, "min_new_tokens": 9, "do_sample": False})}), ("none", {})],
+)  # fmt: skip
+def test_request_body_per_backend(mode: str, extra: dict) -> None:
+    target = bench_client.Target("http://x", "m", mode, stream_options=mode != "generation_config")
+    path, body = bench_client.request_body(target, BenchRequest("completion", "hello", None, 1, 9))
+    assert path == "/v1/completions"
+    base = {"model": "m", "max_tokens": 9, "temperature": 0.0, "stream": True, "prompt": "hello"}
+    usage = bench_client.USAGE_OPTION if target.stream_options else {}
+    assert body == base | extra | usage
+    chat = BenchRequest("chat", None, ({"role": "user", "content": "hi"},), 1, 9)
+    path, body = bench_client.request_body(target, chat)
+    assert path == "/v1/chat/completions" and body["messages"] == [{"role": "user", "content": "hi"}]
+
+
+def test_poisson_gaps() -> None:
+    assert bench_client.arrival_gaps(3, None) == [0.0, 0.0, 0.0]
+    gaps = bench_client.arrival_gaps(4000, rate=8.0, seed=1)
+    assert gaps == bench_client.arrival_gaps(4000, rate=8.0, seed=1)
+    assert sum(gaps) / len(gaps) == pytest.approx(1 / 8, rel=0.08)
+
+
+def sse(*events: dict | str) -> bytes:
+    return b"".join(f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n".encode() for e in events)
+
+
+def scripted_server(request: httpx.Request) -> httpx.Response:
+    body = json.loads(request.content)
+    if body["prompt"] == "fail":
+        return httpx.Response(503, json={"error": {"message": "busy"}})
+    chunks = [{"choices": [{"text": t}]} for t in ("a", "b", "", "c")]
+    usage = {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 3}}
+    if body["prompt"] == "no-usage":
+        usage = {"choices": [{"text": "", "finish_reason": "length"}]}
+    return httpx.Response(
+        200, content=sse(*chunks, usage, "[DONE]"), headers={"content-type": "text/event-stream"}
+    )
+
+
+def test_client_times_the_stream(tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    transport = httpx.MockTransport(scripted_server)
+    real_client = httpx.AsyncClient
+    monkeypatch.setattr(bench_client.httpx, "AsyncClient", lambda **kw: real_client(transport=transport))
+    reqs = [BenchRequest("completion", p, None, 99, 3) for p in ("ok", "fail", "no-usage")]
+    target = bench_client.Target("http://peer", "m")
+    results, duration = asyncio.run(bench_client.run_load(target, reqs, tokenizer, concurrency=2))
+    ok, failed, local = results
+    assert ok.success and ok.text == "abc" and (ok.prompt_tokens, ok.output_tokens) == (4, 3)
+    assert len(ok.itl) == 2 and 0 < ok.ttft <= ok.latency <= duration
+    assert not failed.success and failed.error.startswith("HTTP 503")
+    assert local.success and local.prompt_tokens == 99, "no usage: the local count stays"
+    assert local.output_tokens == len(tokenizer.encode("abc", add_special_tokens=False).ids)
+    assert bench.mismatched_lengths(reqs, results) == (0 if local.output_tokens == 3 else 1)
+
+
+def test_report_and_ratios(capsys: pytest.CaptureFixture[str]) -> None:
+    def row(peer: str, tps: float) -> dict:
+        s = summarize([result(0.1, 1.1, 11, [0.1] * 10)], duration_s=11 / tps)
+        return {"peer": peer, "load": "conc 1", "concurrency": 1, "rate": None, "num_prompts": 1,
+                "output_len_mismatch": 0, **s.to_json()}  # fmt: skip
+
+    runs = [{"peer": "a", "rows": [row("a", 20.0)]}, {"peer": "b", "rows": [row("b", 10.0)]},
+            {"peer": "c", "skipped": "not installed"}]  # fmt: skip
+    rel = bench.ratios(runs)
+    assert len(rel) == 1 and rel[0]["output_throughput_ratio"] == pytest.approx(2.0)
+    assert rel[0]["tpot_p50_ratio"] == pytest.approx(1.0)
+    bench.print_report(runs, rel)
+    text = capsys.readouterr().out
+    assert (
+        "| a | conc 1 | 1/0 | " in text
+        and "skipped c: not installed" in text
+        and "| conc 1 | b | 2.00 |" in text
+    )
+
+
+def test_load_levels() -> None:
+    args = bench.parse_args(["--peers", "peregrine", "--concurrency", "1,16"])
+    assert bench.load_levels(args) == [{"concurrency": 1, "rate": None}, {"concurrency": 16, "rate": None}]
+    assert bench.prompts_per_level(args, {"concurrency": 16}) == 32
+    args = bench.parse_args(["--base-url", "http://x", "--request-rate", "0.5,2", "--max-concurrency", "8"])
+    assert [bench.level_name(lv) for lv in bench.load_levels(args)] == ["rate 0.5/s", "rate 2/s"]
+    quick = bench.parse_args(["--peers", "peregrine", "--quick"])
+    assert (quick.output_len, quick.num_prompts, quick.concurrency) == (16, 4, "1,4")
+    assert math.isclose(bench.parse_args(["--base-url", "u", "--burstiness", "2"]).burstiness, 2.0)
+
+
+@pytest.fixture
+def tiny_server(tiny_model_dir, tmp_path: Path):
+    """Peregrine on the tiny random model, started and stopped with the bench's own peer helpers."""
+    cmd = [sys.executable, str(bench_peers.REPO / "main.py"), "--model", str(tiny_model_dir.path),
+           "--host", "127.0.0.1", "--port", "0", "--kv-cache-bytes", "16MiB", "--max-model-len", "256",
+           "--embedding-model", "none", "--dtype", "float32", "--device", "cpu"]  # fmt: skip
+    peer = bench_peers.Peer("peregrine", "tiny", cmd, ready_path="/ready", port=bench_peers.free_port())
+    peer.command[peer.command.index("0")] = str(peer.port)
+    bench_peers.start(peer, tmp_path / "logs")
+    try:
+        why = bench_peers.wait_ready(peer, timeout_s=600)
+        assert not why, f"{why}\n{peer.log_path.read_text()[-3000:] if peer.log_path else ''}"
+        yield peer
+    finally:
+        bench_peers.stop(peer)
+    assert peer.process is not None and peer.process.poll() is not None, "stopped by its PID"
+
+
+@pytest.mark.slow
+def test_bench_against_a_real_server(tiny_server, tiny_model_dir, tmp_path: Path) -> None:
+    """Two requests of 8 tokens, through the real client, against a real Peregrine server."""
+    out = tmp_path / "bench.json"
+    code = bench.main(["--base-url", tiny_server.base_url, "--tokenizer", str(tiny_model_dir.path),
+                       "--input-len", "16", "--output-len", "8", "--num-prompts", "2", "--concurrency", "2",
+                       "--warmup", "0", "--out", str(out)])  # fmt: skip
+    assert code == 0
+    data = json.loads(out.read_text())
+    (row,) = data["runs"][0]["rows"]
+    assert (row["completed"], row["failed"], row["output_len_mismatch"]) == (2, 0, 0)
+    assert row["total_output_tokens"] == 16 and row["total_input_tokens"] >= 30
+    assert row["ttft_ms"]["p50"] > 0 and row["tpot_ms"]["mean"] > 0 and row["output_throughput"] > 0
