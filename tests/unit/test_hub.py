@@ -387,3 +387,19 @@ def test_offline_mode_uses_the_cache(
         hub.plan_download(
             ModelSource("hub", repo_id="org/binonly"), download_dir=hf_cache, endpoint=fake_hub.url
         )
+
+
+def test_main_offline_and_not_cached_is_one_clean_line(tmp_path: Path) -> None:
+    """End to end through main.py: exit 1 with the reason, no traceback."""
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PEREGRINE_")} | {"HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, str(repo / "main.py"), "--model", "org/never-downloaded", "--device", "cpu",
+           "--dtype", "float32", "--download-dir", str(tmp_path / "hf")]  # fmt: skip
+    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1
+    assert "org/never-downloaded is not in the local model cache and offline mode is on" in result.stderr
+    assert "Traceback" not in result.stderr

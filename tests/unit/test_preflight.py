@@ -214,3 +214,19 @@ def test_measure_resources_reads_ram_and_disks(tmp_path: Path) -> None:
     res = preflight.measure_resources([tmp_path])
     assert res.ram_free > 0 and res.vram_free is None
     assert [d.path for d in res.disks] == [str(tmp_path)]
+
+
+def test_main_refuses_a_model_that_does_not_fit_before_loading(tmp_path: Path, tiny_model_dir) -> None:  # noqa: ANN001
+    """End to end through main.py: the refusal shows the arithmetic, exits 1, and loads nothing."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PEREGRINE_")}
+    cmd = [sys.executable, str(repo / "main.py"), "--model", str(tiny_model_dir.path), "--device", "cpu",
+           "--dtype", "float32", "--kv-cache-bytes", "900TB", "--embedding-model", "none"]  # fmt: skip
+    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stderr
+    assert "the model does not fit: needs 900.0 TB (weights " in result.stderr
+    assert "free in RAM (--skip-preflight to start anyway)" in result.stderr
+    assert "Traceback" not in result.stderr and "listening on" not in result.stderr
