@@ -60,16 +60,16 @@ def configure_logging(level: str) -> None:
 
 def prepare(settings: Settings) -> Prepared:
     """Resolve the model source, device and dtype; refuse early if it will not fit; download if needed."""
-    from engine.devices import DeviceError, resolve_backend, resolve_dtype
+    from engine.devices import DeviceError, resolve_dtype, resolve_probe
     from engine.hub import HubError, download, plan_download, resolve_source
 
     try:
         source = resolve_source(settings.model, settings.revision)
-        backend, device = resolve_backend(settings.device)
-        dtype = str(resolve_dtype(settings.dtype, device, backend)).removeprefix("torch.")
+        probe, device = resolve_probe(settings.device)
+        dtype = str(resolve_dtype(settings.dtype, device, probe)).removeprefix("torch.")
         plan = plan_download(source, **_hub_args(settings)) if source.kind == "hub" else None
         log.info("model %s (%s), device %s, dtype %s", settings.model, source.label, device, dtype)
-        device_name = "tt" if backend.name == "tt" else str(device)
+        device_name = "tt" if probe.name == "tt" else str(device)
         if not settings.skip_preflight:
             run_preflight(settings, source, plan, device_name, dtype)
         path = download(plan, **_hub_args(settings, plan=False)) if plan else source.path

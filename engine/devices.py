@@ -1,6 +1,6 @@
 """Which device and dtype the model runs on.
 
-Backends are chosen from a plain dict (`BACKENDS`). Every backend answers three questions:
+Device kinds are probed through a plain dict (`PROBES`); every probe answers three questions:
   - `missing()`: None when it can run here, else a sentence naming exactly what is missing;
   - `torch_device(index)`: the torch device that holds the model's tensors;
   - `auto_dtype(device)`: the dtype `--dtype auto` picks, with the reason (logged).
@@ -32,7 +32,7 @@ class DeviceError(RuntimeError):
     """The requested device or dtype cannot be used here. The message says why, for the user."""
 
 
-class Backend(Protocol):
+class DeviceProbe(Protocol):
     name: str
 
     def missing(self) -> str | None: ...
@@ -42,7 +42,7 @@ class Backend(Protocol):
     def auto_dtype(self, device: torch.device) -> tuple[torch.dtype, str]: ...
 
 
-class CpuBackend:
+class CpuProbe:
     name = "cpu"
 
     def missing(self) -> str | None:
@@ -55,7 +55,7 @@ class CpuBackend:
         return pick_cpu_dtype(*measure_cpu_matmul())
 
 
-class CudaBackend:
+class CudaProbe:
     name = "cuda"
 
     def missing(self) -> str | None:
@@ -78,7 +78,7 @@ class CudaBackend:
         return torch.float16, f"{torch.cuda.get_device_name(device)} has no bfloat16"
 
 
-class TtBackend:
+class TtProbe:
     name = "tt"
 
     def missing(self) -> str | None:
@@ -96,7 +96,7 @@ class TtBackend:
         return torch.bfloat16, "Tenstorrent cards compute in bfloat16"
 
 
-BACKENDS: dict[str, Backend] = {"cpu": CpuBackend(), "cuda": CudaBackend(), "tt": TtBackend()}
+PROBES: dict[str, DeviceProbe] = {"cpu": CpuProbe(), "cuda": CudaProbe(), "tt": TtProbe()}
 
 
 def tt_device_count() -> int:
@@ -112,53 +112,53 @@ def tt_device_count() -> int:
 def parse_device(name: str) -> tuple[str, int | None]:
     """'cuda:1' -> ('cuda', 1); 'cpu' -> ('cpu', None). Raises DeviceError for unknown names."""
     kind, _, index = name.strip().lower().partition(":")
-    known = kind == "auto" or kind in BACKENDS
+    known = kind == "auto" or kind in PROBES
     bad_index = bool(index) and (kind != "cuda" or not index.isdigit())
     if not known or bad_index:
         raise DeviceError(f"unknown device {name!r}: use auto, cpu, cuda, cuda:N or tt")
     return kind, int(index) if index else None
 
 
-def backend_for(device: torch.device) -> Backend:
-    """The backend of a resolved torch device (cpu or cuda; tt's host device is the cpu)."""
-    return BACKENDS[device.type]
+def probe_for(device: torch.device) -> DeviceProbe:
+    """The probe of a resolved torch device (cpu or cuda; tt's host device is the cpu)."""
+    return PROBES[device.type]
 
 
-def resolve_backend(name: str) -> tuple[Backend, torch.device]:
-    """The backend and torch device for --device. auto: cuda if usable, else tt if usable, else cpu."""
+def resolve_probe(name: str) -> tuple[DeviceProbe, torch.device]:
+    """The probe and torch device for --device. auto: cuda if usable, else tt if usable, else cpu."""
     kind, index = parse_device(name)
     if kind == "auto":
-        kind = next(k for k in ("cuda", "tt", "cpu") if _usable(BACKENDS[k]))
+        kind = next(k for k in ("cuda", "tt", "cpu") if _usable(PROBES[k]))
         log.info("device auto: picked %s", kind)
-    backend = BACKENDS[kind]
-    reason = backend.missing()
+    probe = PROBES[kind]
+    reason = probe.missing()
     if reason is not None:
         raise DeviceError(f"device {name!r} cannot be used: {reason}")
-    return backend, backend.torch_device(index)
+    return probe, probe.torch_device(index)
 
 
 def resolve_device(name: str) -> torch.device:
     """--device -> torch.device, or DeviceError naming what is missing."""
-    return resolve_backend(name)[1]
+    return resolve_probe(name)[1]
 
 
-def resolve_dtype(name: str, device: torch.device, backend: Backend | None = None) -> torch.dtype:
-    """--dtype -> torch.dtype. auto asks the device's backend (measured on CPU) and logs why."""
+def resolve_dtype(name: str, device: torch.device, probe: DeviceProbe | None = None) -> torch.dtype:
+    """--dtype -> torch.dtype. auto asks the device's probe (measured on CPU) and logs why."""
     if name != "auto":
         if name not in DTYPES:
             raise DeviceError(f"unknown dtype {name!r}: use auto, float32, bfloat16 or float16")
         return DTYPES[name]
-    backend = backend or backend_for(device)
-    dtype, reason = backend.auto_dtype(device)
+    probe = probe or probe_for(device)
+    dtype, reason = probe.auto_dtype(device)
     log.info("dtype auto: %s (%s)", str(dtype).removeprefix("torch."), reason)
     return dtype
 
 
-def _usable(backend: Backend) -> bool:
+def _usable(probe: DeviceProbe) -> bool:
     try:
-        return backend.missing() is None
+        return probe.missing() is None
     except Exception as exc:  # a broken driver stack must not stop auto from falling back to the cpu
-        log.warning("device %s probe failed: %s", backend.name, exc)
+        log.warning("device %s probe failed: %s", probe.name, exc)
         return False
 
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from engine.devices import resolve_backend, resolve_dtype
+from engine.devices import resolve_dtype, resolve_probe
 from engine.types import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -54,8 +54,8 @@ class LoadError(RuntimeError):
 
 def load_model(cfg: EngineConfig) -> LoadedModel:
     """Resolve device and dtype, convert a GGUF once (cached), load tokenizer and weights; eval, no grad."""
-    backend, device = resolve_backend(cfg.device)
-    dtype = resolve_dtype(cfg.dtype, device, backend)
+    probe, device = resolve_probe(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device, probe)
     folder = model_folder(cfg)
     start = time.perf_counter()
     tokenizer = load_tokenizer(folder, cfg.trust_remote_code)

@@ -57,22 +57,20 @@ def test_tt_missing_names_the_missing_piece(monkeypatch: pytest.MonkeyPatch) -> 
     with pytest.raises(DeviceError, match="no Tenstorrent device found"):
         devices.resolve_device("tt")
     monkeypatch.setattr(devices, "tt_device_count", lambda: 1)
-    backend, device = devices.resolve_backend("tt")
-    assert backend.name == "tt" and device == torch.device(
-        "cpu"
-    )  # host tensors; the card runs compiled graphs
+    probe, device = devices.resolve_probe("tt")
+    assert probe.name == "tt" and device == torch.device("cpu")  # host tensors; the card runs compiled graphs
 
 
 def test_auto_prefers_cuda_then_tt_then_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     available = {"cuda": False, "tt": True}
     for name in available:
         monkeypatch.setattr(
-            devices.BACKENDS[name], "missing", lambda n=name: None if available[n] else "absent"
+            devices.PROBES[name], "missing", lambda n=name: None if available[n] else "absent"
         )
-    monkeypatch.setattr(devices.BACKENDS["tt"], "torch_device", lambda index: torch.device("cpu"))
-    assert devices.resolve_backend("auto")[0].name == "tt"
+    monkeypatch.setattr(devices.PROBES["tt"], "torch_device", lambda index: torch.device("cpu"))
+    assert devices.resolve_probe("auto")[0].name == "tt"
     available["tt"] = False
-    assert devices.resolve_backend("auto")[0].name == "cpu"
+    assert devices.resolve_probe("auto")[0].name == "cpu"
 
 
 def test_explicit_dtypes() -> None:
