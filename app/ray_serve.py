@@ -29,6 +29,7 @@ import os
 import signal
 import threading
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import ray
@@ -128,14 +129,14 @@ class ReplicaMiddleware:
     """Names the replica in every response (`x-peregrine-replica`) and adds the replica list to `/health`.
 
     Pure ASGI, so streamed bodies pass through message by message. Only the small `/health` body is read
-    and rewritten: the app's own health answer (status code and fields) plus `replica` (this one's id),
-    `load` (this replica's engine: running and waiting requests, tokens generated) and `replicas` (all).
+    and rewritten: the app's own health answer (status code and fields) plus `replica` (the one answering)
+    and `replicas` (all of the deployment's). This replica's engine load is `GET /health/engine`, as without
+    Ray; the header says which replica answered it.
     """
 
-    def __init__(self, app: ASGIApp, replica_id: str, engine: Any, list_replicas: Any) -> None:
+    def __init__(self, app: ASGIApp, replica_id: str, list_replicas: Any) -> None:
         self.app = app
         self.replica_id = replica_id
-        self.engine = engine
         self.list_replicas = list_replicas  # async () -> list[dict] | None
         self.header = (REPLICA_HEADER.encode(), replica_id.encode())
 
@@ -168,10 +169,7 @@ class ReplicaMiddleware:
 
         await self.app(scope, receive, capture)
         payload = json.loads(body) if body else {}
-        stats = self.engine.stats()
-        load = {"running": stats.running, "waiting": stats.waiting,
-                "generated_tokens_total": stats.generated_tokens_total}  # fmt: skip
-        payload |= {"replica": self.replica_id, "load": load, "replicas": await self.list_replicas()}
+        payload |= {"replica": self.replica_id, "replicas": await self.list_replicas()}
         data = json.dumps(payload).encode()
         headers = [(k, v) for k, v in start.get("headers", []) if k.lower() not in (b"content-length",)]
         headers += [(b"content-length", str(len(data)).encode()), self.header]
@@ -236,9 +234,7 @@ class PeregrineReplica:
         from app import create_app
 
         app = create_app(self.engine, self.plan.settings, self.embedder)
-        app.add_middleware(
-            ReplicaMiddleware, replica_id=self.replica_id, engine=self.engine, list_replicas=list_replicas
-        )
+        app.add_middleware(ReplicaMiddleware, replica_id=self.replica_id, list_replicas=list_replicas)
         return app
 
     def check_health(self) -> None:
@@ -269,11 +265,23 @@ def connect(settings: Settings) -> bool:
     """Join the cluster at `settings.ray_address` (also read from RAY_ADDRESS), or start a local one.
 
     Returns True when this process started the cluster (and so must stop it). A local cluster gets no
-    dashboard and only the CPUs of this machine; its temp files go to Ray's default (RAY_TMPDIR or /tmp/ray).
+    dashboard and the CPUs (and GPUs) of this machine; its files go to Ray's default (RAY_TMPDIR or /tmp/ray).
+    Peregrine's own code travels with the job (`py_modules`), so every node runs the driver's version of it;
+    the third-party packages (torch, transformers, ...) must be installed on every node.
     """
     address = settings.ray_address or "local"
-    ray.init(address=address, include_dashboard=False, logging_level=settings.log_level.upper())
+    ray.init(address=address, include_dashboard=False, logging_level=settings.log_level.upper(),
+             runtime_env={"py_modules": peregrine_modules()})  # fmt: skip
     return address == "local"
+
+
+def peregrine_modules() -> list[ModuleType]:
+    """The modules a replica imports: the app and engine packages and config.py."""
+    import app
+    import config
+    import engine
+
+    return [app, engine, config]
 
 
 def run(plan: ReplicaPlan) -> None:
@@ -282,14 +290,18 @@ def run(plan: ReplicaPlan) -> None:
     started_cluster = connect(settings)
     try:
         serve.start(http_options=http_options(settings))
-        gpus = float(ray.cluster_resources().get("GPU", 0.0))
-        serve.run(build_application(plan, gpus), name=APP_NAME, route_prefix="/")
+        serve.run(build_application(plan, cluster_gpus()), name=APP_NAME, route_prefix="/")
         log.info(
             "Peregrine on Ray Serve at http://%s:%d (%s)", settings.host, settings.port, _scale_text(settings)
         )
         _wait_for_signal()
     finally:
         _stop(started_cluster)
+
+
+def cluster_gpus() -> float:
+    """GPUs in the connected Ray cluster (all nodes)."""
+    return float(ray.cluster_resources().get("GPU", 0.0))
 
 
 def http_options(settings: Settings) -> dict[str, Any]:

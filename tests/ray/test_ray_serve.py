@@ -54,6 +54,7 @@ PROMPTS = [
     "Keys and values in",
 ]
 SHORT = 24  # tokens per answer in the correctness test
+_MEDIA_TYPES = {"sse": "text/event-stream", "ndjson": "application/x-ndjson"}
 
 
 @dataclass
@@ -116,49 +117,67 @@ def cluster(long_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 
 
 @pytest.fixture(scope="module")
-def reference(long_model_dir: Path) -> Reference:
-    """Answers from the same app over an in-process engine on the same model folder (no Ray, no HTTP)."""
-    return Reference(long_model_dir)
+def reference(long_model_dir: Path) -> Iterator[Reference]:
+    """Answers from the same app over an in-process engine on the same model folder (no Ray, no sockets)."""
+    ref = Reference(long_model_dir)
+    yield ref
+    ref.close()
 
 
 class Reference:
-    """Greedy answers of the non-Ray app, computed on demand and cached."""
+    """Greedy answers of the non-Ray app (`create_app` over an in-process engine), computed once each.
+
+    The engine is loaded on first use and kept for the module; requests go through the app with
+    httpx's ASGI transport and the openai SDK, concurrently (greedy answers do not depend on batching).
+    """
 
     def __init__(self, model_dir: Path) -> None:
         self.model_dir = model_dir
+        self.engine = None
+        self.app = None
+        self.model_id = ""
         self._cache: dict[tuple, str] = {}
 
     async def answer(self, kind: str, prompt: str, max_tokens: int) -> str:
-        key = (kind, prompt, max_tokens)
-        if key not in self._cache:
-            self._cache |= await self._compute([key])
-        return self._cache[key]
+        await self.prepare([(kind, prompt, max_tokens)])
+        return self._cache[(kind, prompt, max_tokens)]
 
     async def prepare(self, keys: list[tuple[str, str, int]]) -> None:
-        missing = [k for k in keys if k not in self._cache]
-        if missing:
-            self._cache |= await self._compute(missing)
+        missing = sorted(set(keys) - set(self._cache))
+        if not missing:
+            return
+        self._load()
+        transport = httpx.ASGITransport(app=self.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://reference") as http:
+            client = openai.AsyncOpenAI(base_url="http://reference/v1", api_key="none", http_client=http)
+            answers = await asyncio.gather(*(_ask(client, self.model_id, *key) for key in missing))
+        self._cache |= dict(zip(missing, answers, strict=True))
 
-    async def _compute(self, keys: list[tuple[str, str, int]]) -> dict[tuple, str]:
+    def _load(self) -> None:
+        if self.engine is not None:
+            return
+        import torch
+
         from app import create_app
         from config import Settings
         from engine import AsyncEngine
         from engine.types import EngineConfig
 
+        torch.set_num_threads(
+            1
+        )  # like a replica (Ray sets OMP_NUM_THREADS=1); spinning threads are slow here
         settings = Settings(model=str(self.model_dir), device="cpu", dtype="float32", embedding_model="none",
                             max_model_len=MAX_MODEL_LEN)  # fmt: skip
-        engine = AsyncEngine.from_config(EngineConfig(
-            model_path=str(self.model_dir), model_name=settings.model_id, device="cpu", dtype="float32",
+        self.model_id = settings.model_id
+        self.engine = AsyncEngine.from_config(EngineConfig(
+            model_path=str(self.model_dir), model_name=self.model_id, device="cpu", dtype="float32",
             max_model_len=MAX_MODEL_LEN, kv_cache_bytes=64 << 20))  # fmt: skip
-        engine.start()
-        transport = httpx.ASGITransport(app=create_app(engine, settings))
-        try:
-            async with httpx.AsyncClient(transport=transport, base_url="http://reference") as http:
-                client = openai.AsyncOpenAI(base_url="http://reference/v1", api_key="none", http_client=http)
-                answers = [await _ask(client, settings.model_id, *key) for key in keys]
-        finally:
-            await engine.shutdown()
-        return dict(zip(keys, answers, strict=True))
+        self.engine.start()
+        self.app = create_app(self.engine, settings)
+
+    def close(self) -> None:
+        if self.engine is not None:
+            asyncio.run(self.engine.shutdown())
 
 
 # --- the tests ---------------------------------------------------------------------------------------------
@@ -182,47 +201,48 @@ async def test_concurrent_requests_are_correct_and_spread(cluster: Cluster, refe
     assert served <= {r["id"] for r in _health(cluster.base_url)["replicas"]}
 
 
-@pytest.mark.parametrize("fmt", ["sse", "ndjson"])
-def test_stream_is_not_buffered(cluster: Cluster, fmt: str) -> None:
-    """The first chunk reaches the client while the replica's engine is still generating the answer:
-    right after it arrives, that replica reports the request running and fewer tokens generated than the
-    answer will have; the stream then goes on to deliver all of them."""
-    max_tokens = 1500
-    body = {"model": cluster.model_id, "prompt": PROMPTS[0], "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}  # fmt: skip
-    before = _loads(cluster.base_url)
-    with _http(cluster) as http, http.stream("POST", f"/v1/completions?format={fmt}", json=body) as response:
-        assert response.status_code == 200
-        replica = response.headers[HEADER]
-        lines = response.iter_lines()
-        first = _next_event(lines, fmt)
-        assert first["choices"][0]["text"] is not None
-        load = _load_of(cluster.base_url, replica)
-        assert load["running"] >= 1
-        assert load["generated_tokens_total"] - before[replica]["generated_tokens_total"] < max_tokens
-        events = [first, *_events(lines, fmt)]
-    finishes = [e["choices"][0]["finish_reason"] for e in events if e.get("choices")]
-    assert finishes[-1] == "length"
-    assert len(events) > 100  # token by token, not one block
-    assert (
-        _load_of(cluster.base_url, replica)["generated_tokens_total"]
-        - before[replica]["generated_tokens_total"]
-        == max_tokens
-    )
+@pytest.mark.parametrize(("route", "fmt"), [("completions", "sse"), ("chat/completions", "ndjson")])
+def test_stream_is_not_buffered_and_disconnect_aborts(cluster: Cluster, route: str, fmt: str) -> None:
+    """The first chunk of a long answer reaches the client before the replica has generated the answer's
+    last token, and leaving then aborts the request in that replica's engine.
 
-
-def test_client_disconnect_aborts_in_the_replica(cluster: Cluster) -> None:
-    """Closing a stream after its first chunk aborts the request in the serving replica's engine: it stops
-    running long before its max_tokens."""
+    The client reads one event and closes the connection. Had the proxy (or anything in between) buffered
+    the stream, that first event would only have arrived after all `max_tokens` tokens existed. Instead the
+    serving replica (named by the response header) stops far short of `max_tokens`: the disconnect reached
+    its engine while it was still generating. No other request runs meanwhile, so the replica's counters
+    belong to this one.
+    """
     max_tokens = 3000
-    body = {"model": cluster.model_id, "messages": [{"role": "user", "content": PROMPTS[1]}],
-            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+    body = {"model": cluster.model_id, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    body |= (
+        {"prompt": PROMPTS[0]}
+        if route == "completions"
+        else {"messages": [{"role": "user", "content": "Hi"}]}
+    )
     before = _loads(cluster.base_url)
-    with _http(cluster) as http, http.stream("POST", "/v1/chat/completions", json=body) as response:
+    with _http(cluster) as http, http.stream("POST", f"/v1/{route}?format={fmt}", json=body) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith(_MEDIA_TYPES[fmt])
         replica = response.headers[HEADER]
-        _next_event(response.iter_lines(), "sse")
-    load = _wait_until(lambda: _idle(_load_of(cluster.base_url, replica)), timeout=120, what="abort")
-    assert load["generated_tokens_total"] - before[replica]["generated_tokens_total"] < max_tokens
+        first = _next_event(response.iter_lines(), fmt)
+        assert first["choices"][0]["finish_reason"] is None
+    after = _wait_until(lambda: _idle(_load_of(cluster.base_url, replica)), timeout=120, what="the abort")
+    generated = after["generated_tokens_total"] - before[replica]["generated_tokens_total"]
+    assert 0 < generated < max_tokens, f"{generated} tokens generated for a stream left after its first event"
+
+
+def test_stream_arrives_event_by_event(cluster: Cluster) -> None:
+    """A full stream through the proxy: one event per token (or few), ending with finish_reason and [DONE]."""
+    max_tokens = 200
+    body = {"model": cluster.model_id, "prompt": PROMPTS[3], "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    with _http(cluster) as http, http.stream("POST", "/v1/completions", json=body) as response:
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert len(events) > max_tokens // 4
+    assert [e["choices"][0]["finish_reason"] for e in events][-1] == "length"
 
 
 def test_auth_and_errors_pass_through(cluster: Cluster) -> None:
@@ -251,32 +271,40 @@ def test_health_lists_the_replicas(cluster: Cluster) -> None:
 async def test_killed_replica_errors_its_requests_and_comes_back(
     cluster: Cluster, reference: Reference
 ) -> None:
-    """SIGKILL one replica's process while both serve long streams: the streams it was serving end in an
-    error (never a silent, clean end), the others complete correctly, nothing hangs; Ray starts a new
-    replica, and requests sent once it is up succeed."""
-    max_tokens, prompt = 600, PROMPTS[2]
-    expected = await reference.answer("completion", prompt, max_tokens)
+    """SIGKILL one replica's process while both serve long requests: nothing hangs, nothing ends silently.
+    A stream on the killed replica either raises or (if all of it had left the replica before the kill) is
+    complete and correct; at least one of them raises. Every request that completes is correct. Ray starts
+    a new replica, and requests sent once it is up succeed."""
+    max_tokens, prompt = 1000, PROMPTS[2]
     replicas = {r["id"]: r["pid"] for r in _health(cluster.base_url)["replicas"]}
     client = cluster.client()
     first_chunk: dict[str, asyncio.Event] = {rid: asyncio.Event() for rid in replicas}
     streams = [asyncio.create_task(_long_stream(client, cluster.model_id, prompt, max_tokens, first_chunk))
-               for _ in range(12)]  # fmt: skip
+               for _ in range(10)]  # fmt: skip
+    plain = [asyncio.create_task(_outcome(_ask_raw(client, cluster.model_id, "completion", prompt, max_tokens,
+                                                   stream=False))) for _ in range(4)]  # fmt: skip
     victim = await _first_replica_streaming(first_chunk)
     os.kill(replicas[victim], signal.SIGKILL)
     results = await asyncio.gather(*streams)
+    outcomes = await asyncio.gather(*plain)
+    # The reference answer is computed while Ray brings the replacement replica up.
+    wait_for_replacement = asyncio.to_thread(
+        _wait_until, lambda: _replaced(_health(cluster.base_url), victim, replicas[victim]), timeout=180,
+        what="a replacement replica")  # fmt: skip
+    expected, health = await asyncio.gather(
+        reference.answer("completion", prompt, max_tokens), wait_for_replacement
+    )
 
+    assert not [r for r in results if r.silent], f"a stream ended without finish_reason or error: {results}"
     on_victim = [r for r in results if r.replica == victim]
-    on_survivor = [r for r in results if r.replica != victim]
-    assert on_victim, "no stream was on the killed replica"
-    assert not [r for r in results if r.silent], f"a stream ended silently: {results}"
-    for r in on_victim:
-        assert r.error is not None, f"a stream on the killed replica ended without an error: {r}"
-    for r in on_survivor:
-        assert r.error is None and r.finish_reason == "length" and r.text == expected, r
+    assert [r for r in on_victim if r.error is not None], f"no stream on the killed replica failed: {results}"
+    for r in results:
+        assert r.error is not None or (r.finish_reason == "length" and r.text == expected), r
+    for outcome in outcomes:
+        assert isinstance(outcome, openai.APIError) or outcome[0] == expected, outcome
 
-    health = _wait_until(lambda: _replaced(_health(cluster.base_url), victim, replicas[victim]),
-                         timeout=180, what="a replacement replica")  # fmt: skip
-    assert victim not in {r["id"] for r in health["replicas"]}
+    (new_replica,) = {r["id"] for r in health["replicas"]} - set(replicas)
+    assert _load_of(cluster.base_url, new_replica)["status"] == "ready"  # the proxy routes to it
     cases = [
         (kind, p, stream) for kind in ("chat", "completion") for p in PROMPTS[:2] for stream in (False, True)
     ]
@@ -373,6 +401,16 @@ async def _consume(client, model, prompt, max_tokens, first_chunk, result: Strea
     result.silent = result.finish_reason is None
 
 
+async def _outcome(coro):
+    """The result, or the openai error it raised; a hang fails the test."""
+    try:
+        return await _timed(coro)
+    except TimeoutError:
+        pytest.fail("a request hung")
+    except openai.APIError as exc:
+        return exc
+
+
 async def _first_replica_streaming(first_chunk: dict[str, asyncio.Event]) -> str:
     waits = {asyncio.create_task(e.wait()): rid for rid, e in first_chunk.items()}
     done, pending = await asyncio.wait(waits, timeout=REQUEST_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
@@ -423,12 +461,13 @@ def _health(base_url: str) -> dict:
 
 
 def _load_of(base_url: str, replica: str, tries: int = 200) -> dict:
-    """This replica's engine load, from /health answers until the proxy routes one to that replica."""
+    """This replica's engine load (`GET /health/engine`), asked until the proxy routes it to that replica."""
     for _ in range(tries):
-        health = _health(base_url)
-        if health["replica"] == replica:
-            return health["load"]
-    raise AssertionError(f"{tries} /health requests and none reached replica {replica}")
+        response = httpx.get(f"{base_url}/health/engine", headers=_auth(), timeout=30)
+        assert response.status_code == 200, response.text
+        if response.headers[HEADER] == replica:
+            return response.json()
+    raise AssertionError(f"{tries} requests to /health/engine and none reached replica {replica}")
 
 
 def _loads(base_url: str) -> dict[str, dict]:
