@@ -68,7 +68,8 @@ def prepare(settings: Settings) -> Prepared:
         probe, device = resolve_probe(settings.device)
         dtype = str(resolve_dtype(settings.dtype, device, probe)).removeprefix("torch.")
         plan = plan_download(source, **_hub_args(settings)) if source.kind == "hub" else None
-        log.info("model %s (%s), device %s, dtype %s", settings.model, source.label, device, dtype)
+        log.info("model %s (%s), device %s, dtype %s, KV cache budget %s", settings.model, source.label,
+                 device, dtype, kv_budget_text(settings))  # fmt: skip
         device_name = "tt" if probe.name == "tt" else str(device)
         if not settings.skip_preflight:
             run_preflight(settings, source, plan, device_name, dtype)
@@ -76,6 +77,12 @@ def prepare(settings: Settings) -> Prepared:
     except (DeviceError, HubError) as exc:
         raise StartError(str(exc)) from None
     return Prepared(Path(str(path)), device_name, dtype, embedder_location(settings))
+
+
+def kv_budget_text(settings: Settings) -> str:
+    if settings.kv_cache_bytes is not None:
+        return f"{settings.kv_cache_bytes.human_readable()} (--kv-cache-bytes)"
+    return f"{settings.kv_cache_memory_fraction:.0%} of the memory free after loading"
 
 
 def _hub_args(settings: Settings, plan: bool = True) -> dict[str, Any]:
@@ -90,14 +97,19 @@ def run_preflight(settings: Settings, source: Any, plan: Any, device: str, dtype
     from engine.loader import gguf_cache_folder, is_converted
 
     download_dir = settings.download_dir or default_download_dir()
-    if source.kind == "gguf":
-        cached = is_converted(gguf_cache_folder(source.path, settings.cache_dir))
-        footprint = preflight.gguf_footprint(source.path, cached=cached)
-    elif source.kind == "folder":
-        footprint = preflight.folder_footprint(source.path)
-    else:
-        config = fetch_config(plan, **_hub_args(settings, plan=False))
-        footprint = preflight.hub_footprint(plan.param_count, plan.files, plan.missing_bytes, config)
+    try:
+        if source.kind == "gguf":
+            cached = is_converted(gguf_cache_folder(source.path, settings.cache_dir))
+            footprint = preflight.gguf_footprint(source.path, cached=cached)
+        elif source.kind == "folder":
+            footprint = preflight.folder_footprint(source.path)
+        else:
+            config = fetch_config(plan, **_hub_args(settings, plan=False))
+            footprint = preflight.hub_footprint(plan.param_count, plan.files, plan.missing_bytes, config)
+    except (OSError, ValueError, KeyError) as exc:
+        raise StartError(
+            f"preflight cannot read {source.label}: {exc} (--skip-preflight skips the check)"
+        ) from None
     cuda_index = int(device.partition(":")[2] or 0) if device.startswith("cuda") else None
     resources = preflight.measure_resources([download_dir, settings.cache_dir], cuda_index)
     needs = preflight.check(
