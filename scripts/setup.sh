@@ -45,11 +45,19 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check "$@"; }
 
-if "$VENV/bin/python" -c 'import torch' >/dev/null 2>&1; then
+# A usable torch stays; a CPU-only torch on a machine that has since got an NVIDIA GPU is replaced.
+torch_ok() {
+    if [ -z "${PEREGRINE_TORCH:-}" ] && has_nvidia_gpu; then
+        "$VENV/bin/python" -c 'import sys, torch; sys.exit(torch.version.cuda is None)' >/dev/null 2>&1
+    else
+        "$VENV/bin/python" -c 'import torch' >/dev/null 2>&1
+    fi
+}
+if torch_ok; then
     echo "setup: torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)') already installed"
 else
     echo "setup: installing $(torch_requirement)$(has_nvidia_gpu && echo ' (NVIDIA GPU found)')"
-    pip install "$(torch_requirement)"
+    pip install --upgrade "$(torch_requirement)"
 fi
 echo "setup: installing peregrine (editable) with its test extras"
 pip install -e '.[test]'

