@@ -130,8 +130,15 @@ def _delta_style(request: Request) -> conv.DeltaStyle:
     return "typed" if request.scope["route"].path.startswith("/v1/") else "bare"
 
 
-def _rid(request: Request, kind: str) -> str:
-    return f"{kind}-{getattr(request.state, 'request_id', None) or uuid.uuid4().hex}"
+def _rid(kind: str) -> str:
+    """A fresh engine request id (never the client's x-request-id: two requests may share that)."""
+    return f"{kind}-{uuid.uuid4().hex}"
+
+
+def _stream(request: Request, events) -> Response:
+    """Legacy Llama Stack streams: SSE without `[DONE]` unless the request asks otherwise."""
+    request_id = getattr(request.state, "request_id", None)
+    return stream_response(events, stream_format(request, openai=False), request_id=request_id)
 
 
 @_legacy("chat-completion")
@@ -143,11 +150,11 @@ async def chat_completion(body: ChatCompletionRequest, request: Request) -> Any:
     params = conv.to_sampling_params(body)
     prompt = chat_prompt_ids(engine.tokenizer, conv.chat_messages(body.messages))
     check_prompts(engine, [prompt], params, prompt_param="messages")
-    outputs = generate(engine, [prompt], params, _rid(request, "chat"))
+    outputs = generate(engine, [prompt], params, _rid("chat"))
     want_logprobs = params.logprobs is not None
     if body.stream:
         events = conv.chat_events(outputs, _delta_style(request), want_logprobs)
-        return stream_response(events, stream_format(request, openai=False), request_id=_rid(request, "chat"))
+        return _stream(request, events)
     folds = await _collect(request, outputs, 1, want_logprobs)
     return folds[0].chat_response()
 
@@ -162,11 +169,11 @@ async def completion(body: CompletionRequest, request: Request) -> Any:
     text = conv.content_text(body.content, "content")
     prompts = completion_prompt_ids(engine.tokenizer, text, engine.vocab_size)
     check_prompts(engine, prompts, params, prompt_param="content")
-    outputs = generate(engine, prompts, params, _rid(request, "cmpl"))
+    outputs = generate(engine, prompts, params, _rid("cmpl"))
     want_logprobs = params.logprobs is not None
     if body.stream:
         events = conv.completion_events(outputs, want_logprobs)
-        return stream_response(events, stream_format(request, openai=False), request_id=_rid(request, "cmpl"))
+        return _stream(request, events)
     folds = await _collect(request, outputs, 1, want_logprobs)
     return folds[0].completion_response()
 
@@ -182,7 +189,7 @@ async def batch_chat_completion(body: BatchChatCompletionRequest, request: Reque
         for i, messages in enumerate(body.messages_batch)
     ]
     check_prompts(engine, prompts, params, prompt_param="messages_batch")
-    outputs = generate(engine, prompts, params, _rid(request, "chat"))
+    outputs = generate(engine, prompts, params, _rid("chat"))
     folds = await _collect(request, outputs, len(prompts), params.logprobs is not None)
     return {"batch": [fold.chat_response() for fold in folds]}
 
@@ -196,7 +203,7 @@ async def batch_completion(body: BatchCompletionRequest, request: Request) -> di
     texts = [conv.content_text(c, f"content_batch[{i}]") for i, c in enumerate(body.content_batch)]
     prompts = [completion_prompt_ids(engine.tokenizer, t, engine.vocab_size)[0] for t in texts]
     check_prompts(engine, prompts, params, prompt_param="content_batch")
-    outputs = generate(engine, prompts, params, _rid(request, "cmpl"))
+    outputs = generate(engine, prompts, params, _rid("cmpl"))
     folds = await _collect(request, outputs, len(prompts), params.logprobs is not None)
     return {"batch": [fold.completion_response() for fold in folds]}
 

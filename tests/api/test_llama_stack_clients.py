@@ -12,14 +12,15 @@ import httpx
 import pytest
 
 from tests.interop.harness import check_embeddings, check_generation, cosine, direct, embedding_id, run_client
-from tests.interop.venvs import CLIENT_LEGACY, CLIENT_MODERN
+from tests.interop.venvs import CLIENT_LEGACY, CLIENT_MODERN, CLIENT_NO_DONE
 
 pytestmark = [pytest.mark.slow, pytest.mark.interop]
 __all__ = ["direct", "embedding_id"]  # fixtures, imported so pytest finds them here
 
 
 def test_modern_client(server: str, model_id: str, embedding_id: str, direct: dict[str, Any]) -> None:
-    seen = run_client(CLIENT_MODERN, "lsc_modern.py", server, model_id, embedding_id)
+    parts = "inspect,models,chat,completions,embeddings,forced_done"
+    seen = run_client(CLIENT_MODERN, "lsc_modern.py", server, model_id, embedding_id, parts)
     assert seen["client_version"].startswith("0.7.")
     assert (seen["health"], seen["version"]) == ("OK", httpx.get(f"{server}/v1/version").json()["version"])
     assert seen["models"][model_id]["model_type"] == "llm"
@@ -30,6 +31,20 @@ def test_modern_client(server: str, model_id: str, embedding_id: str, direct: di
     assert seen["retrieve_embedding"]["model_type"] == "embedding"
     check_generation(seen, direct)
     check_embeddings(seen, direct)
+    assert seen["forced_done_error"] is None and seen["forced_done_deltas"] > 0
+
+
+def test_client_that_crashes_on_done_is_spared(
+    server: str, model_id: str, embedding_id: str, direct: dict
+) -> None:
+    """llama-stack-client 0.6.0 parses `[DONE]` as JSON. By default it gets no `[DONE]` and streams fine;
+    with `[DONE]` forced on for one request it fails, which is why the rule exists."""
+    seen = run_client(
+        CLIENT_NO_DONE, "lsc_modern.py", server, model_id, embedding_id, "chat,completions,forced_done"
+    )
+    assert seen["client_version"] == "0.6.0"
+    check_generation(seen, direct)
+    assert seen["forced_done_error"] is not None
 
 
 def test_legacy_client_native_inference(server: str, model_id: str, embedding_id: str, direct: dict) -> None:

@@ -49,6 +49,23 @@ def chat(client: LlamaStackClient, llm: str) -> dict:
     }
 
 
+def forced_done(client: LlamaStackClient, llm: str) -> dict:
+    """Stream with `[DONE]` forced on (X-Peregrine-Done): what the client does with it (None: fine)."""
+    try:
+        stream = client.chat.completions.create(
+            model=llm,
+            messages=PROMPT,
+            max_tokens=4,
+            temperature=0,
+            stream=True,
+            extra_headers={"X-Peregrine-Done": "true"},
+        )
+        deltas = [c.choices[0].delta.content for c in stream if c.choices]
+    except Exception as exc:  # noqa: BLE001 - the point is to report which error the client raises
+        return {"forced_done_error": type(exc).__name__}
+    return {"forced_done_error": None, "forced_done_deltas": len(deltas)}
+
+
 def completions(client: LlamaStackClient, llm: str) -> dict:
     prompt = "The capital of France is"
     reply = client.completions.create(model=llm, prompt=prompt, max_tokens=6, temperature=0)
@@ -108,6 +125,8 @@ def main(
         out |= completions(client, llm)
     if "embeddings" in wanted:
         out |= embeddings(client, emb)
+    if "forced_done" in wanted:
+        out |= forced_done(client, llm)
     print(json.dumps(out))
 
 

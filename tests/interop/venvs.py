@@ -44,6 +44,8 @@ class VenvSpec:
 
 # llama-stack-client 0.7.x needs Python >= 3.12.
 CLIENT_MODERN = VenvSpec("lsc-0.7", "3.12", ("llama-stack-client>=0.7,<0.8",))
+# The last client that crashes on `data: [DONE]` (JSONDecodeError): the [DONE] rule spares it.
+CLIENT_NO_DONE = VenvSpec("lsc-0.6.0", "3.12", ("llama-stack-client==0.6.0",))
 # The last client with the native /v1/inference/* API; it imports `fire` and `requests` without declaring them.
 CLIENT_LEGACY = VenvSpec("lsc-0.2", "3.11", ("llama-stack-client==0.2.12", "fire", "requests"))
 # A real Llama Stack server. Newer mcp and openai releases break its CLI and its OpenAI passthrough.
@@ -52,7 +54,7 @@ SERVER = VenvSpec(
     "3.12",
     ("llama-stack>=0.7,<0.8", "mcp==1.25.0", "openai==2.5.0"),
 )
-SPECS = {spec.name: spec for spec in (CLIENT_MODERN, CLIENT_LEGACY, SERVER)}
+SPECS = {spec.name: spec for spec in (CLIENT_MODERN, CLIENT_NO_DONE, CLIENT_LEGACY, SERVER)}
 
 
 def find_python(minor: str) -> str | None:
