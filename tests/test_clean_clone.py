@@ -93,6 +93,15 @@ def test_setup_keeps_an_installed_torch(tmp_path: Path) -> None:
     assert any("install -e .[test]" in c for c in calls(venv))
 
 
+@pytest.mark.parametrize(("args", "env"), [(("--with-ray",), {}), ((), {"PEREGRINE_EXTRAS": "ray"})])
+def test_setup_installs_the_ray_extra_only_when_asked(tmp_path: Path, args: tuple, env: dict) -> None:
+    venv = make_fake_venv(tmp_path)
+    assert run_setup(venv, *args, extra_env=env).returncode == 0
+    assert any(c.endswith("install -e .[test,ray]") for c in calls(venv))
+    assert run_setup(venv, "--check", *args, extra_env=env).returncode == 0
+    assert run_setup(venv, "--check").returncode == 1  # without the extra: a different installation
+
+
 def fake_nvidia_smi(root: Path) -> Path:
     bindir = root / "fakebin"
     bindir.mkdir(exist_ok=True)
