@@ -26,8 +26,9 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -85,8 +86,11 @@ class AppMetrics:
         )
         reg.register(EngineCollector(app))
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, accept: str = "") -> tuple[bytes, str]:
+        """The exposition in the format the scraper's Accept header asks for (Prometheus text by default,
+        OpenMetrics when asked) and its content type."""
+        encoder, content_type = choose_encoder(accept)
+        return encoder(self.registry), content_type
 
 
 def install_metrics(app: FastAPI) -> AppMetrics:
@@ -104,7 +108,8 @@ async def metrics_endpoint(request: Request) -> Response:
     """Prometheus metrics in the text exposition format: HTTP requests by route and status; TTFT, TPOT and
     end-to-end latency histograms; prompt and generated token counters; running and waiting sequences;
     KV cache usage (fraction and tokens); preemptions."""
-    return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    body, content_type = request.app.state.metrics.render(request.headers.get("accept", ""))
+    return Response(body, headers={"Content-Type": content_type})
 
 
 class MetricsMiddleware:

@@ -24,6 +24,7 @@ import json
 import os
 import platform
 import shlex
+import signal
 import sys
 import time
 from pathlib import Path
@@ -68,12 +69,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for a peer to load")
     p.add_argument("--out", type=Path, help="JSON results (default: bench-results/bench-<time>.json)")
-    p.add_argument("--quick", action="store_true", help="smoke run: 4 prompts of 32 tokens, 16 out, conc 1,4")
+    p.add_argument(
+        "--quick", action="store_true", help="smoke run: 4 prompts of 32 tokens, 16 out, concurrency 4"
+    )
     args = p.parse_args(argv)
     if not args.base_url and not args.peers:
         p.error("give --base-url URL or --peers NAMES")
     if args.quick:
-        args.input_len, args.output_len, args.num_prompts, args.concurrency, args.warmup = 32, 16, 4, "1,4", 1
+        args.input_len, args.output_len, args.num_prompts, args.concurrency, args.warmup = 32, 16, 4, "4", 1
     return args
 
 
@@ -246,6 +249,7 @@ def print_report(runs: list[dict[str, Any]], rel: list[dict[str, Any]]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so `finally` still stops the peers it started
     gguf = args.gguf or peers.bundled_gguf()
     dense = peers.ensure_dense_model(gguf) if (args.peers or not args.tokenizer) else None
     tokenizer = load_tokenizer(args.tokenizer or dense)
@@ -273,6 +277,10 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps({"meta": meta, "runs": runs, "ratios": rel}, indent=2, default=str))
     print(f"\nwrote {out}")
     return 0 if any(r.get("rows") for r in runs) else 1
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,9 @@ class FakeEngine:
     """Streams `tokens_per_request` one-token outputs per request, then finishes with "length"."""
 
     model_name, device, dtype, max_model_len, vocab_size = "fake", "cpu", "float32", 128, 100
-    tokenizer = None
+    tokenizer = SimpleNamespace(  # one character per token, both ways
+        decode=lambda ids, **_: "x" * len(ids), encode=lambda text, **_: [7] * len(text)
+    )
 
     def __init__(self, tokens_per_request: int = 4) -> None:
         self.tokens = tokens_per_request
@@ -145,8 +147,8 @@ def test_apps_have_separate_registries(engine: FakeEngine) -> None:
 
     one, two = create_app(engine, settings()), create_app(engine, settings())
     one.state.metrics.prompt_tokens.inc(5)
-    assert "peregrine_prompt_tokens_total 5.0" in one.state.metrics.render().decode()
-    assert "peregrine_prompt_tokens_total 0.0" in two.state.metrics.render().decode()
+    assert "peregrine_prompt_tokens_total 5.0" in one.state.metrics.render()[0].decode()
+    assert "peregrine_prompt_tokens_total 0.0" in two.state.metrics.render()[0].decode()
 
 
 def test_timer_outside_a_request_is_a_no_op() -> None:
@@ -165,7 +167,7 @@ def test_timer_counts_unfinished_sequences_as_aborted(engine: FakeEngine) -> Non
         timer.on_output(0, RequestOutput("r", index, "x", [1], 3, 1))
     timer.on_output(0, RequestOutput("r", 0, "", [], 3, 1, finish_reason="stop"))
     timer.close()
-    samples = scrape(metrics.render().decode())
+    samples = scrape(metrics.render()[0].decode())
     assert value(samples, "peregrine_request_success_total", finished_reason="stop") == 1
     assert value(samples, "peregrine_request_success_total", finished_reason="abort") == 1
     assert value(samples, "peregrine_time_to_first_token_seconds_count") == 2
@@ -183,3 +185,9 @@ def test_route_label_matches_when_routing_never_ran(engine: FakeEngine) -> None:
     assert route_label(scope | {"path": "/v1/completions"}, templates) == "/v1/completions"
     assert route_label(scope | {"path": "/v1/completions/x"}, templates) == "unmatched"
     assert route_label(scope | {"path": "/nope"}, templates) == "unmatched"
+
+
+async def test_openmetrics_when_asked(client: httpx.AsyncClient) -> None:
+    r = await client.get("/metrics", headers={"Accept": "application/openmetrics-text; version=1.0.0"})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("application/openmetrics-text")
+    assert r.text.rstrip().endswith("# EOF") and "peregrine_kv_cache_usage_ratio" in r.text

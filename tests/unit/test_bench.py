@@ -180,7 +180,7 @@ def test_load_levels() -> None:
     args = bench.parse_args(["--base-url", "http://x", "--request-rate", "0.5,2", "--max-concurrency", "8"])
     assert [bench.level_name(lv) for lv in bench.load_levels(args)] == ["rate 0.5/s", "rate 2/s"]
     quick = bench.parse_args(["--peers", "peregrine", "--quick"])
-    assert (quick.output_len, quick.num_prompts, quick.concurrency) == (16, 4, "1,4")
+    assert (quick.output_len, quick.num_prompts, quick.concurrency) == (16, 4, "4")
     assert math.isclose(bench.parse_args(["--base-url", "u", "--burstiness", "2"]).burstiness, 2.0)
 
 

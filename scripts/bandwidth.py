@@ -1,0 +1,80 @@
+"""Measure this machine's memory bandwidth, the roofline for batch-1 decoding on a CPU.
+
+Decoding one token reads every weight once, so tokens/s at batch 1 cannot exceed
+bandwidth / (bytes of weights read per token). This prints STREAM-like figures measured with torch on
+buffers far larger than the caches, best of `--repeats`:
+
+- read:  `x.sum()`                    bytes counted: |x|
+- copy:  `y.copy_(x)`                 bytes counted: |x| + |y|
+- scale: `torch.mul(x, 3.0, out=y)`   bytes counted: |x| + |y|
+
+    python scripts/bandwidth.py                  # 512 MiB buffers, all cores torch uses
+    python scripts/bandwidth.py --threads 2 --json bench-results/bandwidth.json
+    python scripts/bandwidth.py --weights-mb 269 # also the batch-1 roofline for 269 MB of weights
+
+A few seconds of work; do not run it while other heavy jobs share the machine (it measures what is left).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+
+def best_seconds(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # first touch: page faults and lazy allocation stay out of the timing
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure(size_mb: int, repeats: int, threads: int | None) -> dict[str, float]:
+    """GB/s (1e9 bytes per second) for read, copy and scale over float32 buffers of `size_mb` MiB."""
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    n = size_mb * (1 << 20) // 4
+    x = torch.ones(n, dtype=torch.float32)
+    y = torch.empty_like(x)
+    nbytes = x.numel() * x.element_size()
+    kernels: dict[str, tuple[Callable[[], object], int]] = {
+        "read": (lambda: x.sum(), nbytes),
+        "copy": (lambda: y.copy_(x), 2 * nbytes),
+        "scale": (lambda: torch.mul(x, 3.0, out=y), 2 * nbytes),
+    }
+    return {name: moved / best_seconds(fn, repeats) / 1e9 for name, (fn, moved) in kernels.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size-mb", type=int, default=512, help="MiB per buffer (two buffers are used)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--weights-mb", type=float, default=0.0, help="print the batch-1 tok/s roofline for this")
+    p.add_argument("--json", type=Path, help="also write the figures here")
+    args = p.parse_args(argv)
+    import torch
+
+    gbs = measure(args.size_mb, args.repeats, args.threads or None)
+    result: dict[str, object] = {"size_mb": args.size_mb, "threads": torch.get_num_threads(), "gb_per_s": gbs}
+    for name, value in gbs.items():
+        print(f"{name:>6}: {value:6.1f} GB/s")
+    if args.weights_mb:
+        roof = gbs["read"] * 1e3 / args.weights_mb
+        result["roofline_tok_per_s"] = roof
+        print(f"batch-1 roofline for {args.weights_mb:g} MB of weights at read bandwidth: {roof:.0f} tok/s")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
