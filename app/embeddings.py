@@ -17,6 +17,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
 
 from app.errors import BadRequestError, NotFoundError, ServiceUnavailableError
+from app.schemas_llama_stack import native_model_fields
 from app.schemas_openai import ModelCard
 from engine.embedder import Embedder, EmbeddingResult
 
@@ -149,33 +150,26 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Embeddi
 
 
 def embedding_cards(request: Request) -> list[ModelCard]:
-    """The embedding model as a `/v1/models` entry (empty when none is loaded)."""
+    """The embedding model as a `/v1/models` entry, OpenAI and Llama Stack fields both (empty when none)."""
     embedder: Embedder | None = getattr(request.app.state, "embedder", None)
     if embedder is None:
         return []
-    metadata = {
-        "model_type": "embedding",
-        "provider_id": "peregrine",
-        "provider_resource_id": embedder.name,
-        "embedding_dimension": embedder.dimension,
-        "context_length": embedder.max_seq_length,
-    }
-    return [ModelCard(id=embedder.name, created=STARTED_AT, max_model_len=embedder.max_seq_length,
-                      custom_metadata=metadata)]  # fmt: skip
+    metadata = {"embedding_dimension": embedder.dimension, "context_length": embedder.max_seq_length}
+    custom = {"model_type": "embedding", "provider_id": "peregrine", "provider_resource_id": embedder.name}
+    card = ModelCard(
+        id=embedder.name,
+        created=STARTED_AT,
+        max_model_len=embedder.max_seq_length,
+        custom_metadata=custom | metadata,
+        **native_model_fields(embedder.name, "embedding", metadata),
+    )
+    return [card]
 
 
 def embedding_model_detail(request: Request, model_id: str) -> dict[str, Any] | None:
-    """`GET /v1/models/{id}` for the embedding model, in the OpenAI + Llama Stack union shape; None if
-    `model_id` does not name it."""
+    """`GET /v1/models/{id}` for the embedding model (the same union entry); None if `model_id` does not
+    name it."""
     embedder: Embedder | None = getattr(request.app.state, "embedder", None)
     if embedder is None or model_id.lower() not in {n.lower() for n in embedder_names(request, embedder)}:
         return None
-    card = embedding_cards(request)[0].model_dump()
-    return card | {
-        "identifier": embedder.name,
-        "provider_resource_id": embedder.name,
-        "provider_id": "peregrine",
-        "type": "model",
-        "metadata": {"embedding_dimension": embedder.dimension, "context_length": embedder.max_seq_length},
-        "model_type": "embedding",
-    }
+    return embedding_cards(request)[0].model_dump()

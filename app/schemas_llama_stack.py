@@ -139,3 +139,19 @@ class EmbeddingsRequest(ModelRequest):
     output_dimension: int | None = Field(None, ge=1)
     text_truncation: Literal["none", "start", "end"] | None = None
     task_type: str | None = None
+
+
+# ---------------------------------------------------------------- models
+
+
+def native_model_fields(identifier: str, model_type: str, metadata: dict[str, Any]) -> dict[str, Any]:
+    """Llama Stack's own model fields (the `Model` of clients <= 0.2.x, `models.retrieve` of 0.3+), served
+    beside OpenAI's in `/v1/models` entries so every client reads the same entry."""
+    return {
+        "identifier": identifier,
+        "provider_resource_id": identifier,
+        "provider_id": "peregrine",
+        "type": "model",
+        "metadata": metadata,
+        "model_type": model_type,
+    }

@@ -50,6 +50,7 @@ def test_client_that_crashes_on_done_is_spared(
 def test_legacy_client_native_inference(server: str, model_id: str, embedding_id: str, direct: dict) -> None:
     seen = run_client(CLIENT_LEGACY, "lsc_legacy.py", server, model_id, embedding_id)
     assert seen["client_version"].startswith("0.2.")
+    assert seen["models"] == {model_id: "llm", embedding_id: "embedding"}  # the native list shape
     chat = seen["chat"]
     assert (chat["role"], chat["content"], chat["stop_reason"]) == (
         "assistant",

@@ -79,6 +79,7 @@ def embeddings(client: LlamaStackClient, emb: str) -> dict:
 def main(base_url: str, llm: str, emb: str) -> None:
     client = LlamaStackClient(base_url=base_url, max_retries=0, timeout=300)
     out: dict = {"client_version": __import__("llama_stack_client").__version__}
+    out["models"] = {m.identifier: m.api_model_type for m in client.models.list()}
     out |= chat(client, llm)
     out |= completion(client, llm)
     out |= embeddings(client, emb)
