@@ -18,6 +18,7 @@ from app import convert_openai as conv
 from app import embeddings
 from app.engine_client import check_prompts, generate, until_disconnected
 from app.errors import ServiceUnavailableError, model_not_found
+from app.schemas_llama_stack import native_model_fields
 from app.schemas_openai import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -141,6 +142,7 @@ def model_card(request: Request, engine: Any) -> ModelCard:
             "provider_id": "peregrine",
             "provider_resource_id": engine.model_name,
         },
+        **native_model_fields(engine.model_name, "llm", {}),
     )
 
 

@@ -223,6 +223,7 @@ class CompletionResponse(BaseModel):
 
 
 class ModelCard(BaseModel):
+    model_config = ConfigDict(extra="allow")  # Llama Stack's native fields ride along (native_model_fields)
     id: str
     object: Literal["model"] = "model"
     created: int
