@@ -235,8 +235,7 @@ def serve_on_ray(settings: Settings, prepared: Prepared) -> int:
     except ModuleNotFoundError as exc:
         log.error("--ray-replicas / --ray-autoscale need Ray: pip install -e '.[ray]' (%s)", exc)
         return 1
-    ray_serve.run(ray_plan(settings, prepared))
-    return 0
+    return ray_serve.run(ray_plan(settings, prepared))
 
 
 def ray_plan(settings: Settings, prepared: Prepared) -> Any:
