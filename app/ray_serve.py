@@ -284,17 +284,24 @@ def peregrine_modules() -> list[ModuleType]:
     return [app, engine, config]
 
 
-def run(plan: ReplicaPlan) -> None:
-    """Deploy the app on Ray Serve and serve until SIGINT / SIGTERM; then remove it (and the local cluster)."""
+def run(plan: ReplicaPlan) -> int:
+    """Deploy the app on Ray Serve and serve until SIGINT / SIGTERM; then remove it (and the local cluster).
+    Returns the exit status: 0 after a signal, 1 if the deployment failed (the replicas' errors are in
+    the log above, forwarded by Ray)."""
     settings = plan.settings
     started_cluster = connect(settings)
     try:
         serve.start(http_options=http_options(settings))
-        serve.run(build_application(plan, cluster_gpus()), name=APP_NAME, route_prefix="/")
+        try:
+            serve.run(build_application(plan, cluster_gpus()), name=APP_NAME, route_prefix="/")
+        except RuntimeError as exc:  # Serve gave up on the replicas (e.g. the model does not load)
+            log.error("deploying on Ray Serve failed: %s", exc)
+            return 1
         log.info(
             "Peregrine on Ray Serve at http://%s:%d (%s)", settings.host, settings.port, _scale_text(settings)
         )
         _wait_for_signal()
+        return 0
     finally:
         _stop(started_cluster)
 
