@@ -28,7 +28,7 @@ import logging
 import os
 import signal
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import ModuleType
 from typing import Any
 
@@ -59,7 +59,7 @@ class ReplicaPlan:
     engine_config: EngineConfig
     embedder_path: str | None = None  # a local embedding model folder; None: /v1/embeddings is off
     embedder_name: str | None = None
-    embedder_device: str = "cpu"
+    embedder_device: str = "cpu"  # on the driver's machine; a replica uses its own device's kind
 
 
 # --- deployment options (pure: no Ray calls) -------------------------------------------------------------
@@ -214,21 +214,20 @@ class PeregrineReplica:
 
         self.plan = plan
         self.replica_id = serve.get_replica_context().replica_tag
-        num_gpus = len(ray.get_gpu_ids())
-        cfg = plan.engine_config
-        self.engine_config = _with_device(cfg, replica_device(cfg.device, num_gpus))
-        log.info("replica %s (pid %d) loading %s", self.replica_id, os.getpid(), cfg.model_path)
+        device, dtype = resolve_replica_device(plan.settings)
+        self.engine_config = replace(plan.engine_config, device=device, dtype=dtype)
+        log.info("replica %s (pid %d) loading %s on %s", self.replica_id, os.getpid(), plan.engine_config.model_path,
+                 device)  # fmt: skip
         self.engine = AsyncEngine.from_config(self.engine_config)
         self.engine.start()
-        self.embedder = self._load_embedder()
+        self.embedder = self._load_embedder("cuda" if device.startswith("cuda") else "cpu")
 
-    def _load_embedder(self) -> Any:
+    def _load_embedder(self, device: str) -> Any:
         if self.plan.embedder_path is None:
             return None
         from engine.embedder import Embedder
 
-        return Embedder.from_path(self.plan.embedder_path, device=self.plan.embedder_device,
-                                  name=self.plan.embedder_name)  # fmt: skip
+        return Embedder.from_path(self.plan.embedder_path, device=device, name=self.plan.embedder_name)
 
     def __serve_build_asgi_app__(self) -> ASGIApp:
         from app import create_app
@@ -246,10 +245,14 @@ class PeregrineReplica:
         await self.engine.shutdown()
 
 
-def _with_device(cfg: EngineConfig, device: str) -> EngineConfig:
-    from dataclasses import replace
+def resolve_replica_device(settings: Settings) -> tuple[str, str]:
+    """(device, dtype) for this replica, resolved where the model runs rather than on the driver: a CPU-only
+    head can deploy onto GPU nodes, and each replica sees only the GPU(s) Ray gave it."""
+    from engine.devices import resolve_dtype, resolve_probe
 
-    return cfg if cfg.device == device else replace(cfg, device=device)
+    probe, device = resolve_probe(replica_device(settings.device, len(ray.get_gpu_ids())))
+    dtype = str(resolve_dtype(settings.dtype, device, probe)).removeprefix("torch.")
+    return ("tt" if probe.name == "tt" else str(device)), dtype
 
 
 def build_application(plan: ReplicaPlan, cluster_gpus: float = 0.0) -> serve.Application:
