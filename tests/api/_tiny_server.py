@@ -22,6 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 60.0
 BASE_ARGS = ["--device", "cpu", "--dtype", "float32", "--embedding-model", "none", "--skip-preflight",
+             "--served-model-name", "tiny",
              "--log-level", "warning"]  # fmt: skip
 
 

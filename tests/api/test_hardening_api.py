@@ -1,18 +1,14 @@
 """Auth, error classes and graceful shutdown against a real server on the tiny model (issue 5).
 
 One server runs with auth on (two API keys and a JWT secret), a per-client rate limit, a small body limit
-and a short request timeout; another is started to be sent SIGTERM mid-generation.
+and a short request timeout. (SIGTERM is tested at the end of test_soak.py, on that module's server.)
 """
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import jwt
@@ -196,60 +192,3 @@ def test_slow_upload_times_out_with_408(auth_server: TinyServer) -> None:
         lambda: (s := auth_server.engine_stats())["http_in_flight"] == 0 and s, 60, "slot freed"
     )
     assert stats["http_active"] == 0
-
-
-# ----------------------------------------------------------------------------- SIGTERM
-
-
-def _stream(url: str, results: dict, key: int, started: threading.Event) -> None:
-    body = {"model": "tiny", "prompt": "hello", "max_tokens": 200, "ignore_eos": True, "stream": True}
-    text, finish, done = [], None, False
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
-        results[key] = {"status": r.status_code}
-        for line in r.iter_lines():
-            started.set()
-            if line == "data: [DONE]":
-                done = True
-            elif line.startswith("data: "):
-                choice = json.loads(line[6:])["choices"][0]
-                text.append(choice["text"])
-                finish = choice["finish_reason"] or finish
-    results[key] |= {"finish": finish, "done": done}
-
-
-def test_sigterm_drains_in_flight_streams_and_exits_0(tiny_model_dir, tmp_path: Path) -> None:
-    server = TinyServer(tiny_model_dir.path, tmp_path, "--shutdown-timeout", "120")
-    try:
-        server.wait_ready()
-        results: dict[int, dict] = {}
-        started = [threading.Event() for _ in range(3)]
-        threads = [
-            threading.Thread(target=_stream, args=(server.url, results, i, started[i])) for i in range(3)
-        ]
-        for t in threads:
-            t.start()
-        for event in started:
-            assert event.wait(120), "a stream did not start"
-        body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 3}).encode()
-        held = HeldUpload(server.port, "/v1/completions", body)  # in flight until we finish it
-        wait_until(lambda: server.engine_stats()["http_active"] >= 1, 60, "the held request to be admitted")
-
-        os.kill(server.proc.pid, signal.SIGTERM)
-        wait_until(
-            lambda: httpx.get(f"{server.url}/ready", timeout=10).status_code == 503, 60, "readiness 503"
-        )
-        assert httpx.get(f"{server.url}/ready").json()["status"] == "draining"
-        assert httpx.get(f"{server.url}/health").status_code == 200, "still alive while draining"
-        with pytest.raises(openai.InternalServerError) as info:
-            sdk(server, "none").completions.create(model="tiny", prompt="new", max_tokens=1)
-        assert info.value.status_code == 503 and info.value.body["code"] == "server_shutting_down"
-        assert server.proc.poll() is None, "the drain waits for the held request"
-
-        status, payload = held.finish()
-        assert status == 200 and json.loads(payload)["choices"][0]["finish_reason"] in ("stop", "length")
-        for t in threads:
-            t.join(120)
-        assert [results[i] for i in range(3)] == [{"status": 200, "finish": "length", "done": True}] * 3
-        assert server.proc.wait(timeout=120) == 0, server.log_tail()
-    finally:
-        server.stop()
