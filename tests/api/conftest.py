@@ -25,7 +25,10 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 900.0  # loading and dequantizing the GGUF on a busy 2-core machine can take minutes
 STOP_TIMEOUT_S = 60.0
-SERVER_ARGS = ["--kv-cache-bytes", "256MiB", "--max-model-len", "2048", "--log-level", "info"]
+SERVER_ARGS = [
+    *("--kv-cache-bytes", "256MiB", "--max-model-len", "2048", "--log-level", "info"),
+    *("--dtype", "float32"),  # greedy answers as the model was evaluated (bf16 on CPU changes them)
+]
 
 
 def free_port() -> int:
