@@ -14,7 +14,8 @@ import pytest
 from tests.interop.harness import check_embeddings, check_generation, cosine, direct, embedding_id, run_client
 from tests.interop.venvs import CLIENT_LEGACY, CLIENT_MODERN, CLIENT_NO_DONE
 
-pytestmark = [pytest.mark.slow, pytest.mark.interop]
+# A first run builds the clients' (and the stack's) venvs inside setup: allow for it beyond the default 900 s.
+pytestmark = [pytest.mark.slow, pytest.mark.interop, pytest.mark.timeout(3600)]
 __all__ = ["direct", "embedding_id"]  # fixtures, imported so pytest finds them here
 
 

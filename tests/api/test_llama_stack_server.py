@@ -22,7 +22,8 @@ from tests.api.conftest import free_port
 from tests.interop.harness import check_embeddings, check_generation, direct, embedding_id, run_client
 from tests.interop.venvs import CLIENT_MODERN, SERVER, ensure_venv
 
-pytestmark = [pytest.mark.slow, pytest.mark.interop]
+# A first run builds the clients' (and the stack's) venvs inside setup: allow for it beyond the default 900 s.
+pytestmark = [pytest.mark.slow, pytest.mark.interop, pytest.mark.timeout(3600)]
 __all__ = ["direct", "embedding_id"]  # fixtures, imported so pytest finds them here
 RUN_YAML = Path(__file__).resolve().parents[2] / "examples" / "llama-stack-run.yaml"
 START_TIMEOUT_S = 300
