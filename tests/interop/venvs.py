@@ -70,7 +70,7 @@ def _runs(python: str) -> bool:
     return subprocess.run([python, "-c", "import venv"], capture_output=True).returncode == 0
 
 
-def ensure_venv(spec: VenvSpec, timeout_s: float = 1800) -> Path:
+def ensure_venv(spec: VenvSpec, timeout_s: float = 3000) -> Path:
     """Return the venv folder for `spec`, building it first if the cache has none. Raises on failure.
     A lock file makes concurrent callers (two test runs) wait for one build instead of racing."""
     if (spec.path / ".complete").exists():
