@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import ByteSize, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import ByteSize, Field, SecretStr, ValidationError, field_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
@@ -228,11 +228,12 @@ class Settings(BaseSettings):
             raise ValueError("must start with '/'")
         return value.rstrip("/")
 
-    @model_validator(mode="after")
-    def _check_api_keys_file(self) -> Settings:
-        if self.api_keys_file is not None and not self.api_keys_file.is_file():
-            raise ValueError(f"api_keys_file: no such file: {self.api_keys_file}")
-        return self
+    @field_validator("api_keys_file")
+    @classmethod
+    def _check_api_keys_file(cls, value: Path | None) -> Path | None:
+        if value is not None and not value.is_file():
+            raise ValueError("no such file")
+        return value
 
     # --- derived values ------------------------------------------------------------------------------
     @property

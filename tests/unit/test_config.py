@@ -125,6 +125,7 @@ def test_bad_env_value_names_flag_and_variable(monkeypatch: pytest.MonkeyPatch) 
 def test_secret_values_are_not_echoed_in_errors(monkeypatch: pytest.MonkeyPatch, clean_env: Path) -> None:
     with pytest.raises(ConfigError) as info:
         load_settings(["--api-keys-file", str(clean_env / "missing.txt"), "--jwt-secret", "s3cret-value"])
+    assert "--api-keys-file (PEREGRINE_API_KEYS_FILE): no such file" in str(info.value)
     assert "missing.txt" in str(info.value)
     assert "s3cret-value" not in str(info.value)
 
