@@ -27,7 +27,7 @@ class PrefillChunk:
     offset: int  # first index of the chunk in the packed token row
     length: int  # tokens in the chunk
     start: int  # position of the chunk's first token in its sequence
-    context_slots: torch.Tensor | None  # [start + length] cache slots, None when start == 0
+    context_blocks: torch.Tensor | None  # [ceil((start + length) / block_size)] block ids, None when start == 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,8 +35,8 @@ class AttentionMetadata:
     kv_cache: KVCache
     slot_mapping: torch.Tensor  # [total_tokens] long: where each new token's K/V goes
     num_decodes: int  # the first num_decodes tokens are single-token items
-    decode_slots: torch.Tensor | None  # [num_decodes, max_ctx] long, padded with the null slot
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_ctx] bool, True = attend
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] long, padded with the null block
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool, True = attend
     prefills: tuple[PrefillChunk, ...]
 
 
@@ -69,32 +69,43 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: 
     v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
     if not meta.prefills:
         return _decode(q, k_cache, v_cache, meta, scaling)
+    if not meta.num_decodes and len(meta.prefills) == 1:
+        return _prefill(q, k, v, k_cache, v_cache, meta.prefills[0], meta.kv_cache.block_size, scaling)
     out = torch.empty_like(q)
     if meta.num_decodes:
         out[: meta.num_decodes] = _decode(q[: meta.num_decodes], k_cache, v_cache, meta, scaling)
     for chunk in meta.prefills:
         span = slice(chunk.offset, chunk.offset + chunk.length)
-        out[span] = _prefill(q[span], k[span], v[span], k_cache, v_cache, chunk, scaling)
+        out[span] = _prefill(q[span], k[span], v[span], k_cache, v_cache, chunk, meta.kv_cache.block_size, scaling)
     return out
 
 
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
             scaling: float | None) -> torch.Tensor:
-    keys = k_cache[meta.decode_slots].transpose(1, 2)  # [batch, kv_heads, ctx, dim]
-    values = v_cache[meta.decode_slots].transpose(1, 2)
+    keys = gather_blocks(k_cache, meta.decode_block_tables, meta.kv_cache.block_size).transpose(1, 2)
+    values = gather_blocks(v_cache, meta.decode_block_tables, meta.kv_cache.block_size).transpose(1, 2)
+    # keys, values: [batch, kv_heads, max_blocks * block_size, dim]
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scaling, enable_gqa=True
     )  # [batch, heads, 1, dim]
     return out.squeeze(2)
 
 
+def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
+    """cache: [slots, kv_heads, dim]; block_tables: [batch, blocks] -> [batch, blocks * block_size, kv_heads, dim]."""
+    blocks = cache.view(-1, block_size, *cache.shape[1:])[block_tables]  # [batch, blocks, block_size, h, d]
+    return blocks.flatten(1, 2)
+
+
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             chunk: PrefillChunk, scaling: float | None) -> torch.Tensor:
+             chunk: PrefillChunk, block_size: int, scaling: float | None) -> torch.Tensor:
     query = q.transpose(0, 1).unsqueeze(0)  # [1, heads, chunk, dim]
-    if chunk.context_slots is None:
+    if chunk.context_blocks is None:
         keys, values, mask = k, v.to(k.dtype), None
     else:
-        keys, values = k_cache[chunk.context_slots], v_cache[chunk.context_slots]
+        end = chunk.start + chunk.length
+        keys = gather_blocks(k_cache, chunk.context_blocks[None], block_size)[0, :end]  # [end, kv_heads, dim]
+        values = gather_blocks(v_cache, chunk.context_blocks[None], block_size)[0, :end]
         mask = causal_mask(chunk.length, chunk.start, q.device)
     out = F.scaled_dot_product_attention(
         query, keys.transpose(0, 1).unsqueeze(0).to(q.dtype), values.transpose(0, 1).unsqueeze(0).to(q.dtype),

@@ -1,8 +1,8 @@
 """The KV cache: one K and one V tensor per layer, allocated once at start, split into paged blocks.
 
-Layout per layer: [num_slots + 1, kv_heads, head_dim] where slot = block * block_size + offset. The extra last
-slot is kept at zero and is where padded gathers point, so memory that was never written (allocated with
-`torch.empty`, so the OS commits pages only when used) never reaches the attention math.
+Layout per layer: [(num_blocks + 1) * block_size, kv_heads, head_dim] where slot = block * block_size + offset.
+The extra last block is kept at zero and is where padded block tables point, so memory that was never written
+(allocated with `torch.empty`, so the OS commits pages only when used) never reaches the attention math.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class KVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_slots = num_blocks * block_size
-        shape = (self.num_slots + 1, spec.num_kv_heads, spec.head_dim)
+        shape = (self.num_slots + block_size, spec.num_kv_heads, spec.head_dim)
         self.k = [self._alloc(shape, device) for _ in range(spec.num_layers)]
         self.v = [self._alloc(shape, device) for _ in range(spec.num_layers)]
         log.info(
@@ -70,9 +70,9 @@ class KVCache:
         )
 
     @property
-    def null_slot(self) -> int:
-        """A slot that is always zero: the target of padded gathers."""
-        return self.num_slots
+    def null_block(self) -> int:
+        """A block that is always zero: what padded block tables point at."""
+        return self.num_blocks
 
     @property
     def nbytes(self) -> int:
@@ -80,5 +80,5 @@ class KVCache:
 
     def _alloc(self, shape: tuple[int, int, int], device: torch.device) -> torch.Tensor:
         t = torch.empty(shape, dtype=self.spec.dtype, device=device)
-        t[-1].zero_()
+        t[self.num_slots :].zero_()
         return t

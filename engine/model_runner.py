@@ -80,7 +80,7 @@ class ModelRunner:
             kv_cache=self.kv_cache,
             slot_mapping=self._tensor(slots),
             num_decodes=len(decodes),
-            decode_slots=self._decode_slots(decodes) if decodes else None,
+            decode_block_tables=self._decode_block_tables(decodes) if decodes else None,
             decode_mask=self._decode_mask(decodes) if decodes else None,
             prefills=prefills,
         )
@@ -92,21 +92,21 @@ class ModelRunner:
 
     def _chunk(self, item: ScheduledSeq, offset: int) -> PrefillChunk:
         end = item.start + item.num_tokens
-        context = self._tensor(self._slots(item.seq.block_table, 0, end)) if item.start else None
+        context = self._tensor(item.seq.block_table[: -(-end // self.block_size)]) if item.start else None
         return PrefillChunk(offset, item.num_tokens, item.start, context)
 
-    def _decode_slots(self, decodes: list[ScheduledSeq]) -> torch.Tensor:
-        """[batch, max_ctx] slots of each decoding sequence's context, padded with the null slot."""
-        width = max(s.start + 1 for s in decodes)
-        rows = [self._slots(s.seq.block_table, 0, s.start + 1) for s in decodes]
-        null = self.kv_cache.null_slot
+    def _decode_block_tables(self, decodes: list[ScheduledSeq]) -> torch.Tensor:
+        """[batch, max_blocks] block tables of the decoding sequences, padded with the null block."""
+        rows = [s.seq.block_table[: -(-(s.start + 1) // self.block_size)] for s in decodes]
+        width = max(len(row) for row in rows)
+        null = self.kv_cache.null_block
         return self._tensor([row + [null] * (width - len(row)) for row in rows])
 
     def _decode_mask(self, decodes: list[ScheduledSeq]) -> torch.Tensor:
         lengths = self._tensor([s.start + 1 for s in decodes])
-        width = int(max(s.start + 1 for s in decodes))
+        width = -(-max(s.start + 1 for s in decodes) // self.block_size) * self.block_size
         mask = torch.arange(width, device=self.device)[None, :] < lengths[:, None]
-        return mask[:, None, None, :]  # [batch, 1, 1, max_ctx]
+        return mask[:, None, None, :]  # [batch, 1, 1, max_blocks * block_size]
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
