@@ -4,5 +4,5 @@
 # Every flag is listed by `bash scripts/serve.sh --help`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh >&2  # setup talk on stderr: stdout is the server's (e.g. --help)
 exec "${PEREGRINE_VENV:-.venv}/bin/python" main.py "$@"
