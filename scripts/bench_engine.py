@@ -88,14 +88,16 @@ def hf_generate(model: torch.nn.Module, prompt: list[int], out_len: int) -> floa
 
 
 def hf_rows(model: torch.nn.Module, prompts: list[list[int]], out_len: int) -> tuple[Row, float]:
-    previous = model.config._attn_implementation
+    previous, eos = model.config._attn_implementation, model.generation_config.eos_token_id
     model.set_attn_implementation("sdpa")
+    model.generation_config.eos_token_id = None  # ignore_eos, like the engine runs: no stop, no suppression
     try:
         hf_generate(model, prompts[0], 4)  # warm-up
         prefill = hf_generate(model, prompts[0], 1)
         seconds = sum(hf_generate(model, p, out_len) for p in prompts)
     finally:
         model.set_attn_implementation(previous)
+        model.generation_config.eos_token_id = eos
     decode = (out_len - 1) / (seconds / len(prompts) - prefill)
     return Row("hf generate (sequential)", 1, out_len * len(prompts), seconds), decode
 

@@ -128,15 +128,23 @@ def hf_attention(model: Any) -> Iterator[None]:
 
 
 def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' own greedy generate, EOS disabled, on the same model object."""
+    """transformers' own greedy generate on the same model object, with EOS neither stopping nor suppressed
+    (the engine's ignore_eos): the model's default EOS is cleared for the call, so no min-length processor
+    bans it and generation runs exactly `max_new_tokens`."""
     import torch
     from transformers import GenerationConfig
 
-    gen = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                           eos_token_id=None, pad_token_id=0)
-    with torch.inference_mode(), hf_attention(model):
-        out = model.generate(torch.tensor([prompt]), generation_config=gen, attention_mask=None)
-    return out[0, len(prompt):].tolist()
+    gen = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0)
+    saved = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = None
+    try:
+        with torch.inference_mode(), hf_attention(model):
+            out = model.generate(torch.tensor([prompt]), generation_config=gen, attention_mask=None)
+    finally:
+        model.generation_config.eos_token_id = saved
+    tokens = out[0, len(prompt):].tolist()
+    assert len(tokens) == max_new_tokens, "transformers stopped early: EOS was not disabled"
+    return tokens
 
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
