@@ -143,7 +143,7 @@ def mint_token(secret: str, team_id: str, token_id: str, ttl_s: float | None = 3
     now = int(time.time())
     claims: dict[str, object] = {"team_id": team_id, "token_id": token_id, "iat": now, **extra}
     if ttl_s is not None and ttl_s > 0:
-        claims["exp"] = now + int(math.ceil(ttl_s))
+        claims.setdefault("exp", now + int(math.ceil(ttl_s)))  # an explicit exp claim wins
     return jwt.encode(claims, secret, algorithm=JWT_ALGORITHM)
 
 
