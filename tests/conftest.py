@@ -139,7 +139,8 @@ def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
     model.generation_config.eos_token_id = None
     try:
         with torch.inference_mode(), hf_attention(model):
-            out = model.generate(torch.tensor([prompt]), generation_config=gen, attention_mask=None)
+            out = model.generate(torch.tensor([prompt], device=model.device), generation_config=gen,
+                                 attention_mask=None)
     finally:
         model.generation_config.eos_token_id = saved
     tokens = out[0, len(prompt):].tolist()
