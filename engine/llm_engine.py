@@ -19,7 +19,7 @@ from engine.kv_cache import KVCache, KVCacheSpec, plan_num_blocks
 from engine.model_runner import ModelRunner
 from engine.outputs import SequenceOutput
 from engine.sampler import Sampler
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.types import (
     EngineConfig,
@@ -76,7 +76,8 @@ class LLMEngine:
         logits = self.runner.run(batch)
         sampled = self.sampler.sample(logits, [item.seq for item in batch.sampling])
         grown = self.scheduler.update(batch, [s.token_id for s in sampled])
-        self._count(batch, len(grown))
+        self.counters.steps += 1
+        self.counters.generated_tokens += len(grown)
         return [self._emit(seq, tok) for seq, tok in zip(grown, sampled, strict=True)]
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -150,10 +151,6 @@ class LLMEngine:
     def _release(self, seq: Sequence) -> SequenceOutput:
         self.sampler.release(seq)
         return self._outputs.pop(seq.seq_id)
-
-    def _count(self, batch: SchedulerOutput, generated: int) -> None:
-        self.counters.steps += 1
-        self.counters.generated_tokens += generated
 
 
 def _validate_params(p: SamplingParams) -> None:
