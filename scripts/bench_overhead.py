@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -22,7 +23,13 @@ from bench_peers import REPO
 
 
 def load_engine(server_args: Sequence[str]) -> Any:
-    """An AsyncEngine built from Peregrine's own command-line flags, loop started."""
+    """An AsyncEngine built from Peregrine's own command-line flags, loop started.
+
+    Like `main.serve`, the engine is built in a helper thread and its loop started from there: which
+    thread first runs torch decides how many OpenMP teams exist, and libgomp spins longer at barriers
+    when a process has no more OpenMP threads than cores (see docs/benchmarks.md). Mirroring the server
+    keeps that difference out of the overhead figure.
+    """
     sys.path.insert(0, str(REPO))
     import main as peregrine_main
     from config import settings_or_exit
@@ -30,9 +37,19 @@ def load_engine(server_args: Sequence[str]) -> Any:
 
     settings = settings_or_exit(list(server_args))
     prepared = peregrine_main.prepare(settings)
-    engine = AsyncEngine.from_config(peregrine_main.engine_config(settings, prepared))
-    engine.start()
-    return engine
+    built: list[Any] = []
+
+    def build() -> None:
+        engine = AsyncEngine.from_config(peregrine_main.engine_config(settings, prepared))
+        engine.start()
+        built.append(engine)
+
+    loader = threading.Thread(target=build, name="bench-engine-loader")
+    loader.start()
+    loader.join()
+    if not built:
+        raise RuntimeError("the engine failed to load (see the traceback above)")
+    return built[0]
 
 
 def prompt_ids(engine: Any, req: BenchRequest) -> list[int]:
