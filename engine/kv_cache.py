@@ -1,8 +1,10 @@
 """The KV cache: one K and one V tensor per layer, allocated once at start, split into paged blocks.
 
 Layout per layer: [(num_blocks + 1) * block_size, kv_heads, head_dim] where slot = block * block_size + offset.
-The extra last block is kept at zero and is where padded block tables point, so memory that was never written
-(allocated with `torch.empty`, so the OS commits pages only when used) never reaches the attention math.
+The extra last block is kept at zero and is where padded block tables point. The batched decode gathers whole
+blocks, so the masked-out tail of a sequence's last block is read too: a mask gives it weight 0, but 0 * NaN
+is NaN, so a block is zeroed the first time it is used (`ensure_zeroed`). Allocation uses `torch.empty`, so on
+the CPU the OS commits pages only as blocks come into use.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from dataclasses import dataclass
 import torch
 
 log = logging.getLogger(__name__)
+
+ZERO_STEP_BLOCKS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +66,7 @@ class KVCache:
         self.block_size = block_size
         self.num_slots = num_blocks * block_size
         shape = (self.num_slots + block_size, spec.num_kv_heads, spec.head_dim)
+        self._zeroed_blocks = 0
         self.k = [self._alloc(shape, device) for _ in range(spec.num_layers)]
         self.v = [self._alloc(shape, device) for _ in range(spec.num_layers)]
         log.info(
@@ -77,6 +82,16 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return self.num_slots * self.spec.bytes_per_token
+
+    def ensure_zeroed(self, num_blocks: int) -> None:
+        """Zero every block below `num_blocks` that has not been zeroed yet (in steps of 64 blocks)."""
+        if num_blocks <= self._zeroed_blocks:
+            return
+        upto = min(self.num_blocks, max(num_blocks, self._zeroed_blocks + ZERO_STEP_BLOCKS))
+        lo, hi = self._zeroed_blocks * self.block_size, upto * self.block_size
+        for tensor in (*self.k, *self.v):
+            tensor[lo:hi].zero_()
+        self._zeroed_blocks = upto
 
     def _alloc(self, shape: tuple[int, int, int], device: torch.device) -> torch.Tensor:
         t = torch.empty(shape, dtype=self.spec.dtype, device=device)

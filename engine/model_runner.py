@@ -67,6 +67,7 @@ class ModelRunner:
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         items = [s for s in out.scheduled if s.num_tokens == 1] + [s for s in out.scheduled if s.num_tokens > 1]
+        self.kv_cache.ensure_zeroed(1 + max(max(s.seq.block_table) for s in items))
         offsets, ids, positions, slots = {}, [], [], []
         for item in items:
             offsets[id(item)] = len(ids)

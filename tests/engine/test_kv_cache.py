@@ -45,3 +45,29 @@ def test_engine_logs_kv_size_and_reports_usage(tiny: Any, engine_factory: Any,
     stats = engine.stats()
     assert stats.kv_total_tokens == engine.kv_cache.num_slots and stats.kv_used_blocks == 0
     assert engine.kv_cache.nbytes <= 1 << 20
+
+
+def test_blocks_are_zeroed_before_first_use() -> None:
+    cache = KVCache(SPEC, num_blocks=200, block_size=4, device=torch.device("cpu"))
+    for t in (*cache.k, *cache.v):
+        t[: 200 * 4].fill_(float("nan"))  # what never-written memory may hold
+    cache.ensure_zeroed(3)
+    assert torch.count_nonzero(cache.k[0][: 64 * 4]) == 0  # zeroed in steps of 64 blocks
+    assert torch.isnan(cache.v[1][64 * 4]).all()
+    cache.ensure_zeroed(150)
+    assert torch.count_nonzero(cache.v[1][: 150 * 4]) == 0
+
+
+def test_decode_is_not_poisoned_by_unwritten_memory(tiny: Any, engine_factory: Any) -> None:
+    from conftest import run_all, tokens_of
+
+    from engine.types import SamplingParams
+
+    clean = engine_factory(tiny)
+    poisoned = engine_factory(tiny)
+    for t in (*poisoned.kv_cache.k, *poisoned.kv_cache.v):
+        t[: poisoned.kv_cache.num_slots].fill_(float("nan"))
+    prompt = tiny.tokenizer.encode("Hello world")
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    assert tokens_of(run_all(poisoned, {"p": (prompt, params)})["p"]) == tokens_of(
+        run_all(clean, {"c": (prompt, params)})["c"])
