@@ -93,6 +93,10 @@ class Settings(BaseSettings):
         "CPU the faster of bfloat16 and float32, measured at start.",
     )
     seed: int = Field(0, description="Seed for sampling when a request gives none.")
+    model_impl: Literal["auto", "generic", "llama"] = Field(
+        "auto",
+        description="Forward pass: the Llama fast path, the generic one, or auto (Llama when it applies).",
+    )
 
     # --- engine --------------------------------------------------------------------------------------
     max_num_seqs: int = Field(64, ge=1, description="Most sequences decoded together in one step.")

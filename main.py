@@ -145,6 +145,7 @@ def engine_config(settings: Settings, prepared: Prepared) -> Any:
         cache_dir=str(settings.cache_dir),
         seed=settings.seed,
         trust_remote_code=settings.trust_remote_code,
+        model_impl=settings.model_impl,
     )
 
 
