@@ -33,7 +33,7 @@ from typing import Any
 import bench_peers as peers
 import httpx
 from bench_client import FIXED_LENGTH, Target, run_load
-from bench_datasets import BenchRequest, chat_requests, load_tokenizer, random_requests
+from bench_datasets import BenchRequest, chat_requests, load_tokenizer, random_requests, special_ids
 from bench_metrics import RequestResult, ratio, summarize
 
 PEER_CHOICES = ("engine", *peers.PEER_NAMES)
@@ -162,7 +162,8 @@ def run_peer(name: str, opts: peers.PeerOptions, tokenizer: Any, args: argparse.
         if why:
             print(f"-- skipping {name}: {why}", flush=True)
             return info | {"skipped": why}
-        target = Target(peer.base_url, peer.model, peer.fixed_length, peer.stream_options)
+        target = Target(peer.base_url, peer.model, peer.fixed_length, peer.stream_options,
+                        special_token_ids=special_ids(tokenizer))  # fmt: skip
         return info | {"pid": peer.process.pid, "rows": run_levels(name, target, None, tokenizer, args)}
     finally:
         peers.stop(peer)
@@ -187,7 +188,7 @@ def run_base_url(tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
     base = args.base_url.rstrip("/").removesuffix("/v1")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     model = args.model or httpx.get(f"{base}/v1/models", headers=headers, timeout=60).json()["data"][0]["id"]
-    target = Target(base, model, args.backend, api_key=args.api_key)
+    target = Target(base, model, args.backend, api_key=args.api_key, special_token_ids=special_ids(tokenizer))
     return {
         "peer": base,
         "description": f"{base} model {model}",

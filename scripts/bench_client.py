@@ -21,15 +21,21 @@ from bench_datasets import BenchRequest, count_tokens
 from bench_metrics import RequestResult
 
 
-def _gen_config(n: int) -> dict[str, Any]:
+def _gen_config(n: int, special: Sequence[int]) -> dict[str, Any]:
     return {"generation_config": json.dumps({"max_new_tokens": n, "min_new_tokens": n, "do_sample": False})}
 
 
-FIXED_LENGTH: dict[str, Callable[[int], dict[str, Any]]] = {
-    "ignore_eos": lambda n: {"ignore_eos": True},
-    "min_tokens": lambda n: {"min_tokens": n},
+def _min_tokens(n: int, special: Sequence[int]) -> dict[str, Any]:
+    """llama-cpp-python's min_tokens only holds back `eos`; its generation also ends on any other
+    end-of-generation token (`<|endoftext|>`), so the special tokens are biased away as well."""
+    return {"min_tokens": n} | ({"logit_bias": {str(i): -100.0 for i in special}} if special else {})
+
+
+FIXED_LENGTH: dict[str, Callable[[int, Sequence[int]], dict[str, Any]]] = {
+    "ignore_eos": lambda n, special: {"ignore_eos": True},
+    "min_tokens": _min_tokens,
     "generation_config": _gen_config,
-    "none": lambda n: {},
+    "none": lambda n, special: {},
 }
 USAGE_OPTION = {"stream_options": {"include_usage": True}}
 
@@ -44,13 +50,14 @@ class Target:
     stream_options: bool = True  # servers that reject `stream_options` get usage in the last chunk anyway
     api_key: str | None = None
     timeout_s: float = 1800.0
+    special_token_ids: tuple[int, ...] = ()  # biased away where EOS alone cannot be ignored
 
 
 def request_body(target: Target, req: BenchRequest) -> tuple[str, dict[str, Any]]:
     """(path, JSON body) of one streamed, greedy request asking for exactly `req.output_len` tokens."""
     body: dict[str, Any] = {"model": target.model, "max_tokens": req.output_len, "temperature": 0.0,
                             "stream": True}  # fmt: skip
-    body |= FIXED_LENGTH[target.fixed_length](req.output_len)
+    body |= FIXED_LENGTH[target.fixed_length](req.output_len, target.special_token_ids)
     if target.stream_options:
         body |= USAGE_OPTION
     if req.kind == "chat":

@@ -45,6 +45,11 @@ def count_tokens(tokenizer: Any, text: str) -> int:
     return len(tokenizer.encode(text, add_special_tokens=False).ids)
 
 
+def special_ids(tokenizer: Any) -> tuple[int, ...]:
+    """The tokenizer's special (added) token ids: EOS and every other end-of-generation marker among them."""
+    return tuple(sorted(i for i, tok in tokenizer.get_added_tokens_decoder().items() if tok.special))
+
+
 def _normal_ids(tokenizer: Any) -> list[int]:
     """Token ids that are not special and survive a decode/encode round trip on their own (a byte-level
     token holding half a UTF-8 character does not, and would keep the prompt length from settling)."""

@@ -8,6 +8,9 @@
 | `llamacpp`        | llama.cpp's `llama-server` binary                   | continuous batching over `-np` slots |
 | `llamacpp-python` | llama-cpp-python's `python -m llama_cpp.server`     | none: requests run one at a time    |
 
+Both llama.cpp peers run with llama.cpp's "extra buffer types" off (`--no-repack`), because the AMX kernels
+that `-DGGML_NATIVE=ON` compiles on this CPU crash in `llama_decode` (see `bench_llama_cpp_server.py`).
+
 All serve the bundled SmolLM2-135M-Instruct: Peregrine and the llama.cpp servers read its GGUF file,
 `transformers serve` a dense folder converted from the same GGUF once (cached under `.cache/bench-models/`,
 since it cannot be pointed at a local GGUF file). A peer whose program is missing is skipped with a reason.
@@ -162,7 +165,8 @@ def _llama_server(name: str, opts: PeerOptions, port: int) -> Peer:
     slots = max(1, opts.max_concurrency)
     ctx = max(4096, slots * opts.context_per_request)
     cmd = [str(binary), "-m", str(opts.gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(opts.threads),
-           "-tb", str(opts.threads), "-np", str(slots), "-kvu", "-c", str(ctx), "--no-webui", "--no-warmup"]  # fmt: skip
+           "-tb", str(opts.threads), "-np", str(slots), "-kvu", "-c", str(ctx), "--no-webui", "--no-warmup",
+           "--no-repack"]  # extra buffer types off: the AMX kernels crash here (bench_llama_cpp_server.py)  # fmt: skip
     return Peer(name, desc, cmd, model=GGUF_NAME, ready_path="/health")
 
 
@@ -178,7 +182,8 @@ def _llama_cpp_python(name: str, opts: PeerOptions, port: int) -> Peer:
         return Peer(
             name, desc, skip_reason=f"llama_cpp.server does not import: {probe.stderr.decode()[-200:]}"
         )
-    cmd = [str(python), "-m", "llama_cpp.server", "--model", str(opts.gguf), "--host", "127.0.0.1",
+    launcher = str(Path(__file__).with_name("bench_llama_cpp_server.py"))  # extra buffer types off (AMX)
+    cmd = [str(python), launcher, "--model", str(opts.gguf), "--host", "127.0.0.1",
            "--port", str(port), "--n_threads", str(opts.threads), "--n_threads_batch", str(opts.threads),
            "--n_ctx", str(max(2048, opts.context_per_request)), "--model_alias", GGUF_NAME]  # fmt: skip
     return Peer(name, desc, cmd, _lib_env(), model=GGUF_NAME, fixed_length="min_tokens")

@@ -19,7 +19,14 @@ sys.path.insert(0, str(SCRIPTS))
 import bench  # noqa: E402
 import bench_client  # noqa: E402
 import bench_peers  # noqa: E402
-from bench_datasets import CHAT_FILE, BenchRequest, chat_requests, load_tokenizer, random_requests  # noqa: E402
+from bench_datasets import (  # noqa: E402
+    CHAT_FILE,
+    BenchRequest,
+    chat_requests,
+    load_tokenizer,
+    random_requests,
+    special_ids,
+)
 from bench_metrics import RequestResult, describe_ms, percentile, ratio, summarize  # noqa: E402
 
 
@@ -84,6 +91,11 @@ def test_random_prompts_are_seeded_and_exact(tokenizer) -> None:
     assert all(len(tokenizer.encode(r.prompt, add_special_tokens=False).ids) == 24 for r in one)
 
 
+def test_special_ids(tokenizer) -> None:
+    ids = special_ids(tokenizer)
+    assert ids == tuple(range(5)), "the five special tokens of the test tokenizer, EOS among them"
+
+
 def test_chat_set_ships_and_is_seeded(tokenizer) -> None:
     rows = [json.loads(line) for line in CHAT_FILE.read_text().splitlines()]
     assert len(rows) >= 100 and len({r["id"] for r in rows}) == len(rows)
@@ -97,12 +109,13 @@ def test_chat_set_ships_and_is_seeded(tokenizer) -> None:
 
 @pytest.mark.parametrize(
     ("mode", "extra"),
-    [("ignore_eos", {"ignore_eos": True}), ("min_tokens", {"min_tokens": 9}),
+    [("ignore_eos", {"ignore_eos": True}), ("min_tokens", {"min_tokens": 9, "logit_bias": {"0": -100.0, "2": -100.0}}),
      ("generation_config", {"generation_config": json.dumps(
          {"max_new_tokens": 9, "min_new_tokens": 9, "do_sample": False})}), ("none", {})],
 )  # fmt: skip
 def test_request_body_per_backend(mode: str, extra: dict) -> None:
-    target = bench_client.Target("http://x", "m", mode, stream_options=mode != "generation_config")
+    target = bench_client.Target("http://x", "m", mode, stream_options=mode != "generation_config",
+                                 special_token_ids=(0, 2))  # fmt: skip
     path, body = bench_client.request_body(target, BenchRequest("completion", "hello", None, 1, 9))
     assert path == "/v1/completions"
     base = {"model": "m", "max_tokens": 9, "temperature": 0.0, "stream": True, "prompt": "hello"}
