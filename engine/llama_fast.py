@@ -2,8 +2,9 @@
 
 Same math as transformers' LlamaForCausalLM, with fewer, larger ops per layer: q/k/v and gate/up are fused
 into one matmul each (the original nn.Linear weights become views into the fused tensors, so memory is not
-doubled and the generic path keeps working), RoPE is applied to q and k in one go, RMSNorm is torch's fused
-`F.rms_norm`, and the final norm and LM head only run on the rows that sample. Attention is the same paged
+doubled and the generic path keeps working), RoPE is applied to q and k in one go, RMSNorm
+takes its statistics in float32 exactly as transformers does (torch's `F.rms_norm` in bfloat16 loses enough
+precision to change SmolLM2's answers), and the final norm and LM head only run on the rows that sample. Attention is the same paged
 attention as the generic path (`engine.attention.attend`). Chosen automatically when `supports(model)`.
 """
 
@@ -100,8 +101,8 @@ class LlamaFastForward:
         cos, sin = inner.rotary_emb(h[None], positions[None])  # [1, tokens, dim]
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [tokens, 1, dim]
         for index, w in enumerate(self.layers):
-            h = h + self._attention(index, w, F.rms_norm(h, (self.hidden,), w.input_norm, self.eps), cos, sin, meta)
-            h = h + self._mlp(w, F.rms_norm(h, (self.hidden,), w.post_norm, self.eps))
+            h = h + self._attention(index, w, _rms_norm(h, w.input_norm, self.eps), cos, sin, meta)
+            h = h + self._mlp(w, _rms_norm(h, w.post_norm, self.eps))
         last = inner.norm(h[logits_indices])
         return self.model.lm_head(last)
 
@@ -118,6 +119,13 @@ class LlamaFastForward:
     def _mlp(self, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, w.down, w.down_bias)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm: statistics in float32, scaled in the input dtype."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
