@@ -7,9 +7,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from conftest import make_engine, run_all, text_of, tokens_of
 
 from engine import AsyncEngine, EngineConfig, EngineDeadError, RequestOutput, SamplingParams
+from tests.support import make_engine, run_all, text_of, tokens_of
 
 pytestmark = pytest.mark.timeout(300)
 

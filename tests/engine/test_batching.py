@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from conftest import run_all, text_of, tokens_of
-
 from engine.types import SamplingParams
+from tests.support import run_all, text_of, tokens_of
 
 
 def test_eight_identical_greedy_requests_match_the_lone_request(tiny: Any, engine_factory: Any) -> None:

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import Loaded, hf_greedy, run_all, tokens_of
 
 from engine.types import SamplingParams
+from tests.support import Loaded, hf_greedy, run_all, tokens_of
 
 pytestmark = [
     pytest.mark.gpu,

@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import hf_attention, run_all, text_of, tokens_of
 
 from engine.types import InvalidRequestError, PromptTooLongError, SamplingParams
+from tests.support import hf_attention, run_all, text_of, tokens_of
 
 PROMPT = "The quick brown fox"
 

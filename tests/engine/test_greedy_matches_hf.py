@@ -9,9 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from conftest import chat_ids, hf_greedy, run_all, text_of, tokens_of
 
 from engine.types import SamplingParams
+from tests.support import chat_ids, hf_greedy, run_all, text_of, tokens_of
 
 TINY_PROMPTS = [
     "Hello world",
@@ -97,8 +97,9 @@ def test_generic_path_is_used_for_non_llama_models(tiny: Any) -> None:
 def test_generic_path_serves_another_architecture(engine_factory: Any, tiny: Any) -> None:
     """A tiny random Qwen2 (q/k/v biases, not the Llama fast path) also matches transformers' generate."""
     import torch
-    from conftest import Loaded
     from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from tests.support import Loaded
 
     config = Qwen2Config(vocab_size=len(tiny.tokenizer), hidden_size=64, intermediate_size=128,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

