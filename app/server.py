@@ -19,6 +19,7 @@ from app import embeddings, health, llama_stack, openai_routes
 from app.errors import classify, install_error_handlers
 from app.hardening import install_hardening
 from app.metrics import install_metrics
+from app.openapi import install_openapi
 
 log = logging.getLogger("peregrine.app")
 REQUEST_ID_HEADER = "x-request-id"
@@ -37,6 +38,7 @@ def create_app(engine: Any = None, settings: Any = None, embedder: Any = None) -
     app.state.settings = settings
     app.state.embedder = embedder
     install_error_handlers(app)
+    install_openapi(app)  # /docs shows the 400 envelope Peregrine sends, not FastAPI's unused 422
     app.include_router(health.router)
     app.include_router(openai_routes.router)
     app.include_router(embeddings.router)
