@@ -13,19 +13,12 @@ import httpx
 import openai
 import pytest
 
+from tests.interop.harness import cosine, embedding_id
+
+__all__ = ["embedding_id"]  # a fixture, imported so pytest finds it here
+
 pytestmark = pytest.mark.slow
 TEXTS = ["The peregrine falcon is the fastest bird.", "Embeddings map text to vectors.", "hi"]
-
-
-def cosine(a: list[float], b: list[float]) -> float:
-    dot = sum(x * y for x, y in zip(a, b, strict=True))
-    return dot / (math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b)))
-
-
-@pytest.fixture(scope="module")
-def embedding_id(http: httpx.Client) -> str:
-    data = http.get("/v1/models").json()["data"]
-    return next(m["id"] for m in data if m["custom_metadata"]["model_type"] == "embedding")
 
 
 def test_inspect_and_providers(http: httpx.Client) -> None:
