@@ -97,6 +97,11 @@ class Settings(BaseSettings):
         "auto",
         description="Forward pass: the Llama fast path, the generic one, or auto (Llama when it applies).",
     )
+    cpu_kernels: bool = Field(
+        True,
+        description="Peregrine's AVX512-BF16 kernel for bfloat16 decode steps of 1-4 rows on CPU (compiled once "
+        "into cache_dir/kernels; off or absent: torch's F.linear).",
+    )
 
     # --- engine --------------------------------------------------------------------------------------
     max_num_seqs: int = Field(64, ge=1, description="Most sequences decoded together in one step.")

@@ -146,6 +146,7 @@ def engine_config(settings: Settings, prepared: Prepared) -> Any:
         seed=settings.seed,
         trust_remote_code=settings.trust_remote_code,
         model_impl=settings.model_impl,
+        cpu_kernels=settings.cpu_kernels,
     )
 
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, attend
+from engine.cpu_kernels import Linear
 
 
 def supports(model: nn.Module) -> bool:
@@ -71,9 +72,10 @@ class LayerWeights:
 
 
 class LlamaFastForward:
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, linear: Linear = F.linear) -> None:
         config = model.config
         self.model = model
+        self.linear = linear  # F.linear, or engine.cpu_kernels' small-batch bf16 kernel
         self.hidden = config.hidden_size
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads or self.heads
@@ -104,21 +106,22 @@ class LlamaFastForward:
             h = h + self._attention(index, w, _rms_norm(h, w.input_norm, self.eps), cos, sin, meta)
             h = h + self._mlp(w, _rms_norm(h, w.post_norm, self.eps))
         last = inner.norm(h[logits_indices])
-        return self.model.lm_head(last)
+        head = self.model.lm_head
+        return self.linear(last, head.weight, head.bias)
 
     def _attention(self, index: int, w: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    meta: AttentionMetadata) -> torch.Tensor:
         tokens = x.shape[0]
-        qkv = F.linear(x, w.qkv, w.qkv_bias).view(tokens, self.heads + 2 * self.kv_heads, self.head_dim)
+        qkv = self.linear(x, w.qkv, w.qkv_bias).view(tokens, self.heads + 2 * self.kv_heads, self.head_dim)
         qk = _rope(qkv[:, : self.heads + self.kv_heads], cos, sin)  # [tokens, heads + kv_heads, dim]
         q, k = qk.split((self.heads, self.kv_heads), dim=1)
         v = qkv[:, self.heads + self.kv_heads :]
         out = attend(index, q, k, v, meta, self.scaling)  # [tokens, heads, dim]
-        return F.linear(out.reshape(tokens, -1), w.o, w.o_bias)
+        return self.linear(out.reshape(tokens, -1), w.o, w.o_bias)
 
     def _mlp(self, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, w.down, w.down_bias)
+        gate, up = self.linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
+        return self.linear(F.silu(gate) * up, w.down, w.down_bias)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -9,10 +9,12 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from engine import cpu_kernels
 from engine.backends import get_backend
 from engine.block_manager import BlockManager
 from engine.kv_cache import KVCache, KVCacheSpec, plan_num_blocks
@@ -54,7 +56,9 @@ class LLMEngine:
         self.max_model_len = min(max_model_len, self.kv_cache.num_slots)
         self.blocks = BlockManager(self.kv_cache.num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        self.runner = ModelRunner(backend.prepare(model), self.kv_cache, device, cfg.model_impl)
+        linear = cpu_kernels.linear_for(device, dtype, cfg.cpu_kernels,
+                                        Path(cfg.cache_dir).expanduser() if cfg.cache_dir else None)
+        self.runner = ModelRunner(backend.prepare(model), self.kv_cache, device, cfg.model_impl, linear)
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         self.sampler = Sampler(device, cfg.seed, self.eos_token_ids)

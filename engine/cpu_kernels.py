@@ -1,0 +1,109 @@
+"""Peregrine's own CPU kernel: a bandwidth-bound bfloat16 linear for decode steps of 1 to 4 rows.
+
+At batch 1 a decode step reads every weight once, so its speed is memory bandwidth / weight bytes. torch's
+bf16 `F.linear` (oneDNN) reaches about a third of this machine's bandwidth at one row; `csrc/gemv_bf16.cpp`
+streams each weight row once through AVX512-BF16 dot products and about doubles it. Larger batches are compute
+bound, where oneDNN's AMX GEMM is the better kernel, so `linear` only takes the small ones.
+
+The source is compiled with torch's own extension builder on first use (a C++ compiler is needed; about half
+a minute) and cached under `<cache>/kernels/`, keyed by the source and torch version, so later starts load it
+in milliseconds. When the CPU lacks AVX512-BF16, no compiler is found, or the build fails, `load()` logs why
+once and the engine keeps `F.linear`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "gemv_bf16.cpp"
+MAX_ROWS = 4  # the kernel's batch limit; above it F.linear (oneDNN, AMX where present) is faster
+CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
+
+Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+_loaded: dict[str, ModuleType | None] = {}
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("PEREGRINE_CACHE_DIR", Path.home() / ".cache" / "peregrine"))
+
+
+def unsupported_reason() -> str | None:
+    """Why the kernel cannot run on this machine, or None when it can."""
+    if not _has_avx512_bf16():
+        return "this CPU has no AVX512-BF16"
+    from torch.utils.cpp_extension import get_cxx_compiler
+
+    try:
+        get_cxx_compiler()
+    except RuntimeError as exc:  # no compiler found
+        return f"no C++ compiler ({exc})"
+    return None
+
+
+def _has_avx512_bf16() -> bool:
+    probe = getattr(torch._C._cpu, "_is_avx512_bf16_supported", None)
+    if probe is not None:
+        return bool(probe())
+    try:
+        return "avx512_bf16" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+def load(cache_dir: Path | None = None) -> ModuleType | None:
+    """The compiled extension (built on first use), or None when this machine cannot run it (logged once)."""
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + torch.__version__.encode() + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    if key in _loaded:
+        return _loaded[key]
+    reason = unsupported_reason()
+    module = None
+    if reason is None:
+        build_dir = (cache_dir or default_cache_dir()) / "kernels" / key
+        build_dir.mkdir(parents=True, exist_ok=True)
+        started = time.perf_counter()
+        if not (build_dir / "peregrine_gemv_bf16.so").exists():
+            log.info("compiling Peregrine's CPU kernel %s into %s (once)", SOURCE.name, build_dir)
+        try:
+            from torch.utils.cpp_extension import load as build
+
+            module = build(name="peregrine_gemv_bf16", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+                           extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
+            log.info("CPU kernel %s ready in %.1f s", SOURCE.name, time.perf_counter() - started)
+        except Exception as exc:  # a failed build must never stop the server: F.linear still works
+            reason = f"build failed: {str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__}"
+    if module is None:
+        log.warning("CPU bf16 decode kernel off (%s); using torch's F.linear", reason)
+    _loaded[key] = module
+    return module
+
+
+def linear_for(device: torch.device, dtype: torch.dtype, enabled: bool = True,
+               cache_dir: Path | None = None) -> Linear:
+    """The linear the forward pass should call: the kernel for small bf16 CPU batches when it loads, else F.linear."""
+    if not enabled or device.type != "cpu" or dtype != torch.bfloat16:
+        return F.linear
+    module = load(cache_dir)
+    if module is None:
+        return F.linear
+    kernel = module.linear_bf16
+
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.shape[1] % 32 == 0 and x.stride(1) == 1
+                and weight.is_contiguous()):
+            return kernel(x, weight, bias)
+        return F.linear(x, weight, bias)
+
+    return linear

@@ -1,0 +1,125 @@
+"""engine.cpu_kernels: the AVX512-BF16 small-batch linear, its dispatch, and its fallback.
+
+The kernel tests compile the real extension (cached under the user's Peregrine cache, like the server does) and
+skip, with the reason, on a CPU without AVX512-BF16 or a machine without a C++ compiler."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import cpu_kernels
+from engine.types import SamplingParams
+from tests.support import chat_ids, run_all, tokens_of
+
+REASON = cpu_kernels.unsupported_reason()
+needs_kernel = pytest.mark.skipif(REASON is not None, reason=f"CPU kernel unavailable: {REASON}")
+
+SHAPES = [(1, 576, 960), (1, 1536, 576), (2, 576, 3072), (3, 64, 7), (4, 576, 49152 // 8)]  # (M, K, N)
+
+
+@pytest.fixture(scope="module")
+def kernel() -> Any:
+    module = cpu_kernels.load()
+    assert module is not None, "unsupported_reason() said the kernel can run, so it must build"
+    return module
+
+
+def _case(m: int, k: int, n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(torch.bfloat16)
+    b = torch.randn(n, generator=g).to(torch.bfloat16)
+    return x, w, b
+
+
+@needs_kernel
+@pytest.mark.parametrize(("m", "k", "n"), SHAPES)
+def test_kernel_matches_a_float32_reference(kernel: Any, m: int, k: int, n: int) -> None:
+    x, w, b = _case(m, k, n)
+    ref = x.float() @ w.float().T + b.float()
+    got = kernel.linear_bf16(x, w, b)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    # float32 accumulation, one bf16 rounding at the end: within bf16's half-ulp of the exact result
+    assert torch.allclose(got.float(), ref, rtol=2**-8, atol=1e-3), (got.float() - ref).abs().max()
+    no_bias = kernel.linear_bf16(x, w, None).float()
+    assert torch.allclose(no_bias, x.float() @ w.float().T, rtol=2**-8, atol=1e-3)
+    # and as close to torch's own bf16 linear as two bf16 roundings allow
+    assert torch.allclose(got.float(), F.linear(x, w, b).float(), rtol=2**-7, atol=2e-3)
+
+
+@needs_kernel
+def test_each_row_is_independent_of_its_batch_mates(kernel: Any) -> None:
+    """A sequence's logits must not depend on who else is decoding: bitwise, for batches of 1 to 4."""
+    x, w, b = _case(4, 576, 1000, seed=3)
+    alone = torch.cat([kernel.linear_bf16(x[i : i + 1], w, b) for i in range(4)])
+    for m in (2, 3, 4):
+        assert torch.equal(kernel.linear_bf16(x[:m], w, b), alone[:m])
+    assert torch.equal(kernel.linear_bf16(x.flip(0), w, b), alone.flip(0))
+
+
+@needs_kernel
+def test_kernel_rejects_what_it_cannot_compute(kernel: Any) -> None:
+    x, w, _ = _case(1, 48, 8)  # K not a multiple of 32
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        kernel.linear_bf16(x, w, None)
+    x, w, _ = _case(5, 64, 8)
+    with pytest.raises(RuntimeError, match="1 to 4 rows"):
+        kernel.linear_bf16(x, w, None)
+    with pytest.raises(RuntimeError, match="bfloat16 only"):
+        kernel.linear_bf16(x[:1].float(), w.float(), None)
+
+
+@needs_kernel
+def test_linear_for_sends_small_bf16_batches_to_the_kernel_and_the_rest_to_torch(kernel: Any) -> None:
+    linear = cpu_kernels.linear_for(torch.device("cpu"), torch.bfloat16)
+    assert linear is not F.linear
+    x, w, b = _case(cpu_kernels.MAX_ROWS + 1, 576, 96)
+    assert torch.equal(linear(x[:2], w, b), kernel.linear_bf16(x[:2], w, b))
+    assert torch.equal(linear(x, w, b), F.linear(x, w, b))  # too many rows: oneDNN
+    odd = _case(1, 48, 8)
+    assert torch.equal(linear(odd[0], odd[1], None), F.linear(odd[0], odd[1]))  # K % 32 != 0
+    assert torch.equal(linear(x[:1], w.T.contiguous().T, b), F.linear(x[:1], w, b))  # strided weight
+
+
+def test_linear_for_keeps_torch_where_the_kernel_does_not_apply() -> None:
+    cpu = torch.device("cpu")
+    assert cpu_kernels.linear_for(cpu, torch.float32) is F.linear
+    assert cpu_kernels.linear_for(cpu, torch.bfloat16, enabled=False) is F.linear
+    assert cpu_kernels.linear_for(torch.device("meta"), torch.bfloat16) is F.linear
+
+
+@needs_kernel
+def test_a_failed_build_falls_back_to_torch_with_the_reason(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    broken = tmp_path / "gemv_bf16.cpp"
+    broken.write_text("#include <torch/extension.h>\nthis is not C++;\n")
+    monkeypatch.setattr(cpu_kernels, "SOURCE", broken)
+    with caplog.at_level(logging.WARNING, logger="engine.cpu_kernels"):
+        linear = cpu_kernels.linear_for(torch.device("cpu"), torch.bfloat16, cache_dir=tmp_path / "cache")
+    assert linear is F.linear
+    assert "CPU bf16 decode kernel off (build failed" in caplog.text
+
+
+@needs_kernel
+@pytest.mark.slow
+def test_smollm2_bf16_engine_with_and_without_the_kernel_agrees(smollm2: Any, engine_factory: Any) -> None:
+    """The same greedy answers from the kernel path and from F.linear, lone and batched (bf16 rounding can
+    move a near-tie, so the check is on the text's opening, not every token of long outputs)."""
+    tok = smollm2.tokenizer
+    prompts = [chat_ids(tok, q) for q in ("What is the capital of France?", "Name a colour of the sky.",
+                                           "What is 2 + 2?")]
+    answers = {}
+    for enabled in (True, False):
+        engine = engine_factory(smollm2, kv_cache_bytes=32 << 20, max_num_batched_tokens=256, cpu_kernels=enabled)
+        assert (engine.runner._forward.linear is F.linear) is not enabled
+        outs = run_all(engine, {f"r{i}": (p, SamplingParams(temperature=0.0, max_tokens=8)) for i, p in enumerate(prompts)})
+        answers[enabled] = [tokens_of(outs[f"r{i}"]) for i in range(len(prompts))]
+    assert "Paris" in tok.decode(answers[True][0])
+    for with_kernel, without in zip(answers[True], answers[False], strict=True):
+        assert with_kernel[:4] == without[:4], (tok.decode(with_kernel), tok.decode(without))
