@@ -99,7 +99,7 @@ class Settings(BaseSettings):
     )
     cpu_kernels: bool = Field(
         True,
-        description="Peregrine's AVX512-BF16 kernel for bfloat16 decode steps of 1-4 rows on CPU (compiled once "
+        description="Peregrine's AVX512-BF16 kernel for bfloat16 decode steps of 1-8 rows on CPU (compiled once "
         "into cache_dir/kernels; off or absent: torch's F.linear).",
     )
 

@@ -3,11 +3,13 @@
 // Decoding a few rows at a time is a matrix-vector product: every weight is read once per step and used M
 // times, so the step is bound by memory bandwidth. oneDNN's bf16 GEMM reaches a fraction of it at M = 1; this
 // streams each weight row once through `vdpbf16ps` (bf16 pairs multiplied, accumulated in float32), R rows at
-// a time, for all M inputs. Each output element is computed by the same instructions in the same order
+// a time, for up to 8 inputs per pass. Each output element is computed by the same instructions in the same order
 // whatever M is, so a sequence's logits do not depend on its batch mates.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+
+#include <algorithm>
 
 namespace {
 
@@ -37,13 +39,13 @@ void rows_block(const uint16_t* x, const uint16_t* w, const float* bias, c10::BF
 
 template <int M>
 void gemv(const uint16_t* x, const uint16_t* w, const float* bias, c10::BFloat16* out, int64_t K, int64_t N,
-          int64_t ldx) {
-  constexpr int R = M <= 2 ? 4 : 2;
+          int64_t ldx, int64_t ldo) {
+  constexpr int R = M <= 2 ? 4 : (M <= 4 ? 2 : 1);  // accumulators M * R + loads stay within 32 registers
   const int64_t blocks = N / R;
   at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) rows_block<M, R>(x, w, bias, out, K, N, b * R, ldx);
+    for (int64_t b = begin; b < end; ++b) rows_block<M, R>(x, w, bias, out, K, ldo, b * R, ldx);
   });
-  for (int64_t n = blocks * R; n < N; ++n) rows_block<M, 1>(x, w, bias, out, K, N, n, ldx);
+  for (int64_t n = blocks * R; n < N; ++n) rows_block<M, 1>(x, w, bias, out, K, ldo, n, ldx);
 }
 
 }  // namespace
@@ -54,7 +56,7 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, const 
   TORCH_CHECK(w.is_contiguous() && x.stride(1) == 1, "linear_bf16: contiguous rows");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(K % kStep == 0, "linear_bf16: K must be a multiple of 32");
-  TORCH_CHECK(M >= 1 && M <= 4, "linear_bf16: 1 to 4 rows");
+  TORCH_CHECK(M >= 1, "linear_bf16: at least one row");
   torch::Tensor b32;
   if (bias.has_value()) b32 = bias->to(at::kFloat).contiguous();
   const float* bp = bias.has_value() ? b32.data_ptr<float>() : nullptr;
@@ -63,15 +65,24 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, const 
   auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
   auto* op = out.data_ptr<c10::BFloat16>();
   const int64_t ldx = x.stride(0);
-  switch (M) {
-    case 1: gemv<1>(xp, wp, bp, op, K, N, ldx); break;
-    case 2: gemv<2>(xp, wp, bp, op, K, N, ldx); break;
-    case 3: gemv<3>(xp, wp, bp, op, K, N, ldx); break;
-    default: gemv<4>(xp, wp, bp, op, K, N, ldx); break;
+  // Up to 8 rows share one pass over the weights; more rows take further passes, 8 at a time.
+  for (int64_t m0 = 0; m0 < M; m0 += 8) {
+    const uint16_t* xm = xp + m0 * ldx;
+    c10::BFloat16* om = op + m0 * N;
+    switch (std::min<int64_t>(M - m0, 8)) {
+      case 1: gemv<1>(xm, wp, bp, om, K, N, ldx, N); break;
+      case 2: gemv<2>(xm, wp, bp, om, K, N, ldx, N); break;
+      case 3: gemv<3>(xm, wp, bp, om, K, N, ldx, N); break;
+      case 4: gemv<4>(xm, wp, bp, om, K, N, ldx, N); break;
+      case 5: gemv<5>(xm, wp, bp, om, K, N, ldx, N); break;
+      case 6: gemv<6>(xm, wp, bp, om, K, N, ldx, N); break;
+      case 7: gemv<7>(xm, wp, bp, om, K, N, ldx, N); break;
+      default: gemv<8>(xm, wp, bp, om, K, N, ldx, N); break;
+    }
   }
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear_bf16", &linear_bf16, "bf16 x[M<=4, K] @ w[N, K]^T (+ bias), AVX512-BF16");
+  m.def("linear_bf16", &linear_bf16, "bf16 x[M, K] @ w[N, K]^T (+ bias), AVX512-BF16");
 }
