@@ -3,8 +3,9 @@
 The model runs on one packed row of tokens from all scheduled sequences (`[1, total_tokens]`): single-token
 items (decodes) first, then multi-token prefill chunks. For each layer, `paged_attention` writes the new K/V
 into the cache slots of their positions, then attends:
-- decodes: batched, over each sequence's cached context gathered into a padded [batch, kv_heads, ctx, dim]
-  tensor with a length mask;
+- decodes: batched; on CPU with Peregrine's kernels (`engine.cpu_kernels`) read straight from the cache
+  through the block tables, otherwise over each sequence's cached context gathered into a padded
+  [batch, kv_heads, ctx, dim] tensor with a length mask;
 - prefill chunks: one SDPA per chunk, causal with the chunk's offset into its sequence.
 The step's metadata (slots, gather indices, masks) is built once per step and shared by all layers; it reaches
 this function as the `peregrine` keyword argument that transformers forwards from `model(...)`.
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.cpu_kernels import DecodeAttention
 from engine.kv_cache import KVCache
 
 ATTN_IMPL = "peregrine_paged"
@@ -38,6 +40,9 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] long, padded with the null block
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool, True = attend
     prefills: tuple[PrefillChunk, ...]
+    decode_lengths: torch.Tensor | None = None  # [num_decodes] long: context tokens, this step's included
+    # engine.cpu_kernels' paged decode attention; None: gather + masked SDPA (then decode_mask is set)
+    decode_kernel: DecodeAttention | None = None
 
 
 def paged_attention(
@@ -82,6 +87,9 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: 
 
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
             scaling: float | None) -> torch.Tensor:
+    if meta.decode_kernel is not None and q.dtype == k_cache.dtype:
+        return meta.decode_kernel(q.contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_lengths,
+                                  meta.kv_cache.block_size, q.shape[-1] ** -0.5 if scaling is None else scaling)
     keys = gather_blocks(k_cache, meta.decode_block_tables, meta.kv_cache.block_size).transpose(1, 2)
     values = gather_blocks(v_cache, meta.decode_block_tables, meta.kv_cache.block_size).transpose(1, 2)
     # keys, values: [batch, kv_heads, max_blocks * block_size, dim]

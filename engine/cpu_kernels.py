@@ -1,9 +1,13 @@
-"""Peregrine's own CPU kernel: a bandwidth-bound bfloat16 linear for decode steps of 1 to 8 rows.
+"""Peregrine's own CPU kernels (`csrc/cpu_kernels.cpp`), for the decode steps torch's general kernels serve badly.
 
-At batch 1 a decode step reads every weight once, so its speed is memory bandwidth / weight bytes. torch's
-bf16 `F.linear` (oneDNN) reaches about a third of this machine's bandwidth at one row; `csrc/gemv_bf16.cpp`
-streams each weight row once through AVX512-BF16 dot products and about doubles it. Larger batches are compute
-bound, where oneDNN's AMX GEMM is the better kernel, so `linear` only takes the small ones.
+- `linear_bf16`, a bandwidth-bound bfloat16 linear for decode steps of 1 to 8 rows. At batch 1 a decode step
+  reads every weight once, so its speed is memory bandwidth / weight bytes. torch's bf16 `F.linear` (oneDNN)
+  reaches about a third of this machine's bandwidth at one row; the kernel streams each weight row once
+  through AVX512-BF16 dot products and about doubles it. Larger batches are compute bound, where oneDNN's AMX
+  GEMM is the better kernel, so `linear_for` only sends it the small ones.
+- `paged_decode_attention`, decode attention read straight from the paged KV cache through the block tables
+  (float32 or bfloat16, softmax in float32). The torch path gathers every sequence's context into a padded
+  copy and runs a masked SDPA; at decode sizes that is a handful of ops per layer whose fixed cost dominates.
 
 The source is compiled with torch's own extension builder on first use (a C++ compiler is needed; about half
 a minute) and cached under `<cache>/kernels/`, keyed by the source and torch version, so later starts load it
@@ -26,7 +30,8 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "gemv_bf16.cpp"
+SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+NAME = "peregrine_cpu_kernels"
 MAX_ROWS = 8  # measured: 2.3x F.linear at 1 row, 1.3x at 4, even at 8, slower beyond (oneDNN's AMX GEMM wins)
 CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
 
@@ -74,18 +79,18 @@ def load(cache_dir: Path | None = None) -> ModuleType | None:
         build_dir = (cache_dir or default_cache_dir()) / "kernels" / key
         build_dir.mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()
-        if not (build_dir / "peregrine_gemv_bf16.so").exists():
-            log.info("compiling Peregrine's CPU kernel %s into %s (once)", SOURCE.name, build_dir)
+        if not (build_dir / f"{NAME}.so").exists():
+            log.info("compiling Peregrine's CPU kernels (%s) into %s, once", SOURCE.name, build_dir)
         try:
             from torch.utils.cpp_extension import load as build
 
-            module = build(name="peregrine_gemv_bf16", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+            module = build(name=NAME, sources=[str(SOURCE)], extra_cflags=CFLAGS,
                            extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
-            log.info("CPU kernel %s ready in %.1f s", SOURCE.name, time.perf_counter() - started)
+            log.info("CPU kernels ready in %.1f s", time.perf_counter() - started)
         except Exception as exc:  # a failed build must never stop the server: F.linear still works
             reason = f"build failed: {str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__}"
     if module is None:
-        log.warning("CPU bf16 decode kernel off (%s); using torch's F.linear", reason)
+        log.warning("Peregrine's CPU kernels off (%s); using torch's own", reason)
     _loaded[key] = module
     return module
 
@@ -107,3 +112,17 @@ def linear_for(device: torch.device, dtype: torch.dtype, enabled: bool = True,
         return F.linear(x, weight, bias)
 
     return linear
+
+
+DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float],
+                           torch.Tensor]
+
+
+def decode_attention_for(device: torch.device, enabled: bool = True,
+                         cache_dir: Path | None = None) -> DecodeAttention | None:
+    """`paged_decode_attention(q, k_cache, v_cache, block_tables, lengths, block_size, scale)` on CPU when the
+    kernels load, else None (attention then gathers and runs SDPA)."""
+    if not enabled or device.type != "cpu":
+        return None
+    module = load(cache_dir)
+    return None if module is None else module.paged_decode_attention

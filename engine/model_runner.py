@@ -37,13 +37,15 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device,
-                 impl: str = "auto", linear: cpu_kernels.Linear = F.linear) -> None:
+                 impl: str = "auto", linear: cpu_kernels.Linear = F.linear,
+                 decode_attention: cpu_kernels.DecodeAttention | None = None) -> None:
         attention.register()
         model.set_attn_implementation(attention.ATTN_IMPL)
         self.model = model.eval()
         self.kv_cache = kv_cache
         self.device = device
         self.block_size = kv_cache.block_size
+        self.decode_attention = decode_attention
         self.impl = choose_impl(model, impl)
         self._forward: Forward = llama_fast.LlamaFastForward(model, linear) if self.impl == "llama" else self._generic
         log.info("forward pass: %s", self.impl)
@@ -83,8 +85,10 @@ class ModelRunner:
             slot_mapping=self._tensor(slots),
             num_decodes=len(decodes),
             decode_block_tables=self._decode_block_tables(decodes) if decodes else None,
-            decode_mask=self._decode_mask(decodes) if decodes else None,
+            decode_mask=self._decode_mask(decodes) if decodes and self.decode_attention is None else None,
             prefills=prefills,
+            decode_lengths=self._tensor([s.start + 1 for s in decodes]) if decodes else None,
+            decode_kernel=self.decode_attention,
         )
         return StepInputs(self._tensor(ids)[None], self._tensor(positions)[None], self._tensor(logits_rows), meta)
 

@@ -96,13 +96,13 @@ def test_linear_for_keeps_torch_where_the_kernel_does_not_apply() -> None:
 @needs_kernel
 def test_a_failed_build_falls_back_to_torch_with_the_reason(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                             caplog: pytest.LogCaptureFixture) -> None:
-    broken = tmp_path / "gemv_bf16.cpp"
+    broken = tmp_path / "cpu_kernels.cpp"
     broken.write_text("#include <torch/extension.h>\nthis is not C++;\n")
     monkeypatch.setattr(cpu_kernels, "SOURCE", broken)
     with caplog.at_level(logging.WARNING, logger="engine.cpu_kernels"):
         linear = cpu_kernels.linear_for(torch.device("cpu"), torch.bfloat16, cache_dir=tmp_path / "cache")
     assert linear is F.linear
-    assert "CPU bf16 decode kernel off (build failed" in caplog.text
+    assert "CPU kernels off (build failed" in caplog.text
 
 
 @needs_kernel
@@ -122,3 +122,51 @@ def test_smollm2_bf16_engine_with_and_without_the_kernel_agrees(smollm2: Any, en
     assert "Paris" in tok.decode(answers[True][0])
     for with_kernel, without in zip(answers[True], answers[False], strict=True):
         assert with_kernel[:4] == without[:4], (tok.decode(with_kernel), tok.decode(without))
+
+
+def _paged_case(dtype: torch.dtype, lengths: list[int], heads: int = 6, kv_heads: int = 2, dim: int = 32,
+                block_size: int = 4) -> dict[str, Any]:
+    """Random caches with each sequence's blocks scattered (shuffled block ids), plus the SDPA reference."""
+    g = torch.Generator().manual_seed(len(lengths))
+    blocks_per_seq = [-(-n // block_size) for n in lengths]
+    ids = torch.randperm(sum(blocks_per_seq) + 3, generator=g).tolist()
+    tables, start = [], 0
+    for n in blocks_per_seq:
+        tables.append(ids[start : start + n])
+        start += n
+    width = max(blocks_per_seq)
+    slots = (len(ids) + 1) * block_size
+    k = torch.randn(slots, kv_heads, dim, generator=g).to(dtype)
+    v = torch.randn(slots, kv_heads, dim, generator=g).to(dtype)
+    q = torch.randn(len(lengths), heads, dim, generator=g).to(dtype)
+    ref = []
+    for i, n in enumerate(lengths):
+        table = torch.tensor(tables[i])
+        pos = torch.arange(n)
+        rows = table[pos // block_size] * block_size + pos % block_size
+        keys, values = k[rows].float().transpose(0, 1), v[rows].float().transpose(0, 1)  # [kv_heads, n, dim]
+        ref.append(F.scaled_dot_product_attention(q[i].float()[:, None], keys, values, enable_gqa=True)[:, 0])
+    padded = torch.tensor([t + [len(ids)] * (width - len(t)) for t in tables])
+    return {"q": q, "k": k, "v": v, "tables": padded, "lengths": torch.tensor(lengths), "block_size": block_size,
+            "ref": torch.stack(ref)}
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_attention_matches_sdpa_over_the_gathered_context(kernel: Any, dtype: torch.dtype) -> None:
+    case = _paged_case(dtype, [1, 5, 17, 64])
+    got = kernel.paged_decode_attention(case["q"], case["k"], case["v"], case["tables"], case["lengths"],
+                                        case["block_size"], case["q"].shape[-1] ** -0.5)
+    assert got.dtype == dtype and got.shape == case["q"].shape
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(got.float(), case["ref"], atol=tol, rtol=tol), (got.float() - case["ref"]).abs().max()
+    # a row's result does not depend on the other rows of the batch
+    alone = kernel.paged_decode_attention(case["q"][2:3], case["k"], case["v"], case["tables"][2:3],
+                                          case["lengths"][2:3], case["block_size"], case["q"].shape[-1] ** -0.5)
+    assert torch.equal(alone, got[2:3])
+
+
+@needs_kernel
+def test_engines_on_cpu_use_the_decode_attention_kernel_unless_turned_off(tiny: Any, engine_factory: Any) -> None:
+    assert engine_factory(tiny).runner.decode_attention is not None
+    assert engine_factory(tiny, cpu_kernels=False).runner.decode_attention is None
