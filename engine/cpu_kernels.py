@@ -8,6 +8,8 @@
 - `paged_decode_attention`, decode attention read straight from the paged KV cache through the block tables
   (float32 or bfloat16, softmax in float32). The torch path gathers every sequence's context into a padded
   copy and runs a masked SDPA; at decode sizes that is a handful of ops per layer whose fixed cost dominates.
+- `add_rms_norm_`, the residual add and Llama's RMSNorm in one pass (eight torch ops), with transformers'
+  rounding; used for bfloat16, where it is most of the per-layer op count that is not a matmul.
 
 The source is compiled with torch's own extension builder on first use (a C++ compiler is needed; about half
 a minute) and cached under `<cache>/kernels/`, keyed by the source and torch version, so later starts load it
@@ -126,3 +128,35 @@ def decode_attention_for(device: torch.device, enabled: bool = True,
         return None
     module = load(cache_dir)
     return None if module is None else module.paged_decode_attention
+
+
+AddRMSNorm = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, float], torch.Tensor]
+
+
+def add_rms_norm_torch(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """h += delta (in place, when given); returns transformers' LlamaRMSNorm of h: float32 statistics, scaled in
+    h's dtype."""
+    if delta is not None:
+        h.add_(delta)
+    x32 = h.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(h.dtype)
+
+
+def add_rms_norm_for(device: torch.device, dtype: torch.dtype, enabled: bool = True,
+                     cache_dir: Path | None = None) -> AddRMSNorm:
+    """The fused kernel for bfloat16 on CPU when it loads; else (and for float32, kept as the exact reference
+    path) `add_rms_norm_torch`."""
+    if not enabled or device.type != "cpu" or dtype != torch.bfloat16:
+        return add_rms_norm_torch
+    module = load(cache_dir)
+    if module is None:
+        return add_rms_norm_torch
+    kernel = module.add_rms_norm_
+
+    def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if h.dim() == 2 and h.is_contiguous() and (delta is None or delta.is_contiguous()):
+            return kernel(h, delta, weight, eps)
+        return add_rms_norm_torch(h, delta, weight, eps)
+
+    return add_rms_norm

@@ -2,10 +2,11 @@
 
 Same math as transformers' LlamaForCausalLM, with fewer, larger ops per layer: q/k/v and gate/up are fused
 into one matmul each (the original nn.Linear weights become views into the fused tensors, so memory is not
-doubled and the generic path keeps working), RoPE is applied to q and k in one go, RMSNorm
-takes its statistics in float32 exactly as transformers does (torch's `F.rms_norm` in bfloat16 loses enough
-precision to change SmolLM2's answers), and the final norm and LM head only run on the rows that sample. Attention is the same paged
-attention as the generic path (`engine.attention.attend`). Chosen automatically when `supports(model)`.
+doubled and the generic path keeps working), RoPE is applied to q and k in one go, the residual add and
+RMSNorm are one call (`engine.cpu_kernels`: a fused kernel in bfloat16 on CPU, torch ops otherwise) that takes
+its statistics in float32 exactly as transformers does (torch's `F.rms_norm` in bfloat16 loses enough
+precision to change SmolLM2's answers), and the final norm and LM head only run on the rows that sample.
+Attention is the same paged attention as the generic path (`engine.attention.attend`). Chosen automatically when `supports(model)`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, attend
-from engine.cpu_kernels import Linear
+from engine.cpu_kernels import AddRMSNorm, Linear, add_rms_norm_torch
 
 
 def supports(model: nn.Module) -> bool:
@@ -72,10 +73,11 @@ class LayerWeights:
 
 
 class LlamaFastForward:
-    def __init__(self, model: nn.Module, linear: Linear = F.linear) -> None:
+    def __init__(self, model: nn.Module, linear: Linear = F.linear, add_norm: AddRMSNorm = add_rms_norm_torch) -> None:
         config = model.config
         self.model = model
         self.linear = linear  # F.linear, or engine.cpu_kernels' small-batch bf16 kernel
+        self.add_norm = add_norm  # residual add + RMSNorm: torch ops, or engine.cpu_kernels' fused bf16 kernel
         self.hidden = config.hidden_size
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads or self.heads
@@ -99,13 +101,16 @@ class LlamaFastForward:
                  logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [tokens]. Returns logits [len(logits_indices), vocab] in the model dtype."""
         inner = self.model.model
-        h = inner.embed_tokens(input_ids)  # [tokens, hidden]
+        h = inner.embed_tokens(input_ids)  # [tokens, hidden], the residual stream, updated in place
         cos, sin = inner.rotary_emb(h[None], positions[None])  # [1, tokens, dim]
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [tokens, 1, dim]
+        delta = None  # the last block's output, not yet added to h
         for index, w in enumerate(self.layers):
-            h = h + self._attention(index, w, _rms_norm(h, w.input_norm, self.eps), cos, sin, meta)
-            h = h + self._mlp(w, _rms_norm(h, w.post_norm, self.eps))
-        last = inner.norm(h[logits_indices])
+            x = self.add_norm(h, delta, w.input_norm, self.eps)
+            x = self.add_norm(h, self._attention(index, w, x, cos, sin, meta), w.post_norm, self.eps)
+            delta = self._mlp(w, x)
+        rows = h[logits_indices]  # the final norm and the LM head only run on the rows that sample
+        last = self.add_norm(rows, None if delta is None else delta[logits_indices], inner.norm.weight, self.eps)
         head = self.model.lm_head
         return self.linear(last, head.weight, head.bias)
 
@@ -122,13 +127,6 @@ class LlamaFastForward:
     def _mlp(self, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
         return self.linear(F.silu(gate) * up, w.down, w.down_bias)
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' LlamaRMSNorm: statistics in float32, scaled in the input dtype."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,8 @@ class StepInputs:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device,
                  impl: str = "auto", linear: cpu_kernels.Linear = F.linear,
-                 decode_attention: cpu_kernels.DecodeAttention | None = None) -> None:
+                 decode_attention: cpu_kernels.DecodeAttention | None = None,
+                 add_norm: cpu_kernels.AddRMSNorm = cpu_kernels.add_rms_norm_torch) -> None:
         attention.register()
         model.set_attn_implementation(attention.ATTN_IMPL)
         self.model = model.eval()
@@ -47,7 +48,9 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.decode_attention = decode_attention
         self.impl = choose_impl(model, impl)
-        self._forward: Forward = llama_fast.LlamaFastForward(model, linear) if self.impl == "llama" else self._generic
+        self._forward: Forward = (
+            llama_fast.LlamaFastForward(model, linear, add_norm) if self.impl == "llama" else self._generic
+        )
         log.info("forward pass: %s", self.impl)
 
     @torch.inference_mode()

@@ -170,3 +170,28 @@ def test_paged_decode_attention_matches_sdpa_over_the_gathered_context(kernel: A
 def test_engines_on_cpu_use_the_decode_attention_kernel_unless_turned_off(tiny: Any, engine_factory: Any) -> None:
     assert engine_factory(tiny).runner.decode_attention is not None
     assert engine_factory(tiny, cpu_kernels=False).runner.decode_attention is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_delta", [True, False])
+def test_fused_add_rms_norm_matches_the_torch_ops(kernel: Any, dtype: torch.dtype, with_delta: bool) -> None:
+    g = torch.Generator().manual_seed(5)
+    h = (torch.randn(7, 576, generator=g) * 3).to(dtype)
+    delta = torch.randn(7, 576, generator=g).to(dtype) if with_delta else None
+    weight = torch.rand(576, generator=g).to(dtype)
+    h_ref = h.clone()
+    ref = cpu_kernels.add_rms_norm_torch(h_ref, None if delta is None else delta.clone(), weight, 1e-5)
+    got = kernel.add_rms_norm_(h, delta, weight, 1e-5)
+    assert torch.equal(h, h_ref)  # the residual add, in place, rounds like torch's
+    # same rounding steps; only the order of the float32 sum of squares differs
+    ulp = 2**-7 if dtype == torch.bfloat16 else 1e-6
+    assert torch.allclose(got.float(), ref.float(), rtol=ulp, atol=1e-6), (got.float() - ref.float()).abs().max()
+    if dtype == torch.bfloat16:  # rounded to bf16 twice: nearly every element lands on the same value
+        assert (got == ref).float().mean() > 0.95
+
+
+def test_add_rms_norm_for_keeps_torch_for_float32_and_when_off() -> None:
+    cpu = torch.device("cpu")
+    assert cpu_kernels.add_rms_norm_for(cpu, torch.float32) is cpu_kernels.add_rms_norm_torch
+    assert cpu_kernels.add_rms_norm_for(cpu, torch.bfloat16, enabled=False) is cpu_kernels.add_rms_norm_torch
