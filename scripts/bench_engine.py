@@ -7,7 +7,7 @@ Measures, in one run and on one loaded model object:
   batch-1 decode tok/s.
 Prints a table, then one JSON object. Not a test: numbers depend on the machine and its load.
 
-    python scripts/bench_engine.py [--dtype bfloat16] [--concurrency 1 4 16 64] [--hf-requests 2]
+    python scripts/bench_engine.py [--dtype bfloat16] [--concurrency 1 4 16 64] [--hf-requests 2] [--no-cpu-kernels]
 """
 
 from __future__ import annotations
@@ -112,6 +112,8 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--hf-requests", type=int, default=2, help="sequential HF requests to time")
     parser.add_argument("--cache-dir", default=None)
+    parser.add_argument("--cpu-kernels", action=argparse.BooleanOptionalAction, default=True,
+                        help="Peregrine's CPU kernels (engine.cpu_kernels); --no-cpu-kernels: torch's own ops")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
@@ -124,6 +126,7 @@ def main() -> None:
         max_num_seqs=max(args.concurrency),
         max_model_len=args.prompt_len + args.output_len + 16,
         cache_dir=args.cache_dir,
+        cpu_kernels=args.cpu_kernels,
     )
     loaded = load_model(cfg)
     engine = LLMEngine(loaded.model, loaded.tokenizer, cfg, loaded.device, loaded.dtype, loaded.max_model_len)
@@ -144,7 +147,8 @@ def report(
 ) -> None:
     print(
         f"\nSmolLM2-135M ({dtype}, cpu, {torch.get_num_threads()} threads), "
-        f"{args.prompt_len} prompt / {args.output_len} output tokens, greedy, ignore_eos"
+        f"{args.prompt_len} prompt / {args.output_len} output tokens, greedy, ignore_eos, "
+        f"cpu kernels {'on' if args.cpu_kernels else 'off'}"
     )
     print(f"{'engine':<26}{'concurrent':>11}{'output tok/s':>14}{'vs HF seq':>11}")
     for row in [hf, *rows]:
@@ -160,6 +164,7 @@ def report(
                 "dtype": dtype,
                 "device": "cpu",
                 "threads": torch.get_num_threads(),
+                "cpu_kernels": args.cpu_kernels,
                 "prompt_len": args.prompt_len,
                 "output_len": args.output_len,
                 "batch1_decode_tok_s": round(decode_1, 2),
