@@ -98,42 +98,83 @@ inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));  // bf16 is float's top half
 }
 
+// e^x for x <= 0 (softmax after subtracting the max): 2^(x log2 e) as 2^floor * 2^frac, the fraction by its
+// Taylor series to degree 8 (relative error about 1e-7, float32's own).
+inline __m512 exp_nonpositive(__m512 x) {
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(1.4426950408889634f));
+  const __m512 whole = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, whole);  // [0, 1)
+  static constexpr float c[] = {1.f, 0.6931471805599453f, 0.2402265069591007f, 0.05550410866482158f,
+                                0.009618129107628477f, 0.0013333558146428443f, 0.00015403530393381606f,
+                                1.525273380405984e-05f, 1.3215486790144307e-06f};
+  __m512 p = _mm512_set1_ps(c[8]);
+  for (int k = 7; k >= 0; --k) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[k]));
+  return _mm512_scalef_ps(p, whole);
+}
+
+// One work item is one sequence and one KV head: the K and V rows are read once for the whole GQA group of
+// query heads that share them. Scores for all context tokens first, then softmax, then the weighted sum of V.
 template <typename T>
 void paged_decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
                   const int64_t* lengths, T* out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
                   int64_t max_blocks, int64_t block_size, float scale) {
   const int64_t group = heads / kv_heads;
   const int64_t chunks = dim / 16;
-  at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    std::vector<__m512> qv(chunks), acc(chunks);
+    std::vector<__m512> qv(group * chunks), acc(group * chunks);
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / heads, h = i % heads, kvh = h / group, len = lengths[b];
+      const int64_t b = i / kv_heads, kvh = i % kv_heads, len = lengths[b], h0 = kvh * group;
       const int64_t* table = block_tables + b * max_blocks;
-      for (int64_t c = 0; c < chunks; ++c) qv[c] = _mm512_mul_ps(load16(q + i * dim + c * 16), _mm512_set1_ps(scale));
-      scores.resize(len);
-      float max_score = -INFINITY;
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t slot = table[t / block_size] * block_size + t % block_size;
-        const T* kp = k_cache + (slot * kv_heads + kvh) * dim;
-        __m512 dot = _mm512_setzero_ps();
-        for (int64_t c = 0; c < chunks; ++c) dot = _mm512_fmadd_ps(qv[c], load16(kp + c * 16), dot);
-        scores[t] = _mm512_reduce_add_ps(dot);
-        max_score = std::max(max_score, scores[t]);
+      const int64_t padded = (len + 15) / 16 * 16;
+      scores.assign(group * padded, -INFINITY);
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t c = 0; c < chunks; ++c)
+          qv[g * chunks + c] = _mm512_mul_ps(load16(q + ((b * heads + h0 + g) * dim) + c * 16), _mm512_set1_ps(scale));
+      for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+        const int64_t base = table[t0 / block_size] * block_size, n = std::min(block_size, len - t0);
+        for (int64_t o = 0; o < n; ++o) {
+          const T* kp = k_cache + ((base + o) * kv_heads + kvh) * dim;
+          for (int64_t g = 0; g < group; ++g) {
+            __m512 dot = _mm512_setzero_ps();
+            for (int64_t c = 0; c < chunks; ++c) dot = _mm512_fmadd_ps(qv[g * chunks + c], load16(kp + c * 16), dot);
+            scores[g * padded + t0 + o] = _mm512_reduce_add_ps(dot);
+          }
+        }
       }
-      float total = 0.f;
-      for (int64_t t = 0; t < len; ++t) total += (scores[t] = std::exp(scores[t] - max_score));
-      for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_setzero_ps();
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t slot = table[t / block_size] * block_size + t % block_size;
-        const T* vp = v_cache + (slot * kv_heads + kvh) * dim;
-        const __m512 p = _mm512_set1_ps(scores[t]);
-        for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_fmadd_ps(p, load16(vp + c * 16), acc[c]);
+      std::vector<__m512> inv_total(group);
+      for (int64_t g = 0; g < group; ++g) {
+        float* row = scores.data() + g * padded;
+        __m512 vmax = _mm512_set1_ps(-INFINITY);
+        for (int64_t t = 0; t < padded; t += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(row + t));
+        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+        __m512 total = _mm512_setzero_ps();
+        for (int64_t t = 0; t < padded; t += 16) {  // the -inf padding becomes 0
+          const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(row + t), m));
+          _mm512_storeu_ps(row + t, e);
+          total = _mm512_add_ps(total, e);
+        }
+        inv_total[g] = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
+      }
+      for (auto& a : acc) a = _mm512_setzero_ps();
+      for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+        const int64_t base = table[t0 / block_size] * block_size, n = std::min(block_size, len - t0);
+        for (int64_t o = 0; o < n; ++o) {
+          const T* vp = v_cache + ((base + o) * kv_heads + kvh) * dim;
+          for (int64_t c = 0; c < chunks; ++c) {
+            const __m512 v = load16(vp + c * 16);
+            for (int64_t g = 0; g < group; ++g)
+              acc[g * chunks + c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * padded + t0 + o]), v, acc[g * chunks + c]);
+          }
+        }
       }
       alignas(64) float row[16];
-      for (int64_t c = 0; c < chunks; ++c) {
-        _mm512_store_ps(row, _mm512_div_ps(acc[c], _mm512_set1_ps(total)));
-        for (int j = 0; j < 16; ++j) out[i * dim + c * 16 + j] = static_cast<T>(row[j]);
+      for (int64_t g = 0; g < group; ++g) {
+        T* dst = out + (b * heads + h0 + g) * dim;
+        for (int64_t c = 0; c < chunks; ++c) {
+          _mm512_store_ps(row, _mm512_mul_ps(acc[g * chunks + c], inv_total[g]));
+          for (int j = 0; j < 16; ++j) dst[c * 16 + j] = static_cast<T>(row[j]);
+        }
       }
     }
   });
