@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 import threading
 from dataclasses import dataclass
@@ -22,6 +23,12 @@ from typing import Any
 from config import Settings, load_settings, settings_or_exit
 
 log = logging.getLogger("peregrine")
+
+# OpenMP threads sleep at barriers instead of spinning unless the user chose otherwise. The engine runs in its
+# own thread next to the event loop; spinning OpenMP workers took the cores that thread and other processes
+# needed, 5-10x slower decoding under CPU contention, and on a quiet machine passive is no slower
+# (docs/benchmarks.md, "OpenMP spin-waiting"). Set here, before anything imports torch.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 @dataclass(frozen=True)

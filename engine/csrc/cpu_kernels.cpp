@@ -257,7 +257,9 @@ torch::Tensor add_rms_norm_(torch::Tensor& h, const c10::optional<torch::Tensor>
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("add_rms_norm_", &add_rms_norm_, "h += delta; RMSNorm(h), Llama rounding");
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache");
-  m.def("linear_bf16", &linear_bf16, "bf16 x[M, K] @ w[N, K]^T (+ bias), AVX512-BF16");
+  // The GIL is released while a kernel runs, as torch's own ops do, so the server's event loop keeps going.
+  using release = py::call_guard<py::gil_scoped_release>;
+  m.def("add_rms_norm_", &add_rms_norm_, "h += delta; RMSNorm(h), Llama rounding", release());
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache", release());
+  m.def("linear_bf16", &linear_bf16, "bf16 x[M, K] @ w[N, K]^T (+ bias), AVX512-BF16", release());
 }
