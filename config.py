@@ -95,7 +95,8 @@ class Settings(BaseSettings):
     seed: int = Field(0, description="Seed for sampling when a request gives none.")
     model_impl: Literal["auto", "generic", "llama"] = Field(
         "auto",
-        description="Forward pass: the Llama fast path, the generic one, or auto (Llama when it applies).",
+        description="Forward pass: llama (fast path: Llama, SmolLM, Mistral, Qwen2 blocks), generic (any model), "
+        "or auto (the fast path when it applies).",
     )
     cpu_kernels: bool = Field(
         True,

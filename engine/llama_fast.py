@@ -1,4 +1,4 @@
-"""A lean forward pass for the Llama family, on the model's own weights.
+"""A lean forward pass for the Llama family (Llama, SmolLM, Mistral, Qwen2), on the model's own weights.
 
 Same math as transformers' LlamaForCausalLM, with fewer, larger ops per layer: q/k/v and gate/up are fused
 into one matmul each (the original nn.Linear weights become views into the fused tensors, so memory is not
@@ -21,16 +21,31 @@ from engine.attention import AttentionMetadata, attend
 from engine.cpu_kernels import AddRMSNorm, Linear, add_rms_norm_torch
 
 
+FAST_MODEL_TYPES = ("llama", "mistral", "qwen2")  # same block: q/k/v (+ biases for Qwen2), RoPE, SiLU MLP
+
+
 def supports(model: nn.Module) -> bool:
-    """Plain Llama: silu MLP, dense nn.Linear projections, no sliding window."""
+    """The Llama block (Llama, SmolLM, Mistral, Qwen2): silu MLP, dense nn.Linear projections, full attention in
+    every layer (a sliding window is left to the generic path)."""
     config = model.config
-    if getattr(config, "model_type", None) != "llama" or getattr(config, "hidden_act", "silu") != "silu":
+    if getattr(config, "model_type", None) not in FAST_MODEL_TYPES or getattr(config, "hidden_act", "silu") != "silu":
+        return False
+    if _sliding_window(config):
         return False
     inner = getattr(model, "model", None)
     if inner is None or not hasattr(inner, "rotary_emb") or not hasattr(inner, "layers"):
         return False
     linears = [m for layer in inner.layers for m in (*_attn_linears(layer), *_mlp_linears(layer))]
     return all(type(m) is nn.Linear for m in linears) and type(model.lm_head) is nn.Linear
+
+
+def _sliding_window(config: object) -> bool:
+    layer_types = getattr(config, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types):
+        return True
+    if hasattr(config, "use_sliding_window"):  # Qwen2 keeps a window size even when it is off
+        return bool(config.use_sliding_window) and getattr(config, "sliding_window", None) is not None
+    return getattr(config, "sliding_window", None) is not None
 
 
 def _attn_linears(layer: nn.Module) -> tuple[nn.Linear, ...]:

@@ -94,8 +94,7 @@ def test_generic_path_is_used_for_non_llama_models(tiny: Any) -> None:
         choose_impl(tiny.model, "turbo")
 
 
-def test_generic_path_serves_another_architecture(engine_factory: Any, tiny: Any) -> None:
-    """A tiny random Qwen2 (q/k/v biases, not the Llama fast path) also matches transformers' generate."""
+def tiny_qwen2(tiny: Any) -> Any:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -105,13 +104,34 @@ def test_generic_path_serves_another_architecture(engine_factory: Any, tiny: Any
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=256, initializer_range=0.15, tie_word_embeddings=False)
     torch.manual_seed(7)
-    qwen = Loaded(Qwen2ForCausalLM(config).eval(), tiny.tokenizer, 256)
-    engine = engine_factory(qwen, max_num_batched_tokens=16)
-    assert engine.runner.impl == "generic"
+    return Loaded(Qwen2ForCausalLM(config).eval(), tiny.tokenizer, 256)
+
+
+@pytest.mark.parametrize("impl", ["generic", "auto"])
+def test_both_forward_passes_serve_qwen2(engine_factory: Any, tiny: Any, impl: str) -> None:
+    """A tiny random Qwen2 (q/k/v biases) matches transformers' generate on the generic path and on the
+    Llama fast path, which "auto" picks for it."""
+    qwen = tiny_qwen2(tiny)
+    engine = engine_factory(qwen, max_num_batched_tokens=16, model_impl=impl)
+    assert engine.runner.impl == ("generic" if impl == "generic" else "llama")
     prompts = [tiny.tokenizer.encode(t) for t in TINY_PROMPTS[:3]]
     outs = run_all(engine, {f"r{i}": (p, greedy(12)) for i, p in enumerate(prompts)})
     for i, p in enumerate(prompts):
         assert tokens_of(outs[f"r{i}"]) == hf_greedy(qwen.model, p, 12)
+
+
+def test_the_fast_path_leaves_sliding_windows_and_other_blocks_to_the_generic_one(tiny: Any) -> None:
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from engine.llama_fast import supports
+
+    small = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+             "num_attention_heads": 2, "num_key_value_heads": 1}
+    assert supports(MistralForCausalLM(MistralConfig(**small, sliding_window=None)))
+    assert not supports(MistralForCausalLM(MistralConfig(**small, sliding_window=16)))
+    assert not supports(Qwen2ForCausalLM(Qwen2Config(**small, use_sliding_window=True, sliding_window=16,
+                                                     max_window_layers=0)))
+    assert not supports(Qwen2ForCausalLM(Qwen2Config(**small, hidden_act="gelu")))
 
 
 @pytest.mark.slow
