@@ -97,12 +97,18 @@ def load(cache_dir: Path | None = None) -> ModuleType | None:
     return module
 
 
+def _for(device: torch.device, enabled: bool, cache_dir: Path | None,
+         dtype: torch.dtype | None = None) -> ModuleType | None:
+    """The kernels, when they are wanted here (on, on CPU, and bfloat16 when `dtype` is given) and load."""
+    if not enabled or device.type != "cpu" or (dtype is not None and dtype != torch.bfloat16):
+        return None
+    return load(cache_dir)
+
+
 def linear_for(device: torch.device, dtype: torch.dtype, enabled: bool = True,
                cache_dir: Path | None = None) -> Linear:
     """The linear the forward pass should call: the kernel for small bf16 CPU batches when it loads, else F.linear."""
-    if not enabled or device.type != "cpu" or dtype != torch.bfloat16:
-        return F.linear
-    module = load(cache_dir)
+    module = _for(device, enabled, cache_dir, dtype)
     if module is None:
         return F.linear
     kernel = module.linear_bf16
@@ -124,9 +130,7 @@ def decode_attention_for(device: torch.device, enabled: bool = True,
                          cache_dir: Path | None = None) -> DecodeAttention | None:
     """`paged_decode_attention(q, k_cache, v_cache, block_tables, lengths, block_size, scale)` on CPU when the
     kernels load, else None (attention then gathers and runs SDPA)."""
-    if not enabled or device.type != "cpu":
-        return None
-    module = load(cache_dir)
+    module = _for(device, enabled, cache_dir)
     return None if module is None else module.paged_decode_attention
 
 
@@ -147,9 +151,7 @@ def add_rms_norm_for(device: torch.device, dtype: torch.dtype, enabled: bool = T
                      cache_dir: Path | None = None) -> AddRMSNorm:
     """The fused kernel for bfloat16 on CPU when it loads; else (and for float32, kept as the exact reference
     path) `add_rms_norm_torch`."""
-    if not enabled or device.type != "cpu" or dtype != torch.bfloat16:
-        return add_rms_norm_torch
-    module = load(cache_dir)
+    module = _for(device, enabled, cache_dir, dtype)
     if module is None:
         return add_rms_norm_torch
     kernel = module.add_rms_norm_
