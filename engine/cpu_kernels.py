@@ -12,9 +12,9 @@
   rounding; used for bfloat16, where it is most of the per-layer op count that is not a matmul.
 
 The source is compiled with torch's own extension builder on first use (a C++ compiler is needed; about half
-a minute) and cached under `<cache>/kernels/`, keyed by the source and torch version, so later starts load it
-in milliseconds. When the CPU lacks AVX512-BF16, no compiler is found, or the build fails, `load()` logs why
-once and the engine keeps `F.linear`.
+a minute) and cached under `<cache>/kernels/`, keyed by the source, its path and torch version, so later
+starts load it in milliseconds. When the CPU lacks AVX512-BF16, no compiler is found, or the build fails,
+`load()` logs why once and the engine keeps torch's ops.
 """
 
 from __future__ import annotations
@@ -72,7 +72,9 @@ def _has_avx512_bf16() -> bool:
 def load(cache_dir: Path | None = None) -> ModuleType | None:
     """The compiled extension (built on first use), or None when this machine cannot run it (logged once)."""
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + torch.__version__.encode() + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    # keyed by the checkout too: torch's builder rebuilds when the same build folder sees another source path
+    key = hashlib.sha256(source + str(SOURCE.resolve()).encode() + torch.__version__.encode()
+                         + " ".join(CFLAGS).encode()).hexdigest()[:16]
     if key in _loaded:
         return _loaded[key]
     reason = unsupported_reason()
