@@ -20,7 +20,6 @@ from torch import nn
 from engine.attention import AttentionMetadata, attend
 from engine.cpu_kernels import AddRMSNorm, Linear, add_rms_norm_torch
 
-
 FAST_MODEL_TYPES = ("llama", "mistral", "qwen2")  # same block: q/k/v (+ biases for Qwen2), RoPE, SiLU MLP
 
 
