@@ -1,4 +1,5 @@
-"""Helpers shared by the engine tests: tiny tokenizers and models, HF reference generation, engine drivers.
+"""Helpers shared by the tests: tiny tokenizers and models, HF reference generation, engine drivers, and the
+free port / readiness poll / stop-by-PID that every test starting a server process uses.
 
 A plain module (not a conftest), so tests import it as `tests.support` without clashing with the
 per-folder conftest.py files.
@@ -6,6 +7,11 @@ per-folder conftest.py files.
 from __future__ import annotations
 
 import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -204,3 +210,47 @@ def tokens_of(outputs: list, index: int = 0) -> list[int]:
 def text_of(outputs: list, index: int = 0) -> str:
     return "".join(o.text for o in outputs if o.index == index)
 
+
+# --- server processes started by tests -------------------------------------------------------------------
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback address."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def log_tail(path: Path, chars: int = 6000) -> str:
+    return path.read_text(errors="replace")[-chars:] if path.exists() else ""
+
+
+def wait_http_ok(url: str, proc: subprocess.Popen | None, log_path: Path, timeout: float, what: str = "server",
+                 interval: float = 1.0) -> None:
+    """Poll GET `url` until it answers 200; fail at once, with the process's log, if the process exits."""
+    import httpx
+    import pytest
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            pytest.fail(f"{what} exited with {proc.returncode} before ready:\n{log_tail(log_path)}")
+        try:
+            if httpx.get(url, timeout=5, trust_env=False).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(interval)
+    pytest.fail(f"{what} not ready after {timeout:.0f}s:\n{log_tail(log_path)}")
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    """SIGTERM by PID, then SIGKILL if it has not exited within `timeout`."""
+    if proc.poll() is not None:
+        return
+    os.kill(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=timeout)

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
+
+from tests.support import free_port, wait_http_ok
 
 REPO = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_S = 900  # a first start on a fresh machine converts the GGUF (minutes on 2 busy cores)
@@ -162,12 +162,6 @@ def test_ci_runs_exactly_the_readme_test_command() -> None:
 # --- two real starts from a clean clone -----------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def offline_env(venv: Path) -> dict[str, str]:
     """No network: Hub offline mode, and every proxy variable pointing at a port where nothing listens."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PEREGRINE_") and k != "HF_TOKEN"}
@@ -195,20 +189,6 @@ def start_command(clone: Path, env: dict[str, str], port: int) -> list[str]:
     return [sys.executable, "main.py", *args]  # the venv is not set up for this clone: do not reinstall it
 
 
-def wait_ready(base: str, proc: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-        try:
-            if httpx.get(f"{base}/health/ready", timeout=5, trust_env=False).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    pytest.fail(f"not ready after {READY_TIMEOUT_S} s:\n{log.read_text()[-4000:]}")
-
-
 def start_and_stop(clone: Path, env: dict[str, str], log: Path) -> str:
     """Start the server, check it serves, stop it with SIGTERM; returns its log."""
     port = free_port()
@@ -217,7 +197,7 @@ def start_and_stop(clone: Path, env: dict[str, str], log: Path) -> str:
                                 stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(base, proc, log)
+        wait_http_ok(f"{base}/health/ready", proc, log, READY_TIMEOUT_S)
         models = httpx.get(f"{base}/v1/models", timeout=30, trust_env=False).json()
         assert "smollm2" in [m["id"] for m in models["data"]]
         reply = httpx.post(f"{base}/v1/chat/completions", timeout=300, trust_env=False, json={

@@ -8,7 +8,6 @@ the soak and overload tests can send thousands. Each server runs from a temporar
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -18,18 +17,14 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.support import free_port, log_tail, stop_process, wait_http_ok
+
 REPO = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 60.0
 BASE_ARGS = ["--device", "cpu", "--dtype", "float32", "--embedding-model", "none", "--skip-preflight",
              "--served-model-name", "tiny",
              "--log-level", "warning"]  # fmt: skip
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class TinyServer:
@@ -44,33 +39,16 @@ class TinyServer:
             self.proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT)
 
     def log_tail(self, chars: int = 6000) -> str:
-        return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
+        return log_tail(self.log_path, chars)
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"server exited with {self.proc.returncode} before ready:\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/ready", timeout=5).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        pytest.fail(f"server not ready after {timeout:.0f}s:\n{self.log_tail()}")
+        wait_http_ok(f"{self.url}/ready", self.proc, self.log_path, timeout, interval=0.5)
 
     def engine_stats(self) -> dict:
         return httpx.get(f"{self.url}/health/engine", timeout=30).json()
 
     def stop(self) -> None:
-        if self.proc.poll() is not None:
-            return
-        os.kill(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=STOP_TIMEOUT_S)
+        stop_process(self.proc, STOP_TIMEOUT_S)
 
 
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.1):

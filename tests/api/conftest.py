@@ -10,17 +10,16 @@ Readiness is awaited on `GET /ready` with a generous timeout; the process is sto
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+
+from tests.support import free_port, stop_process, wait_http_ok
 
 REPO = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 900.0  # loading and dequantizing the GGUF on a busy 2-core machine can take minutes
@@ -31,49 +30,12 @@ SERVER_ARGS = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _log_tail(path: Path, chars: int = 6000) -> str:
-    text = path.read_text(errors="replace") if path.exists() else ""
-    return text[-chars:]
-
-
-def wait_ready(base_url: str, proc: subprocess.Popen | None, log_path: Path, timeout: float) -> None:
-    """Poll GET /ready until 200; fail at once (with the server's log) if the process exits."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            pytest.fail(f"server exited with {proc.returncode} before ready:\n{_log_tail(log_path)}")
-        try:
-            if httpx.get(f"{base_url}/ready", timeout=5).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(1.0)
-    pytest.fail(f"server not ready after {timeout:.0f}s:\n{_log_tail(log_path)}")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is not None:
-        return
-    os.kill(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=STOP_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=STOP_TIMEOUT_S)
-
-
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The base URL (server root, no /v1) of a running Peregrine server."""
     external = os.environ.get("PEREGRINE_TEST_SERVER_URL")
     if external:
-        wait_ready(external.rstrip("/"), None, Path("/nonexistent"), READY_TIMEOUT_S)
+        wait_http_ok(f"{external.rstrip('/')}/ready", None, Path("/nonexistent"), READY_TIMEOUT_S)
         yield external.rstrip("/")
         return
     workdir = tmp_path_factory.mktemp("server")
@@ -85,10 +47,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT)
     base_url = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(base_url, proc, log_path, READY_TIMEOUT_S)
+        wait_http_ok(f"{base_url}/ready", proc, log_path, READY_TIMEOUT_S)
         yield base_url
     finally:
-        stop(proc)
+        stop_process(proc, STOP_TIMEOUT_S)
 
 
 @pytest.fixture(scope="session")

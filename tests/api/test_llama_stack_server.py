@@ -8,41 +8,22 @@ its PID. llama-stack-client 0.7.x then talks to the stack only, and must get Per
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
-from tests.api.conftest import free_port
 from tests.interop.harness import check_embeddings, check_generation, direct, embedding_id, run_client
 from tests.interop.venvs import CLIENT_MODERN, SERVER, ensure_venv
+from tests.support import free_port, stop_process, wait_http_ok
 
 # A first run builds the clients' (and the stack's) venvs inside setup: allow for it beyond the default 900 s.
 pytestmark = [pytest.mark.slow, pytest.mark.interop, pytest.mark.timeout(3600)]
 __all__ = ["direct", "embedding_id"]  # fixtures, imported so pytest finds them here
 RUN_YAML = Path(__file__).resolve().parents[2] / "examples" / "llama-stack-run.yaml"
 START_TIMEOUT_S = 300
-
-
-def wait_stack(url: str, proc: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(
-                f"llama stack exited with {proc.returncode}:\n{log.read_text(errors='replace')[-6000:]}"
-            )
-        try:
-            if httpx.get(f"{url}/v1/health", timeout=5).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(1.0)
-    pytest.fail(f"llama stack not up after {START_TIMEOUT_S}s:\n{log.read_text(errors='replace')[-6000:]}")
 
 
 @pytest.fixture(scope="module")
@@ -59,16 +40,10 @@ def stack(server: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str
         proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_stack(url, proc, log)
+        wait_http_ok(f"{url}/v1/health", proc, log, START_TIMEOUT_S, what="llama stack")
         yield url
     finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=60)
+        stop_process(proc, 60)
 
 
 def test_llama_stack_serves_peregrine(

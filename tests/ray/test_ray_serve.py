@@ -29,6 +29,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.support import free_port
+
 pytest.importorskip("ray.serve", reason="the ray extra is not installed (pip install .[ray])")
 openai = pytest.importorskip("openai")
 
@@ -90,7 +92,7 @@ def cluster(long_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     workdir = tmp_path_factory.mktemp("ray-server")
     ray_tmpdir = tempfile.mkdtemp(prefix="prg-ray-", dir="/tmp")  # short: Ray puts unix sockets under it
     log_path = workdir / "server.log"
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PEREGRINE_", "RAY_"))}
     # A private local cluster: own temp dir, and Ray's single-machine mode, which binds the node to 127.0.0.1.
     env |= {"RAY_TMPDIR": ray_tmpdir, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_DEDUP_LOGS": "0",
@@ -566,11 +568,3 @@ def _stop(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(timeout=30)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
