@@ -83,14 +83,16 @@ class ModelRunner:
         decodes = [s for s in items if s.num_tokens == 1]
         prefills = tuple(self._chunk(s, offsets[id(s)]) for s in items if s.num_tokens > 1)
         logits_rows = [offsets[id(s)] + s.num_tokens - 1 for s in out.sampling]
+        tables = self._decode_block_tables(decodes) if decodes else None
+        lengths = self._tensor([s.start + 1 for s in decodes]) if decodes else None
         meta = AttentionMetadata(
             kv_cache=self.kv_cache,
             slot_mapping=self._tensor(slots),
             num_decodes=len(decodes),
-            decode_block_tables=self._decode_block_tables(decodes) if decodes else None,
-            decode_mask=self._decode_mask(decodes) if decodes and self.decode_attention is None else None,
+            decode_block_tables=tables,
+            decode_mask=self._decode_mask(lengths, tables) if decodes and self.decode_attention is None else None,
             prefills=prefills,
-            decode_lengths=self._tensor([s.start + 1 for s in decodes]) if decodes else None,
+            decode_lengths=lengths,
             decode_kernel=self.decode_attention,
         )
         return StepInputs(self._tensor(ids)[None], self._tensor(positions)[None], self._tensor(logits_rows), meta)
@@ -111,9 +113,8 @@ class ModelRunner:
         null = self.kv_cache.null_block
         return self._tensor([row + [null] * (width - len(row)) for row in rows])
 
-    def _decode_mask(self, decodes: list[ScheduledSeq]) -> torch.Tensor:
-        lengths = self._tensor([s.start + 1 for s in decodes])
-        width = -(-max(s.start + 1 for s in decodes) // self.block_size) * self.block_size
+    def _decode_mask(self, lengths: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        width = tables.shape[1] * self.block_size  # the gathered context: every table's blocks, padded
         mask = torch.arange(width, device=self.device)[None, :] < lengths[:, None]
         return mask[:, None, None, :]  # [batch, 1, 1, max_blocks * block_size]
 
