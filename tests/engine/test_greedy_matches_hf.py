@@ -46,9 +46,12 @@ def test_tiny_batch_of_one_matches_hf(tiny: Any, tiny_refs: list, engine_factory
 
 
 @IMPLS
+@pytest.mark.parametrize("kernels", [True, False], ids=["cpu-kernels", "torch-ops"])
 def test_tiny_mixed_batch_with_chunked_prefill_matches_hf(tiny: Any, tiny_refs: list, engine_factory: Any,
-                                                          impl: str) -> None:
-    engine = engine_factory(tiny, max_num_batched_tokens=16, model_impl=impl)
+                                                          impl: str, kernels: bool) -> None:
+    """Both decode-attention paths: engine.cpu_kernels' and the gather + masked SDPA one used where the
+    kernels do not run (CUDA, CPUs without AVX-512, --no-cpu-kernels)."""
+    engine = engine_factory(tiny, max_num_batched_tokens=16, model_impl=impl, cpu_kernels=kernels)
     # staggered lengths so prefill chunks and decodes share steps
     requests = {f"r{i}": (prompt, greedy(24 - 3 * i)) for i, (prompt, _) in enumerate(tiny_refs)}
     outs = run_all(engine, requests)
