@@ -10,6 +10,12 @@
   copy and runs a masked SDPA; at decode sizes that is a handful of ops per layer whose fixed cost dominates.
 - `add_rms_norm_`, the residual add and Llama's RMSNorm in one pass (eight torch ops), with transformers'
   rounding; used for bfloat16, where it is most of the per-layer op count that is not a matmul.
+- `LlamaDecoder`, a whole bfloat16 decode step of a Llama-family model (every layer, the final norm and the LM
+  head) in one call and one parallel region, its matmuls on AMX tiles where the CPU has them (else the
+  AVX512-BF16 rows of `linear_bf16`). `engine.llama_fast` runs decode-only steps through it: at batch 1 the
+  ~450 small ops per step that remain around the weight reads, and the thread wake-ups between them, are what
+  keep the Python-level path from the memory roofline; at 16 rows AMX does the matmuls at the cost of reading
+  the weights, where oneDNN's GEMM repacks them on every call.
 
 The source is compiled with torch's own extension builder on first use (a C++ compiler is needed; about half
 a minute) and cached under `<cache>/kernels/`, keyed by the source, its path and torch version, so later
@@ -35,7 +41,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
 NAME = "peregrine_cpu_kernels"
 MAX_ROWS = 8  # measured: 2.3x F.linear at 1 row, 1.3x at 4, even at 8, slower beyond (oneDNN's AMX GEMM wins)
-CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
+CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-fopenmp"]
 
 Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
@@ -147,6 +153,25 @@ def add_rms_norm_torch(h: torch.Tensor, delta: torch.Tensor | None, weight: torc
     x32 = h.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(h.dtype)
+
+
+DecoderFactory = Callable[..., object]
+
+
+def llama_decoder_for(device: torch.device, dtype: torch.dtype, enabled: bool = True,
+                      cache_dir: Path | None = None) -> DecoderFactory | None:
+    """A builder of `LlamaDecoder(layers, final_norm, head, head_bias, heads, kv_heads, head_dim, eps, block_size,
+    scale)` for bfloat16 on CPU when the kernels load (AMX when available), else None."""
+    module = _for(device, enabled, cache_dir, dtype)
+    if module is None:
+        return None
+    amx = bool(module.amx_available())
+    log.info("decode steps: one kernel call per step, matmuls on %s", "AMX" if amx else "AVX512-BF16")
+
+    def build(*args: object) -> object:
+        return module.LlamaDecoder(*args, amx)
+
+    return build
 
 
 def add_rms_norm_for(device: torch.device, dtype: torch.dtype, enabled: bool = True,

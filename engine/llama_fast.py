@@ -7,10 +7,15 @@ RMSNorm are one call (`engine.cpu_kernels`: a fused kernel in bfloat16 on CPU, t
 its statistics in float32 exactly as transformers does (torch's `F.rms_norm` in bfloat16 loses enough
 precision to change SmolLM2's answers), and the final norm and LM head only run on the rows that sample.
 Attention is the same paged attention as the generic path (`engine.attention.attend`). Chosen automatically when `supports(model)`.
+
+Decode-only steps in bfloat16 on CPU go further: `engine.cpu_kernels.LlamaDecoder` runs the whole step (all
+layers, the final norm and the LM head) in one kernel call, built on the first such step over the KV cache it
+writes to. Prefill and mixed steps, other dtypes and devices keep the op-by-op pass below.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +23,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, attend
-from engine.cpu_kernels import AddRMSNorm, Linear, add_rms_norm_torch
+from engine.cpu_kernels import AddRMSNorm, DecoderFactory, Linear, add_rms_norm_torch
+from engine.kv_cache import KVCache
+
+log = logging.getLogger(__name__)
 
 FAST_MODEL_TYPES = ("llama", "mistral", "qwen2")  # same block: q/k/v (+ biases for Qwen2), RoPE, SiLU MLP
 
@@ -87,7 +95,8 @@ class LayerWeights:
 
 
 class LlamaFastForward:
-    def __init__(self, model: nn.Module, linear: Linear = F.linear, add_norm: AddRMSNorm = add_rms_norm_torch) -> None:
+    def __init__(self, model: nn.Module, linear: Linear = F.linear, add_norm: AddRMSNorm = add_rms_norm_torch,
+                 decoder: DecoderFactory | None = None) -> None:
         config = model.config
         self.model = model
         self.linear = linear  # F.linear, or engine.cpu_kernels' small-batch bf16 kernel
@@ -100,6 +109,29 @@ class LlamaFastForward:
         self.scaling = self.head_dim**-0.5
         inner = model.model
         self.layers = [self._layer(layer) for layer in inner.layers[: config.num_hidden_layers]]
+        self._decoder_factory = decoder if model.lm_head.weight.dtype == torch.bfloat16 else None
+        self._decoder: tuple[KVCache, object] | None = None  # built on the first decode-only step
+
+    def decoder(self, kv_cache: KVCache) -> object | None:
+        """The one-call decode step over `kv_cache`, or None where it does not apply (logged once)."""
+        if self._decoder_factory is None:
+            return None
+        if self._decoder is None or self._decoder[0] is not kv_cache:
+            none = torch.empty(0)
+            layers = [[w.input_norm, w.qkv, _or(w.qkv_bias, none), w.o, _or(w.o_bias, none), w.post_norm, w.gate_up,
+                       _or(w.gate_up_bias, none), w.down, _or(w.down_bias, none), kv_cache.k[i], kv_cache.v[i]]
+                      for i, w in enumerate(self.layers)]
+            head = self.model.lm_head
+            try:
+                built = self._decoder_factory(layers, self.model.model.norm.weight, head.weight,
+                                              _or(head.bias, none), self.heads, self.kv_heads, self.head_dim,
+                                              self.eps, kv_cache.block_size, self.scaling)
+            except RuntimeError as exc:  # a shape or dtype the kernel does not take: keep the op-by-op pass
+                log.info("one-call decode step off: %s", str(exc).splitlines()[0])
+                self._decoder_factory = None
+                return None
+            self._decoder = (kv_cache, built)
+        return self._decoder[1]
 
     def _layer(self, layer: nn.Module) -> LayerWeights:
         a, m = layer.self_attn, layer.mlp
@@ -117,6 +149,10 @@ class LlamaFastForward:
         inner = self.model.model
         h = inner.embed_tokens(input_ids)  # [tokens, hidden], the residual stream, updated in place
         cos, sin = inner.rotary_emb(h[None], positions[None])  # [1, tokens, dim]
+        decoder = self.decoder(meta.kv_cache) if not meta.prefills else None
+        if decoder is not None:
+            logits = decoder.step(h, cos[0], sin[0], meta.slot_mapping, meta.decode_block_tables, meta.decode_lengths)
+            return logits if logits.shape[0] == 1 else logits[logits_indices]
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [tokens, 1, dim]
         delta = None  # the last block's output, not yet added to h
         for index, w in enumerate(self.layers):
@@ -141,6 +177,10 @@ class LlamaFastForward:
     def _mlp(self, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
         return self.linear(F.silu(gate) * up, w.down, w.down_bias)
+
+
+def _or(tensor: torch.Tensor | None, default: torch.Tensor) -> torch.Tensor:
+    return default if tensor is None else tensor
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

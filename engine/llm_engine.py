@@ -60,7 +60,8 @@ class LLMEngine:
         self.runner = ModelRunner(backend.prepare(model), self.kv_cache, device, cfg.model_impl,
                                   cpu_kernels.linear_for(device, dtype, cfg.cpu_kernels, kernel_cache),
                                   cpu_kernels.decode_attention_for(device, cfg.cpu_kernels, kernel_cache),
-                                  cpu_kernels.add_rms_norm_for(device, dtype, cfg.cpu_kernels, kernel_cache))
+                                  cpu_kernels.add_rms_norm_for(device, dtype, cfg.cpu_kernels, kernel_cache),
+                                  cpu_kernels.llama_decoder_for(device, dtype, cfg.cpu_kernels, kernel_cache))
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         self.sampler = Sampler(device, cfg.seed, self.eos_token_ids)

@@ -39,7 +39,8 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device,
                  impl: str = "auto", linear: cpu_kernels.Linear = F.linear,
                  decode_attention: cpu_kernels.DecodeAttention | None = None,
-                 add_norm: cpu_kernels.AddRMSNorm = cpu_kernels.add_rms_norm_torch) -> None:
+                 add_norm: cpu_kernels.AddRMSNorm = cpu_kernels.add_rms_norm_torch,
+                 decoder: cpu_kernels.DecoderFactory | None = None) -> None:
         attention.register()
         model.set_attn_implementation(attention.ATTN_IMPL)
         self.model = model.eval()
@@ -49,7 +50,7 @@ class ModelRunner:
         self.decode_attention = decode_attention
         self.impl = choose_impl(model, impl)
         self._forward: Forward = (
-            llama_fast.LlamaFastForward(model, linear, add_norm) if self.impl == "llama" else self._generic
+            llama_fast.LlamaFastForward(model, linear, add_norm, decoder) if self.impl == "llama" else self._generic
         )
         log.info("forward pass: %s", self.impl)
 

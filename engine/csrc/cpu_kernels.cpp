@@ -10,7 +10,13 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <omp.h>
+#include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <vector>
 
@@ -112,71 +118,83 @@ inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_scalef_ps(p, whole);
 }
 
+// Scratch for one thread's decode attention items, reused across items.
+struct AttnScratch {
+  std::vector<float> scores;
+  std::vector<__m512> qv, acc, inv_total;
+};
+
 // One work item is one sequence and one KV head: the K and V rows are read once for the whole GQA group of
 // query heads that share them. Scores for all context tokens first, then softmax, then the weighted sum of V.
+template <typename T>
+void decode_item(int64_t b, int64_t kvh, const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
+                 const int64_t* lengths, T* out, int64_t heads, int64_t kv_heads, int64_t dim, int64_t max_blocks,
+                 int64_t block_size, float scale, AttnScratch& s) {
+  const int64_t group = heads / kv_heads, chunks = dim / 16;
+  const int64_t len = lengths[b], h0 = kvh * group;
+  const int64_t* table = block_tables + b * max_blocks;
+  const int64_t padded = (len + 15) / 16 * 16;
+  s.scores.assign(group * padded, -INFINITY);
+  s.qv.resize(group * chunks);
+  s.acc.assign(group * chunks, _mm512_setzero_ps());
+  s.inv_total.resize(group);
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t c = 0; c < chunks; ++c)
+      s.qv[g * chunks + c] = _mm512_mul_ps(load16(q + ((b * heads + h0 + g) * dim) + c * 16), _mm512_set1_ps(scale));
+  for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+    const int64_t base = table[t0 / block_size] * block_size, n = std::min(block_size, len - t0);
+    for (int64_t o = 0; o < n; ++o) {
+      const T* kp = k_cache + ((base + o) * kv_heads + kvh) * dim;
+      for (int64_t g = 0; g < group; ++g) {
+        __m512 dot = _mm512_setzero_ps();
+        for (int64_t c = 0; c < chunks; ++c) dot = _mm512_fmadd_ps(s.qv[g * chunks + c], load16(kp + c * 16), dot);
+        s.scores[g * padded + t0 + o] = _mm512_reduce_add_ps(dot);
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* row = s.scores.data() + g * padded;
+    __m512 vmax = _mm512_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < padded; t += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(row + t));
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t t = 0; t < padded; t += 16) {  // the -inf padding becomes 0
+      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(row + t), m));
+      _mm512_storeu_ps(row + t, e);
+      total = _mm512_add_ps(total, e);
+    }
+    s.inv_total[g] = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
+  }
+  for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+    const int64_t base = table[t0 / block_size] * block_size, n = std::min(block_size, len - t0);
+    for (int64_t o = 0; o < n; ++o) {
+      const T* vp = v_cache + ((base + o) * kv_heads + kvh) * dim;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const __m512 v = load16(vp + c * 16);
+        for (int64_t g = 0; g < group; ++g)
+          s.acc[g * chunks + c] = _mm512_fmadd_ps(_mm512_set1_ps(s.scores[g * padded + t0 + o]), v, s.acc[g * chunks + c]);
+      }
+    }
+  }
+  alignas(64) float row[16];
+  for (int64_t g = 0; g < group; ++g) {
+    T* dst = out + (b * heads + h0 + g) * dim;
+    for (int64_t c = 0; c < chunks; ++c) {
+      _mm512_store_ps(row, _mm512_mul_ps(s.acc[g * chunks + c], s.inv_total[g]));
+      for (int j = 0; j < 16; ++j) dst[c * 16 + j] = static_cast<T>(row[j]);
+    }
+  }
+}
+
 template <typename T>
 void paged_decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
                   const int64_t* lengths, T* out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
                   int64_t max_blocks, int64_t block_size, float scale) {
-  const int64_t group = heads / kv_heads;
-  const int64_t chunks = dim / 16;
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    std::vector<__m512> qv(group * chunks), acc(group * chunks);
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / kv_heads, kvh = i % kv_heads, len = lengths[b], h0 = kvh * group;
-      const int64_t* table = block_tables + b * max_blocks;
-      const int64_t padded = (len + 15) / 16 * 16;
-      scores.assign(group * padded, -INFINITY);
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t c = 0; c < chunks; ++c)
-          qv[g * chunks + c] = _mm512_mul_ps(load16(q + ((b * heads + h0 + g) * dim) + c * 16), _mm512_set1_ps(scale));
-      for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const int64_t base = table[t0 / block_size] * block_size, n = std::min(block_size, len - t0);
-        for (int64_t o = 0; o < n; ++o) {
-          const T* kp = k_cache + ((base + o) * kv_heads + kvh) * dim;
-          for (int64_t g = 0; g < group; ++g) {
-            __m512 dot = _mm512_setzero_ps();
-            for (int64_t c = 0; c < chunks; ++c) dot = _mm512_fmadd_ps(qv[g * chunks + c], load16(kp + c * 16), dot);
-            scores[g * padded + t0 + o] = _mm512_reduce_add_ps(dot);
-          }
-        }
-      }
-      std::vector<__m512> inv_total(group);
-      for (int64_t g = 0; g < group; ++g) {
-        float* row = scores.data() + g * padded;
-        __m512 vmax = _mm512_set1_ps(-INFINITY);
-        for (int64_t t = 0; t < padded; t += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(row + t));
-        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
-        __m512 total = _mm512_setzero_ps();
-        for (int64_t t = 0; t < padded; t += 16) {  // the -inf padding becomes 0
-          const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(row + t), m));
-          _mm512_storeu_ps(row + t, e);
-          total = _mm512_add_ps(total, e);
-        }
-        inv_total[g] = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
-      }
-      for (auto& a : acc) a = _mm512_setzero_ps();
-      for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const int64_t base = table[t0 / block_size] * block_size, n = std::min(block_size, len - t0);
-        for (int64_t o = 0; o < n; ++o) {
-          const T* vp = v_cache + ((base + o) * kv_heads + kvh) * dim;
-          for (int64_t c = 0; c < chunks; ++c) {
-            const __m512 v = load16(vp + c * 16);
-            for (int64_t g = 0; g < group; ++g)
-              acc[g * chunks + c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * padded + t0 + o]), v, acc[g * chunks + c]);
-          }
-        }
-      }
-      alignas(64) float row[16];
-      for (int64_t g = 0; g < group; ++g) {
-        T* dst = out + (b * heads + h0 + g) * dim;
-        for (int64_t c = 0; c < chunks; ++c) {
-          _mm512_store_ps(row, _mm512_mul_ps(acc[g * chunks + c], inv_total[g]));
-          for (int j = 0; j < 16; ++j) dst[c * 16 + j] = static_cast<T>(row[j]);
-        }
-      }
-    }
+    AttnScratch s;
+    for (int64_t i = begin; i < end; ++i)
+      decode_item(i / kv_heads, i % kv_heads, q, k_cache, v_cache, block_tables, lengths, out, heads, kv_heads, dim,
+                  max_blocks, block_size, scale, s);
   });
 }
 
@@ -214,22 +232,25 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
 namespace {
 
 template <typename T>
+void add_rms_norm_row(T* hr, const T* dr, const T* weight, T* out, int64_t hidden, float eps) {
+  float sumsq = 0.f;
+  for (int64_t i = 0; i < hidden; ++i) {
+    if (dr) hr[i] = static_cast<T>(static_cast<float>(hr[i]) + static_cast<float>(dr[i]));
+    const float v = static_cast<float>(hr[i]);
+    sumsq += v * v;
+  }
+  const float inv = 1.f / std::sqrt(sumsq / static_cast<float>(hidden) + eps);
+  for (int64_t i = 0; i < hidden; ++i) {
+    const T normed = static_cast<T>(static_cast<float>(hr[i]) * inv);  // rounded to the model dtype, then
+    out[i] = static_cast<T>(static_cast<float>(weight[i]) * static_cast<float>(normed));  // scaled
+  }
+}
+
+template <typename T>
 void add_rms_norm(T* h, const T* delta, const T* weight, T* out, int64_t rows, int64_t hidden, float eps) {
   at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      T* hr = h + r * hidden;
-      float sumsq = 0.f;
-      for (int64_t i = 0; i < hidden; ++i) {
-        if (delta) hr[i] = static_cast<T>(static_cast<float>(hr[i]) + static_cast<float>(delta[r * hidden + i]));
-        const float v = static_cast<float>(hr[i]);
-        sumsq += v * v;
-      }
-      const float inv = 1.f / std::sqrt(sumsq / static_cast<float>(hidden) + eps);
-      for (int64_t i = 0; i < hidden; ++i) {
-        const T normed = static_cast<T>(static_cast<float>(hr[i]) * inv);  // rounded to the model dtype, then
-        out[r * hidden + i] = static_cast<T>(static_cast<float>(weight[i]) * static_cast<float>(normed));  // scaled
-      }
-    }
+    for (int64_t r = begin; r < end; ++r)
+      add_rms_norm_row(h + r * hidden, delta ? delta + r * hidden : nullptr, weight, out + r * hidden, hidden, eps);
   });
 }
 
@@ -256,10 +277,366 @@ torch::Tensor add_rms_norm_(torch::Tensor& h, const c10::optional<torch::Tensor>
   return out;
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// LlamaDecoder: a whole decode step of a Llama-family model (Llama, SmolLM, Mistral, Qwen2) in one call.
+//
+// At batch 1 the weights are read once per token and everything else is tiny vectors, so what costs time besides
+// the weight stream is per-op overhead: Python dispatch and waking the thread team for each of the ~15 ops of
+// each layer. Here the step is one parallel region: the threads split each matmul's output rows and meet at a
+// spin barrier between phases (as llama.cpp's thread pool does). The matmuls run on AMX tiles where the CPU has
+// them (Sapphire Rapids and later): the weight rows are the A tile in their own [N, K] layout, so nothing is
+// repacked, and the step's 1-32 input rows are packed into the B tile. One instruction sequence serves every batch
+// size, so a row's output does not depend on its batch mates. CPUs without AMX use the AVX512-BF16 rows above.
+// The rounding to bfloat16 follows engine/llama_fast.py op for op (RoPE, SiLU * up, norms, matmul outputs).
+
+namespace {
+
+using bf16 = c10::BFloat16;
+
+bool amx_permitted() {
+  // Linux hands the AMX tile state to a process only after it asks (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA).
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+
+bool cpu_has_amx_bf16() {
+  unsigned a, b, c, d;
+  __asm__ __volatile__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+  return (d >> 22 & 1) && (d >> 24 & 1);  // AMX-BF16, AMX-TILE
+}
+
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles: 0-3 accumulators C[n block][m block] (16 x 16 float32), 4-5 weights A (16 rows x 32 bf16), 6-7 inputs B
+// (16 k-pairs x 16 rows x 2 bf16).
+void load_tile_config() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+constexpr int64_t kMPass = 32;  // input rows per pass over the weights (two B tiles)
+
+// Up to 32 input rows as B tiles: [K / 32][m block][16 k-pairs][16 rows][2], zero past M.
+void pack_rows(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, uint32_t* packed) {
+  const int64_t mblocks = M > 16 ? 2 : 1, pairs = K / 2;
+  std::fill(packed, packed + (K / 32) * mblocks * 256, 0u);
+  for (int64_t m = 0; m < M; ++m) {
+    const uint32_t* row = reinterpret_cast<const uint32_t*>(x + m * ldx);
+    for (int64_t p = 0; p < pairs; ++p)
+      packed[(((p / 16) * mblocks + m / 16) * 16 + p % 16) * 16 + m % 16] = row[p];
+  }
+}
+
+// C tiles for weight rows [n, n + 16 or 32) against the packed input rows.
+template <bool TWO_M>
+void amx_block(const uint32_t* packed, const uint16_t* w, int64_t K, int64_t n, int64_t N, bool two_n, float* c) {
+  const int64_t kblocks = K / 32, mblocks = TWO_M ? 2 : 1, rows = two_n ? 32 : 16;
+  const uint16_t* w0 = w + n * K;
+  const uint16_t* w1 = w0 + 16 * K;
+  const uint16_t* next = w0 + rows * K;  // the following block, prefetched one cache line per row per step
+  const int64_t ahead = std::min<int64_t>(rows, N - n - rows);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t kb = 0; kb < kblocks; ++kb) {
+    for (int64_t r = 0; r < ahead; ++r) _mm_prefetch(reinterpret_cast<const char*>(next + r * K + kb * 32), _MM_HINT_T0);
+    _tile_loadd(6, packed + kb * mblocks * 256, 64);
+    if (TWO_M) _tile_loadd(7, packed + (kb * mblocks + 1) * 256, 64);
+    _tile_loadd(4, w0 + kb * 32, K * 2);
+    _tile_dpbf16ps(0, 4, 6);
+    if (TWO_M) _tile_dpbf16ps(1, 4, 7);
+    if (two_n) {
+      _tile_loadd(5, w1 + kb * 32, K * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      if (TWO_M) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c, 64);
+  if (TWO_M) _tile_stored(1, c + 256, 64);
+  if (two_n) {
+    _tile_stored(2, c + 512, 64);
+    if (TWO_M) _tile_stored(3, c + 768, 64);
+  }
+}
+
+// out[m, n] for one accumulator tile c ([16 n][16 m]): + bias, rounded to bfloat16 (round to nearest even).
+inline void store_tile(const float* c, const float* bias, int64_t n, int64_t m0, int64_t rows, bf16* out, int64_t ldo) {
+  const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(16));
+  const __m512 b = bias ? _mm512_loadu_ps(bias + n) : _mm512_setzero_ps();
+  for (int64_t m = 0; m < rows; ++m) {
+    const __m512 v = _mm512_add_ps(_mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32(m)), c, 4), b);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (m0 + m) * ldo + n), (__m256i)_mm512_cvtneps_pbh(v));
+  }
+}
+
+struct Scratch {
+  std::vector<uint32_t> packed;
+  alignas(64) float c[1024];
+  AttnScratch attn;
+};
+
+struct Linear {
+  torch::Tensor weight, bias;  // bias kept in float32, undefined when absent
+  int64_t N = 0, K = 0;
+};
+
+// out[:M, n_begin:n_end] = x[:M] @ w[n_begin:n_end]^T (+ bias); n_begin, n_end multiples of 16.
+void linear_rows(const Linear& L, const bf16* x, int64_t ldx, int64_t M, bf16* out, int64_t ldo, int64_t n_begin,
+                 int64_t n_end, bool amx, Scratch& s) {
+  const auto* w = reinterpret_cast<const uint16_t*>(L.weight.data_ptr());
+  const float* bias = L.bias.defined() ? L.bias.data_ptr<float>() : nullptr;
+  const auto* xs = reinterpret_cast<const uint16_t*>(x);
+  if (n_begin >= n_end) return;
+  if (!amx) {
+    for (int64_t m0 = 0; m0 < M; m0 += 8) {
+      const int64_t mb = std::min<int64_t>(M - m0, 8);
+      for (int64_t n = n_begin; n < n_end; ++n) {
+        switch (mb) {  // one output element per call keeps the order of operations independent of M
+          case 1: rows_block<1, 1>(xs + m0 * ldx, w, bias, out + m0 * ldo, L.K, ldo, n, ldx); break;
+          case 2: rows_block<2, 1>(xs + m0 * ldx, w, bias, out + m0 * ldo, L.K, ldo, n, ldx); break;
+          case 3: rows_block<3, 1>(xs + m0 * ldx, w, bias, out + m0 * ldo, L.K, ldo, n, ldx); break;
+          case 4: rows_block<4, 1>(xs + m0 * ldx, w, bias, out + m0 * ldo, L.K, ldo, n, ldx); break;
+          case 5: rows_block<5, 1>(xs + m0 * ldx, w, bias, out + m0 * ldo, L.K, ldo, n, ldx); break;
+          case 6: rows_block<6, 1>(xs + m0 * ldx, w, bias, out + m0 * ldo, L.K, ldo, n, ldx); break;
+          case 7: rows_block<7, 1>(xs + m0 * ldx, w, bias, out + m0 * ldo, L.K, ldo, n, ldx); break;
+          default: rows_block<8, 1>(xs + m0 * ldx, w, bias, out + m0 * ldo, L.K, ldo, n, ldx); break;
+        }
+      }
+    }
+    return;
+  }
+  for (int64_t m0 = 0; m0 < M; m0 += kMPass) {
+    const int64_t mb = std::min<int64_t>(M - m0, kMPass);
+    s.packed.resize((L.K / 32) * 2 * 256);
+    pack_rows(xs + m0 * ldx, ldx, mb, L.K, s.packed.data());
+    for (int64_t n = n_begin; n < n_end; n += 32) {
+      const bool two_n = n + 32 <= n_end;
+      if (mb > 16) amx_block<true>(s.packed.data(), w, L.K, n, L.N, two_n, s.c);
+      else amx_block<false>(s.packed.data(), w, L.K, n, L.N, two_n, s.c);
+      for (int64_t i = 0; i < (two_n ? 2 : 1); ++i) {
+        store_tile(s.c + i * 512, bias, n + i * 16, m0, std::min<int64_t>(mb, 16), out, ldo);
+        if (mb > 16) store_tile(s.c + i * 512 + 256, bias, n + i * 16, m0 + 16, mb - 16, out, ldo);
+      }
+    }
+  }
+}
+
+// A spin barrier for the step's thread team (a passive OpenMP barrier would sleep in the kernel at every phase).
+struct SpinBarrier {
+  int n = 1;
+  std::atomic<int> arrived{0}, phase{0};
+  void wait() {
+    if (n == 1) return;
+    const int p = phase.load(std::memory_order_acquire);
+    if (arrived.fetch_add(1, std::memory_order_acq_rel) + 1 == n) {
+      arrived.store(0, std::memory_order_relaxed);
+      phase.store(p + 1, std::memory_order_release);
+      return;
+    }
+    for (int spins = 0; phase.load(std::memory_order_acquire) == p; ++spins) {
+      if (spins < 20000) _mm_pause();
+      else sched_yield();  // the other thread lost its core: give it one
+    }
+  }
+};
+
+// [begin, end) of thread t's share of `units` * `align` items.
+inline std::pair<int64_t, int64_t> share(int64_t items, int64_t align, int t, int threads) {
+  const int64_t units = items / align;
+  return {units * t / threads * align, units * (t + 1) / threads * align};
+}
+
+// transformers' rotate-half RoPE in bfloat16: to_bf16(to_bf16(x * cos) + to_bf16(rotate_half(x) * sin)).
+inline void rope_head(const bf16* x, const bf16* cos, const bf16* sin, bf16* dst, int64_t dim) {
+  const int64_t half = dim / 2;
+  for (int64_t i = 0; i < dim; ++i) {
+    const float rotated = i < half ? -static_cast<float>(x[i + half]) : static_cast<float>(x[i - half]);
+    const bf16 a = static_cast<bf16>(static_cast<float>(x[i]) * static_cast<float>(cos[i]));
+    const bf16 b = static_cast<bf16>(rotated * static_cast<float>(sin[i]));
+    dst[i] = static_cast<bf16>(static_cast<float>(a) + static_cast<float>(b));
+  }
+}
+
+
+// act = to_bf16(to_bf16(silu(gate)) * up), 16 elements.
+inline void silu_mul16(const bf16* gate, const bf16* up, bf16* act) {
+  const __m512 g = load16(gate), u = load16(up), one = _mm512_set1_ps(1.f);
+  const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));  // exp(-|g|)
+  const __m512 inv = _mm512_div_ps(one, _mm512_add_ps(one, e));
+  const __mmask16 positive = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_GE_OQ);
+  const __m512 sigmoid = _mm512_mask_blend_ps(positive, _mm512_mul_ps(e, inv), inv);
+  __m256bh silu = _mm512_cvtneps_pbh(_mm512_mul_ps(g, sigmoid));
+  const __m512 silu32 = load16(reinterpret_cast<const bf16*>(&silu));
+  const __m256bh r = _mm512_cvtneps_pbh(_mm512_mul_ps(silu32, u));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(act), (__m256i)r);
+}
+
+struct DecoderLayer {
+  torch::Tensor input_norm, post_norm, k_cache, v_cache;
+  Linear qkv, o, gate_up, down;
+};
+
+Linear make_linear(const torch::Tensor& w, const torch::Tensor& bias) {
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kBFloat16,
+              "LlamaDecoder: weights contiguous bfloat16 [N, K]");
+  TORCH_CHECK(w.size(0) % 16 == 0 && w.size(1) % 32 == 0, "LlamaDecoder: weight rows % 16, columns % 32");
+  Linear L;
+  L.weight = w;
+  L.N = w.size(0);
+  L.K = w.size(1);
+  if (bias.defined() && bias.numel()) L.bias = bias.to(at::kFloat).contiguous();
+  return L;
+}
+
+}  // namespace
+
+class LlamaDecoder {
+ public:
+  // layers: per layer [input_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, gate_up_bias, down, down_bias,
+  // k_cache, v_cache]; an absent bias is an empty tensor. qkv rows: q heads, then k heads, then v heads.
+  LlamaDecoder(const std::vector<std::vector<torch::Tensor>>& layers, const torch::Tensor& final_norm,
+               const torch::Tensor& head, const torch::Tensor& head_bias, int64_t heads, int64_t kv_heads,
+               int64_t head_dim, double eps, int64_t block_size, double scale, bool amx)
+      : final_norm_(final_norm), heads_(heads), kv_heads_(kv_heads), dim_(head_dim), eps_(eps),
+        block_size_(block_size), scale_(scale), amx_(amx) {
+    TORCH_CHECK(!amx || (cpu_has_amx_bf16() && amx_permitted()), "LlamaDecoder: AMX is not available");
+    TORCH_CHECK(head_dim % 32 == 0 && heads % kv_heads == 0, "LlamaDecoder: head_dim % 32, GQA");
+    head_ = make_linear(head, head_bias);
+    hidden_ = head_.K;
+    for (const auto& t : layers) {
+      TORCH_CHECK(t.size() == 12, "LlamaDecoder: 12 tensors per layer");
+      DecoderLayer l;
+      l.input_norm = t[0];
+      l.qkv = make_linear(t[1], t[2]);
+      l.o = make_linear(t[3], t[4]);
+      l.post_norm = t[5];
+      l.gate_up = make_linear(t[6], t[7]);
+      l.down = make_linear(t[8], t[9]);
+      l.k_cache = t[10];
+      l.v_cache = t[11];
+      TORCH_CHECK(l.qkv.N == (heads + 2 * kv_heads) * head_dim && l.qkv.K == hidden_ && l.o.N == hidden_ &&
+                  l.o.K == heads * head_dim && l.gate_up.K == hidden_ && l.down.N == hidden_ &&
+                  l.gate_up.N == 2 * l.down.K && l.down.K % 16 == 0, "LlamaDecoder: inconsistent shapes");
+      for (const auto* n : {&l.input_norm, &l.post_norm})
+        TORCH_CHECK(n->scalar_type() == at::kBFloat16 && n->is_contiguous() && n->numel() == hidden_,
+                    "LlamaDecoder: norm weights bfloat16 [hidden]");
+      for (const auto* c : {&l.k_cache, &l.v_cache})
+        TORCH_CHECK(c->scalar_type() == at::kBFloat16 && c->is_contiguous() && c->dim() == 3 &&
+                    c->size(1) == kv_heads && c->size(2) == head_dim, "LlamaDecoder: bfloat16 caches [slots, KVH, D]");
+      layers_.push_back(std::move(l));
+    }
+    TORCH_CHECK(final_norm.scalar_type() == at::kBFloat16 && final_norm.numel() == hidden_, "LlamaDecoder: final norm");
+  }
+
+  // h [B, hidden] (the embeddings; updated in place as the residual stream), cos/sin [B, head_dim], slots [B],
+  // block_tables [B, max_blocks], lengths [B] (context tokens, this one included). Returns logits [B, vocab].
+  torch::Tensor step(torch::Tensor h, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& slots,
+                     const torch::Tensor& block_tables, const torch::Tensor& lengths) {
+    TORCH_CHECK(h.dim() == 2 && h.size(1) == hidden_ && h.is_contiguous() && h.scalar_type() == at::kBFloat16,
+                "LlamaDecoder.step: h contiguous bfloat16 [B, hidden]");
+    const int64_t B = h.size(0), H = heads_, KVH = kv_heads_, D = dim_, hid = hidden_;
+    auto cs = cos.to(at::kBFloat16).contiguous(), sn = sin.to(at::kBFloat16).contiguous();
+    auto slot = slots.to(at::kLong).contiguous(), tables = block_tables.to(at::kLong).contiguous();
+    auto lens = lengths.to(at::kLong).contiguous();
+    TORCH_CHECK(cs.numel() == B * D && sn.numel() == B * D && slot.numel() == B && tables.size(0) == B &&
+                lens.numel() == B, "LlamaDecoder.step: one position, slot, table and length per row");
+    const int64_t QKV = (H + 2 * KVH) * D, I = layers_.empty() ? 0 : layers_[0].down.K, V = head_.N;
+    auto opts = h.options();
+    auto x = torch::empty({B, hid}, opts), delta = torch::empty({B, hid}, opts), qkv = torch::empty({B, QKV}, opts);
+    auto q = torch::empty({B, H, D}, opts), attn = torch::empty({B, H * D}, opts);
+    auto gu = torch::empty({B, 2 * I}, opts), act = torch::empty({B, I}, opts), logits = torch::empty({B, V}, opts);
+    bf16 *hp = h.data_ptr<bf16>(), *xp = x.data_ptr<bf16>(), *dp = delta.data_ptr<bf16>(),
+         *qkvp = qkv.data_ptr<bf16>(), *qp = q.data_ptr<bf16>(), *ap = attn.data_ptr<bf16>(),
+         *gup = gu.data_ptr<bf16>(), *actp = act.data_ptr<bf16>(), *lp = logits.data_ptr<bf16>();
+    const bf16 *cp = cs.data_ptr<bf16>(), *sp = sn.data_ptr<bf16>();
+    const int64_t *slotp = slot.data_ptr<int64_t>(), *tp = tables.data_ptr<int64_t>(), *lenp = lens.data_ptr<int64_t>();
+    const int64_t max_blocks = tables.size(1);
+    const float eps = static_cast<float>(eps_), scale = static_cast<float>(scale_);
+    SpinBarrier barrier;
+#pragma omp parallel num_threads(at::get_num_threads())
+    {
+#pragma omp single
+      barrier.n = omp_get_num_threads();
+      const int T = barrier.n, t = omp_get_thread_num();
+      Scratch s;
+      if (amx_) load_tile_config();
+      auto rows = [&](const torch::Tensor& w, const bf16* add) {  // h += add; x = RMSNorm(h) * w, rows shared
+        for (int64_t m = t; m < B; m += T)
+          add_rms_norm_row(hp + m * hid, add ? add + m * hid : nullptr, w.data_ptr<bf16>(), xp + m * hid, hid, eps);
+        barrier.wait();
+      };
+      auto matmul = [&](const Linear& L, const bf16* in, bf16* out) {
+        const auto [n0, n1] = share(L.N, 16, t, T);
+        linear_rows(L, in, L.K, B, out, L.N, n0, n1, amx_, s);
+        barrier.wait();
+      };
+      for (size_t li = 0; li < layers_.size(); ++li) {
+        const DecoderLayer& l = layers_[li];
+        rows(l.input_norm, li ? dp : nullptr);
+        matmul(l.qkv, xp, qkvp);
+        auto* kc = l.k_cache.data_ptr<bf16>();
+        auto* vc = l.v_cache.data_ptr<bf16>();
+        for (int64_t i = t; i < B * (H + 2 * KVH); i += T) {  // RoPE on q and k; k and v into their cache slots
+          const int64_t m = i / (H + 2 * KVH), head = i % (H + 2 * KVH);
+          const bf16* src = qkvp + m * QKV + head * D;
+          if (head < H) rope_head(src, cp + m * D, sp + m * D, qp + (m * H + head) * D, D);
+          else if (head < H + KVH) rope_head(src, cp + m * D, sp + m * D, kc + (slotp[m] * KVH + head - H) * D, D);
+          else std::copy(src, src + D, vc + (slotp[m] * KVH + head - H - KVH) * D);
+        }
+        barrier.wait();
+        for (int64_t i = t; i < B * KVH; i += T)
+          decode_item(i / KVH, i % KVH, qp, kc, vc, tp, lenp, ap, H, KVH, D, max_blocks, block_size_, scale, s.attn);
+        barrier.wait();
+        matmul(l.o, ap, dp);
+        rows(l.post_norm, dp);
+        matmul(l.gate_up, xp, gup);
+        const auto [e0, e1] = share(B * I, 16, t, T);
+        for (int64_t e = e0; e < e1; e += 16) {
+          const int64_t m = e / I, j = e % I;
+          silu_mul16(gup + m * 2 * I + j, gup + m * 2 * I + I + j, actp + e);
+        }
+        barrier.wait();
+        matmul(l.down, actp, dp);
+      }
+      rows(final_norm_, layers_.empty() ? nullptr : dp);
+      matmul(head_, xp, lp);
+      if (amx_) _tile_release();
+    }
+    return logits;
+  }
+
+ private:
+  std::vector<DecoderLayer> layers_;
+  torch::Tensor final_norm_;
+  Linear head_;
+  int64_t heads_, kv_heads_, dim_, hidden_ = 0;
+  double eps_;
+  int64_t block_size_;
+  double scale_;
+  bool amx_;
+};
+
+bool amx_available() { return cpu_has_amx_bf16() && amx_permitted(); }
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The GIL is released while a kernel runs, as torch's own ops do, so the server's event loop keeps going.
   using release = py::call_guard<py::gil_scoped_release>;
   m.def("add_rms_norm_", &add_rms_norm_, "h += delta; RMSNorm(h), Llama rounding", release());
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache", release());
   m.def("linear_bf16", &linear_bf16, "bf16 x[M, K] @ w[N, K]^T (+ bias), AVX512-BF16", release());
+  m.def("amx_available", &amx_available, "this CPU has AMX-BF16 and Linux lets the process use it");
+  py::class_<LlamaDecoder>(m, "LlamaDecoder")
+      .def(py::init<const std::vector<std::vector<torch::Tensor>>&, const torch::Tensor&, const torch::Tensor&,
+                    const torch::Tensor&, int64_t, int64_t, int64_t, double, int64_t, double, bool>())
+      .def("step", &LlamaDecoder::step, "one decode step: logits [B, vocab]", release());
 }
