@@ -159,13 +159,14 @@ DecoderFactory = Callable[..., object]
 
 
 def llama_decoder_for(device: torch.device, dtype: torch.dtype, enabled: bool = True,
-                      cache_dir: Path | None = None) -> DecoderFactory | None:
+                      cache_dir: Path | None = None, amx: bool | None = None) -> DecoderFactory | None:
     """A builder of `LlamaDecoder(layers, final_norm, head, head_bias, heads, kv_heads, head_dim, eps, block_size,
-    scale)` for bfloat16 on CPU when the kernels load (AMX when available), else None."""
+    scale)` for bfloat16 on CPU when the kernels load, else None. Its matmuls use AMX when the CPU has it (`amx`:
+    None) or as told (False: the AVX512-BF16 rows)."""
     module = _for(device, enabled, cache_dir, dtype)
     if module is None:
         return None
-    amx = bool(module.amx_available())
+    amx = bool(module.amx_available()) if amx is None else amx
     log.info("decode steps: one kernel call per step, matmuls on %s", "AMX" if amx else "AVX512-BF16")
 
     def build(*args: object) -> object:

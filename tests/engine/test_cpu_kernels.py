@@ -118,6 +118,7 @@ def test_smollm2_bf16_engine_with_and_without_the_kernel_agrees(smollm2: Any, en
         engine = engine_factory(smollm2, kv_cache_bytes=32 << 20, max_num_batched_tokens=256, cpu_kernels=enabled)
         assert (engine.runner._forward.linear is F.linear) is not enabled
         outs = run_all(engine, {f"r{i}": (p, SamplingParams(temperature=0.0, max_tokens=8)) for i, p in enumerate(prompts)})
+        assert (engine.runner._forward._decoder is not None) is enabled  # decode steps ran as one kernel call
         answers[enabled] = [tokens_of(outs[f"r{i}"]) for i in range(len(prompts))]
     assert "Paris" in tok.decode(answers[True][0])
     for with_kernel, without in zip(answers[True], answers[False], strict=True):
@@ -195,3 +196,98 @@ def test_add_rms_norm_for_keeps_torch_for_float32_and_when_off() -> None:
     cpu = torch.device("cpu")
     assert cpu_kernels.add_rms_norm_for(cpu, torch.float32) is cpu_kernels.add_rms_norm_torch
     assert cpu_kernels.add_rms_norm_for(cpu, torch.bfloat16, enabled=False) is cpu_kernels.add_rms_norm_torch
+
+
+# --- LlamaDecoder: the whole decode step in one call -------------------------------------------------------
+
+AMX = cpu_kernels.load().amx_available() if REASON is None and cpu_kernels.load() is not None else False
+
+
+def _decoder_model(model_type: str, vocab: int) -> Any:
+    """A 2-layer random bf16 model with shapes the decoder takes (head_dim 32, GQA 4:2); Qwen2 adds q/k/v biases."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    shape = dict(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False)
+    torch.manual_seed(7)
+    if model_type == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**shape, use_sliding_window=False))
+        for layer in model.model.layers:  # random biases, so a wrong bias path shows
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                torch.nn.init.normal_(proj.bias, std=0.5)
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**shape, initializer_range=0.1))
+    return model.to(torch.bfloat16).eval()
+
+
+@needs_kernel
+@pytest.mark.parametrize("amx", [pytest.param(True, marks=pytest.mark.skipif(not AMX, reason="no AMX here")), False])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_one_call_decode_step_matches_the_op_by_op_forward(byte_level_tokenizer: Any, engine_factory: Any,
+                                                           amx: bool, model_type: str) -> None:
+    """Every decode step of a batched greedy run is computed twice, op by op and by the decoder, from the same
+    cache: the logits agree within bf16 rounding (different summation orders), and the decoder's rows do not
+    depend on their batch mates."""
+    from tests.support import Loaded
+
+    vocab = -(-len(byte_level_tokenizer) // 16) * 16
+    loaded = Loaded(_decoder_model(model_type, vocab), byte_level_tokenizer, 512)
+    engine = engine_factory(loaded, kv_cache_bytes=8 << 20, block_size=4)
+    fast = engine.runner._forward
+    factory = cpu_kernels.llama_decoder_for(torch.device("cpu"), torch.bfloat16, amx=amx)
+    fast._decoder_factory = factory
+    compared: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def both(input_ids: torch.Tensor, positions: torch.Tensor, meta: Any, rows: torch.Tensor) -> torch.Tensor:
+        if meta.prefills:
+            return fast(input_ids, positions, meta, rows)
+        fast._decoder_factory = None  # the op-by-op pass, which writes the same cache slots first
+        reference = fast(input_ids, positions, meta, rows)
+        fast._decoder_factory = factory
+        got = fast(input_ids, positions, meta, rows)
+        alone = fast.decoder(meta.kv_cache).step(fast.model.model.embed_tokens(input_ids[:1]), *_rope_rows(
+            fast, input_ids[:1], positions[:1]), meta.slot_mapping[:1], meta.decode_block_tables[:1],
+            meta.decode_lengths[:1])
+        compared.append((reference, got, alone[0] - got[(rows == 0).nonzero()[0, 0]]))
+        return got
+
+    engine.runner._forward = both
+    prompts = {f"r{i}": (list(range(3 + 5 * i, 10 + 9 * i)), SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+               for i in range(3)}
+    run_all(engine, prompts)
+    assert fast._decoder is not None and sum(got.shape[0] == 3 for _, got, _ in compared) >= 4
+    for reference, got, alone_minus_batched in compared:
+        error = (got.float() - reference.float()).abs().max() / reference.float().abs().max()
+        assert error <= 0.02, error
+        assert not alone_minus_batched.any(), "a row's logits changed with its batch mates"
+
+
+def _rope_rows(fast: Any, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    h = fast.model.model.embed_tokens(input_ids)
+    cos, sin = fast.model.model.rotary_emb(h[None], positions[None])
+    return cos[0], sin[0]
+
+
+@needs_kernel
+def test_the_decoder_declines_shapes_it_cannot_take_and_the_op_by_op_pass_runs(
+        tiny: Any, byte_level_tokenizer: Any, engine_factory: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """The tiny test Llama has head_dim 16 and a vocabulary that is not a multiple of 16: the decoder says why it
+    is off, once, and the engine still generates."""
+    import copy
+
+    from tests.support import Loaded
+
+    loaded = Loaded(copy.deepcopy(tiny.model).to(torch.bfloat16), tiny.tokenizer, tiny.max_model_len)
+    engine = engine_factory(loaded)
+    with caplog.at_level(logging.INFO, logger="engine.llama_fast"):
+        outs = run_all(engine, {"a": ([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))})
+    assert len(tokens_of(outs["a"])) == 4
+    assert caplog.text.count("one-call decode step off") == 1
+    assert engine.runner._forward._decoder is None
+
+
+def test_no_decoder_for_float32_other_devices_or_when_off() -> None:
+    cpu = torch.device("cpu")
+    assert cpu_kernels.llama_decoder_for(cpu, torch.float32) is None
+    assert cpu_kernels.llama_decoder_for(cpu, torch.bfloat16, enabled=False) is None
+    assert cpu_kernels.llama_decoder_for(torch.device("meta"), torch.bfloat16) is None
