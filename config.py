@@ -100,8 +100,9 @@ class Settings(BaseSettings):
     )
     cpu_kernels: bool = Field(
         True,
-        description="Peregrine's AVX512-BF16 kernel for bfloat16 decode steps of 1-8 rows on CPU (compiled once "
-        "into cache_dir/kernels; off or absent: torch's F.linear).",
+        description="Peregrine's CPU kernels for bfloat16 on CPU: Llama-family decode steps as one call (matmuls "
+        "on AMX or AVX512-BF16), small-batch linear, paged decode attention, fused add + RMSNorm (compiled "
+        "once into cache_dir/kernels; off or unavailable: torch's ops).",
     )
 
     # --- engine --------------------------------------------------------------------------------------

@@ -443,9 +443,11 @@ struct SpinBarrier {
       phase.store(p + 1, std::memory_order_release);
       return;
     }
+    // A phase ends within microseconds of its mates when every thread has a core. When one has lost its core
+    // (the server's event loop, a client on the same machine), spinning on would keep it off: yield soon.
     for (int spins = 0; phase.load(std::memory_order_acquire) == p; ++spins) {
-      if (spins < 20000) _mm_pause();
-      else sched_yield();  // the other thread lost its core: give it one
+      if (spins < 256) _mm_pause();
+      else sched_yield();
     }
   }
 };
@@ -628,6 +630,27 @@ class LlamaDecoder {
 
 bool amx_available() { return cpu_has_amx_bf16() && amx_permitted(); }
 
+// Sum of a float32 buffer with AVX-512 loads on all threads: scripts/bandwidth.py's hand-written read, the
+// access pattern of a decode step's weight stream without its arithmetic.
+double stream_read(const torch::Tensor& t) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() % 64 == 0, "stream_read: float32, % 64");
+  const float* p = t.data_ptr<float>();
+  std::vector<double> partial(at::get_num_threads() + 1, 0.0);
+  at::parallel_for(0, t.numel() / 64, 4096, [&](int64_t begin, int64_t end) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t i = begin; i < end; ++i) {
+      a0 = _mm512_add_ps(a0, _mm512_loadu_ps(p + i * 64));
+      a1 = _mm512_add_ps(a1, _mm512_loadu_ps(p + i * 64 + 16));
+      a2 = _mm512_add_ps(a2, _mm512_loadu_ps(p + i * 64 + 32));
+      a3 = _mm512_add_ps(a3, _mm512_loadu_ps(p + i * 64 + 48));
+    }
+    partial[at::get_thread_num()] += _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+  });
+  double total = 0.0;
+  for (double v : partial) total += v;
+  return total;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The GIL is released while a kernel runs, as torch's own ops do, so the server's event loop keeps going.
   using release = py::call_guard<py::gil_scoped_release>;
@@ -635,6 +658,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache", release());
   m.def("linear_bf16", &linear_bf16, "bf16 x[M, K] @ w[N, K]^T (+ bias), AVX512-BF16", release());
   m.def("amx_available", &amx_available, "this CPU has AMX-BF16 and Linux lets the process use it");
+  m.def("stream_read", &stream_read, "sum of a float32 buffer, AVX-512 reads on all threads", release());
   py::class_<LlamaDecoder>(m, "LlamaDecoder")
       .def(py::init<const std::vector<std::vector<torch::Tensor>>&, const torch::Tensor&, const torch::Tensor&,
                     const torch::Tensor&, int64_t, int64_t, int64_t, double, int64_t, double, bool>())
