@@ -109,7 +109,7 @@ class LlamaFastForward:
         self.scaling = self.head_dim**-0.5
         inner = model.model
         self.layers = [self._layer(layer) for layer in inner.layers[: config.num_hidden_layers]]
-        self._decoder_factory = decoder if model.lm_head.weight.dtype == torch.bfloat16 else None
+        self._decoder_factory = decoder  # engine.cpu_kernels.llama_decoder_for: None unless bf16 on CPU
         self._decoder: tuple[KVCache, object] | None = None  # built on the first decode-only step
 
     def decoder(self, kv_cache: KVCache) -> object | None:

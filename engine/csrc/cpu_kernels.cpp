@@ -46,15 +46,30 @@ void rows_block(const uint16_t* x, const uint16_t* w, const float* bias, c10::BF
     }
 }
 
+// Output columns [n_begin, n_end) for M <= 8 input rows, R weight rows at a time. Each output element is the same
+// instruction sequence whatever R, M or the range boundaries are.
 template <int M>
-void gemv(const uint16_t* x, const uint16_t* w, const float* bias, c10::BFloat16* out, int64_t K, int64_t N,
-          int64_t ldx, int64_t ldo) {
+void gemv_range(const uint16_t* x, const uint16_t* w, const float* bias, c10::BFloat16* out, int64_t K, int64_t ldx,
+                int64_t ldo, int64_t n_begin, int64_t n_end) {
   constexpr int R = M <= 2 ? 4 : (M <= 4 ? 2 : 1);  // accumulators M * R + loads stay within 32 registers
-  const int64_t blocks = N / R;
-  at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) rows_block<M, R>(x, w, bias, out, K, ldo, b * R, ldx);
-  });
-  for (int64_t n = blocks * R; n < N; ++n) rows_block<M, 1>(x, w, bias, out, K, ldo, n, ldx);
+  int64_t n = n_begin;
+  for (; n + R <= n_end; n += R) rows_block<M, R>(x, w, bias, out, K, ldo, n, ldx);
+  for (; n < n_end; ++n) rows_block<M, 1>(x, w, bias, out, K, ldo, n, ldx);
+}
+
+// gemv_range for `rows` (1-8) input rows.
+void gemv_rows(int64_t rows, const uint16_t* x, const uint16_t* w, const float* bias, c10::BFloat16* out, int64_t K,
+               int64_t ldx, int64_t ldo, int64_t n_begin, int64_t n_end) {
+  switch (rows) {
+    case 1: gemv_range<1>(x, w, bias, out, K, ldx, ldo, n_begin, n_end); break;
+    case 2: gemv_range<2>(x, w, bias, out, K, ldx, ldo, n_begin, n_end); break;
+    case 3: gemv_range<3>(x, w, bias, out, K, ldx, ldo, n_begin, n_end); break;
+    case 4: gemv_range<4>(x, w, bias, out, K, ldx, ldo, n_begin, n_end); break;
+    case 5: gemv_range<5>(x, w, bias, out, K, ldx, ldo, n_begin, n_end); break;
+    case 6: gemv_range<6>(x, w, bias, out, K, ldx, ldo, n_begin, n_end); break;
+    case 7: gemv_range<7>(x, w, bias, out, K, ldx, ldo, n_begin, n_end); break;
+    default: gemv_range<8>(x, w, bias, out, K, ldx, ldo, n_begin, n_end); break;
+  }
 }
 
 }  // namespace
@@ -76,18 +91,10 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, const 
   const int64_t ldx = x.stride(0);
   // Up to 8 rows share one pass over the weights; more rows take further passes, 8 at a time.
   for (int64_t m0 = 0; m0 < M; m0 += 8) {
-    const uint16_t* xm = xp + m0 * ldx;
-    c10::BFloat16* om = op + m0 * N;
-    switch (std::min<int64_t>(M - m0, 8)) {
-      case 1: gemv<1>(xm, wp, bp, om, K, N, ldx, N); break;
-      case 2: gemv<2>(xm, wp, bp, om, K, N, ldx, N); break;
-      case 3: gemv<3>(xm, wp, bp, om, K, N, ldx, N); break;
-      case 4: gemv<4>(xm, wp, bp, om, K, N, ldx, N); break;
-      case 5: gemv<5>(xm, wp, bp, om, K, N, ldx, N); break;
-      case 6: gemv<6>(xm, wp, bp, om, K, N, ldx, N); break;
-      case 7: gemv<7>(xm, wp, bp, om, K, N, ldx, N); break;
-      default: gemv<8>(xm, wp, bp, om, K, N, ldx, N); break;
-    }
+    const int64_t rows = std::min<int64_t>(M - m0, 8);
+    at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+      gemv_rows(rows, xp + m0 * ldx, wp, bp, op + m0 * N, K, ldx, N, begin, end);
+    });
   }
   return out;
 }
@@ -305,6 +312,8 @@ bool cpu_has_amx_bf16() {
   return (d >> 22 & 1) && (d >> 24 & 1);  // AMX-BF16, AMX-TILE
 }
 
+bool amx_available() { return cpu_has_amx_bf16() && amx_permitted(); }
+
 struct TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};
@@ -398,21 +407,8 @@ void linear_rows(const Linear& L, const bf16* x, int64_t ldx, int64_t M, bf16* o
   const auto* xs = reinterpret_cast<const uint16_t*>(x);
   if (n_begin >= n_end) return;
   if (!amx) {
-    for (int64_t m0 = 0; m0 < M; m0 += 8) {
-      const int64_t mb = std::min<int64_t>(M - m0, 8);
-      for (int64_t n = n_begin; n < n_end; ++n) {
-        switch (mb) {  // one output element per call keeps the order of operations independent of M
-          case 1: rows_block<1, 1>(xs + m0 * ldx, w, bias, out + m0 * ldo, L.K, ldo, n, ldx); break;
-          case 2: rows_block<2, 1>(xs + m0 * ldx, w, bias, out + m0 * ldo, L.K, ldo, n, ldx); break;
-          case 3: rows_block<3, 1>(xs + m0 * ldx, w, bias, out + m0 * ldo, L.K, ldo, n, ldx); break;
-          case 4: rows_block<4, 1>(xs + m0 * ldx, w, bias, out + m0 * ldo, L.K, ldo, n, ldx); break;
-          case 5: rows_block<5, 1>(xs + m0 * ldx, w, bias, out + m0 * ldo, L.K, ldo, n, ldx); break;
-          case 6: rows_block<6, 1>(xs + m0 * ldx, w, bias, out + m0 * ldo, L.K, ldo, n, ldx); break;
-          case 7: rows_block<7, 1>(xs + m0 * ldx, w, bias, out + m0 * ldo, L.K, ldo, n, ldx); break;
-          default: rows_block<8, 1>(xs + m0 * ldx, w, bias, out + m0 * ldo, L.K, ldo, n, ldx); break;
-        }
-      }
-    }
+    for (int64_t m0 = 0; m0 < M; m0 += 8)
+      gemv_rows(std::min<int64_t>(M - m0, 8), xs + m0 * ldx, w, bias, out + m0 * ldo, L.K, ldx, ldo, n_begin, n_end);
     return;
   }
   for (int64_t m0 = 0; m0 < M; m0 += kMPass) {
@@ -511,7 +507,7 @@ class LlamaDecoder {
                int64_t head_dim, double eps, int64_t block_size, double scale, bool amx)
       : final_norm_(final_norm), heads_(heads), kv_heads_(kv_heads), dim_(head_dim), eps_(eps),
         block_size_(block_size), scale_(scale), amx_(amx) {
-    TORCH_CHECK(!amx || (cpu_has_amx_bf16() && amx_permitted()), "LlamaDecoder: AMX is not available");
+    TORCH_CHECK(!amx || amx_available(), "LlamaDecoder: AMX is not available");
     TORCH_CHECK(head_dim % 32 == 0 && heads % kv_heads == 0, "LlamaDecoder: head_dim % 32, GQA");
     head_ = make_linear(head, head_bias);
     hidden_ = head_.K;
@@ -627,8 +623,6 @@ class LlamaDecoder {
   double scale_;
   bool amx_;
 };
-
-bool amx_available() { return cpu_has_amx_bf16() && amx_permitted(); }
 
 // Sum of a float32 buffer with AVX-512 loads on all threads: scripts/bandwidth.py's hand-written read, the
 // access pattern of a decode step's weight stream without its arithmetic.

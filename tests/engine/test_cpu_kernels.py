@@ -200,7 +200,8 @@ def test_add_rms_norm_for_keeps_torch_for_float32_and_when_off() -> None:
 
 # --- LlamaDecoder: the whole decode step in one call -------------------------------------------------------
 
-AMX = cpu_kernels.load().amx_available() if REASON is None and cpu_kernels.load() is not None else False
+_MODULE = cpu_kernels.load() if REASON is None else None
+AMX = bool(_MODULE is not None and _MODULE.amx_available())
 
 
 def _decoder_model(model_type: str, vocab: int) -> Any:
@@ -245,9 +246,9 @@ def test_one_call_decode_step_matches_the_op_by_op_forward(byte_level_tokenizer:
         reference = fast(input_ids, positions, meta, rows)
         fast._decoder_factory = factory
         got = fast(input_ids, positions, meta, rows)
-        alone = fast.decoder(meta.kv_cache).step(fast.model.model.embed_tokens(input_ids[:1]), *_rope_rows(
-            fast, input_ids[:1], positions[:1]), meta.slot_mapping[:1], meta.decode_block_tables[:1],
-            meta.decode_lengths[:1])
+        alone = fast.decoder(meta.kv_cache).step(*_embed_and_rope(fast, input_ids[:1], positions[:1]),
+                                                 meta.slot_mapping[:1], meta.decode_block_tables[:1],
+                                                 meta.decode_lengths[:1])
         compared.append((reference, got, alone[0] - got[(rows == 0).nonzero()[0, 0]]))
         return got
 
@@ -262,10 +263,12 @@ def test_one_call_decode_step_matches_the_op_by_op_forward(byte_level_tokenizer:
         assert not alone_minus_batched.any(), "a row's logits changed with its batch mates"
 
 
-def _rope_rows(fast: Any, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _embed_and_rope(fast: Any, input_ids: torch.Tensor,
+                    positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The decoder's step inputs for these tokens: embeddings, RoPE cos and sin."""
     h = fast.model.model.embed_tokens(input_ids)
     cos, sin = fast.model.model.rotary_emb(h[None], positions[None])
-    return cos[0], sin[0]
+    return h, cos[0], sin[0]
 
 
 @needs_kernel
