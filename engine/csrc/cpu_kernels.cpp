@@ -12,12 +12,15 @@
 
 #include <omp.h>
 #include <sched.h>
+#include <sys/mman.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -131,14 +134,15 @@ struct AttnScratch {
   std::vector<__m512> qv, acc, inv_total;
 };
 
-// One work item is one sequence and one KV head: the K and V rows are read once for the whole GQA group of
-// query heads that share them. Scores for all context tokens first, then softmax, then the weighted sum of V.
+// One work item is one sequence, one KV head and query heads [g_begin, g_end) of its GQA group: the K and V rows
+// are read once for all of them. Scores for all context tokens first, then softmax, then the weighted sum of V.
+// Each query head's result is the same whichever items it is grouped with.
 template <typename T>
-void decode_item(int64_t b, int64_t kvh, const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
-                 const int64_t* lengths, T* out, int64_t heads, int64_t kv_heads, int64_t dim, int64_t max_blocks,
-                 int64_t block_size, float scale, AttnScratch& s) {
-  const int64_t group = heads / kv_heads, chunks = dim / 16;
-  const int64_t len = lengths[b], h0 = kvh * group;
+void decode_item(int64_t b, int64_t kvh, int64_t g_begin, int64_t g_end, const T* q, const T* k_cache,
+                 const T* v_cache, const int64_t* block_tables, const int64_t* lengths, T* out, int64_t heads,
+                 int64_t kv_heads, int64_t dim, int64_t max_blocks, int64_t block_size, float scale, AttnScratch& s) {
+  const int64_t group = g_end - g_begin, chunks = dim / 16;
+  const int64_t len = lengths[b], h0 = kvh * (heads / kv_heads) + g_begin;
   const int64_t* table = block_tables + b * max_blocks;
   const int64_t padded = (len + 15) / 16 * 16;
   s.scores.assign(group * padded, -INFINITY);
@@ -148,8 +152,20 @@ void decode_item(int64_t b, int64_t kvh, const T* q, const T* k_cache, const T* 
   for (int64_t g = 0; g < group; ++g)
     for (int64_t c = 0; c < chunks; ++c)
       s.qv[g * chunks + c] = _mm512_mul_ps(load16(q + ((b * heads + h0 + g) * dim) + c * 16), _mm512_set1_ps(scale));
+  // The cache rows come from memory (the step's weight stream has evicted them): ask for the next block's rows of
+  // this head while the current block is computed.
+  const int64_t row_lines = (dim * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+  auto prefetch_block = [&](const T* cache, int64_t t0) {
+    if (t0 >= len) return;
+    const int64_t base = table[t0 / block_size] * block_size, n = std::min(block_size, len - t0);
+    for (int64_t o = 0; o < n; ++o)
+      for (int64_t l = 0; l < row_lines; ++l)
+        _mm_prefetch(reinterpret_cast<const char*>(cache + ((base + o) * kv_heads + kvh) * dim) + l * 64, _MM_HINT_T0);
+  };
+  prefetch_block(k_cache, 0);
   for (int64_t t0 = 0; t0 < len; t0 += block_size) {
     const int64_t base = table[t0 / block_size] * block_size, n = std::min(block_size, len - t0);
+    prefetch_block(k_cache, t0 + block_size);
     for (int64_t o = 0; o < n; ++o) {
       const T* kp = k_cache + ((base + o) * kv_heads + kvh) * dim;
       for (int64_t g = 0; g < group; ++g) {
@@ -172,8 +188,10 @@ void decode_item(int64_t b, int64_t kvh, const T* q, const T* k_cache, const T* 
     }
     s.inv_total[g] = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
   }
+  prefetch_block(v_cache, 0);
   for (int64_t t0 = 0; t0 < len; t0 += block_size) {
     const int64_t base = table[t0 / block_size] * block_size, n = std::min(block_size, len - t0);
+    prefetch_block(v_cache, t0 + block_size);
     for (int64_t o = 0; o < n; ++o) {
       const T* vp = v_cache + ((base + o) * kv_heads + kvh) * dim;
       for (int64_t c = 0; c < chunks; ++c) {
@@ -200,8 +218,8 @@ void paged_decode(const T* q, const T* k_cache, const T* v_cache, const int64_t*
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     AttnScratch s;
     for (int64_t i = begin; i < end; ++i)
-      decode_item(i / kv_heads, i % kv_heads, q, k_cache, v_cache, block_tables, lengths, out, heads, kv_heads, dim,
-                  max_blocks, block_size, scale, s);
+      decode_item(i / kv_heads, i % kv_heads, 0, heads / kv_heads, q, k_cache, v_cache, block_tables, lengths, out,
+                  heads, kv_heads, dim, max_blocks, block_size, scale, s);
   });
 }
 
@@ -291,9 +309,11 @@ torch::Tensor add_rms_norm_(torch::Tensor& h, const c10::optional<torch::Tensor>
 // the weight stream is per-op overhead: Python dispatch and waking the thread team for each of the ~15 ops of
 // each layer. Here the step is one parallel region: the threads split each matmul's output rows and meet at a
 // spin barrier between phases (as llama.cpp's thread pool does). The matmuls run on AMX tiles where the CPU has
-// them (Sapphire Rapids and later): the weight rows are the A tile in their own [N, K] layout, so nothing is
-// repacked, and the step's 1-32 input rows are packed into the B tile. One instruction sequence serves every batch
-// size, so a row's output does not depend on its batch mates. CPUs without AMX use the AVX512-BF16 rows above.
+// them (Sapphire Rapids and later): the decoder keeps a copy of the weights packed as B tiles in the order a step
+// reads them (pack_weight), so the weight stream runs front to back near the plain read speed, and the step's
+// 1-32 input rows are the A tiles, read in place. One instruction sequence serves every batch size, so a row's
+// output does not depend on its batch mates. CPUs without AMX use the AVX512-BF16 rows above on the model's own
+// weights (no copy).
 // The rounding to bfloat16 follows engine/llama_fast.py op for op (RoPE, SiLU * up, norms, matmul outputs).
 
 namespace {
@@ -320,112 +340,143 @@ struct TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Tiles: 0-3 accumulators C[n block][m block] (16 x 16 float32), 4-5 weights A (16 rows x 32 bf16), 6-7 inputs B
-// (16 k-pairs x 16 rows x 2 bf16).
-void load_tile_config() {
+// Tiles: 0-3 accumulators C[m block][n block] (up to 16 input rows x 16 float32), 4-5 weights B (16 k-pairs x 16
+// weight rows x 2 bf16), 6-7 inputs A (up to 16 input rows x 32 bf16). The A and C tiles hold exactly the pass's
+// input rows, so nothing past the last row is read and no padded copy of the inputs is made.
+void load_tile_config(int64_t rows) {
   TileConfig cfg;
+  const uint8_t first = static_cast<uint8_t>(std::min<int64_t>(rows, 16)),
+                second = static_cast<uint8_t>(rows > 16 ? rows - 16 : 16);
   for (int t = 0; t < 8; ++t) {
     cfg.rows[t] = 16;
     cfg.colsb[t] = 64;
   }
+  cfg.rows[0] = cfg.rows[2] = cfg.rows[6] = first;
+  cfg.rows[1] = cfg.rows[3] = cfg.rows[7] = second;
   _tile_loadconfig(&cfg);
 }
 
-constexpr int64_t kMPass = 32;  // input rows per pass over the weights (two B tiles)
+constexpr int64_t kMPass = 32;          // input rows per pass over the weights (two A tiles)
+constexpr int64_t kAheadBytes = 16384;  // software prefetch distance in the packed weight stream
 
-// Up to 32 input rows as B tiles: [K / 32][m block][16 k-pairs][16 rows][2], zero past M.
-void pack_rows(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, uint32_t* packed) {
-  const int64_t mblocks = M > 16 ? 2 : 1, pairs = K / 2;
-  std::fill(packed, packed + (K / 32) * mblocks * 256, 0u);
-  for (int64_t m = 0; m < M; ++m) {
-    const uint32_t* row = reinterpret_cast<const uint32_t*>(x + m * ldx);
-    for (int64_t p = 0; p < pairs; ++p)
-      packed[(((p / 16) * mblocks + m / 16) * 16 + p % 16) * 16 + m % 16] = row[p];
-  }
+// The weights as AMX reads them: per block of 32 rows (16 for a last odd block), for each 32-column step, the block's
+// 1 or 2 B tiles ([16 k-pairs][16 rows][2 bf16], 1 KB each). A matmul then reads its weights strictly front to
+// back, which the hardware prefetchers and one software prefetch a fixed distance ahead keep streaming. The block
+// of rows [n, n + 32) starts at n * K, as in the [N, K] layout.
+void pack_weight(const uint16_t* w, int64_t N, int64_t K, uint16_t* dst) {
+  at::parallel_for(0, (N + 31) / 32, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n = b * 32, count = n + 32 <= N ? 2 : 1;
+      uint16_t* block = dst + n * K;
+      for (int64_t kb = 0; kb < K / 32; ++kb)
+        for (int64_t i = 0; i < count; ++i)
+          for (int64_t p = 0; p < 16; ++p)
+            for (int64_t j = 0; j < 16; ++j)
+              for (int64_t e = 0; e < 2; ++e)
+                block[((kb * count + i) * 16 + p) * 32 + j * 2 + e] = w[(n + i * 16 + j) * K + kb * 32 + p * 2 + e];
+    }
+  });
 }
 
-// C tiles for weight rows [n, n + 16 or 32) against the packed input rows.
+// C tiles for the packed block of `count` (1-2) x 16 weight rows at `wb` against input rows x (A tiles, stride ldx).
 template <bool TWO_M>
-void amx_block(const uint32_t* packed, const uint16_t* w, int64_t K, int64_t n, int64_t N, bool two_n, float* c) {
-  const int64_t kblocks = K / 32, mblocks = TWO_M ? 2 : 1, rows = two_n ? 32 : 16;
-  const uint16_t* w0 = w + n * K;
-  const uint16_t* w1 = w0 + 16 * K;
-  const uint16_t* next = w0 + rows * K;  // the following block, prefetched one cache line per row per step
-  const int64_t ahead = std::min<int64_t>(rows, N - n - rows);
+void amx_block(const uint16_t* x, int64_t ldx, const uint16_t* wb, int64_t K, int64_t count, float* c) {
   _tile_zero(0);
-  _tile_zero(1);
   _tile_zero(2);
-  _tile_zero(3);
-  for (int64_t kb = 0; kb < kblocks; ++kb) {
-    for (int64_t r = 0; r < ahead; ++r) _mm_prefetch(reinterpret_cast<const char*>(next + r * K + kb * 32), _MM_HINT_T0);
-    _tile_loadd(6, packed + kb * mblocks * 256, 64);
-    if (TWO_M) _tile_loadd(7, packed + (kb * mblocks + 1) * 256, 64);
-    _tile_loadd(4, w0 + kb * 32, K * 2);
-    _tile_dpbf16ps(0, 4, 6);
-    if (TWO_M) _tile_dpbf16ps(1, 4, 7);
-    if (two_n) {
-      _tile_loadd(5, w1 + kb * 32, K * 2);
-      _tile_dpbf16ps(2, 5, 6);
-      if (TWO_M) _tile_dpbf16ps(3, 5, 7);
+  if (TWO_M) {
+    _tile_zero(1);
+    _tile_zero(3);
+  }
+  for (int64_t kb = 0; kb < K / 32; ++kb) {
+    const uint16_t* tiles = wb + kb * count * 512;
+    const char* ahead = reinterpret_cast<const char*>(tiles) + kAheadBytes;
+    for (int64_t line = 0; line < count * 16; ++line) _mm_prefetch(ahead + line * 64, _MM_HINT_T0);
+    _tile_loadd(6, x + kb * 32, ldx * 2);
+    if (TWO_M) _tile_loadd(7, x + 16 * ldx + kb * 32, ldx * 2);
+    _tile_loadd(4, tiles, 64);
+    _tile_dpbf16ps(0, 6, 4);
+    if (TWO_M) _tile_dpbf16ps(1, 7, 4);
+    if (count == 2) {
+      _tile_loadd(5, tiles + 512, 64);
+      _tile_dpbf16ps(2, 6, 5);
+      if (TWO_M) _tile_dpbf16ps(3, 7, 5);
     }
   }
   _tile_stored(0, c, 64);
   if (TWO_M) _tile_stored(1, c + 256, 64);
-  if (two_n) {
+  if (count == 2) {
     _tile_stored(2, c + 512, 64);
     if (TWO_M) _tile_stored(3, c + 768, 64);
   }
 }
 
-// out[m, n] for one accumulator tile c ([16 n][16 m]): + bias, rounded to bfloat16 (round to nearest even).
+// out[m, n:n+16] for one accumulator tile c ([rows][16]): + bias, rounded to bfloat16 (round to nearest even).
 inline void store_tile(const float* c, const float* bias, int64_t n, int64_t m0, int64_t rows, bf16* out, int64_t ldo) {
-  const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                            _mm512_set1_epi32(16));
   const __m512 b = bias ? _mm512_loadu_ps(bias + n) : _mm512_setzero_ps();
   for (int64_t m = 0; m < rows; ++m) {
-    const __m512 v = _mm512_add_ps(_mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32(m)), c, 4), b);
+    const __m512 v = _mm512_add_ps(_mm512_loadu_ps(c + m * 16), b);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (m0 + m) * ldo + n), (__m256i)_mm512_cvtneps_pbh(v));
   }
 }
 
 struct Scratch {
-  std::vector<uint32_t> packed;
   alignas(64) float c[1024];
+  int64_t tile_rows = 0;  // the pass size the tile configuration holds (0: none loaded)
   AttnScratch attn;
 };
 
 struct Linear {
   torch::Tensor weight, bias;  // bias kept in float32, undefined when absent
+  const uint16_t* packed = nullptr;  // the AMX layout (pack_weight), in the decoder's packed buffer
   int64_t N = 0, K = 0;
 };
 
-// out[:M, n_begin:n_end] = x[:M] @ w[n_begin:n_end]^T (+ bias); n_begin, n_end multiples of 16.
+// out[:M, n_begin:n_end] = x[:M] @ w[n_begin:n_end]^T (+ bias). n_begin and n_end are multiples of 16; with AMX
+// n_begin is a multiple of 32 and n_end one too or N.
 void linear_rows(const Linear& L, const bf16* x, int64_t ldx, int64_t M, bf16* out, int64_t ldo, int64_t n_begin,
                  int64_t n_end, bool amx, Scratch& s) {
-  const auto* w = reinterpret_cast<const uint16_t*>(L.weight.data_ptr());
   const float* bias = L.bias.defined() ? L.bias.data_ptr<float>() : nullptr;
   const auto* xs = reinterpret_cast<const uint16_t*>(x);
   if (n_begin >= n_end) return;
   if (!amx) {
+    const auto* w = reinterpret_cast<const uint16_t*>(L.weight.data_ptr());
     for (int64_t m0 = 0; m0 < M; m0 += 8)
       gemv_rows(std::min<int64_t>(M - m0, 8), xs + m0 * ldx, w, bias, out + m0 * ldo, L.K, ldx, ldo, n_begin, n_end);
     return;
   }
   for (int64_t m0 = 0; m0 < M; m0 += kMPass) {
     const int64_t mb = std::min<int64_t>(M - m0, kMPass);
-    s.packed.resize((L.K / 32) * 2 * 256);
-    pack_rows(xs + m0 * ldx, ldx, mb, L.K, s.packed.data());
+    if (s.tile_rows != mb) {
+      load_tile_config(mb);
+      s.tile_rows = mb;
+    }
     for (int64_t n = n_begin; n < n_end; n += 32) {
-      const bool two_n = n + 32 <= n_end;
-      if (mb > 16) amx_block<true>(s.packed.data(), w, L.K, n, L.N, two_n, s.c);
-      else amx_block<false>(s.packed.data(), w, L.K, n, L.N, two_n, s.c);
-      for (int64_t i = 0; i < (two_n ? 2 : 1); ++i) {
+      const int64_t count = n + 32 <= L.N ? 2 : 1;
+      if (mb > 16) amx_block<true>(xs + m0 * ldx, ldx, L.packed + n * L.K, L.K, count, s.c);
+      else amx_block<false>(xs + m0 * ldx, ldx, L.packed + n * L.K, L.K, count, s.c);
+      for (int64_t i = 0; i < count; ++i) {
         store_tile(s.c + i * 512, bias, n + i * 16, m0, std::min<int64_t>(mb, 16), out, ldo);
         if (mb > 16) store_tile(s.c + i * 512 + 256, bias, n + i * 16, m0 + 16, mb - 16, out, ldo);
       }
     }
   }
 }
+
+// One allocation for all packed weights, in the order a step reads them, on transparent huge pages where the
+// kernel grants them (fewer TLB misses along the stream).
+struct PackedBuffer {
+  uint16_t* data = nullptr;
+  explicit PackedBuffer(int64_t elements) {
+    constexpr size_t huge = size_t(2) << 20;
+    const size_t bytes = (static_cast<size_t>(elements) * 2 + kAheadBytes + huge - 1) / huge * huge;
+    data = static_cast<uint16_t*>(std::aligned_alloc(huge, bytes));
+    TORCH_CHECK(data, "LlamaDecoder: cannot allocate ", bytes, " bytes for the packed weights");
+    madvise(data, bytes, MADV_HUGEPAGE);
+  }
+  ~PackedBuffer() { std::free(data); }
+  PackedBuffer(const PackedBuffer&) = delete;
+  PackedBuffer& operator=(const PackedBuffer&) = delete;
+};
 
 // A spin barrier for the step's thread team (a passive OpenMP barrier would sleep in the kernel at every phase).
 struct SpinBarrier {
@@ -534,6 +585,7 @@ class LlamaDecoder {
       layers_.push_back(std::move(l));
     }
     TORCH_CHECK(final_norm.scalar_type() == at::kBFloat16 && final_norm.numel() == hidden_, "LlamaDecoder: final norm");
+    if (amx_) pack_all();
   }
 
   // h [B, hidden] (the embeddings; updated in place as the residual stream), cos/sin [B, head_dim], slots [B],
@@ -567,14 +619,14 @@ class LlamaDecoder {
       barrier.n = omp_get_num_threads();
       const int T = barrier.n, t = omp_get_thread_num();
       Scratch s;
-      if (amx_) load_tile_config();
       auto rows = [&](const torch::Tensor& w, const bf16* add) {  // h += add; x = RMSNorm(h) * w, rows shared
         for (int64_t m = t; m < B; m += T)
           add_rms_norm_row(hp + m * hid, add ? add + m * hid : nullptr, w.data_ptr<bf16>(), xp + m * hid, hid, eps);
         barrier.wait();
       };
       auto matmul = [&](const Linear& L, const bf16* in, bf16* out) {
-        const auto [n0, n1] = share(L.N, 16, t, T);
+        auto [n0, n1] = share(L.N, amx_ ? 32 : 16, t, T);  // AMX: whole packed blocks
+        if (t == T - 1) n1 = L.N;
         linear_rows(L, in, L.K, B, out, L.N, n0, n1, amx_, s);
         barrier.wait();
       };
@@ -592,8 +644,13 @@ class LlamaDecoder {
           else std::copy(src, src + D, vc + (slotp[m] * KVH + head - H - KVH) * D);
         }
         barrier.wait();
-        for (int64_t i = t; i < B * KVH; i += T)
-          decode_item(i / KVH, i % KVH, qp, kc, vc, tp, lenp, ap, H, KVH, D, max_blocks, block_size_, scale, s.attn);
+        // Few sequences: one item per query head, so that both threads have work; else one per KV head.
+        const int64_t split = B * KVH < 4 * T ? H / KVH : 1, per = H / KVH / split;
+        for (int64_t i = t; i < B * KVH * split; i += T) {
+          const int64_t g = i % split * per;
+          decode_item(i / split / KVH, i / split % KVH, g, g + per, qp, kc, vc, tp, lenp, ap, H, KVH, D, max_blocks,
+                      block_size_, scale, s.attn);
+        }
         barrier.wait();
         matmul(l.o, ap, dp);
         rows(l.post_norm, dp);
@@ -614,6 +671,24 @@ class LlamaDecoder {
   }
 
  private:
+  // A copy of every matmul's weights in the AMX layout, in the order a step reads them.
+  void pack_all() {
+    std::vector<Linear*> all;
+    for (auto& l : layers_)
+      for (Linear* L : {&l.qkv, &l.o, &l.gate_up, &l.down}) all.push_back(L);
+    all.push_back(&head_);
+    int64_t elements = 0;
+    for (const Linear* L : all) elements += L->N * L->K;
+    packed_ = std::make_unique<PackedBuffer>(elements);
+    uint16_t* at = packed_->data;
+    for (Linear* L : all) {
+      pack_weight(reinterpret_cast<const uint16_t*>(L->weight.data_ptr()), L->N, L->K, at);
+      L->packed = at;
+      at += L->N * L->K;
+    }
+  }
+
+  std::unique_ptr<PackedBuffer> packed_;
   std::vector<DecoderLayer> layers_;
   torch::Tensor final_norm_;
   Linear head_;
