@@ -7,6 +7,8 @@ buffers far larger than the caches, best of `--repeats`:
 - read:  `x.sum()`                    bytes counted: |x|
 - read_avx512: Peregrine's `stream_read` kernel (engine/csrc), four 64-byte loads per step on every thread,
   when the CPU kernels load: the weight stream of a decode step without its arithmetic
+- read_thp, read_avx512_thp: the same two reads of a buffer on transparent huge pages (MADV_HUGEPAGE), the
+  memory the one-call decode step keeps its packed weights in
 - copy:  `y.copy_(x)`                 bytes counted: |x| + |y|
 - scale: `torch.mul(x, 3.0, out=y)`   bytes counted: |x| + |y|
 
@@ -51,10 +53,27 @@ def measure(size_mb: int, repeats: int, threads: int | None) -> dict[str, float]
         "copy": (lambda: y.copy_(x), 2 * nbytes),
         "scale": (lambda: torch.mul(x, 3.0, out=y), 2 * nbytes),
     }
+    huge = _huge_page_buffer(nbytes)  # where the one-call decode step keeps its packed weights
+    huge.fill_(1.0)
+    kernels["read_thp"] = (lambda: huge.sum(), nbytes)
     module = _kernels()
     if module is not None:
         kernels["read_avx512"] = (lambda: module.stream_read(x), nbytes)
+        kernels["read_avx512_thp"] = (lambda: module.stream_read(huge), nbytes)
     return {name: moved / best_seconds(fn, repeats) / 1e9 for name, (fn, moved) in kernels.items()}
+
+
+def _huge_page_buffer(nbytes: int) -> object:
+    """A float32 tensor on anonymous memory advised onto transparent huge pages (MADV_HUGEPAGE), as the
+    decoder's packed weights are; ordinary memory where the kernel offers no huge pages."""
+    import mmap
+
+    import torch
+
+    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared memory gets no THP
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buffer.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(buffer, dtype=torch.float32)
 
 
 def _kernels() -> object | None:
@@ -79,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     gbs = measure(args.size_mb, args.repeats, args.threads or None)
     result: dict[str, object] = {"size_mb": args.size_mb, "threads": torch.get_num_threads(), "gb_per_s": gbs}
     for name, value in gbs.items():
-        print(f"{name:>6}: {value:6.1f} GB/s")
+        print(f"{name:>15}: {value:6.1f} GB/s")
     if args.weights_mb:
         read = max(v for k, v in gbs.items() if k.startswith("read"))  # the best read this machine showed
         roof = read * 1e3 / args.weights_mb

@@ -128,98 +128,162 @@ inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_scalef_ps(p, whole);
 }
 
-// Scratch for one thread's decode attention items, reused across items.
-struct AttnScratch {
-  std::vector<float> scores;
-  std::vector<__m512> qv, acc, inv_total;
+// The 16 horizontal sums of v[0..15] as one vector (a transpose by shuffles instead of 16 reductions).
+inline __m512 sum16(const __m512* v) {
+  __m512 t[8], u[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: v[2i] and v[2i+1] folded to pairs
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int j = 0; j < 4; ++j)  // per lane: the lane's sums of v[4j..4j+3]
+    u[j] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * j], t[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(t[2 * j], t[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 x01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 x23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(x01, x23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// Decode attention in fixed chunks of context positions (flash-decoding's split): a work item is one sequence, one
+// KV head and one chunk, for the whole GQA group of query heads that share the K and V rows; a merge then combines
+// a head's chunks in order. Chunks are fixed by position, never by how many sequences or threads there are, so a
+// sequence's attention output is the same bits whatever its batch mates, and one long sequence still keeps every
+// thread busy.
+constexpr int64_t kAttnChunk = 64;
+
+inline int64_t attn_chunks(int64_t len) { return (len + kAttnChunk - 1) / kAttnChunk; }
+
+// Per (sequence, query head, chunk): dim floats of the weighted V sum relative to the chunk's max score, then that
+// max, then the chunk's sum of exp(score - max).
+struct AttnPartials {
+  std::vector<float> data;
+  int64_t heads = 0, cap = 0, dim = 0;
+  void reset(int64_t batch, int64_t h, int64_t max_len, int64_t d) {
+    heads = h, cap = attn_chunks(max_len), dim = d;
+    data.resize(static_cast<size_t>(batch * heads * cap * (dim + 2)));
+  }
+  float* at(int64_t b, int64_t h, int64_t chunk) { return data.data() + ((b * heads + h) * cap + chunk) * (dim + 2); }
 };
 
-// One work item is one sequence, one KV head and query heads [g_begin, g_end) of its GQA group: the K and V rows
-// are read once for all of them. Scores for all context tokens first, then softmax, then the weighted sum of V.
-// Each query head's result is the same whichever items it is grouped with.
+struct AttnItem {
+  int64_t b, kvh, chunk;
+};
+
+// Every (sequence, KV head, chunk) of a step, in a fixed order.
+inline std::vector<AttnItem> attn_items(const int64_t* lengths, int64_t batch, int64_t kv_heads) {
+  std::vector<AttnItem> items;
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t kvh = 0; kvh < kv_heads; ++kvh)
+      for (int64_t c = 0; c < attn_chunks(lengths[b]); ++c) items.push_back({b, kvh, c});
+  return items;
+}
+
+// Scratch for one thread's attention items, reused across items.
+struct AttnScratch {
+  std::vector<float> scores;
+  std::vector<__m512> qv, acc;
+};
+
+// Scores of the chunk's positions (16 at a time, one vector per query head), softmax numerators, weighted V sum.
 template <typename T>
-void decode_item(int64_t b, int64_t kvh, int64_t g_begin, int64_t g_end, const T* q, const T* k_cache,
-                 const T* v_cache, const int64_t* block_tables, const int64_t* lengths, T* out, int64_t heads,
-                 int64_t kv_heads, int64_t dim, int64_t max_blocks, int64_t block_size, float scale, AttnScratch& s) {
-  const int64_t group = g_end - g_begin, chunks = dim / 16;
-  const int64_t len = lengths[b], h0 = kvh * (heads / kv_heads) + g_begin;
+void attend_chunk(const AttnItem& item, const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
+                  const int64_t* lengths, int64_t heads, int64_t kv_heads, int64_t dim, int64_t max_blocks,
+                  int64_t block_size, float scale, AttnPartials& partials, AttnScratch& s) {
+  const int64_t b = item.b, kvh = item.kvh, group = heads / kv_heads, chunks = dim / 16, h0 = kvh * group;
   const int64_t* table = block_tables + b * max_blocks;
-  const int64_t padded = (len + 15) / 16 * 16;
-  s.scores.assign(group * padded, -INFINITY);
+  const int64_t p_begin = item.chunk * kAttnChunk, n = std::min(kAttnChunk, lengths[b] - p_begin);
+  auto row = [&](const T* cache, int64_t p) {
+    return cache + ((table[p / block_size] * block_size + p % block_size) * kv_heads + kvh) * dim;
+  };
+  // The rows come from memory (a step's weight stream evicts them): ask for all of the chunk's rows up front.
+  const int64_t row_bytes = dim * static_cast<int64_t>(sizeof(T));
+  for (int64_t o = 0; o < n; ++o)
+    for (int64_t l = 0; l < row_bytes; l += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(row(k_cache, p_begin + o)) + l, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(row(v_cache, p_begin + o)) + l, _MM_HINT_T0);
+    }
+  s.scores.assign(group * kAttnChunk, -INFINITY);
   s.qv.resize(group * chunks);
   s.acc.assign(group * chunks, _mm512_setzero_ps());
-  s.inv_total.resize(group);
   for (int64_t g = 0; g < group; ++g)
     for (int64_t c = 0; c < chunks; ++c)
       s.qv[g * chunks + c] = _mm512_mul_ps(load16(q + ((b * heads + h0 + g) * dim) + c * 16), _mm512_set1_ps(scale));
-  // The cache rows come from memory (the step's weight stream has evicted them): ask for the next block's rows of
-  // this head while the current block is computed.
-  const int64_t row_lines = (dim * static_cast<int64_t>(sizeof(T)) + 63) / 64;
-  auto prefetch_block = [&](const T* cache, int64_t t0) {
-    if (t0 >= len) return;
-    const int64_t base = table[t0 / block_size] * block_size, n = std::min(block_size, len - t0);
-    for (int64_t o = 0; o < n; ++o)
-      for (int64_t l = 0; l < row_lines; ++l)
-        _mm_prefetch(reinterpret_cast<const char*>(cache + ((base + o) * kv_heads + kvh) * dim) + l * 64, _MM_HINT_T0);
-  };
-  prefetch_block(k_cache, 0);
-  for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-    const int64_t base = table[t0 / block_size] * block_size, n = std::min(block_size, len - t0);
-    prefetch_block(k_cache, t0 + block_size);
-    for (int64_t o = 0; o < n; ++o) {
-      const T* kp = k_cache + ((base + o) * kv_heads + kvh) * dim;
-      for (int64_t g = 0; g < group; ++g) {
+  const T* rows[16];
+  for (int64_t o0 = 0; o0 < n; o0 += 16) {
+    const int64_t m = std::min<int64_t>(16, n - o0);
+    for (int64_t o = 0; o < 16; ++o) rows[o] = row(k_cache, p_begin + o0 + std::min(o, m - 1));  // past the end: masked
+    for (int64_t g = 0; g < group; ++g) {
+      __m512 dots[16];
+      for (int o = 0; o < 16; ++o) {
         __m512 dot = _mm512_setzero_ps();
-        for (int64_t c = 0; c < chunks; ++c) dot = _mm512_fmadd_ps(s.qv[g * chunks + c], load16(kp + c * 16), dot);
-        s.scores[g * padded + t0 + o] = _mm512_reduce_add_ps(dot);
+        for (int64_t c = 0; c < chunks; ++c) dot = _mm512_fmadd_ps(s.qv[g * chunks + c], load16(rows[o] + c * 16), dot);
+        dots[o] = dot;
       }
+      _mm512_mask_storeu_ps(s.scores.data() + g * kAttnChunk + o0, static_cast<__mmask16>((1u << m) - 1), sum16(dots));
     }
   }
   for (int64_t g = 0; g < group; ++g) {
-    float* row = s.scores.data() + g * padded;
+    float* scores = s.scores.data() + g * kAttnChunk;
     __m512 vmax = _mm512_set1_ps(-INFINITY);
-    for (int64_t t = 0; t < padded; t += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(row + t));
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+    for (int64_t o = 0; o < kAttnChunk; o += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(scores + o));
+    const float max = _mm512_reduce_max_ps(vmax);
     __m512 total = _mm512_setzero_ps();
-    for (int64_t t = 0; t < padded; t += 16) {  // the -inf padding becomes 0
-      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(row + t), m));
-      _mm512_storeu_ps(row + t, e);
+    for (int64_t o = 0; o < kAttnChunk; o += 16) {  // the -inf padding becomes 0
+      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(scores + o), _mm512_set1_ps(max)));
+      _mm512_storeu_ps(scores + o, e);
       total = _mm512_add_ps(total, e);
     }
-    s.inv_total[g] = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
+    float* part = partials.at(b, h0 + g, item.chunk);
+    part[dim] = max;
+    part[dim + 1] = _mm512_reduce_add_ps(total);
   }
-  prefetch_block(v_cache, 0);
-  for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-    const int64_t base = table[t0 / block_size] * block_size, n = std::min(block_size, len - t0);
-    prefetch_block(v_cache, t0 + block_size);
-    for (int64_t o = 0; o < n; ++o) {
-      const T* vp = v_cache + ((base + o) * kv_heads + kvh) * dim;
-      for (int64_t c = 0; c < chunks; ++c) {
-        const __m512 v = load16(vp + c * 16);
-        for (int64_t g = 0; g < group; ++g)
-          s.acc[g * chunks + c] = _mm512_fmadd_ps(_mm512_set1_ps(s.scores[g * padded + t0 + o]), v, s.acc[g * chunks + c]);
-      }
-    }
-  }
-  alignas(64) float row[16];
-  for (int64_t g = 0; g < group; ++g) {
-    T* dst = out + (b * heads + h0 + g) * dim;
+  for (int64_t o = 0; o < n; ++o) {
+    const T* vp = row(v_cache, p_begin + o);
     for (int64_t c = 0; c < chunks; ++c) {
-      _mm512_store_ps(row, _mm512_mul_ps(s.acc[g * chunks + c], s.inv_total[g]));
-      for (int j = 0; j < 16; ++j) dst[c * 16 + j] = static_cast<T>(row[j]);
+      const __m512 v = load16(vp + c * 16);
+      for (int64_t g = 0; g < group; ++g)
+        s.acc[g * chunks + c] = _mm512_fmadd_ps(_mm512_set1_ps(s.scores[g * kAttnChunk + o]), v, s.acc[g * chunks + c]);
     }
   }
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(partials.at(b, h0 + g, item.chunk) + c * 16, s.acc[g * chunks + c]);
+}
+
+// out[b, h] from the head's chunks, combined in chunk order.
+template <typename T>
+void merge_chunks(int64_t b, int64_t h, const int64_t* lengths, T* out, int64_t heads, int64_t dim,
+                  AttnPartials& partials) {
+  const int64_t count = attn_chunks(lengths[b]);
+  float max = -INFINITY, total = 0.f;
+  for (int64_t c = 0; c < count; ++c) max = std::max(max, partials.at(b, h, c)[dim]);
+  alignas(64) float acc[512] = {};
+  for (int64_t c = 0; c < count; ++c) {
+    const float* part = partials.at(b, h, c);
+    const float w = std::exp(part[dim] - max);
+    total += w * part[dim + 1];
+    for (int64_t d = 0; d < dim; d += 16)
+      _mm512_store_ps(acc + d, _mm512_fmadd_ps(_mm512_set1_ps(w), _mm512_loadu_ps(part + d), _mm512_load_ps(acc + d)));
+  }
+  T* dst = out + (b * heads + h) * dim;
+  for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(acc[d] / total);
 }
 
 template <typename T>
 void paged_decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
                   const int64_t* lengths, T* out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
                   int64_t max_blocks, int64_t block_size, float scale) {
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  if (batch == 0) return;
+  const std::vector<AttnItem> items = attn_items(lengths, batch, kv_heads);
+  AttnPartials partials;
+  partials.reset(batch, heads, *std::max_element(lengths, lengths + batch), dim);
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     AttnScratch s;
     for (int64_t i = begin; i < end; ++i)
-      decode_item(i / kv_heads, i % kv_heads, 0, heads / kv_heads, q, k_cache, v_cache, block_tables, lengths, out,
-                  heads, kv_heads, dim, max_blocks, block_size, scale, s);
+      attend_chunk(items[i], q, k_cache, v_cache, block_tables, lengths, heads, kv_heads, dim, max_blocks, block_size,
+                   scale, partials, s);
+  });
+  at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) merge_chunks(i / heads, i % heads, lengths, out, heads, dim, partials);
   });
 }
 
@@ -236,7 +300,8 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
               "paged_decode_attention: q and caches share a dtype");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(1);
-  TORCH_CHECK(D % 16 == 0 && k_cache.size(2) == D && H % KVH == 0, "paged_decode_attention: head dim % 16, GQA");
+  TORCH_CHECK(D % 16 == 0 && D <= 512 && k_cache.size(2) == D && H % KVH == 0,
+              "paged_decode_attention: head dim % 16 and <= 512, GQA");
   auto tables = block_tables.to(at::kLong).contiguous();
   auto lens = lengths.to(at::kLong).contiguous();
   TORCH_CHECK(tables.size(0) == B && lens.size(0) == B, "paged_decode_attention: one table and length per row");
@@ -559,7 +624,7 @@ class LlamaDecoder {
       : final_norm_(final_norm), heads_(heads), kv_heads_(kv_heads), dim_(head_dim), eps_(eps),
         block_size_(block_size), scale_(scale), amx_(amx) {
     TORCH_CHECK(!amx || amx_available(), "LlamaDecoder: AMX is not available");
-    TORCH_CHECK(head_dim % 32 == 0 && heads % kv_heads == 0, "LlamaDecoder: head_dim % 32, GQA");
+    TORCH_CHECK(head_dim % 32 == 0 && head_dim <= 512 && heads % kv_heads == 0, "LlamaDecoder: head_dim % 32, GQA");
     head_ = make_linear(head, head_bias);
     hidden_ = head_.K;
     for (const auto& t : layers) {
@@ -612,6 +677,9 @@ class LlamaDecoder {
     const int64_t *slotp = slot.data_ptr<int64_t>(), *tp = tables.data_ptr<int64_t>(), *lenp = lens.data_ptr<int64_t>();
     const int64_t max_blocks = tables.size(1);
     const float eps = static_cast<float>(eps_), scale = static_cast<float>(scale_);
+    const std::vector<AttnItem> items = attn_items(lenp, B, KVH);
+    AttnPartials partials;
+    partials.reset(B, H, B ? *std::max_element(lenp, lenp + B) : 0, D);
     SpinBarrier barrier;
 #pragma omp parallel num_threads(at::get_num_threads())
     {
@@ -633,9 +701,9 @@ class LlamaDecoder {
       for (size_t li = 0; li < layers_.size(); ++li) {
         const DecoderLayer& l = layers_[li];
         rows(l.input_norm, li ? dp : nullptr);
-        matmul(l.qkv, xp, qkvp);
         auto* kc = l.k_cache.data_ptr<bf16>();
         auto* vc = l.v_cache.data_ptr<bf16>();
+        matmul(l.qkv, xp, qkvp);
         for (int64_t i = t; i < B * (H + 2 * KVH); i += T) {  // RoPE on q and k; k and v into their cache slots
           const int64_t m = i / (H + 2 * KVH), head = i % (H + 2 * KVH);
           const bf16* src = qkvp + m * QKV + head * D;
@@ -644,13 +712,10 @@ class LlamaDecoder {
           else std::copy(src, src + D, vc + (slotp[m] * KVH + head - H - KVH) * D);
         }
         barrier.wait();
-        // Few sequences: one item per query head, so that both threads have work; else one per KV head.
-        const int64_t split = B * KVH < 4 * T ? H / KVH : 1, per = H / KVH / split;
-        for (int64_t i = t; i < B * KVH * split; i += T) {
-          const int64_t g = i % split * per;
-          decode_item(i / split / KVH, i / split % KVH, g, g + per, qp, kc, vc, tp, lenp, ap, H, KVH, D, max_blocks,
-                      block_size_, scale, s.attn);
-        }
+        for (size_t i = t; i < items.size(); i += T)
+          attend_chunk(items[i], qp, kc, vc, tp, lenp, H, KVH, D, max_blocks, block_size_, scale, partials, s.attn);
+        barrier.wait();
+        for (int64_t i = t; i < B * H; i += T) merge_chunks(i / H, i % H, lenp, ap, H, D, partials);
         barrier.wait();
         matmul(l.o, ap, dp);
         rows(l.post_norm, dp);
