@@ -160,9 +160,10 @@ DecoderFactory = Callable[..., object]
 
 def llama_decoder_for(device: torch.device, dtype: torch.dtype, enabled: bool = True,
                       cache_dir: Path | None = None, amx: bool | None = None) -> DecoderFactory | None:
-    """A builder of `LlamaDecoder(layers, final_norm, head, head_bias, heads, kv_heads, head_dim, eps, block_size,
-    scale)` for bfloat16 on CPU when the kernels load, else None. Its matmuls use AMX when the CPU has it (`amx`:
-    None) or as told (False: the AVX512-BF16 rows)."""
+    """A builder of `LlamaDecoder(embed, layers, final_norm, head, head_bias, heads, kv_heads, head_dim, eps,
+    block_size, scale)` for bfloat16 on CPU when the kernels load, else None. Its matmuls use AMX when the CPU has it
+    (`amx`: None; the decoder then keeps a packed copy of the weights) or as told (False: the AVX512-BF16 rows on
+    the model's own weights)."""
     module = _for(device, enabled, cache_dir, dtype)
     if module is None:
         return None

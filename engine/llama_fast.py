@@ -111,6 +111,11 @@ class LlamaFastForward:
         self.layers = [self._layer(layer) for layer in inner.layers[: config.num_hidden_layers]]
         self._decoder_factory = decoder  # engine.cpu_kernels.llama_decoder_for: None unless bf16 on CPU
         self._decoder: tuple[KVCache, object] | None = None  # built on the first decode-only step
+        rope_type = str(getattr(inner.rotary_emb, "rope_type", "default"))
+        # RoPE that depends on the position alone (not "dynamic" scaling, not longrope's length switch) is looked up
+        # in a table for the decoder instead of being recomputed each step.
+        self._static_rope = "dynamic" not in rope_type and rope_type != "longrope"
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def decoder(self, kv_cache: KVCache) -> object | None:
         """The one-call decode step over `kv_cache`, or None where it does not apply (logged once)."""
@@ -123,7 +128,8 @@ class LlamaFastForward:
                       for i, w in enumerate(self.layers)]
             head = self.model.lm_head
             try:
-                built = self._decoder_factory(layers, self.model.model.norm.weight, head.weight,
+                built = self._decoder_factory(self.model.model.embed_tokens.weight, layers,
+                                              self.model.model.norm.weight, head.weight,
                                               _or(head.bias, none), self.heads, self.kv_heads, self.head_dim,
                                               self.eps, kv_cache.block_size, self.scaling)
             except RuntimeError as exc:  # a shape or dtype the kernel does not take: keep the op-by-op pass
@@ -132,6 +138,21 @@ class LlamaFastForward:
                 return None
             self._decoder = (kv_cache, built)
         return self._decoder[1]
+
+    def decoder_rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The decoder's RoPE inputs: each token's row of (cos, sin) tables. Static RoPE: rows of a table of every
+        position so far (the same values the rotary module gives, computed once). Else this step's own rows."""
+        rotary = self.model.model.rotary_emb
+        probe = torch.empty(0, dtype=self.model.model.embed_tokens.weight.dtype, device=positions.device)
+        if not self._static_rope:
+            cos, sin = rotary(probe, positions[None])
+            return torch.arange(positions.shape[0], device=positions.device), cos[0], sin[0]
+        need = int(positions.numpy().max()) + 1  # the decoder runs on CPU; numpy skips a torch dispatch
+        if self._rope_table is None or self._rope_table[0].shape[0] < need:
+            rows = max(256, 1 << (need - 1).bit_length())  # doubling: a handful of rebuilds over a long sequence
+            cos, sin = rotary(probe, torch.arange(rows, device=positions.device)[None])
+            self._rope_table = (cos[0].contiguous(), sin[0].contiguous())
+        return positions, *self._rope_table
 
     def _layer(self, layer: nn.Module) -> LayerWeights:
         a, m = layer.self_attn, layer.mlp
@@ -147,12 +168,13 @@ class LlamaFastForward:
                  logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [tokens]. Returns logits [len(logits_indices), vocab] in the model dtype."""
         inner = self.model.model
-        h = inner.embed_tokens(input_ids)  # [tokens, hidden], the residual stream, updated in place
-        cos, sin = inner.rotary_emb(h[None], positions[None])  # [1, tokens, dim]
         decoder = self.decoder(meta.kv_cache) if not meta.prefills else None
         if decoder is not None:
-            logits = decoder.step(h, cos[0], sin[0], meta.slot_mapping, meta.decode_block_tables, meta.decode_lengths)
+            logits = decoder.step(input_ids, *self.decoder_rope(positions), meta.slot_mapping,
+                                  meta.decode_block_tables, meta.decode_lengths)
             return logits if logits.shape[0] == 1 else logits[logits_indices]
+        h = inner.embed_tokens(input_ids)  # [tokens, hidden], the residual stream, updated in place
+        cos, sin = inner.rotary_emb(h[None], positions[None])  # [1, tokens, dim]
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [tokens, 1, dim]
         delta = None  # the last block's output, not yet added to h
         for index, w in enumerate(self.layers):

@@ -618,10 +618,10 @@ class LlamaDecoder {
  public:
   // layers: per layer [input_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, gate_up_bias, down, down_bias,
   // k_cache, v_cache]; an absent bias is an empty tensor. qkv rows: q heads, then k heads, then v heads.
-  LlamaDecoder(const std::vector<std::vector<torch::Tensor>>& layers, const torch::Tensor& final_norm,
-               const torch::Tensor& head, const torch::Tensor& head_bias, int64_t heads, int64_t kv_heads,
-               int64_t head_dim, double eps, int64_t block_size, double scale, bool amx)
-      : final_norm_(final_norm), heads_(heads), kv_heads_(kv_heads), dim_(head_dim), eps_(eps),
+  LlamaDecoder(const torch::Tensor& embed, const std::vector<std::vector<torch::Tensor>>& layers,
+               const torch::Tensor& final_norm, const torch::Tensor& head, const torch::Tensor& head_bias,
+               int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, int64_t block_size, double scale, bool amx)
+      : embed_(embed), final_norm_(final_norm), heads_(heads), kv_heads_(kv_heads), dim_(head_dim), eps_(eps),
         block_size_(block_size), scale_(scale), amx_(amx) {
     TORCH_CHECK(!amx || amx_available(), "LlamaDecoder: AMX is not available");
     TORCH_CHECK(head_dim % 32 == 0 && head_dim <= 512 && heads % kv_heads == 0, "LlamaDecoder: head_dim % 32, GQA");
@@ -650,30 +650,44 @@ class LlamaDecoder {
       layers_.push_back(std::move(l));
     }
     TORCH_CHECK(final_norm.scalar_type() == at::kBFloat16 && final_norm.numel() == hidden_, "LlamaDecoder: final norm");
+    TORCH_CHECK(embed.scalar_type() == at::kBFloat16 && embed.is_contiguous() && embed.dim() == 2 &&
+                embed.size(1) == hidden_, "LlamaDecoder: embeddings bfloat16 [vocab, hidden]");
     if (amx_) pack_all();
   }
 
-  // h [B, hidden] (the embeddings; updated in place as the residual stream), cos/sin [B, head_dim], slots [B],
-  // block_tables [B, max_blocks], lengths [B] (context tokens, this one included). Returns logits [B, vocab].
-  torch::Tensor step(torch::Tensor h, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& slots,
-                     const torch::Tensor& block_tables, const torch::Tensor& lengths) {
-    TORCH_CHECK(h.dim() == 2 && h.size(1) == hidden_ && h.is_contiguous() && h.scalar_type() == at::kBFloat16,
-                "LlamaDecoder.step: h contiguous bfloat16 [B, hidden]");
-    const int64_t B = h.size(0), H = heads_, KVH = kv_heads_, D = dim_, hid = hidden_;
+  // ids [B] (this step's tokens), rope_rows [B] (each token's row of the RoPE tables cos and sin [rows, head_dim]),
+  // slots [B], block_tables [B, max_blocks], lengths [B] (context tokens, this one included). Returns float32 logits
+  // [B, vocab] holding the bfloat16 values the LM head rounds to. Embedding lookup to logits is one call, so no
+  // torch op runs between steps on caches the weight stream has just flushed.
+  torch::Tensor step(const torch::Tensor& ids, const torch::Tensor& rope_rows, const torch::Tensor& cos,
+                     const torch::Tensor& sin, const torch::Tensor& slots, const torch::Tensor& block_tables,
+                     const torch::Tensor& lengths) {
+    auto tok = ids.to(at::kLong).contiguous(), rope = rope_rows.to(at::kLong).contiguous();
     auto cs = cos.to(at::kBFloat16).contiguous(), sn = sin.to(at::kBFloat16).contiguous();
     auto slot = slots.to(at::kLong).contiguous(), tables = block_tables.to(at::kLong).contiguous();
     auto lens = lengths.to(at::kLong).contiguous();
-    TORCH_CHECK(cs.numel() == B * D && sn.numel() == B * D && slot.numel() == B && tables.size(0) == B &&
-                lens.numel() == B, "LlamaDecoder.step: one position, slot, table and length per row");
+    const int64_t B = tok.numel(), H = heads_, KVH = kv_heads_, D = dim_, hid = hidden_;
+    TORCH_CHECK(rope.numel() == B && slot.numel() == B && tables.size(0) == B && lens.numel() == B,
+                "LlamaDecoder.step: one RoPE row, slot, table and length per token");
+    TORCH_CHECK(cs.dim() == 2 && cs.size(1) == D && sn.sizes() == cs.sizes(), "LlamaDecoder.step: cos, sin [rows, head_dim]");
+    const int64_t *tokp = tok.data_ptr<int64_t>(), *ropep = rope.data_ptr<int64_t>();
+    for (int64_t m = 0; m < B; ++m)
+      TORCH_CHECK(tokp[m] >= 0 && tokp[m] < embed_.size(0) && ropep[m] >= 0 && ropep[m] < cs.size(0),
+                  "LlamaDecoder.step: token id or RoPE row out of range");
     const int64_t QKV = (H + 2 * KVH) * D, I = layers_.empty() ? 0 : layers_[0].down.K, V = head_.N;
-    auto opts = h.options();
+    auto opts = embed_.options();
+    auto h = torch::empty({B, hid}, opts);  // the residual stream, from the embeddings
+    for (int64_t m = 0; m < B; ++m)
+      std::copy_n(embed_.data_ptr<bf16>() + tokp[m] * hid, hid, h.data_ptr<bf16>() + m * hid);
     auto x = torch::empty({B, hid}, opts), delta = torch::empty({B, hid}, opts), qkv = torch::empty({B, QKV}, opts);
     auto q = torch::empty({B, H, D}, opts), attn = torch::empty({B, H * D}, opts);
-    auto gu = torch::empty({B, 2 * I}, opts), act = torch::empty({B, I}, opts), logits = torch::empty({B, V}, opts);
+    auto gu = torch::empty({B, 2 * I}, opts), act = torch::empty({B, I}, opts), head_out = torch::empty({B, V}, opts);
+    auto logits = torch::empty({B, V}, opts.dtype(at::kFloat));
     bf16 *hp = h.data_ptr<bf16>(), *xp = x.data_ptr<bf16>(), *dp = delta.data_ptr<bf16>(),
          *qkvp = qkv.data_ptr<bf16>(), *qp = q.data_ptr<bf16>(), *ap = attn.data_ptr<bf16>(),
-         *gup = gu.data_ptr<bf16>(), *actp = act.data_ptr<bf16>(), *lp = logits.data_ptr<bf16>();
-    const bf16 *cp = cs.data_ptr<bf16>(), *sp = sn.data_ptr<bf16>();
+         *gup = gu.data_ptr<bf16>(), *actp = act.data_ptr<bf16>(), *lp = head_out.data_ptr<bf16>();
+    float* logitsp = logits.data_ptr<float>();
+    const bf16 *cs0 = cs.data_ptr<bf16>(), *sn0 = sn.data_ptr<bf16>();
     const int64_t *slotp = slot.data_ptr<int64_t>(), *tp = tables.data_ptr<int64_t>(), *lenp = lens.data_ptr<int64_t>();
     const int64_t max_blocks = tables.size(1);
     const float eps = static_cast<float>(eps_), scale = static_cast<float>(scale_);
@@ -692,9 +706,12 @@ class LlamaDecoder {
           add_rms_norm_row(hp + m * hid, add ? add + m * hid : nullptr, w.data_ptr<bf16>(), xp + m * hid, hid, eps);
         barrier.wait();
       };
+      auto columns = [&](const Linear& L) {  // this thread's output columns (AMX: whole packed blocks)
+        auto [n0, n1] = share(L.N, amx_ ? 32 : 16, t, T);
+        return std::make_pair(n0, t == T - 1 ? L.N : n1);
+      };
       auto matmul = [&](const Linear& L, const bf16* in, bf16* out) {
-        auto [n0, n1] = share(L.N, amx_ ? 32 : 16, t, T);  // AMX: whole packed blocks
-        if (t == T - 1) n1 = L.N;
+        const auto [n0, n1] = columns(L);
         linear_rows(L, in, L.K, B, out, L.N, n0, n1, amx_, s);
         barrier.wait();
       };
@@ -707,8 +724,9 @@ class LlamaDecoder {
         for (int64_t i = t; i < B * (H + 2 * KVH); i += T) {  // RoPE on q and k; k and v into their cache slots
           const int64_t m = i / (H + 2 * KVH), head = i % (H + 2 * KVH);
           const bf16* src = qkvp + m * QKV + head * D;
-          if (head < H) rope_head(src, cp + m * D, sp + m * D, qp + (m * H + head) * D, D);
-          else if (head < H + KVH) rope_head(src, cp + m * D, sp + m * D, kc + (slotp[m] * KVH + head - H) * D, D);
+          const bf16 *cp = cs0 + ropep[m] * D, *sp = sn0 + ropep[m] * D;
+          if (head < H) rope_head(src, cp, sp, qp + (m * H + head) * D, D);
+          else if (head < H + KVH) rope_head(src, cp, sp, kc + (slotp[m] * KVH + head - H) * D, D);
           else std::copy(src, src + D, vc + (slotp[m] * KVH + head - H - KVH) * D);
         }
         barrier.wait();
@@ -729,7 +747,11 @@ class LlamaDecoder {
         matmul(l.down, actp, dp);
       }
       rows(final_norm_, layers_.empty() ? nullptr : dp);
-      matmul(head_, xp, lp);
+      const auto [v0, v1] = columns(head_);  // the LM head, then this thread's logits as float32
+      linear_rows(head_, xp, head_.K, B, lp, V, v0, v1, amx_, s);
+      for (int64_t m = 0; m < B; ++m)
+        for (int64_t n = v0; n < v1; n += 16)
+          _mm512_storeu_ps(logitsp + m * V + n, load16(lp + m * V + n));
       if (amx_) _tile_release();
     }
     return logits;
@@ -754,6 +776,7 @@ class LlamaDecoder {
   }
 
   std::unique_ptr<PackedBuffer> packed_;
+  torch::Tensor embed_;
   std::vector<DecoderLayer> layers_;
   torch::Tensor final_norm_;
   Linear head_;
@@ -794,7 +817,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_available", &amx_available, "this CPU has AMX-BF16 and Linux lets the process use it");
   m.def("stream_read", &stream_read, "sum of a float32 buffer, AVX-512 reads on all threads", release());
   py::class_<LlamaDecoder>(m, "LlamaDecoder")
-      .def(py::init<const std::vector<std::vector<torch::Tensor>>&, const torch::Tensor&, const torch::Tensor&,
-                    const torch::Tensor&, int64_t, int64_t, int64_t, double, int64_t, double, bool>())
-      .def("step", &LlamaDecoder::step, "one decode step: logits [B, vocab]", release());
+      .def(py::init<const torch::Tensor&, const std::vector<std::vector<torch::Tensor>>&, const torch::Tensor&,
+                    const torch::Tensor&, const torch::Tensor&, int64_t, int64_t, int64_t, double, int64_t, double,
+                    bool>())
+      .def("step", &LlamaDecoder::step,
+           "one decode step: step(ids, rope_rows, cos, sin, slots, block_tables, lengths) -> float32 logits [B, vocab]",
+           release());
 }

@@ -246,7 +246,7 @@ def test_one_call_decode_step_matches_the_op_by_op_forward(byte_level_tokenizer:
         reference = fast(input_ids, positions, meta, rows)
         fast._decoder_factory = factory
         got = fast(input_ids, positions, meta, rows)
-        alone = fast.decoder(meta.kv_cache).step(*_embed_and_rope(fast, input_ids[:1], positions[:1]),
+        alone = fast.decoder(meta.kv_cache).step(input_ids[:1], *fast.decoder_rope(positions[:1]),
                                                  meta.slot_mapping[:1], meta.decode_block_tables[:1],
                                                  meta.decode_lengths[:1])
         compared.append((reference, got, alone[0] - got[(rows == 0).nonzero()[0, 0]]))
@@ -261,14 +261,6 @@ def test_one_call_decode_step_matches_the_op_by_op_forward(byte_level_tokenizer:
         error = (got.float() - reference.float()).abs().max() / reference.float().abs().max()
         assert error <= 0.02, error
         assert not alone_minus_batched.any(), "a row's logits changed with its batch mates"
-
-
-def _embed_and_rope(fast: Any, input_ids: torch.Tensor,
-                    positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The decoder's step inputs for these tokens: embeddings, RoPE cos and sin."""
-    h = fast.model.model.embed_tokens(input_ids)
-    cos, sin = fast.model.model.rotary_emb(h[None], positions[None])
-    return h, cos[0], sin[0]
 
 
 @needs_kernel
@@ -294,3 +286,43 @@ def test_no_decoder_for_float32_other_devices_or_when_off() -> None:
     assert cpu_kernels.llama_decoder_for(cpu, torch.float32) is None
     assert cpu_kernels.llama_decoder_for(cpu, torch.bfloat16, enabled=False) is None
     assert cpu_kernels.llama_decoder_for(torch.device("meta"), torch.bfloat16) is None
+
+
+def test_decoder_rope_rows_are_the_rotary_modules_values(tiny: Any) -> None:
+    """The decoder's RoPE table gives each position exactly what the model's rotary module computes for it, and
+    grows when a later position needs it; a dynamic RoPE type is computed per step instead."""
+    from engine.llama_fast import LlamaFastForward
+
+    model = tiny.model
+    fast = LlamaFastForward(model)
+    rotary = model.model.rotary_emb
+    probe = torch.empty(0, dtype=model.model.embed_tokens.weight.dtype)
+    for positions in (torch.tensor([0, 5, 17]), torch.tensor([3, 700])):
+        rows, cos, sin = fast.decoder_rope(positions)
+        want_cos, want_sin = rotary(probe, positions[None])
+        assert torch.equal(cos[rows], want_cos[0]) and torch.equal(sin[rows], want_sin[0])
+    assert fast._rope_table is not None and fast._rope_table[0].shape[0] == 1024  # doubled past position 700
+    fast._static_rope = False
+    rows, cos, sin = fast.decoder_rope(torch.tensor([9, 2]))
+    assert rows.tolist() == [0, 1] and torch.equal(cos, rotary(probe, torch.tensor([[9, 2]]))[0][0])
+
+
+@needs_kernel
+def test_decoder_step_refuses_token_ids_out_of_range() -> None:
+    """A token id past the embedding table is a clear error, not a read past the table."""
+    from engine.llama_fast import LlamaFastForward
+
+    model = _decoder_model("llama", 256)
+    k = torch.zeros(64, 2, 32, dtype=torch.bfloat16)
+    v = torch.zeros_like(k)
+    fast = LlamaFastForward(model)
+    none = torch.empty(0)
+    layers = [[w.input_norm, w.qkv, none, w.o, none, w.post_norm, w.gate_up, none, w.down, none, k, v]
+              for w in fast.layers]
+    decoder = _MODULE.LlamaDecoder(model.model.embed_tokens.weight, layers, model.model.norm.weight,
+                                   model.lm_head.weight, none, 4, 2, 32, 1e-5, 16, 32**-0.5, False)
+    rows, cos, sin = fast.decoder_rope(torch.tensor([0]))
+    ok = decoder.step(torch.tensor([5]), rows, cos, sin, torch.tensor([0]), torch.tensor([[0]]), torch.tensor([1]))
+    assert ok.dtype == torch.float32 and ok.shape == (1, 256) and torch.isfinite(ok).all()
+    with pytest.raises(RuntimeError, match="out of range"):
+        decoder.step(torch.tensor([256]), rows, cos, sin, torch.tensor([0]), torch.tensor([[0]]), torch.tensor([1]))
