@@ -91,16 +91,20 @@ def kv_cache_need(
 
 
 def memory_need(
-    fp: ModelFootprint, dtype: str, *, max_model_len: int | None, kv_cache_bytes: int | None
+    fp: ModelFootprint, dtype: str, *, max_model_len: int | None, kv_cache_bytes: int | None,
+    packed_copy: bool = False,
 ) -> tuple[int, str]:
-    """Bytes for weights in `dtype` + KV cache, with the breakdown in words."""
+    """Bytes for weights in `dtype` + KV cache (+ the one-call decode step's packed copy of the weights, which it
+    keeps on CPUs with AMX), with the breakdown in words."""
     weights = fp.param_count * DTYPE_BYTES[dtype]
     kv = kv_cache_need(fp, DTYPE_BYTES[dtype], max_model_len, kv_cache_bytes)
     tokens = max_model_len or fp.context_len
     kv_words = f"KV cache {fmt_bytes(kv)}" + (
         "" if kv_cache_bytes and kv_cache_bytes >= kv else f" for {tokens} tokens"
     )
-    return weights + kv, f"weights {fmt_bytes(weights)} in {dtype} + {kv_words}"
+    copy = weights if packed_copy else 0
+    copy_words = f" + {fmt_bytes(copy)} packed copy for AMX decode steps" if packed_copy else ""
+    return weights + kv + copy, f"weights {fmt_bytes(weights)} in {dtype} + {kv_words}{copy_words}"
 
 
 def check(
@@ -114,10 +118,12 @@ def check(
     cache_dir: str = "",
     max_model_len: int | None = None,
     kv_cache_bytes: int | None = None,
+    packed_copy: bool = False,
 ) -> list[Need]:
     """Every need against what is free. The model fits when all are `ok`."""
     needs = list(_disk_needs(fp, res.disks, download_dir, cache_dir))
-    total, words = memory_need(fp, dtype, max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes)
+    total, words = memory_need(fp, dtype, max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes,
+                               packed_copy=packed_copy and not on_cuda)
     if on_cuda and res.vram_free is not None:
         needs.append(Need(total, res.vram_free, f"in VRAM on {device_label}", words))
     elif not on_cuda:
@@ -293,6 +299,14 @@ def _prod(shape: Iterable[int]) -> int:
 
 
 # --- measuring what the machine has -------------------------------------------------------------------
+
+
+def cpu_has_amx(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether this CPU reports AMX-BF16 (Linux's flags), without building the kernels."""
+    try:
+        return " amx_bf16" in cpuinfo.read_text(errors="replace")
+    except OSError:
+        return False
 
 
 def disk_of(path: Path) -> Disk:

@@ -230,3 +230,23 @@ def test_main_refuses_a_model_that_does_not_fit_before_loading(tmp_path: Path, t
     assert "the model does not fit: needs 900.0 TB (weights " in result.stderr
     assert "free in RAM (--skip-preflight to start anyway)" in result.stderr
     assert "Traceback" not in result.stderr and "listening on" not in result.stderr
+
+
+def test_the_amx_decoders_packed_copy_counts_on_cpu_only() -> None:
+    """With AMX, the one-call decode step keeps a packed copy of the weights: RAM for it is asked for on CPU."""
+    res = Resources(ram_free=20 * GB, vram_free=20 * GB)
+    plain = preflight.check(BIG, res, dtype="bfloat16", on_cuda=False)
+    packed = preflight.check(BIG, res, dtype="bfloat16", on_cuda=False, packed_copy=True)
+    assert [n.ok for n in plain] == [True] and [n.ok for n in packed] == [False]
+    assert packed[0].needed == plain[0].needed + 15 * GB
+    assert packed[0].breakdown.endswith("+ 15.0 GB packed copy for AMX decode steps")
+    on_gpu = preflight.check(BIG, res, dtype="bfloat16", on_cuda=True, packed_copy=True)
+    assert on_gpu[0].needed == plain[0].needed
+
+
+def test_cpu_has_amx_reads_the_flags(tmp_path: Path) -> None:
+    with_amx, without = tmp_path / "a", tmp_path / "b"
+    with_amx.write_text("flags\t\t: fpu avx512_bf16 amx_bf16 amx_tile\n")
+    without.write_text("flags\t\t: fpu avx512f\n")
+    assert preflight.cpu_has_amx(with_amx) and not preflight.cpu_has_amx(without)
+    assert not preflight.cpu_has_amx(tmp_path / "missing")
