@@ -10,9 +10,11 @@
   copy and runs a masked SDPA; at decode sizes that is a handful of ops per layer whose fixed cost dominates.
 - `add_rms_norm_`, the residual add and Llama's RMSNorm in one pass (eight torch ops), with transformers'
   rounding; used for bfloat16, where it is most of the per-layer op count that is not a matmul.
-- `LlamaDecoder`, a whole bfloat16 decode step of a Llama-family model (every layer, the final norm and the LM
-  head) in one call and one parallel region, its matmuls on AMX tiles where the CPU has them (else the
-  AVX512-BF16 rows of `linear_bf16`). `engine.llama_fast` runs decode-only steps through it: at batch 1 the
+- `LlamaDecoder`, a whole bfloat16 decode step of a Llama-family model (token ids in: the embedding lookup,
+  every layer, the final norm and the LM head; float32 logits out) in one call and one parallel region, its
+  matmuls on AMX tiles where the CPU has them, over a copy of the weights packed in the order a step reads them
+  (else the AVX512-BF16 rows of `linear_bf16` on the model's own weights), its attention in fixed 64-position
+  chunks. `engine.llama_fast` runs decode-only steps through it: at batch 1 the
   ~450 small ops per step that remain around the weight reads, and the thread wake-ups between them, are what
   keep the Python-level path from the memory roofline; at 16 rows AMX does the matmuls at the cost of reading
   the weights, where oneDNN's GEMM repacks them on every call.
