@@ -123,7 +123,7 @@ def run_preflight(settings: Settings, source: Any, plan: Any, device: str, dtype
         footprint, resources, dtype=dtype, on_cuda=cuda_index is not None, device_label=device,
         download_dir=str(download_dir), cache_dir=str(settings.cache_dir),
         max_model_len=settings.max_model_len, kv_cache_bytes=settings.kv_cache_bytes,
-        packed_copy=dtype == "bfloat16" and settings.cpu_kernels and preflight.cpu_has_amx(),
+        packed_copy=device == "cpu" and dtype == "bfloat16" and settings.cpu_kernels and preflight.cpu_has_amx(),
     )  # fmt: skip
     for need in needs:
         log.info("preflight: %s", need.message)

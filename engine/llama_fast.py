@@ -166,7 +166,8 @@ class LlamaFastForward:
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  logits_indices: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [tokens]. Returns logits [len(logits_indices), vocab] in the model dtype."""
+        """input_ids, positions: [tokens]. Returns logits [len(logits_indices), vocab]: in the model dtype op by op,
+        float32 (holding the model dtype's values) from the one-call decode step."""
         inner = self.model.model
         decoder = self.decoder(meta.kv_cache) if not meta.prefills else None
         if decoder is not None:

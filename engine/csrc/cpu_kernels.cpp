@@ -158,8 +158,8 @@ inline int64_t attn_chunks(int64_t len) { return (len + kAttnChunk - 1) / kAttnC
 struct AttnPartials {
   std::vector<float> data;
   int64_t heads = 0, cap = 0, dim = 0;
-  void reset(int64_t batch, int64_t h, int64_t max_len, int64_t d) {
-    heads = h, cap = attn_chunks(max_len), dim = d;
+  void reset(const int64_t* lengths, int64_t batch, int64_t h, int64_t d) {
+    heads = h, cap = batch ? attn_chunks(*std::max_element(lengths, lengths + batch)) : 0, dim = d;
     data.resize(static_cast<size_t>(batch * heads * cap * (dim + 2)));
   }
   float* at(int64_t b, int64_t h, int64_t chunk) { return data.data() + ((b * heads + h) * cap + chunk) * (dim + 2); }
@@ -272,10 +272,9 @@ template <typename T>
 void paged_decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
                   const int64_t* lengths, T* out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
                   int64_t max_blocks, int64_t block_size, float scale) {
-  if (batch == 0) return;
   const std::vector<AttnItem> items = attn_items(lengths, batch, kv_heads);
   AttnPartials partials;
-  partials.reset(batch, heads, *std::max_element(lengths, lengths + batch), dim);
+  partials.reset(lengths, batch, heads, dim);
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     AttnScratch s;
     for (int64_t i = begin; i < end; ++i)
@@ -693,7 +692,7 @@ class LlamaDecoder {
     const float eps = static_cast<float>(eps_), scale = static_cast<float>(scale_);
     const std::vector<AttnItem> items = attn_items(lenp, B, KVH);
     AttnPartials partials;
-    partials.reset(B, H, B ? *std::max_element(lenp, lenp + B) : 0, D);
+    partials.reset(lenp, B, H, D);
     SpinBarrier barrier;
 #pragma omp parallel num_threads(at::get_num_threads())
     {
