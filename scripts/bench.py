@@ -4,8 +4,8 @@
     python scripts/bench.py --base-url http://127.0.0.1:8000 --concurrency 1,4,16,64
     # Peregrine and its peers, started here one after another on the same model and prompts
     python scripts/bench.py --peers peregrine,transformers,transformers-cb,llamacpp,llamacpp-python
-    # server overhead: engine-only vs HTTP+SSE at 16 concurrent streams
-    python scripts/bench.py --peers engine,peregrine --concurrency 16
+    # server overhead: engine-only vs HTTP+SSE at 16 concurrent streams, five alternating rounds
+    python scripts/bench.py --peers engine,peregrine --concurrency 16 --rounds 5
     # a smoke run (seconds per peer, after loading)
     python scripts/bench.py --peers peregrine --quick
 
@@ -14,6 +14,10 @@ Prompts are fixed and seeded (`--dataset random`: random-token prompts of `--inp
 can be told to ignore EOS. Load is a concurrency sweep (`--concurrency`) or Poisson arrivals
 (`--request-rate`, capped by `--max-concurrency`). Metrics follow vLLM's serving benchmark
 (`bench_metrics.py`). A table goes to stdout and everything to a JSON file (`--out`).
+
+With `--rounds N` (N > 1) all the peers are started at once and measured in turns, N rounds in an
+A B, B A order, so that a shared machine's slow spells fall on every peer alike. A peer's row is then its
+median round, and each ratio is the median of the per-round ratios (each round's peers ran side by side).
 """
 
 from __future__ import annotations
@@ -27,11 +31,14 @@ import shlex
 import signal
 import sys
 import time
+from contextlib import ExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import bench_peers as peers
 import httpx
+import psutil
 from bench_client import FIXED_LENGTH, Target, run_load
 from bench_datasets import BenchRequest, chat_requests, load_tokenizer, random_requests, special_ids
 from bench_metrics import RequestResult, ratio, summarize
@@ -57,6 +64,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-concurrency", type=int, default=64, help="in-flight cap with --request-rate")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals (1 = Poisson)")
     p.add_argument("--warmup", type=int, default=2, help="unmeasured requests before each peer's runs")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="measure the peers in N alternating rounds, all started at once (median reported)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokenizer", help="tokenizer.json or its folder (default: the bundled SmolLM2's)")
     p.add_argument("--gguf", type=Path, help="GGUF for the peers (default: the bundled SmolLM2 Q4_1)")
@@ -75,6 +88,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not args.base_url and not args.peers:
         p.error("give --base-url URL or --peers NAMES")
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
     if args.quick:
         args.input_len, args.output_len, args.num_prompts, args.concurrency, args.warmup = 32, 16, 4, "4", 1
     return args
@@ -121,10 +136,17 @@ async def measure(target: Target | None, engine: Any, reqs: list[BenchRequest], 
 
 
 def run_levels(
-    name: str, target: Target | None, engine: Any, tokenizer: Any, args: argparse.Namespace
+    name: str,
+    target: Target | None,
+    engine: Any,
+    tokenizer: Any,
+    args: argparse.Namespace,
+    *,
+    warmup: bool = True,
+    round_no: int | None = None,
 ) -> list[dict]:
-    """Warm up, then run every load level; one JSON-able row per level."""
-    if args.warmup:
+    """Warm up (unless told not to), then run every load level; one JSON-able row per level."""
+    if warmup and args.warmup:
         warm = random_requests(tokenizer, args.warmup, 16, 8, seed=args.seed + 1)
         asyncio.run(
             measure(target, engine, warm, tokenizer, {"concurrency": args.warmup, "rate": None}, args)
@@ -132,19 +154,63 @@ def run_levels(
     rows = []
     for level in load_levels(args):
         reqs = build_requests(args, tokenizer, prompts_per_level(args, level))
+        cpu_start = time.process_time()
         results, duration = asyncio.run(measure(target, engine, reqs, tokenizer, level, args))
+        # the load generator's own CPU, taken from the cores the server under test runs on (None in-process:
+        # there this process is the engine too)
+        client_cpu = time.process_time() - cpu_start if target is not None else None
         summary = summarize(results, duration)
         row = {"peer": name, "load": level_name(level), **level, "num_prompts": len(reqs),
-               "output_len_mismatch": mismatched_lengths(reqs, results), **summary.to_json()}  # fmt: skip
-        print(format_row(row), flush=True)
+               "output_len_mismatch": mismatched_lengths(reqs, results), **summary.to_json(),
+               "client_cpu_s": client_cpu} | ({"round": round_no} if round_no is not None else {})  # fmt: skip
+        print(format_row(row) + (f" round {round_no}" if round_no is not None else ""), flush=True)
         rows.append(row)
     return rows
 
 
-def run_peer(name: str, opts: peers.PeerOptions, tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
-    """Start one peer, measure it, stop it. Returns {"peer", "description", "rows" | "skipped"}."""
+@dataclass
+class OpenPeer:
+    """A started peer (server or in-process engine), ready to measure."""
+
+    name: str
+    info: dict[str, Any]
+    target: Target | None = None
+    engine: Any = None
+    pid: int | None = None  # a server's process (None in-process)
+    rounds: list[list[dict[str, Any]]] = field(default_factory=list)
+    idle_cpu_s: float = 0.0  # CPU its process used while the other peers were measured
+
+    def measure(self, tokenizer: Any, args: argparse.Namespace, round_no: int | None = None) -> list[dict]:
+        first = not self.rounds
+        rows = run_levels(
+            self.name, self.target, self.engine, tokenizer, args, warmup=first, round_no=round_no
+        )
+        self.rounds.append(rows)
+        return rows
+
+    def cpu_s(self) -> float:
+        """CPU seconds of the server's process tree so far (0 in-process, or when it is gone)."""
+        if self.pid is None:
+            return 0.0
+        try:
+            proc = psutil.Process(self.pid)
+            return sum(sum(p.cpu_times()[:2]) for p in (proc, *proc.children(recursive=True)))
+        except psutil.Error:
+            return 0.0
+
+    def result(self) -> dict[str, Any]:
+        if len(self.rounds) == 1:
+            return self.info | {"rows": self.rounds[0]}
+        rounds = {"rows": median_rows(self.rounds), "rounds": self.rounds}
+        return self.info | rounds | ({"idle_cpu_s": self.idle_cpu_s} if self.pid is not None else {})
+
+
+def open_peer(
+    name: str, opts: peers.PeerOptions, tokenizer: Any, args: argparse.Namespace, stack: ExitStack
+) -> OpenPeer | dict[str, Any]:
+    """Start one peer (stopped when `stack` closes). Returns it ready, or {"peer", ..., "skipped"}."""
     if name == "engine":
-        return run_engine(opts, tokenizer, args)
+        return open_engine(opts, args, stack)
     peer = peers.make_peer(name, opts)
     info: dict[str, Any] = {
         "peer": name,
@@ -157,31 +223,74 @@ def run_peer(name: str, opts: peers.PeerOptions, tokenizer: Any, args: argparse.
     log_dir = (args.out.parent if args.out else Path("bench-results")) / "logs"
     print(f"-- starting {name}: {info['command']}", flush=True)
     peers.start(peer, log_dir.resolve())
-    try:
-        why = peers.wait_ready(peer, args.ready_timeout)
-        if why:
-            print(f"-- skipping {name}: {why}", flush=True)
-            return info | {"skipped": why}
-        target = Target(peer.base_url, peer.model, peer.fixed_length, peer.stream_options,
-                        special_token_ids=special_ids(tokenizer))  # fmt: skip
-        return info | {"pid": peer.process.pid, "rows": run_levels(name, target, None, tokenizer, args)}
-    finally:
-        peers.stop(peer)
-        print(f"-- stopped {name} (pid {peer.process.pid if peer.process else '-'})", flush=True)
+    stack.callback(_stop, peer)
+    why = peers.wait_ready(peer, args.ready_timeout)
+    if why:
+        print(f"-- skipping {name}: {why}", flush=True)
+        return info | {"skipped": why}
+    target = Target(peer.base_url, peer.model, peer.fixed_length, peer.stream_options,
+                    special_token_ids=special_ids(tokenizer))  # fmt: skip
+    return OpenPeer(name, info | {"pid": peer.process.pid}, target=target, pid=peer.process.pid)
 
 
-def run_engine(opts: peers.PeerOptions, tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
+def _stop(peer: peers.Peer) -> None:
+    peers.stop(peer)
+    print(f"-- stopped {peer.name} (pid {peer.process.pid if peer.process else '-'})", flush=True)
+
+
+def open_engine(opts: peers.PeerOptions, args: argparse.Namespace, stack: ExitStack) -> OpenPeer:
     """The in-process engine, no HTTP: the baseline of the server-overhead comparison."""
     from bench_overhead import load_engine
 
     flags = peers.make_peer("peregrine", opts).command[2:]  # the very flags the peregrine peer gets
     print(f"-- loading the engine in-process: main.py {shlex.join(flags)}", flush=True)
     engine = load_engine(flags)
-    try:
-        rows = run_levels("engine", None, engine, tokenizer, args)
-    finally:
-        asyncio.run(engine.shutdown())
-    return {"peer": "engine", "description": "Peregrine's AsyncEngine in-process, no HTTP", "rows": rows}
+    stack.callback(lambda: asyncio.run(engine.shutdown()))
+    return OpenPeer("engine", {"peer": "engine", "description": "Peregrine's AsyncEngine in-process, no HTTP"},
+                    engine=engine)  # fmt: skip
+
+
+def run_peers(
+    names: list[str], opts: peers.PeerOptions, tokenizer: Any, args: argparse.Namespace
+) -> list[dict]:
+    """One round: each peer started, measured and stopped in turn. More rounds: all started, then measured
+    round after round, the order reversed every other round (A B, B A, ...), then all stopped."""
+    if args.rounds == 1:
+        runs = []
+        for name in names:
+            with ExitStack() as stack:
+                peer = open_peer(name, opts, tokenizer, args, stack)
+                if isinstance(peer, OpenPeer):
+                    peer.measure(tokenizer, args)
+                    peer = peer.result()
+                runs.append(peer)
+        return runs
+    with ExitStack() as stack:
+        opened = [open_peer(name, opts, tokenizer, args, stack) for name in names]
+        ready = [p for p in opened if isinstance(p, OpenPeer)]
+        for round_no in range(1, args.rounds + 1):
+            for peer in ready if round_no % 2 else ready[::-1]:
+                others = [p for p in ready if p is not peer]
+                before = [p.cpu_s() for p in others]
+                peer.measure(tokenizer, args, round_no)
+                for other, cpu in zip(others, before, strict=True):
+                    other.idle_cpu_s += other.cpu_s() - cpu
+        for peer in ready:  # an idle peer that burns CPU takes it from the one being measured
+            if peer.idle_cpu_s > 1.0:
+                print(f"-- warning: {peer.name} used {peer.idle_cpu_s:.1f} s of CPU while idle", flush=True)
+        return [p.result() if isinstance(p, OpenPeer) else p for p in opened]
+
+
+def median_rows(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per load level, the round with the median output throughput (the lower one of an even count),
+    carrying every round's throughput."""
+    out = []
+    for level_rows in zip(*rounds, strict=True):
+        ranked = sorted(level_rows, key=lambda r: r["output_throughput"])
+        row = dict(ranked[(len(ranked) - 1) // 2])
+        row["output_throughput_rounds"] = [r["output_throughput"] for r in level_rows]
+        out.append(row)
+    return out
 
 
 def run_base_url(tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
@@ -200,30 +309,63 @@ def _cell(stats: dict[str, float]) -> str:
     return "/".join(f"{stats[k]:.0f}" for k in ("mean", "p50", "p90", "p99"))
 
 
-HEADER = ("| peer | load | ok/fail | req/s | out tok/s | total tok/s | TTFT ms | TPOT ms | ITL ms | E2EL ms |\n"
-          "|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
+HEADER = ("| peer | load | ok/fail | req/s | out tok/s | total tok/s | TTFT ms | TPOT ms | ITL ms | E2EL ms "
+          "| client CPU s |\n|---|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
 
 
 def format_row(row: dict[str, Any]) -> str:
     flag = f" ({row['output_len_mismatch']} off-length)" if row.get("output_len_mismatch") else ""
     return (f"| {row['peer']} | {row['load']} | {row['completed']}/{row['failed']}{flag} | "
             f"{row['request_throughput']:.2f} | {row['output_throughput']:.1f} | {row['total_token_throughput']:.1f} | "
-            f"{_cell(row['ttft_ms'])} | {_cell(row['tpot_ms'])} | {_cell(row['itl_ms'])} | {_cell(row['e2el_ms'])} |")  # fmt: skip
+            f"{_cell(row['ttft_ms'])} | {_cell(row['tpot_ms'])} | {_cell(row['itl_ms'])} | {_cell(row['e2el_ms'])} | "
+            f"{_cpu_cell(row.get('client_cpu_s'))} |")  # fmt: skip
+
+
+def _cpu_cell(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.2f}"
 
 
 def ratios(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per load level: the first measured peer's output tok/s and p50 TPOT relative to each other peer."""
+    """Per load level: the first measured peer's output tok/s, p50 TPOT and p50 TTFT relative to each other
+    peer's. With rounds, each ratio is taken within a round and the median of those is reported."""
     measured = [r for r in runs if r.get("rows")]
     if len(measured) < 2:
         return []
     base, out = measured[0], []
     for other in measured[1:]:
-        for mine, theirs in zip(base["rows"], other["rows"], strict=False):
-            out.append({"load": mine["load"], "base": base["peer"], "peer": other["peer"],
-                        "output_throughput_ratio": ratio(mine["output_throughput"], theirs["output_throughput"]),
-                        "tpot_p50_ratio": ratio(mine["tpot_ms"]["p50"], theirs["tpot_ms"]["p50"]),
-                        "ttft_p50_ratio": ratio(mine["ttft_ms"]["p50"], theirs["ttft_ms"]["p50"])})  # fmt: skip
+        for level, (mine, theirs) in enumerate(zip(_rounds(base), _rounds(other), strict=False)):
+            per_round = {key: [ratio(_get(a, key), _get(b, key)) for a, b in zip(mine, theirs, strict=False)]
+                         for key in _RATIO_KEYS}  # fmt: skip
+            entry = {"load": base["rows"][level]["load"], "base": base["peer"], "peer": other["peer"]}
+            entry |= {f"{key}_ratio": _median(values) for key, values in per_round.items()}
+            if len(mine) > 1:
+                entry["output_throughput_ratio_rounds"] = per_round["output_throughput"]
+            out.append(entry)
     return out
+
+
+_RATIO_KEYS = {"output_throughput": ("output_throughput",), "tpot_p50": ("tpot_ms", "p50"),
+               "ttft_p50": ("ttft_ms", "p50")}  # fmt: skip
+
+
+def _get(row: dict[str, Any], key: str) -> float:
+    value: Any = row
+    for part in _RATIO_KEYS[key]:
+        value = value[part]
+    return value
+
+
+def _rounds(run: dict[str, Any]) -> list[list[dict[str, Any]]]:
+    """Per load level, that level's row in every round."""
+    return [list(level) for level in zip(*run.get("rounds", [run["rows"]]), strict=True)]
+
+
+def _median(values: list[float | None]) -> float | None:
+    known = sorted(v for v in values if v is not None)
+    if not known:
+        return None
+    mid = len(known) // 2
+    return known[mid] if len(known) % 2 else (known[mid - 1] + known[mid]) / 2
 
 
 def print_report(runs: list[dict[str, Any]], rel: list[dict[str, Any]]) -> None:
@@ -245,7 +387,11 @@ def print_report(runs: list[dict[str, Any]], rel: list[dict[str, Any]]) -> None:
         for r in rel:
             cells = [f"{r[k]:.2f}" if r[k] is not None else "-" for k in
                      ("output_throughput_ratio", "tpot_p50_ratio", "ttft_p50_ratio")]  # fmt: skip
-            print(f"| {r['load']} | {r['peer']} | {' | '.join(cells)} |")
+            rounds = r.get("output_throughput_ratio_rounds")
+            each = (
+                f" (rounds: {', '.join('-' if v is None else f'{v:.2f}' for v in rounds)})" if rounds else ""
+            )
+            print(f"| {r['load']} | {r['peer']} | {' | '.join(cells)} |{each}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -269,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [n for n in names if n not in PEER_CHOICES]
         if unknown:
             sys.exit(f"unknown peer(s) {', '.join(unknown)}; choose from {', '.join(PEER_CHOICES)}")
-        runs = [run_peer(name, opts, tokenizer, args) for name in names]
+        runs = run_peers(names, opts, tokenizer, args)
     rel = ratios(runs)
     print_report(runs, rel)
     out.parent.mkdir(parents=True, exist_ok=True)

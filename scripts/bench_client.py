@@ -1,6 +1,10 @@
 """The benchmark's client: one streamed OpenAI request, timed chunk by chunk, and the load generators
 (a fixed number of concurrent streams, or Poisson arrivals at a request rate).
 
+The client is aiohttp, as in vLLM's serving benchmark: its C line parser costs about a third of the CPU
+httpx (pure-Python h11) spends per streamed chunk, and on a 2-core machine every cycle the load generator
+takes is a cycle the server under test does not get (docs/benchmarks.md, "The load generator").
+
 Each server family asks for a fixed output length in its own way (`FIXED_LENGTH`): vLLM's extension
 `ignore_eos` (Peregrine, vLLM, llama.cpp's llama-server), `min_tokens` (llama-cpp-python's server), a
 `generation_config` JSON with `min_new_tokens` (`transformers serve`). Sampling is greedy everywhere.
@@ -12,11 +16,11 @@ import asyncio
 import json
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import aiohttp
 from bench_datasets import BenchRequest, count_tokens
 from bench_metrics import RequestResult
 
@@ -73,20 +77,22 @@ def chunk_text(event: dict[str, Any]) -> str:
     return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
 
 
-async def send(client: httpx.AsyncClient, target: Target, req: BenchRequest, tokenizer: Any) -> RequestResult:
+async def send(
+    session: aiohttp.ClientSession, target: Target, req: BenchRequest, tokenizer: Any
+) -> RequestResult:
     """Send one request and time its stream. Never raises: failures come back as `success=False`."""
     path, body = request_body(target, req)
     headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
     result = RequestResult(prompt_tokens=req.prompt_tokens)
     start = time.perf_counter()
     try:
-        async with client.stream("POST", target.base_url + path, json=body, headers=headers) as response:
-            if response.status_code != 200:
-                text = (await response.aread()).decode(errors="replace")
-                result.error = f"HTTP {response.status_code}: {text[:200]}"
+        async with session.post(target.base_url + path, json=body, headers=headers) as response:
+            if response.status != 200:
+                text = (await response.read()).decode(errors="replace")
+                result.error = f"HTTP {response.status}: {text[:200]}"
                 return result
-            usage = await _read_stream(response, result, start)
-    except (httpx.HTTPError, json.JSONDecodeError, OSError) as exc:
+            usage = await _read_stream(response.content, result, start)
+    except (TimeoutError, aiohttp.ClientError, ValueError, OSError) as exc:  # ValueError: bad JSON
         result.error = f"{type(exc).__name__}: {exc}"[:300]
         return result
     result.latency = time.perf_counter() - start
@@ -94,15 +100,15 @@ async def send(client: httpx.AsyncClient, target: Target, req: BenchRequest, tok
     return result
 
 
-async def _read_stream(response: httpx.Response, result: RequestResult, start: float) -> dict[str, Any]:
+async def _read_stream(lines: AsyncIterator[bytes], result: RequestResult, start: float) -> dict[str, Any]:
     usage: dict[str, Any] = {}
     pieces: list[str] = []
     last = start
-    async for line in response.aiter_lines():
-        if not line.startswith("data:"):
+    async for line in lines:
+        if not line.startswith(b"data:"):
             continue
         payload = line[5:].strip()
-        if payload == "[DONE]":
+        if payload == b"[DONE]":
             break
         event = json.loads(payload)
         if "error" in event:
@@ -157,13 +163,14 @@ async def run_load(
     Returns the results in request order and the run's duration (first send to last completion)."""
     limit = concurrency or len(requests)
     semaphore = asyncio.Semaphore(limit)
-    limits = httpx.Limits(max_connections=limit + 4, max_keepalive_connections=limit + 4)
-    timeout = httpx.Timeout(target.timeout_s, connect=30.0)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+    connector = aiohttp.TCPConnector(limit=limit + 4)
+    timeout = aiohttp.ClientTimeout(total=target.timeout_s, connect=30.0)
+    # read_bufsize bounds one line: a final chunk carrying a whole text must still fit
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, read_bufsize=2**20) as session:
 
         async def one(req: BenchRequest) -> RequestResult:
             async with semaphore:
-                return await send(client, target, req, tokenizer)
+                return await send(session, target, req, tokenizer)
 
         tasks: list[asyncio.Task[RequestResult]] = []
         start = time.perf_counter()

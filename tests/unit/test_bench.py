@@ -9,9 +9,9 @@ import math
 import sys
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
+from aiohttp import web
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
@@ -137,26 +137,42 @@ def sse(*events: dict | str) -> bytes:
     return b"".join(f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n".encode() for e in events)
 
 
-def scripted_server(request: httpx.Request) -> httpx.Response:
-    body = json.loads(request.content)
+async def scripted_stream(request: web.Request) -> web.StreamResponse:
+    body = await request.json()
     if body["prompt"] == "fail":
-        return httpx.Response(503, json={"error": {"message": "busy"}})
+        return web.json_response({"error": {"message": "busy"}}, status=503)
     chunks = [{"choices": [{"text": t}]} for t in ("a", "b", "", "c")]
     usage = {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 3}}
     if body["prompt"] == "no-usage":
         usage = {"choices": [{"text": "", "finish_reason": "length"}]}
-    return httpx.Response(
-        200, content=sse(*chunks, usage, "[DONE]"), headers={"content-type": "text/event-stream"}
-    )
+    response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+    await response.prepare(request)
+    for event in (*chunks, usage, "[DONE]"):  # one write per event, as a streaming server sends them
+        await response.write(sse(event))
+    await response.write_eof()
+    return response
 
 
-def test_client_times_the_stream(tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
-    transport = httpx.MockTransport(scripted_server)
-    real_client = httpx.AsyncClient
-    monkeypatch.setattr(bench_client.httpx, "AsyncClient", lambda **kw: real_client(transport=transport))
+async def load_against_scripted_server(
+    tokenizer, reqs: list[BenchRequest]
+) -> tuple[list[RequestResult], float]:
+    """The real client against a scripted SSE server on a free loopback port."""
+    app = web.Application()
+    app.router.add_post("/v1/completions", scripted_stream)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", bench_peers.free_port())
+    await site.start()
+    try:
+        target = bench_client.Target(site.name.rstrip("/"), "m")
+        return await bench_client.run_load(target, reqs, tokenizer, concurrency=2)
+    finally:
+        await runner.cleanup()
+
+
+def test_client_times_the_stream(tokenizer) -> None:
     reqs = [BenchRequest("completion", p, None, 99, 3) for p in ("ok", "fail", "no-usage")]
-    target = bench_client.Target("http://peer", "m")
-    results, duration = asyncio.run(bench_client.run_load(target, reqs, tokenizer, concurrency=2))
+    results, duration = asyncio.run(load_against_scripted_server(tokenizer, reqs))
     ok, failed, local = results
     assert ok.success and ok.text == "abc" and (ok.prompt_tokens, ok.output_tokens) == (4, 3)
     assert len(ok.itl) == 2 and 0 < ok.ttft <= ok.latency <= duration
@@ -164,6 +180,13 @@ def test_client_times_the_stream(tokenizer, monkeypatch: pytest.MonkeyPatch) -> 
     assert local.success and local.prompt_tokens == 99, "no usage: the local count stays"
     assert local.output_tokens == len(tokenizer.encode("abc", add_special_tokens=False).ids)
     assert bench.mismatched_lengths(reqs, results) == (0 if local.output_tokens == 3 else 1)
+
+
+def test_client_reports_an_unreachable_server(tokenizer) -> None:
+    target = bench_client.Target(f"http://127.0.0.1:{bench_peers.free_port()}", "m")  # nothing listens there
+    req = BenchRequest("completion", "ok", None, 9, 3)
+    (res,), _ = asyncio.run(bench_client.run_load(target, [req], tokenizer, concurrency=1))
+    assert not res.success and "Connect" in res.error
 
 
 def test_report_and_ratios(capsys: pytest.CaptureFixture[str]) -> None:
@@ -184,6 +207,7 @@ def test_report_and_ratios(capsys: pytest.CaptureFixture[str]) -> None:
         and "skipped c: not installed" in text
         and "| conc 1 | b | 2.00 |" in text
     )
+    assert bench.format_row(runs[0]["rows"][0]).endswith(" | - |"), "no client CPU figure: a dash"
 
 
 def test_load_levels() -> None:
@@ -228,3 +252,68 @@ def test_bench_against_a_real_server(tiny_server, tiny_model_dir, tmp_path: Path
     assert (row["completed"], row["failed"], row["output_len_mismatch"]) == (2, 0, 0)
     assert row["total_output_tokens"] == 16 and row["total_input_tokens"] >= 30
     assert row["ttft_ms"]["p50"] > 0 and row["tpot_ms"]["mean"] > 0 and row["output_throughput"] > 0
+    assert row["client_cpu_s"] > 0, "the load generator's own CPU is reported"
+    assert bench.format_row(row).endswith(f"| {row['client_cpu_s']:.2f} |")
+
+
+def level_row(peer: str, tps: float, round_no: int) -> dict:
+    s = summarize([result(0.1, 1.1, 11, [0.1] * 10)], duration_s=11 / tps)
+    return {"peer": peer, "load": "conc 16", "concurrency": 16, "rate": None, "num_prompts": 1,
+            "output_len_mismatch": 0, "round": round_no, **s.to_json()}  # fmt: skip
+
+
+def test_rounds_take_medians() -> None:
+    """A peer's row is its median round; a ratio is the median of the per-round (side by side) ratios."""
+    a = [[level_row("a", tps, i)] for i, tps in enumerate((100.0, 300.0, 200.0), 1)]
+    b = [[level_row("b", tps, i)] for i, tps in enumerate((100.0, 150.0, 400.0), 1)]
+    (row,) = bench.median_rows(a)
+    assert row["output_throughput"] == pytest.approx(200.0) and row["round"] == 3
+    assert row["output_throughput_rounds"] == pytest.approx([100.0, 300.0, 200.0])
+    assert bench.median_rows(a[:2])[0]["output_throughput"] == pytest.approx(100.0), "even count: the lower"
+    runs = [{"peer": "a", "rows": bench.median_rows(a), "rounds": a},
+            {"peer": "b", "rows": bench.median_rows(b), "rounds": b}]  # fmt: skip
+    (rel,) = bench.ratios(runs)
+    assert rel["output_throughput_ratio_rounds"] == pytest.approx([1.0, 2.0, 0.5])
+    assert rel["output_throughput_ratio"] == pytest.approx(1.0), "median of 1.0, 2.0, 0.5; not 200/150"
+
+
+def test_rounds_alternate_with_all_peers_up(monkeypatch: pytest.MonkeyPatch, tokenizer) -> None:
+    """--rounds 3: both peers start before the first round, turns go A B, B A, A B, warm-up only in each
+    peer's first turn, and both stop after the last round (the measuring itself is stubbed out here). A peer
+    whose process burns CPU while another is measured is charged for it (here b, a busy loop)."""
+    import subprocess
+    import time
+
+    events: list[tuple] = []
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+
+    def fake_open(name, opts, tok, args, stack):
+        events.append(("start", name))
+        stack.callback(events.append, ("stop", name))
+        return bench.OpenPeer(name, {"peer": name}, pid=spinner.pid if name == "b" else None)
+
+    def fake_levels(name, target, engine, tok, args, *, warmup=True, round_no=None):
+        events.append(("measure", name, round_no, warmup))
+        if name == "a":
+            time.sleep(0.3)
+        return [level_row(name, 100.0 + round_no, round_no)]
+
+    monkeypatch.setattr(bench, "open_peer", fake_open)
+    monkeypatch.setattr(bench, "run_levels", fake_levels)
+    args = bench.parse_args(["--peers", "a,b", "--rounds", "3", "--concurrency", "16"])
+    try:
+        runs = bench.run_peers(["a", "b"], None, tokenizer, args)
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert events == [("start", "a"), ("start", "b"),
+                      ("measure", "a", 1, True), ("measure", "b", 1, True),
+                      ("measure", "b", 2, False), ("measure", "a", 2, False),
+                      ("measure", "a", 3, False), ("measure", "b", 3, False),
+                      ("stop", "b"), ("stop", "a")]  # fmt: skip
+    assert [len(r["rounds"]) for r in runs] == [3, 3]
+    assert runs[0]["rows"][0]["output_throughput_rounds"] == pytest.approx([101.0, 102.0, 103.0])
+    assert "idle_cpu_s" not in runs[0], "in-process peers have no process of their own"
+    assert 0.1 < runs[1]["idle_cpu_s"] < 5.0, "the busy peer is charged for a's 0.9 s of turns"
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--peers", "a", "--rounds", "0"])
