@@ -10,6 +10,8 @@
   copy and runs a masked SDPA; at decode sizes that is a handful of ops per layer whose fixed cost dominates.
 - `add_rms_norm_`, the residual add and Llama's RMSNorm in one pass (eight torch ops), with transformers'
   rounding; used for bfloat16, where it is most of the per-layer op count that is not a matmul.
+- `argmax_rows`, greedy sampling's argmax over float32 logits: vectorized, where torch's reduction is scalar
+  (0.25 ms a row of a 49k vocabulary, 1.4 ms at 16 rows, on this machine).
 - `LlamaDecoder`, a whole bfloat16 decode step of a Llama-family model (token ids in: the embedding lookup,
   every layer, the final norm and the LM head; float32 logits out) in one call and one parallel region, its
   matmuls on AMX tiles where the CPU has them, over a copy of the weights packed in the order a step reads them
@@ -155,6 +157,29 @@ def add_rms_norm_torch(h: torch.Tensor, delta: torch.Tensor | None, weight: torc
     x32 = h.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(h.dtype)
+
+
+Argmax = Callable[[torch.Tensor], torch.Tensor]
+
+
+def argmax_torch(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
+
+
+def argmax_for(device: torch.device, enabled: bool = True, cache_dir: Path | None = None) -> Argmax:
+    """Row-wise argmax of [rows, vocab] logits with torch.argmax's answers (first maximum; NaN counts as the
+    largest): the kernel for contiguous float32 CPU tensors when it loads, else torch's."""
+    module = _for(device, enabled, cache_dir)
+    if module is None:
+        return argmax_torch
+    kernel = module.argmax_rows
+
+    def argmax(logits: torch.Tensor) -> torch.Tensor:
+        if logits.dim() == 2 and logits.dtype == torch.float32 and logits.is_contiguous() and logits.shape[1]:
+            return kernel(logits)
+        return argmax_torch(logits)
+
+    return argmax
 
 
 DecoderFactory = Callable[..., object]

@@ -64,7 +64,8 @@ class LLMEngine:
                                   cpu_kernels.llama_decoder_for(device, dtype, cfg.cpu_kernels, kernel_cache))
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.eos_token_ids = eos_token_ids(model, tokenizer)
-        self.sampler = Sampler(device, cfg.seed, self.eos_token_ids)
+        self.sampler = Sampler(device, cfg.seed, self.eos_token_ids,
+                               cpu_kernels.argmax_for(device, cfg.cpu_kernels, kernel_cache))
         self.counters = Counters()
         self._outputs: dict[tuple[str, int], SequenceOutput] = {}
 

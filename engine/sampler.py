@@ -9,7 +9,7 @@ distribution (before penalties and temperature), like vLLM's default.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
@@ -27,8 +27,11 @@ class SampledToken:
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int, eos_token_ids: Collection[int]) -> None:
+    def __init__(self, device: torch.device, seed: int, eos_token_ids: Collection[int],
+                 argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """`argmax`: row-wise argmax with torch.argmax's answers (engine.cpu_kernels.argmax_for)."""
         self._device = device
+        self._argmax = argmax or _torch_argmax
         self._eos = sorted(eos_token_ids)
         self._global = torch.Generator(device=device).manual_seed(seed)
         self._seeded: dict[SeqKey, torch.Generator] = {}
@@ -56,13 +59,13 @@ class Sampler:
         return logits
 
     def _choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        greedy = logits.argmax(dim=-1)
+        greedy = self._argmax(logits)
         if all(s.params.greedy for s in seqs):
             return greedy
         temps = torch.tensor([s.params.temperature if not s.params.greedy else 1.0 for s in seqs],
                              device=logits.device, dtype=logits.dtype)
         probs = filter_probs(torch.softmax(logits / temps[:, None], dim=-1), seqs)
-        drawn = (probs / self._noise(probs, seqs)).argmax(dim=-1)
+        drawn = self._argmax(probs / self._noise(probs, seqs))
         is_greedy = torch.tensor([s.params.greedy for s in seqs], device=logits.device)
         return torch.where(is_greedy, greedy, drawn)
 
@@ -98,6 +101,10 @@ class Sampler:
             parts += [top.indices.double(), top.values.double()]
         rows = torch.cat(parts, dim=1).tolist()  # the one device-to-host copy
         return [_unpack(row, seq.params.logprobs, k) for row, seq in zip(rows, seqs, strict=True)]
+
+
+def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
 
 
 def _unpack(row: list[float], asked: int | None, k: int) -> SampledToken:

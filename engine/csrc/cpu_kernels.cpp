@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -116,7 +117,7 @@ inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {
 
 // e^x for x <= 0 (softmax after subtracting the max): 2^(x log2 e) as 2^floor * 2^frac, the fraction by its
 // Taylor series to degree 8 (relative error about 1e-7, float32's own).
-inline __m512 exp_nonpositive(__m512 x) {
+__attribute__((always_inline)) inline __m512 exp_nonpositive(__m512 x) {
   const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(1.4426950408889634f));
   const __m512 whole = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, whole);  // [0, 1)
@@ -129,7 +130,7 @@ inline __m512 exp_nonpositive(__m512 x) {
 }
 
 // The 16 horizontal sums of v[0..15] as one vector (a transpose by shuffles instead of 16 reductions).
-inline __m512 sum16(const __m512* v) {
+__attribute__((always_inline)) inline __m512 sum16(const __m512* v) {
   __m512 t[8], u[4];
   for (int i = 0; i < 8; ++i)  // per 128-bit lane: v[2i] and v[2i+1] folded to pairs
     t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
@@ -184,61 +185,100 @@ struct AttnScratch {
   std::vector<__m512> qv, acc;
 };
 
-// Scores of the chunk's positions (16 at a time, one vector per query head), softmax numerators, weighted V sum.
-template <typename T>
-void attend_chunk(const AttnItem& item, const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
-                  const int64_t* lengths, int64_t heads, int64_t kv_heads, int64_t dim, int64_t max_blocks,
-                  int64_t block_size, float scale, AttnPartials& partials, AttnScratch& s) {
-  const int64_t b = item.b, kvh = item.kvh, group = heads / kv_heads, chunks = dim / 16, h0 = kvh * group;
-  const int64_t* table = block_tables + b * max_blocks;
-  const int64_t p_begin = item.chunk * kAttnChunk, n = std::min(kAttnChunk, lengths[b] - p_begin);
-  auto row = [&](const T* cache, int64_t p) {
-    return cache + ((table[p / block_size] * block_size + p % block_size) * kv_heads + kvh) * dim;
-  };
-  // The rows come from memory (a step's weight stream evicts them): ask for all of the chunk's rows up front.
-  const int64_t row_bytes = dim * static_cast<int64_t>(sizeof(T));
-  for (int64_t o = 0; o < n; ++o)
-    for (int64_t l = 0; l < row_bytes; l += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(row(k_cache, p_begin + o)) + l, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(row(v_cache, p_begin + o)) + l, _MM_HINT_T0);
+// The softmax numerators exp(score - max) of each head's chunk scores, in place; the max and their sum go to the
+// head's partial.
+__attribute__((always_inline)) inline void chunk_softmax(float* scores, float* part, int64_t dim) {
+  __m512 vmax = _mm512_set1_ps(-INFINITY);
+  for (int64_t o = 0; o < kAttnChunk; o += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(scores + o));
+  const float max = _mm512_reduce_max_ps(vmax);
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t o = 0; o < kAttnChunk; o += 16) {  // the -inf padding becomes 0
+    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(scores + o), _mm512_set1_ps(max)));
+    _mm512_storeu_ps(scores + o, e);
+    total = _mm512_add_ps(total, e);
+  }
+  part[dim] = max;
+  part[dim + 1] = _mm512_reduce_add_ps(total);
+}
+
+// One chunk for GP query heads of a GQA group (from g0), head_dim = CH * 16 known at compile time: the query
+// vectors and the V accumulators stay in registers and the dot products of 16 positions are independent chains.
+// The arithmetic and its order are attend_generic's, so both give the same bits.
+template <int CH, int GP, typename T>
+void attend_heads(int64_t b, int64_t h0, int64_t chunk, const T* q, const T* const* k_rows, const T* const* v_rows,
+                  int64_t n, int64_t heads, float scale, AttnPartials& partials) {
+  constexpr int64_t dim = CH * 16;
+  __m512 qv[GP][CH];
+  for (int g = 0; g < GP; ++g)
+    for (int c = 0; c < CH; ++c)
+      qv[g][c] = _mm512_mul_ps(load16(q + (b * heads + h0 + g) * dim + c * 16), _mm512_set1_ps(scale));
+  alignas(64) float scores[GP][kAttnChunk];
+  for (int g = 0; g < GP; ++g) std::fill_n(scores[g], kAttnChunk, -INFINITY);
+  for (int64_t o0 = 0; o0 < n; o0 += 16) {
+    const int64_t m = std::min<int64_t>(16, n - o0);
+    const T* const* rows = k_rows + o0;  // past the end: the last row again, masked
+    for (int g = 0; g < GP; ++g) {
+      __m512 dots[16];
+      for (int o = 0; o < 16; ++o) {
+        const T* r = rows[std::min<int64_t>(o, m - 1)];
+        __m512 dot = _mm512_setzero_ps();
+        for (int c = 0; c < CH; ++c) dot = _mm512_fmadd_ps(qv[g][c], load16(r + c * 16), dot);
+        dots[o] = dot;
+      }
+      _mm512_mask_storeu_ps(scores[g] + o0, static_cast<__mmask16>((1u << m) - 1), sum16(dots));
     }
+  }
+  for (int g = 0; g < GP; ++g) chunk_softmax(scores[g], partials.at(b, h0 + g, chunk), dim);
+  __m512 acc[GP][CH];
+  for (int g = 0; g < GP; ++g)
+    for (int c = 0; c < CH; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t o = 0; o < n; ++o) {
+    const T* vp = v_rows[o];
+    for (int c = 0; c < CH; ++c) {
+      const __m512 v = load16(vp + c * 16);
+      for (int g = 0; g < GP; ++g) acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g][o]), v, acc[g][c]);
+    }
+  }
+  for (int g = 0; g < GP; ++g)
+    for (int c = 0; c < CH; ++c) _mm512_storeu_ps(partials.at(b, h0 + g, chunk) + c * 16, acc[g][c]);
+}
+
+// attend_heads for `count` (1..GP) heads: the instantiation with that many.
+template <int CH, int GP, typename T>
+void attend_pass(int64_t count, int64_t b, int64_t h0, int64_t chunk, const T* q, const T* const* k_rows,
+                 const T* const* v_rows, int64_t n, int64_t heads, float scale, AttnPartials& partials) {
+  if (count == GP) attend_heads<CH, GP, T>(b, h0, chunk, q, k_rows, v_rows, n, heads, scale, partials);
+  else if constexpr (GP > 1) attend_pass<CH, GP - 1, T>(count, b, h0, chunk, q, k_rows, v_rows, n, heads, scale, partials);
+}
+
+// Any head_dim (a multiple of 16): the same arithmetic as attend_heads, with the sizes known only at run time.
+template <typename T>
+void attend_generic(int64_t b, int64_t h0, int64_t group, int64_t chunk, const T* q, const T* const* k_rows,
+                    const T* const* v_rows, int64_t n, int64_t heads, int64_t dim, float scale, AttnPartials& partials,
+                    AttnScratch& s) {
+  const int64_t chunks = dim / 16;
   s.scores.assign(group * kAttnChunk, -INFINITY);
   s.qv.resize(group * chunks);
   s.acc.assign(group * chunks, _mm512_setzero_ps());
   for (int64_t g = 0; g < group; ++g)
     for (int64_t c = 0; c < chunks; ++c)
       s.qv[g * chunks + c] = _mm512_mul_ps(load16(q + ((b * heads + h0 + g) * dim) + c * 16), _mm512_set1_ps(scale));
-  const T* rows[16];
   for (int64_t o0 = 0; o0 < n; o0 += 16) {
     const int64_t m = std::min<int64_t>(16, n - o0);
-    for (int64_t o = 0; o < 16; ++o) rows[o] = row(k_cache, p_begin + o0 + std::min(o, m - 1));  // past the end: masked
     for (int64_t g = 0; g < group; ++g) {
       __m512 dots[16];
       for (int o = 0; o < 16; ++o) {
+        const T* r = k_rows[o0 + std::min<int64_t>(o, m - 1)];
         __m512 dot = _mm512_setzero_ps();
-        for (int64_t c = 0; c < chunks; ++c) dot = _mm512_fmadd_ps(s.qv[g * chunks + c], load16(rows[o] + c * 16), dot);
+        for (int64_t c = 0; c < chunks; ++c) dot = _mm512_fmadd_ps(s.qv[g * chunks + c], load16(r + c * 16), dot);
         dots[o] = dot;
       }
       _mm512_mask_storeu_ps(s.scores.data() + g * kAttnChunk + o0, static_cast<__mmask16>((1u << m) - 1), sum16(dots));
     }
   }
-  for (int64_t g = 0; g < group; ++g) {
-    float* scores = s.scores.data() + g * kAttnChunk;
-    __m512 vmax = _mm512_set1_ps(-INFINITY);
-    for (int64_t o = 0; o < kAttnChunk; o += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(scores + o));
-    const float max = _mm512_reduce_max_ps(vmax);
-    __m512 total = _mm512_setzero_ps();
-    for (int64_t o = 0; o < kAttnChunk; o += 16) {  // the -inf padding becomes 0
-      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(scores + o), _mm512_set1_ps(max)));
-      _mm512_storeu_ps(scores + o, e);
-      total = _mm512_add_ps(total, e);
-    }
-    float* part = partials.at(b, h0 + g, item.chunk);
-    part[dim] = max;
-    part[dim + 1] = _mm512_reduce_add_ps(total);
-  }
+  for (int64_t g = 0; g < group; ++g) chunk_softmax(s.scores.data() + g * kAttnChunk, partials.at(b, h0 + g, chunk), dim);
   for (int64_t o = 0; o < n; ++o) {
-    const T* vp = row(v_cache, p_begin + o);
+    const T* vp = v_rows[o];
     for (int64_t c = 0; c < chunks; ++c) {
       const __m512 v = load16(vp + c * 16);
       for (int64_t g = 0; g < group; ++g)
@@ -246,7 +286,44 @@ void attend_chunk(const AttnItem& item, const T* q, const T* k_cache, const T* v
     }
   }
   for (int64_t g = 0; g < group; ++g)
-    for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(partials.at(b, h0 + g, item.chunk) + c * 16, s.acc[g * chunks + c]);
+    for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(partials.at(b, h0 + g, chunk) + c * 16, s.acc[g * chunks + c]);
+}
+
+// Per query head of the item's GQA group: the chunk's scores (16 positions at a time, one vector per head), softmax
+// numerators, weighted V sum. Head dims of 32, 64 and 128 take the register-resident attend_heads, a few heads
+// at a time; others the generic loop.
+template <typename T>
+void attend_chunk(const AttnItem& item, const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
+                  const int64_t* lengths, int64_t heads, int64_t kv_heads, int64_t dim, int64_t max_blocks,
+                  int64_t block_size, float scale, AttnPartials& partials, AttnScratch& s) {
+  const int64_t b = item.b, kvh = item.kvh, group = heads / kv_heads, h0 = kvh * group;
+  const int64_t* table = block_tables + b * max_blocks;
+  const int64_t p_begin = item.chunk * kAttnChunk, n = std::min(kAttnChunk, lengths[b] - p_begin);
+  const T* k_rows[kAttnChunk];
+  const T* v_rows[kAttnChunk];
+  for (int64_t o = 0, block = p_begin / block_size, slot = p_begin % block_size; o < n; ++o) {  // no division per row
+    const int64_t at = ((table[block] * block_size + slot) * kv_heads + kvh) * dim;
+    k_rows[o] = k_cache + at;
+    v_rows[o] = v_cache + at;
+    if (++slot == block_size) slot = 0, ++block;
+  }
+  // The rows come from memory (a step's weight stream evicts them): ask for all of the chunk's rows up front.
+  const int64_t row_bytes = dim * static_cast<int64_t>(sizeof(T));
+  for (int64_t o = 0; o < n; ++o)
+    for (int64_t l = 0; l < row_bytes; l += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(k_rows[o]) + l, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(v_rows[o]) + l, _MM_HINT_T0);
+    }
+  auto passes = [&](auto ch, auto most) {
+    constexpr int CH = decltype(ch)::value, GP = decltype(most)::value;
+    for (int64_t g0 = 0; g0 < group; g0 += GP)
+      attend_pass<CH, GP, T>(std::min<int64_t>(GP, group - g0), b, h0 + g0, item.chunk, q, k_rows, v_rows, n, heads,
+                             scale, partials);
+  };
+  if (dim == 32) passes(std::integral_constant<int, 2>{}, std::integral_constant<int, 8>{});
+  else if (dim == 64) passes(std::integral_constant<int, 4>{}, std::integral_constant<int, 4>{});
+  else if (dim == 128) passes(std::integral_constant<int, 8>{}, std::integral_constant<int, 2>{});
+  else attend_generic(b, h0, group, item.chunk, q, k_rows, v_rows, n, heads, dim, scale, partials, s);
 }
 
 // out[b, h] from the head's chunks, combined in chunk order.
@@ -786,6 +863,49 @@ class LlamaDecoder {
   bool amx_;
 };
 
+// Each row's index of its largest value, as torch.argmax gives it: the first such index, and a NaN counts as
+// the largest. One thread: at 1-16 rows of a 50k vocabulary it is tens of microseconds, where torch's scalar
+// reduction takes 0.25 ms a row (a greedy step's sampling).
+torch::Tensor argmax_rows(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) > 0,
+              "argmax_rows: float32 [rows, n > 0], contiguous");
+  const int64_t R = x.size(0), N = x.size(1);
+  auto out = torch::empty({R}, x.options().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r) {
+    const float* row = x.data_ptr<float>() + r * N;
+    __m512 best = _mm512_set1_ps(-INFINITY);
+    __mmask16 nan = 0;
+    int64_t i = 0;
+    for (; i + 16 <= N; i += 16) {
+      const __m512 v = _mm512_loadu_ps(row + i);
+      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      best = _mm512_max_ps(best, v);
+    }
+    float m = _mm512_reduce_max_ps(best);
+    bool has_nan = nan != 0;
+    for (; i < N; ++i) {
+      has_nan |= std::isnan(row[i]);
+      m = std::max(m, row[i]);
+    }
+    int64_t at = 0;
+    if (has_nan) {
+      while (!std::isnan(row[at])) ++at;
+    } else {
+      const __m512 target = _mm512_set1_ps(m);
+      int64_t j = 0;
+      for (; j + 16 <= N; j += 16) {
+        const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(row + j), target, _CMP_EQ_OQ);
+        if (hit) break;
+      }
+      while (row[j] != m) ++j;  // within the 16 that hit, or the tail
+      at = j;
+    }
+    o[r] = at;
+  }
+  return out;
+}
+
 // Sum of a float32 buffer with AVX-512 loads on all threads: scripts/bandwidth.py's hand-written read, the
 // access pattern of a decode step's weight stream without its arithmetic.
 double stream_read(const torch::Tensor& t) {
@@ -814,6 +934,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache", release());
   m.def("linear_bf16", &linear_bf16, "bf16 x[M, K] @ w[N, K]^T (+ bias), AVX512-BF16", release());
   m.def("amx_available", &amx_available, "this CPU has AMX-BF16 and Linux lets the process use it");
+  m.def("argmax_rows", &argmax_rows, "each row's first index of its largest value (NaN largest)", release());
   m.def("stream_read", &stream_read, "sum of a float32 buffer, AVX-512 reads on all threads", release());
   py::class_<LlamaDecoder>(m, "LlamaDecoder")
       .def(py::init<const torch::Tensor&, const std::vector<std::vector<torch::Tensor>>&, const torch::Tensor&,

@@ -154,8 +154,15 @@ def _paged_case(dtype: torch.dtype, lengths: list[int], heads: int = 6, kv_heads
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paged_decode_attention_matches_sdpa_over_the_gathered_context(kernel: Any, dtype: torch.dtype) -> None:
-    case = _paged_case(dtype, [1, 5, 17, 64])
+@pytest.mark.parametrize(("dim", "kv_heads", "group"), [
+    (32, 2, 3),  # head dims 32, 64 and 128 take the register-resident path, in passes of a few heads
+    (64, 3, 3), (64, 1, 5), (64, 1, 8), (128, 1, 4), (128, 2, 1),
+    (96, 2, 2),  # any other head dim: the generic loop
+])  # fmt: skip
+def test_paged_decode_attention_matches_sdpa_over_the_gathered_context(
+    kernel: Any, dtype: torch.dtype, dim: int, kv_heads: int, group: int
+) -> None:
+    case = _paged_case(dtype, [1, 5, 17, 64, 130], heads=kv_heads * group, kv_heads=kv_heads, dim=dim)
     got = kernel.paged_decode_attention(case["q"], case["k"], case["v"], case["tables"], case["lengths"],
                                         case["block_size"], case["q"].shape[-1] ** -0.5)
     assert got.dtype == dtype and got.shape == case["q"].shape
@@ -171,6 +178,9 @@ def test_paged_decode_attention_matches_sdpa_over_the_gathered_context(kernel: A
 def test_engines_on_cpu_use_the_decode_attention_kernel_unless_turned_off(tiny: Any, engine_factory: Any) -> None:
     assert engine_factory(tiny).runner.decode_attention is not None
     assert engine_factory(tiny, cpu_kernels=False).runner.decode_attention is None
+    # greedy sampling's argmax too
+    assert engine_factory(tiny).sampler._argmax is not cpu_kernels.argmax_torch
+    assert engine_factory(tiny, cpu_kernels=False).sampler._argmax is cpu_kernels.argmax_torch
 
 
 @needs_kernel
@@ -326,3 +336,32 @@ def test_decoder_step_refuses_token_ids_out_of_range() -> None:
     assert ok.dtype == torch.float32 and ok.shape == (1, 256) and torch.isfinite(ok).all()
     with pytest.raises(RuntimeError, match="out of range"):
         decoder.step(torch.tensor([256]), rows, cos, sin, torch.tensor([0]), torch.tensor([[0]]), torch.tensor([1]))
+
+
+@needs_kernel
+def test_argmax_rows_gives_torch_argmax_answers(kernel: Any) -> None:
+    """Random rows of every length around the 16-wide vectors, ties (the first wins), NaN (counts as the largest,
+    the first one wins), all -inf, and a 49k vocabulary."""
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 15, 16, 17, 33, 49152, 49157):
+        x = torch.randn(5, n, generator=g)
+        assert torch.equal(kernel.argmax_rows(x), x.argmax(-1)), n
+    x = torch.zeros(4, 40)
+    x[0, [7, 20, 39]] = 3.0  # a tie: the first
+    x[1, 30], x[1, 33], x[1, 2] = float("nan"), float("nan"), float("inf")  # NaN beats inf; the first NaN
+    x[2] = float("-inf")
+    x[3, 39] = float("nan")  # in the scalar tail
+    assert kernel.argmax_rows(x).tolist() == x.argmax(-1).tolist() == [7, 30, 0, 39]
+    with pytest.raises(RuntimeError, match="float32"):
+        kernel.argmax_rows(torch.zeros(2, 8, dtype=torch.bfloat16))
+
+
+def test_argmax_for_uses_the_kernel_where_it_applies() -> None:
+    cpu = torch.device("cpu")
+    assert cpu_kernels.argmax_for(cpu, enabled=False) is cpu_kernels.argmax_torch
+    assert cpu_kernels.argmax_for(torch.device("cuda"), enabled=True) is cpu_kernels.argmax_torch
+    argmax = cpu_kernels.argmax_for(cpu)
+    assert (argmax is cpu_kernels.argmax_torch) == (REASON is not None)
+    x = torch.randn(3, 50)
+    for t in (x, x.t().contiguous().t(), x.bfloat16(), x[0]):  # contiguous float32; strided; bf16; 1-D
+        assert torch.equal(argmax(t), t.argmax(dim=-1))
