@@ -4,8 +4,8 @@
     python scripts/bench.py --base-url http://127.0.0.1:8000 --concurrency 1,4,16,64
     # Peregrine and its peers, started here one after another on the same model and prompts
     python scripts/bench.py --peers peregrine,transformers,transformers-cb,llamacpp,llamacpp-python
-    # server overhead: engine-only vs HTTP+SSE at 16 concurrent streams, five alternating rounds
-    python scripts/bench.py --peers engine,peregrine --concurrency 16 --rounds 5
+    # server overhead: HTTP+SSE vs the engine in-process at 16 concurrent streams, nine alternating rounds
+    python scripts/bench.py --peers peregrine,engine --concurrency 16 --num-prompts 16 --rounds 9
     # a smoke run (seconds per peer, after loading)
     python scripts/bench.py --peers peregrine --quick
 
