@@ -106,10 +106,18 @@ def level_name(level: dict[str, Any]) -> str:
     return f"rate {level['rate']:g}/s" if level["rate"] else f"conc {level['concurrency']}"
 
 
-def build_requests(args: argparse.Namespace, tokenizer: Any, count: int) -> list[BenchRequest]:
+ROUND_SEED_STRIDE = 1000
+
+
+def build_requests(
+    args: argparse.Namespace, tokenizer: Any, count: int, round_no: int | None = None
+) -> list[BenchRequest]:
+    """The level's prompts. Every round draws its own (the same for every peer in it): a server with a prompt
+    cache (llama-server's) would otherwise answer later rounds from the KV of the first."""
+    seed = args.seed + ROUND_SEED_STRIDE * ((round_no or 1) - 1)
     if args.dataset == "chat":
-        return chat_requests(tokenizer, count, args.output_len or None, seed=args.seed)
-    return random_requests(tokenizer, count, args.input_len, args.output_len, seed=args.seed)
+        return chat_requests(tokenizer, count, args.output_len or None, seed=seed)
+    return random_requests(tokenizer, count, args.input_len, args.output_len, seed=seed)
 
 
 def prompts_per_level(args: argparse.Namespace, level: dict[str, Any]) -> int:
@@ -153,7 +161,7 @@ def run_levels(
         )
     rows = []
     for level in load_levels(args):
-        reqs = build_requests(args, tokenizer, prompts_per_level(args, level))
+        reqs = build_requests(args, tokenizer, prompts_per_level(args, level), round_no)
         cpu_start = time.process_time()
         results, duration = asyncio.run(measure(target, engine, reqs, tokenizer, level, args))
         # the load generator's own CPU, taken from the cores the server under test runs on (None in-process:

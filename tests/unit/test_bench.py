@@ -317,3 +317,12 @@ def test_rounds_alternate_with_all_peers_up(monkeypatch: pytest.MonkeyPatch, tok
     assert 0.1 < runs[1]["idle_cpu_s"] < 5.0, "the busy peer is charged for a's 0.9 s of turns"
     with pytest.raises(SystemExit):
         bench.parse_args(["--peers", "a", "--rounds", "0"])
+
+
+def test_each_round_draws_its_own_prompts(tokenizer) -> None:
+    """A prompt cache (llama-server's) must not answer round 2 from round 1's KV: new prompts per round, the
+    same for every peer within one, and round 1 (or no rounds) is the plain seeded set."""
+    args = bench.parse_args(["--peers", "a", "--input-len", "16", "--output-len", "4"])
+    first, again, second = (bench.build_requests(args, tokenizer, 3, r) for r in (1, 1, 2))
+    assert first == again == bench.build_requests(args, tokenizer, 3)
+    assert not {r.prompt for r in first} & {r.prompt for r in second}
