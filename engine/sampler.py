@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.cpu_kernels import argmax_torch
 from engine.sequence import Sequence
 
 SeqKey = tuple[str, int]
@@ -31,7 +32,7 @@ class Sampler:
                  argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         """`argmax`: row-wise argmax with torch.argmax's answers (engine.cpu_kernels.argmax_for)."""
         self._device = device
-        self._argmax = argmax or _torch_argmax
+        self._argmax = argmax or argmax_torch
         self._eos = sorted(eos_token_ids)
         self._global = torch.Generator(device=device).manual_seed(seed)
         self._seeded: dict[SeqKey, torch.Generator] = {}
@@ -101,10 +102,6 @@ class Sampler:
             parts += [top.indices.double(), top.values.double()]
         rows = torch.cat(parts, dim=1).tolist()  # the one device-to-host copy
         return [_unpack(row, seq.params.logprobs, k) for row, seq in zip(rows, seqs, strict=True)]
-
-
-def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:
-    return logits.argmax(dim=-1)
 
 
 def _unpack(row: list[float], asked: int | None, k: int) -> SampledToken:

@@ -41,7 +41,7 @@ import httpx
 import psutil
 from bench_client import FIXED_LENGTH, Target, run_load
 from bench_datasets import BenchRequest, chat_requests, load_tokenizer, random_requests, special_ids
-from bench_metrics import RequestResult, ratio, summarize
+from bench_metrics import RequestResult, percentile, ratio, summarize
 
 PEER_CHOICES = ("engine", *peers.PEER_NAMES)
 
@@ -188,13 +188,11 @@ class OpenPeer:
     rounds: list[list[dict[str, Any]]] = field(default_factory=list)
     idle_cpu_s: float = 0.0  # CPU its process used while the other peers were measured
 
-    def measure(self, tokenizer: Any, args: argparse.Namespace, round_no: int | None = None) -> list[dict]:
-        first = not self.rounds
-        rows = run_levels(
-            self.name, self.target, self.engine, tokenizer, args, warmup=first, round_no=round_no
-        )
-        self.rounds.append(rows)
-        return rows
+    def measure(self, tokenizer: Any, args: argparse.Namespace, round_no: int | None = None) -> None:
+        """One round of every load level (warmed up in the first)."""
+        warmup = not self.rounds
+        self.rounds.append(run_levels(self.name, self.target, self.engine, tokenizer, args, warmup=warmup,
+                                      round_no=round_no))  # fmt: skip
 
     def cpu_s(self) -> float:
         """CPU seconds of the server's process tree so far (0 in-process, or when it is gone)."""
@@ -369,11 +367,8 @@ def _rounds(run: dict[str, Any]) -> list[list[dict[str, Any]]]:
 
 
 def _median(values: list[float | None]) -> float | None:
-    known = sorted(v for v in values if v is not None)
-    if not known:
-        return None
-    mid = len(known) // 2
-    return known[mid] if len(known) % 2 else (known[mid - 1] + known[mid]) / 2
+    known = [v for v in values if v is not None]
+    return percentile(known, 50) if known else None
 
 
 def print_report(runs: list[dict[str, Any]], rel: list[dict[str, Any]]) -> None:
