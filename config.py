@@ -84,6 +84,12 @@ class Settings(BaseSettings):
         "bundled:all-minilm-l6-v2",
         description="Model for /v1/embeddings: bundled:all-minilm-l6-v2, a local folder, a Hub id, or none.",
     )
+    embedding_served_name: str | None = Field(
+        None,
+        description="The embedding model id the API reports. Default: the model's name, with -embed appended "
+        "unless it already contains 'embed' (Llama Stack's remote::vllm provider registers a discovered model as "
+        "an embedding model only when its id contains 'embed'); the plain name is accepted too.",
+    )
 
     # --- hardware ------------------------------------------------------------------------------------
     device: str = Field("auto", description="auto, cpu, cuda, cuda:N or tt (Tenstorrent via torch-ttnn).")
@@ -104,6 +110,12 @@ class Settings(BaseSettings):
         "on AMX or AVX512-BF16), small-batch linear, paged decode attention, fused add + RMSNorm (compiled "
         "once into cache_dir/kernels; off or unavailable: torch's ops).",
     )
+    cpu_isa: Literal["auto", "amx", "avx512", "avx2", "none"] = Field(
+        "auto",
+        description="Highest CPU instruction set Peregrine's kernels may use (auto: what the CPU has). Lower it "
+        "to run the paths of a smaller CPU; exported as PEREGRINE_CPU_ISA so child processes (Ray replicas) "
+        "follow it too.",
+    )
 
     # --- engine --------------------------------------------------------------------------------------
     max_num_seqs: int = Field(64, ge=1, description="Most sequences decoded together in one step.")
@@ -121,6 +133,12 @@ class Settings(BaseSettings):
     kv_cache_bytes: Size | None = Field(
         None, description="Explicit KV cache size, e.g. 2GiB or 512MB; overrides the fraction."
     )
+    prefix_caching: bool = Field(
+        True,
+        description="Automatic prefix caching: reuse the KV cache of a prompt prefix computed before (system "
+        "prompt, tool definitions, chat history) in whole blocks; idle cached blocks are evicted least recently "
+        "used when memory is needed. --no-prefix-caching turns it off.",
+    )
     skip_preflight: bool = Field(False, description="Skip the disk, RAM and VRAM checks before loading.")
 
     # --- HTTP ----------------------------------------------------------------------------------------
@@ -133,6 +151,13 @@ class Settings(BaseSettings):
         description="End SSE streams with data: [DONE]. auto: on the OpenAI routes, except for "
         "llama-stack-client <= 0.6.0; never on the legacy Llama Stack routes. A request's ?done=true|false "
         "or X-Peregrine-Done header wins.",
+    )
+    reasoning_parser: Literal["auto", "none", "deepseek_r1", "qwen3"] = Field(
+        "auto",
+        description="Split a reasoning model's <think>...</think> into message.reasoning_content (and "
+        "delta.reasoning_content in streams). deepseek_r1: the prompt opens <think>, so the answer is reasoning "
+        "until </think>; qwen3: reasoning only when the answer starts with <think>; auto: on when the tokenizer "
+        "or chat template knows the markers, deepseek_r1 when the prompt ends with <think>, else qwen3; none: off.",
     )
     max_queue: int = Field(
         256,
@@ -171,11 +196,34 @@ class Settings(BaseSettings):
     api_keys_file: Path | None = Field(None, description="File with one API key per line.")
     jwt_secret: Secret | None = Field(None, description="HS256 secret for accepting JWT bearer tokens.")
 
-    rate_limit_per_s: float = Field(
-        0.0, ge=0, description="Requests per second per API key (or per client when auth is off); 0: off."
+    # --- several models (README: "Several models in one server") -------------------------------------
+    extra_models: list[str] = Field(
+        default_factory=list,
+        description="More models served beside --model, loaded on demand (routed by the request's model). "
+        "Giving --model more than once fills this.",
     )
-    rate_limit_burst: int = Field(
-        0, ge=0, description="Requests at once before the rate limit; 0: one second's worth."
+    models_file: Path | None = Field(
+        None, description="A YAML or JSON file listing the models to serve, with per-model settings."
+    )
+    model_keep_alive: str = Field(
+        "5m",
+        description="With several models: how long a model stays loaded after its last request (30s, 5m, 1h, or "
+        "seconds; 0 unloads at once, negative never). A request's keep_alive field wins (Ollama's keep_alive).",
+    )
+    models_memory_budget: Size | None = Field(
+        None,
+        description="With several models: memory the loaded models may use together (weights + KV cache, by the "
+        "preflight arithmetic); the models idle longest are unloaded to make room. Default: 90% of the memory "
+        "free at start.",
+    )
+    model_load_wait: float = Field(
+        60.0,
+        gt=0,
+        description="With several models: seconds a request waits for its model to load before a 503 with "
+        "Retry-After (the load goes on).",
+    )
+    max_loaded_models: int = Field(
+        0, ge=0, description="With several models: most loaded at once; 0: as many as the memory budget allows."
     )
 
     # --- scale out -----------------------------------------------------------------------------------
@@ -232,6 +280,12 @@ class Settings(BaseSettings):
             raise ValueError("must be MIN:MAX replicas with 0 <= MIN <= MAX and MAX >= 1, e.g. 1:4")
         return f"{int(low)}:{int(high)}"
 
+    @field_validator("model_keep_alive")
+    @classmethod
+    def _check_keep_alive(cls, value: str) -> str:
+        parse_duration(value)
+        return value.strip()
+
     @field_validator("root_path")
     @classmethod
     def _check_root_path(cls, value: str) -> str:
@@ -271,6 +325,16 @@ class Settings(BaseSettings):
     def use_ray(self) -> bool:
         """Serve through Ray Serve (several replicas, or autoscaling) instead of one in-process engine."""
         return self.ray_replicas > 1 or self.ray_autoscale is not None
+
+    @property
+    def multi_model(self) -> bool:
+        """Several models in one server (config_models.py, app/model_registry.py) instead of one engine."""
+        return bool(self.extra_models) or self.models_file is not None
+
+    @property
+    def model_keep_alive_s(self) -> float:
+        """Seconds a model stays loaded when idle; negative: forever."""
+        return parse_duration(self.model_keep_alive)
 
     @property
     def hf_token_value(self) -> str | None:
@@ -341,13 +405,57 @@ class ConfigError(Exception):
 
 def load_settings(argv: Sequence[str] | None = None) -> Settings:
     """Build Settings from flags (argv; None means sys.argv[1:]), env and .env. Raises ConfigError."""
-    args = list(sys.argv[1:] if argv is None else argv)
+    args = repeated_model_flags(list(sys.argv[1:] if argv is None else argv))
     try:
         return Settings(_cli_parse_args=args)
     except ValidationError as exc:
         raise ConfigError(_describe(exc)) from None
     except SettingsError as exc:
         raise ConfigError(f"bad settings: {exc}") from None
+
+
+def repeated_model_flags(args: list[str]) -> list[str]:
+    """`--model a --model b`: the first stays --model, the others become --extra-models (argparse would keep
+    only the last)."""
+    out: list[str] = []
+    seen = False
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        inline = arg.startswith("--model=")
+        if (arg == "--model" and i + 1 < len(args)) or inline:
+            value = arg.partition("=")[2] if inline else args[i + 1]
+            out += ["--extra-models" if seen else "--model", value]
+            seen = True
+            i += 1 if inline else 2
+            continue
+        out.append(arg)
+        i += 1
+    return out
+
+
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(value: object) -> float:
+    """Ollama's keep_alive: seconds as a number, or a Go-style duration ("30s", "5m", "1h30m"); any negative
+    value means forever (returned as -1.0). Raises ValueError for anything else."""
+    if isinstance(value, bool) or value is None:
+        raise ValueError("must be a duration such as 30s, 5m, 1h, or a number of seconds")
+    if isinstance(value, int | float):
+        return float(value) if value >= 0 else -1.0
+    text = str(value).strip().lower()
+    try:
+        return parse_duration(float(text))
+    except ValueError:
+        pass
+    body = text.lstrip("-+")
+    parts = _DURATION_PART.findall(body)
+    if not parts or "".join(n + u for n, u in parts) != body:
+        raise ValueError("must be a duration such as 30s, 5m, 1h, or a number of seconds")
+    seconds = sum(float(n) * _DURATION_UNITS[u] for n, u in parts)
+    return -1.0 if text.startswith("-") else seconds
 
 
 def _describe(exc: ValidationError) -> str:

@@ -48,12 +48,28 @@ class StartError(RuntimeError):
 def main(argv: list[str] | None = None) -> int:
     settings = settings_or_exit(argv)
     configure_logging(settings.log_level)
+    apply_cpu_isa(settings.cpu_isa)
     try:
+        if settings.multi_model:
+            from main_models import prepare_models, serve_models
+
+            return serve_models(settings, *prepare_models(settings))
         prepared = prepare(settings)
     except StartError as exc:
         log.error("%s", exc)
         return 1
     return (serve_on_ray if settings.use_ray else serve)(settings, prepared)
+
+
+def apply_cpu_isa(cap: str) -> None:
+    """Make --cpu-isa the process-wide ceiling the kernels read (child processes inherit it), and log it."""
+    from engine import cpu_features
+
+    if cap != "auto":
+        os.environ[cpu_features.ENV] = cap
+    detected = cpu_features.detected_level()
+    log.info("CPU kernels' instruction set: %s (this CPU: %s%s)", cpu_features.isa_level(), detected,
+             "" if cap == "auto" else f", capped by --cpu-isa {cap}")  # fmt: skip
 
 
 def configure_logging(level: str) -> None:
@@ -155,6 +171,7 @@ def engine_config(settings: Settings, prepared: Prepared) -> Any:
         trust_remote_code=settings.trust_remote_code,
         model_impl=settings.model_impl,
         cpu_kernels=settings.cpu_kernels,
+        prefix_caching=settings.prefix_caching,
     )
 
 
@@ -162,12 +179,13 @@ def embedder_location(settings: Settings) -> tuple[Path, str] | None:
     """The embedding model's folder and served name, or None when --embedding-model none."""
     if settings.embedding_model.strip().lower() in ("", "none", "off"):
         return None
-    from engine.embedder import resolve_embedding_model
+    from engine.embedder import discoverable_name, resolve_embedding_model
 
     try:
-        return resolve_embedding_model(settings.embedding_model)
+        path, name = resolve_embedding_model(settings.embedding_model)
     except (ValueError, FileNotFoundError) as exc:
         raise StartError(f"--embedding-model: {exc}") from None
+    return path, settings.embedding_served_name or discoverable_name(name)
 
 
 # --- serving ---------------------------------------------------------------------------------------------
@@ -175,17 +193,10 @@ def embedder_location(settings: Settings) -> tuple[Path, str] | None:
 
 def serve(settings: Settings, prepared: Prepared) -> int:
     """uvicorn in this thread; the engine (and the embedder) load in a background thread meanwhile."""
-    import uvicorn
-
     from app import create_app
-    from app.hardening import DrainingServer
 
     app = create_app(engine=None, settings=settings)
-    config = uvicorn.Config(
-        app, host=settings.host, port=settings.port, root_path=settings.root_path,
-        timeout_keep_alive=settings.keep_alive, log_config=None, log_level=settings.log_level,
-    )  # fmt: skip
-    server = DrainingServer(config, app, settings.shutdown_timeout)
+    server = http_server(settings, app)
     loader = Loader(app, server, engine_config(settings, prepared), prepared.embedder_at, prepared.device)
     threading.Thread(target=loader.run, name="peregrine-loader", daemon=True).start()
     log.info("listening on http://%s:%d%s (ready once the model is loaded)", settings.host, settings.port,
@@ -193,6 +204,31 @@ def serve(settings: Settings, prepared: Prepared) -> int:
     server.run()
     loader.shutdown()
     return 1 if loader.failed else 0
+
+
+def http_server(settings: Settings, app: Any) -> Any:
+    """uvicorn for `app`, draining on SIGTERM (app/hardening.py)."""
+    import uvicorn
+
+    from app.hardening import DrainingServer
+
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.port, root_path=settings.root_path,
+        timeout_keep_alive=settings.keep_alive, log_config=None, log_level=settings.log_level,
+    )  # fmt: skip
+    return DrainingServer(config, app, settings.shutdown_timeout)
+
+
+def load_embedder(app: Any, embedder_at: tuple[Path, str] | None, device: str) -> None:
+    """Attach the embedding model to the app (blocking); nothing when --embedding-model none."""
+    if embedder_at is None:
+        return
+    from engine.embedder import Embedder
+
+    path, name = embedder_at
+    device = device if device.startswith("cuda") else "cpu"
+    app.state.embedder = Embedder.from_path(path, device=device, dtype="float32", name=name)
+    log.info("embedding model %s loaded from %s", name, path)
 
 
 class Loader:
@@ -215,22 +251,18 @@ class Loader:
     def _load(self) -> None:
         from engine import AsyncEngine
 
-        if self.embedder_at is not None:
-            from engine.embedder import Embedder
-
-            path, name = self.embedder_at
-            device = self.device if self.device.startswith("cuda") else "cpu"
-            self.app.state.embedder = Embedder.from_path(path, device=device, dtype="float32", name=name)
-            log.info("embedding model %s loaded from %s", name, path)
+        load_embedder(self.app, self.embedder_at, self.device)
         engine = AsyncEngine.from_config(self.cfg)
         engine.start()
         self.engine = engine
         self.app.state.engine = engine
         stats = engine.stats()
         log.info(
-            "ready: %s on %s in %s, max_model_len %d, KV cache %d tokens (%d blocks of %d), max %d sequences",
+            "ready: %s on %s in %s, max_model_len %d, KV cache %d tokens (%d blocks of %d), max %d sequences, "
+            "prefix caching %s",
             engine.model_name, engine.device, engine.dtype, engine.max_model_len, stats.kv_total_tokens,
             stats.kv_total_blocks, stats.block_size, self.cfg.max_num_seqs,
+            "on (idle prefixes kept in the same KV cache)" if self.cfg.prefix_caching else "off",
         )  # fmt: skip
 
     def shutdown(self) -> None:
@@ -281,4 +313,6 @@ def _flag(name: str, value: Any) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    import main as this  # one copy of this module as a script and as `main` (main_models.py imports it)
+
+    sys.exit(this.main())

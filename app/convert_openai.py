@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.errors import BadRequestError
+from app.prompt_logprobs import PromptScoring, engine_max_tokens, engine_prompt_logprobs, vllm_prompt_logprobs
 from app.schemas_openai import (
     AssistantMessage,
     ChatChoice,
@@ -29,6 +30,7 @@ from app.schemas_openai import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    PromptTokensDetails,
     TokenLogprobOut,
     TopLogprobOut,
     Usage,
@@ -54,6 +56,8 @@ def to_sampling_params(req: ChatCompletionRequest | CompletionRequest, vocab_siz
         raise BadRequestError(
             f"min_tokens ({req.min_tokens}) exceeds max_tokens ({max_tokens}).", param="min_tokens"
         )
+    echo = isinstance(req, CompletionRequest) and req.echo
+    logprobs = _logprobs(req)
     return SamplingParams(
         n=_n(req),
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -65,14 +69,15 @@ def to_sampling_params(req: ChatCompletionRequest | CompletionRequest, vocab_siz
         frequency_penalty=req.frequency_penalty,
         logit_bias=_logit_bias(req.logit_bias, vocab_size),
         seed=req.seed,
-        max_tokens=max_tokens,
+        max_tokens=engine_max_tokens(max_tokens, echo),
         min_tokens=req.min_tokens,
         stop=_stop(req.stop),
         stop_token_ids=tuple(_check_token_ids(req.stop_token_ids or [], vocab_size, "stop_token_ids")),
         ignore_eos=req.ignore_eos,
         include_stop_str_in_output=req.include_stop_str_in_output,
-        logprobs=_logprobs(req),
+        logprobs=logprobs,
         skip_special_tokens=req.skip_special_tokens,
+        prompt_logprobs=engine_prompt_logprobs(echo, logprobs, req.prompt_logprobs),
     )
 
 
@@ -133,15 +138,21 @@ def _logprobs(req: ChatCompletionRequest | CompletionRequest) -> int | None:
 def chat_prompt_ids(tokenizer: Any, messages: Sequence[ChatMessage]) -> list[int]:
     """Render the conversation with the model's chat template and tokenize it (no extra BOS: the
     template writes every special token the model expects)."""
+    return list(tokenizer.encode(chat_prompt_text(tokenizer, messages), add_special_tokens=False))
+
+
+def chat_prompt_text(tokenizer: Any, messages: Sequence[ChatMessage], add_generation_prompt: bool = True,
+                     continue_final_message: bool = False) -> str:
+    """The conversation rendered with the model's chat template (ChatML when the tokenizer has none)."""
     conversation = [_template_message(i, m) for i, m in enumerate(messages)]
     template = None if getattr(tokenizer, "chat_template", None) else CHATML_TEMPLATE
     try:
-        text = tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=True, tokenize=False, chat_template=template
+        return tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=add_generation_prompt, tokenize=False, chat_template=template,
+            continue_final_message=continue_final_message,
         )
     except Exception as exc:  # jinja's TemplateError, or a template's own raise_exception(...)
         raise BadRequestError(f"The chat template rejected these messages: {exc}", param="messages") from None
-    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def _template_message(i: int, msg: ChatMessage) -> dict[str, Any]:
@@ -231,11 +242,14 @@ def completion_logprobs(lps: Sequence[TokenLogprob] | None, offset: int) -> Comp
     )
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> Usage:
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
+    """`cached_tokens`: prompt tokens the prefix cache supplied (per prompt, as its first sequence saw it:
+    with n > 1 the siblings share the prompt the first one computed, and the prompt is counted once)."""
     return Usage(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
     )
 
 
@@ -248,8 +262,10 @@ class _Seq:
     finish_reason: str | None = None
     completion_tokens: int = 0
     text_len: int = 0
+    prompt_logprobs: list | None = None  # engine PromptTokenLogprob entries, from the first output
 
     def add(self, out: RequestOutput) -> None:
+        self.prompt_logprobs = self.prompt_logprobs or out.prompt_logprobs
         self.text.append(out.text)
         self.text_len += len(out.text)
         self.logprobs.extend(out.logprobs or ())
@@ -270,10 +286,13 @@ class ChatResult:
     want_logprobs: bool
     created: int = field(default_factory=lambda: int(time.time()))
     prompt_tokens: int = 0
+    cached_tokens: int = 0
     seqs: dict[int, _Seq] = field(default_factory=dict)
 
     def add(self, out: RequestOutput) -> None:
         self.prompt_tokens = out.prompt_tokens
+        if out.index == 0:
+            self.cached_tokens = out.cached_tokens
         self.seqs.setdefault(out.index, _Seq()).add(out)
 
     def response(self) -> ChatCompletionResponse:
@@ -281,7 +300,8 @@ class ChatResult:
         completion = sum(s.completion_tokens for s in self.seqs.values())
         return ChatCompletionResponse(
             id=self.id, created=self.created, model=self.model, choices=choices,
-            usage=_usage(self.prompt_tokens, completion),
+            usage=_usage(self.prompt_tokens, completion, self.cached_tokens),
+            prompt_logprobs=vllm_prompt_logprobs(self.seqs[0].prompt_logprobs) if 0 in self.seqs else None,
         )  # fmt: skip
 
     def _choice(self, i: int, seq: _Seq) -> ChatChoice:
@@ -303,9 +323,10 @@ async def chat_chunks(
 
     for i in range(n):
         yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
-    prompt_tokens, completion = 0, {}
+    prompt_tokens, completion, cached = 0, {}, 0
     async for _, out in outputs:
         prompt_tokens, completion[out.index] = out.prompt_tokens, out.completion_tokens
+        cached = out.cached_tokens if out.index == 0 else cached
         if out.text or out.logprobs or out.finished:
             delta = DeltaMessage(content=out.text or None)
             lp = chat_logprobs(out.logprobs) if out.logprobs is not None else None
@@ -313,7 +334,7 @@ async def chat_chunks(
                 [ChatChunkChoice(index=out.index, delta=delta, logprobs=lp, finish_reason=out.finish_reason)]
             )
     if include_usage:
-        yield chunk([], _usage(prompt_tokens, sum(completion.values())))
+        yield chunk([], _usage(prompt_tokens, sum(completion.values()), cached))
 
 
 # ---------------------------------------------------------------- engine -> wire: completions
@@ -328,12 +349,16 @@ class CompletionResult:
     n: int
     prompt_texts: list[str]  # what `echo` prepends, per prompt ("" when echo is off)
     want_logprobs: bool
+    scoring: PromptScoring | None = None  # echo + logprobs, or vLLM's prompt_logprobs
     created: int = field(default_factory=lambda: int(time.time()))
     prompt_tokens: dict[int, int] = field(default_factory=dict)
+    cached_tokens: dict[int, int] = field(default_factory=dict)
     seqs: dict[int, _Seq] = field(default_factory=dict)
 
     def add(self, prompt_index: int, out: RequestOutput) -> None:
         self.prompt_tokens[prompt_index] = out.prompt_tokens
+        if out.index == 0:
+            self.cached_tokens[prompt_index] = out.cached_tokens
         self.seqs.setdefault(prompt_index * self.n + out.index, _Seq()).add(out)
 
     def response(self) -> CompletionResponse:
@@ -341,14 +366,19 @@ class CompletionResult:
         completion = sum(s.completion_tokens for s in self.seqs.values())
         return CompletionResponse(
             id=self.id, created=self.created, model=self.model, choices=choices,
-            usage=_usage(sum(self.prompt_tokens.values()), completion),
+            usage=_usage(sum(self.prompt_tokens.values()), completion, sum(self.cached_tokens.values())),
         )  # fmt: skip
 
     def _choice(self, c: int) -> CompletionChoice:
         seq, echo = self.seqs.get(c, _Seq()), self.prompt_texts[c // self.n]
         logprobs = completion_logprobs(seq.logprobs, len(echo)) if self.want_logprobs else None
+        prompt_lps = None
+        if self.scoring is not None:
+            logprobs = self.scoring.legacy(c // self.n, seq.prompt_logprobs, logprobs)
+            prompt_lps = self.scoring.vllm_field(seq.prompt_logprobs)
         return CompletionChoice(
-            index=c, text=echo + "".join(seq.text), logprobs=logprobs, finish_reason=seq.finish_reason
+            index=c, text=echo + "".join(seq.text), logprobs=logprobs, finish_reason=seq.finish_reason,
+            prompt_logprobs=prompt_lps,
         )
 
 
@@ -360,23 +390,31 @@ async def completion_chunks(
     n: int,
     prompt_texts: list[str],
     include_usage: bool,
+    scoring: PromptScoring | None = None,
 ) -> AsyncIterator[dict[str, Any]]:
     """Stream events of one completions request; `echo` text goes out with a choice's first chunk."""
     created = int(time.time())
     offsets: dict[int, int] = {}  # text emitted so far per choice (for logprobs' text_offset)
     prompt_tokens: dict[int, int] = {}
     completion: dict[int, int] = {}
+    cached: dict[int, int] = {}
     async for p, out in outputs:
         c = p * n + out.index
         prompt_tokens[p], completion[c] = out.prompt_tokens, out.completion_tokens
+        if out.index == 0:
+            cached[p] = out.cached_tokens
         echo = prompt_texts[p] if c not in offsets else ""
         offset = offsets.get(c, 0) + len(echo)
         offsets[c] = offset + len(out.text)
         if not (echo or out.text or out.logprobs or out.finished):
             continue
         lp = completion_logprobs(out.logprobs, offset) if out.logprobs is not None else None
-        choice = CompletionChoice(index=c, text=echo + out.text, logprobs=lp, finish_reason=out.finish_reason)
+        prompt_lps = None
+        if scoring is not None and out.prompt_logprobs is not None:  # a choice's first output carries them
+            lp, prompt_lps = scoring.legacy(p, out.prompt_logprobs, lp), scoring.vllm_field(out.prompt_logprobs)
+        choice = CompletionChoice(index=c, text=echo + out.text, logprobs=lp, finish_reason=out.finish_reason,
+                                  prompt_logprobs=prompt_lps)
         yield CompletionResponse(id=id, created=created, model=model, choices=[choice]).model_dump()
     if include_usage:
-        usage = _usage(sum(prompt_tokens.values()), sum(completion.values()))
+        usage = _usage(sum(prompt_tokens.values()), sum(completion.values()), sum(cached.values()))
         yield CompletionResponse(id=id, created=created, model=model, choices=[], usage=usage).model_dump()

@@ -19,7 +19,7 @@ from pydantic import BaseModel, Field
 from app.errors import BadRequestError, NotFoundError, ServiceUnavailableError
 from app.schemas_llama_stack import native_model_fields
 from app.schemas_openai import ModelCard
-from engine.embedder import Embedder, EmbeddingResult
+from engine.embedder import EMBED_SUFFIX, Embedder, EmbeddingResult
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 STARTED_AT = int(time.time())
@@ -55,8 +55,10 @@ class EmbeddingResponse(BaseModel):
 
 
 def embedder_names(request: Request, embedder: Embedder) -> list[str]:
-    """The served id first, then the short name and the setting's value, which clients may also send."""
-    names = [embedder.name, embedder.name.rsplit("/", 1)[-1]]
+    """The served id first, then the short name, the name without the "-embed" that `discoverable_name` adds,
+    and the setting's value, which clients may also send."""
+    plain = embedder.name.removesuffix(EMBED_SUFFIX)
+    names = [embedder.name, embedder.name.rsplit("/", 1)[-1], plain, plain.rsplit("/", 1)[-1]]
     setting = getattr(request.app.state.settings, "embedding_model", None)
     return names + ([str(setting)] if setting else [])
 

@@ -10,6 +10,9 @@ loop dies, or if it stalls (has work but finished no step within `engine_stall_t
 and the test fixtures wait on it.
 
 `GET /health/engine` is the engine's load as JSON (running, waiting, KV blocks, steps, admission counters).
+
+With several models (`app.state.models`, app/model_registry.py) each answer adds `models`: per model its state
+(loaded, loading, unloaded, unloading), and on `/health/engine` its memory need, keep-alive and engine load.
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ DEFAULT_STALL_TIMEOUT_S = 120.0
 def engine_state(request: Request) -> str:
     """One of "loading" (no engine yet), "ready", "dead" (the loop stopped), "draining" (shutting down),
     "stalled" (the engine has work but no step finished within `engine_stall_timeout` seconds)."""
+    registry = getattr(request.app.state, "models", None)
+    if registry is not None:
+        return _models_state(request, registry)
     engine = getattr(request.app.state, "engine", None)
     if engine is None:
         return "loading"
@@ -37,6 +43,29 @@ def engine_state(request: Request) -> str:
     return "stalled" if stats.last_step_age_s > _stall_timeout(request) else "ready"
 
 
+def _models_state(request: Request, registry) -> str:
+    """Several models (app/model_registry.py): ready as soon as the registry is attached, since models load on
+    demand; a loaded engine whose loop died is replaced by the next request for it, so that is not "dead"."""
+    if getattr(request.app.state, "draining", False):
+        return "draining"
+    ages = [s.engine.stats().last_step_age_s for s in registry.loaded() if s.engine is not None]
+    return "stalled" if any(age > _stall_timeout(request) for age in ages) else "ready"
+
+
+def models_health(registry, with_stats: bool = False) -> dict:
+    """Per model: its state and figures (`ModelRegistry.describe`), and with `with_stats` the engine's load."""
+    out = {}
+    for name, slot in registry.slots.items():
+        info = registry.describe(slot)
+        engine = slot.engine
+        if with_stats and engine is not None:
+            stats = engine.stats()
+            info |= {field: getattr(stats, field) for field in stats.__dataclass_fields__}
+            info["kv_usage"] = stats.kv_usage
+        out[name] = info
+    return out
+
+
 def _stall_timeout(request: Request) -> float:
     settings = getattr(request.app.state, "settings", None)
     return float(getattr(settings, "engine_stall_timeout", None) or DEFAULT_STALL_TIMEOUT_S)
@@ -46,8 +75,11 @@ def _stall_timeout(request: Request) -> float:
 async def health(request: Request) -> JSONResponse:
     """Liveness: 200 while the process is serving HTTP (also while loading); 503 if the engine died."""
     state = engine_state(request)
-    return JSONResponse({"status": "ok" if state != "dead" else "dead", "engine": state},
-                        status_code=503 if state == "dead" else 200)  # fmt: skip
+    body: dict = {"status": "ok" if state != "dead" else "dead", "engine": state}
+    registry = getattr(request.app.state, "models", None)
+    if registry is not None:
+        body["models"] = {name: info["state"] for name, info in models_health(registry).items()}
+    return JSONResponse(body, status_code=503 if state == "dead" else 200)
 
 
 @router.get("/health/engine")
@@ -63,6 +95,9 @@ async def engine_health(request: Request) -> JSONResponse:
         stats = engine.stats()
         body |= {name: getattr(stats, name) for name in stats.__dataclass_fields__}
         body["kv_usage"] = stats.kv_usage
+    registry = getattr(request.app.state, "models", None)
+    if registry is not None:
+        body["models"] = models_health(registry, with_stats=True)
     admission = getattr(request.app.state, "admission", None)
     if admission is not None:
         body |= {
@@ -82,7 +117,10 @@ async def ready(request: Request) -> JSONResponse:
     loop died, or if it is stalled (work waiting, no step finished within `engine_stall_timeout`)."""
     state = engine_state(request)
     body = {"status": state}
-    if state == "ready":
+    registry = getattr(request.app.state, "models", None)
+    if registry is not None:
+        body["models"] = {name: info["state"] for name, info in models_health(registry).items()}
+    elif state == "ready":
         engine = request.app.state.engine
         body |= {"model": engine.model_name, "device": engine.device, "max_model_len": engine.max_model_len}
     return JSONResponse(body, status_code=200 if state == "ready" else 503)

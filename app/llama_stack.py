@@ -33,7 +33,7 @@ from app.embeddings import get_embedder, run_embed
 from app.engine_client import check_prompts, generate, until_disconnected
 from app.errors import NotFoundError
 from app.health import engine_state
-from app.openai_routes import check_model, get_engine
+from app.openai_routes import engine_for
 from app.schemas_llama_stack import (
     BatchChatCompletionRequest,
     BatchCompletionRequest,
@@ -145,8 +145,7 @@ def _stream(request: Request, events) -> Response:
 async def chat_completion(body: ChatCompletionRequest, request: Request) -> Any:
     """Legacy Llama Stack chat completion: `completion_message`, or with `stream: true` one `start`,
     many `progress` and one `complete` event (SSE, or NDJSON with `Accept: application/x-ndjson`)."""
-    engine = get_engine(request)
-    check_model(request, engine, body.model_name)
+    engine, _ = await engine_for(request, body.model_name)
     params = conv.to_sampling_params(body)
     prompt = chat_prompt_ids(engine.tokenizer, conv.chat_messages(body.messages))
     check_prompts(engine, [prompt], params, prompt_param="messages")
@@ -163,8 +162,7 @@ async def chat_completion(body: ChatCompletionRequest, request: Request) -> Any:
 async def completion(body: CompletionRequest, request: Request) -> Any:
     """Legacy Llama Stack text completion of `content`: `{"content", "stop_reason", "logprobs"}`, or with
     `stream: true` chunks of `{"delta", "stop_reason", "logprobs"}`."""
-    engine = get_engine(request)
-    check_model(request, engine, body.model_name)
+    engine, _ = await engine_for(request, body.model_name)
     params = conv.to_sampling_params(body)
     text = conv.content_text(body.content, "content")
     prompts = completion_prompt_ids(engine.tokenizer, text, engine.vocab_size)
@@ -181,8 +179,7 @@ async def completion(body: CompletionRequest, request: Request) -> Any:
 @router.post("/v1/inference/batch-chat-completion")
 async def batch_chat_completion(body: BatchChatCompletionRequest, request: Request) -> dict[str, Any]:
     """Several conversations in one request, run concurrently: `{"batch": [chat response, ...]}`."""
-    engine = get_engine(request)
-    check_model(request, engine, body.model_name)
+    engine, _ = await engine_for(request, body.model_name)
     params = conv.to_sampling_params(body)
     prompts = [
         chat_prompt_ids(engine.tokenizer, conv.chat_messages(messages, f"messages_batch[{i}]"))
@@ -197,8 +194,7 @@ async def batch_chat_completion(body: BatchChatCompletionRequest, request: Reque
 @router.post("/v1/inference/batch-completion")
 async def batch_completion(body: BatchCompletionRequest, request: Request) -> dict[str, Any]:
     """Several completions in one request, run concurrently: `{"batch": [completion response, ...]}`."""
-    engine = get_engine(request)
-    check_model(request, engine, body.model_name)
+    engine, _ = await engine_for(request, body.model_name)
     params = conv.to_sampling_params(body)
     texts = [conv.content_text(c, f"content_batch[{i}]") for i, c in enumerate(body.content_batch)]
     prompts = [completion_prompt_ids(engine.tokenizer, t, engine.vocab_size)[0] for t in texts]

@@ -9,7 +9,8 @@ Three sources feed it:
   generated token counters, finished sequences by finish reason. It finds the app's metrics through a
   context variable that the middleware sets for the duration of the request, so routes need no plumbing.
 - `EngineCollector` reads `engine.stats()` at scrape time: running and waiting sequences, KV cache usage
-  (fraction and tokens), preemptions, and the HTTP admission counters when `app/limits.py` installed them.
+  (fraction and tokens), preemptions, prefix cache queries and hits (in tokens, as vLLM counts them), and the
+  HTTP admission counters when `app/limits.py` installed them.
 
 Each `create_app` gets its own `CollectorRegistry` (never the process-global default), so several apps in
 one process, as in the tests, do not collide. Names follow vLLM's where one exists, prefixed `peregrine_`.
@@ -107,7 +108,7 @@ def install_metrics(app: FastAPI) -> AppMetrics:
 async def metrics_endpoint(request: Request) -> Response:
     """Prometheus metrics in the text exposition format: HTTP requests by route and status; TTFT, TPOT and
     end-to-end latency histograms; prompt and generated token counters; running and waiting sequences;
-    KV cache usage (fraction and tokens); preemptions."""
+    KV cache usage (fraction and tokens); preemptions; prefix cache queries and hits (tokens)."""
     body, content_type = request.app.state.metrics.render(request.headers.get("accept", ""))
     return Response(body, headers={"Content-Type": content_type})
 
@@ -226,7 +227,8 @@ def start_timer(prompt_lengths: Iterable[int]) -> RequestTimer:
 
 
 class EngineCollector(Collector):
-    """Gauges read from `app.state.engine.stats()` at scrape time (nothing while the model loads)."""
+    """Gauges read from `app.state.engine.stats()` at scrape time (nothing while the model loads); with several
+    models, from each loaded engine of `app.state.models`, labelled `model`."""
 
     def __init__(self, app: FastAPI) -> None:
         self.app = app
@@ -235,9 +237,12 @@ class EngineCollector(Collector):
         return []  # values exist only once the engine is attached; no fixed description
 
     def collect(self) -> Iterator[Metric]:
+        registry = getattr(self.app.state, "models", None)  # several models: app/model_registry.py
+        if registry is not None:
+            yield from _registry_metrics(registry)
         engine = getattr(self.app.state, "engine", None)
         if engine is not None:
-            yield from _engine_metrics(engine.stats())
+            yield from _engine_metrics([((), engine.stats())])
         admission = getattr(self.app.state, "admission", None)
         if admission is not None:
             yield _gauge(
@@ -252,23 +257,52 @@ class EngineCollector(Collector):
             )
 
 
-def _engine_metrics(stats: Any) -> Iterator[Metric]:
-    yield _gauge("peregrine_num_requests_running", "Sequences in the running batch.", stats.running)
-    yield _gauge("peregrine_num_requests_waiting", "Sequences waiting to be scheduled.", stats.waiting)
-    yield _gauge(
-        "peregrine_kv_cache_usage_ratio", "Fraction of KV cache blocks in use (0-1).", stats.kv_usage
-    )
-    yield _gauge(
-        "peregrine_kv_cache_used_tokens",
-        "KV cache capacity in use, in tokens (blocks x block size).",
-        stats.kv_used_tokens,
-    )
-    yield _gauge("peregrine_kv_cache_total_tokens", "KV cache capacity, in tokens.", stats.kv_total_tokens)
-    yield _counter(
-        "peregrine_preemptions", "Sequences preempted (KV cache full) since start.", stats.preemptions_total
-    )
-    yield _counter("peregrine_engine_steps", "Engine steps run since start.", stats.steps_total)
-    yield _gauge("peregrine_engine_alive", "1 while the engine loop runs, 0 once it died.", int(stats.alive))
+_ENGINE_SERIES: tuple[tuple[str, str, str, Any], ...] = (
+    ("gauge", "peregrine_num_requests_running", "Sequences in the running batch.", lambda s: s.running),
+    ("gauge", "peregrine_num_requests_waiting", "Sequences waiting to be scheduled.", lambda s: s.waiting),
+    ("gauge", "peregrine_kv_cache_usage_ratio", "Fraction of KV cache blocks in use (0-1).", lambda s: s.kv_usage),
+    ("gauge", "peregrine_kv_cache_used_tokens", "KV cache capacity in use, in tokens (blocks x block size).",
+     lambda s: s.kv_used_tokens),
+    ("gauge", "peregrine_kv_cache_total_tokens", "KV cache capacity, in tokens.", lambda s: s.kv_total_tokens),
+    ("counter", "peregrine_preemptions", "Sequences preempted (KV cache full) since start.",
+     lambda s: s.preemptions_total),
+    ("counter", "peregrine_engine_steps", "Engine steps run since start.", lambda s: s.steps_total),
+    ("counter", "peregrine_prefix_cache_queries",
+     "Prefix cache queries, in tokens: tokens of the sequences looked up when admitted (vLLM's name).",
+     lambda s: s.prefix_cache_queries_total),
+    ("counter", "peregrine_prefix_cache_hits",
+     "Prefix cache hits, in tokens: tokens whose KV came from the cache instead of being computed.",
+     lambda s: s.prefix_cache_hits_total),
+    ("gauge", "peregrine_prefix_cache_cached_tokens",
+     "KV cache capacity holding reusable prefixes, in tokens (in use or idle; idle ones are evictable).",
+     lambda s: s.kv_cached_blocks * s.block_size),
+    ("gauge", "peregrine_engine_alive", "1 while the engine loop runs, 0 once it died.", lambda s: int(s.alive)),
+)  # fmt: skip
+
+
+def _engine_metrics(rows: list[tuple[tuple[str, ...], Any]], labels: tuple[str, ...] = ()) -> Iterator[Metric]:
+    """The engine gauges and counters, one sample per (label values, EngineStats) row: no labels with one
+    model, `model` with several (one row per loaded model)."""
+    for kind, name, doc, value in _ENGINE_SERIES:
+        family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, doc, labels=labels)
+        for label_values, stats in rows:
+            family.add_metric(list(label_values), value(stats))
+        yield family
+
+
+def _registry_metrics(registry: Any) -> Iterator[Metric]:
+    """Per model: loaded or not, loads and unloads so far, and the engine series of each loaded model."""
+    slots = list(registry.slots.values())
+    loaded = GaugeMetricFamily("peregrine_model_loaded", "1 while the model is loaded, else 0.", labels=["model"])
+    loads = CounterMetricFamily("peregrine_model_loads", "Times the model was loaded.", labels=["model"])
+    unloads = CounterMetricFamily("peregrine_model_unloads", "Times the model was unloaded.", labels=["model"])
+    for slot in slots:
+        loaded.add_metric([slot.spec.name], int(slot.state == "loaded"))
+        loads.add_metric([slot.spec.name], slot.loads_total)
+        unloads.add_metric([slot.spec.name], slot.unloads_total)
+    yield from (loaded, loads, unloads)
+    rows = [((s.spec.name,), s.engine.stats()) for s in slots if s.engine is not None]
+    yield from _engine_metrics(rows, ("model",))
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -15,9 +15,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from app import convert_openai as conv
-from app import embeddings
+from app import embeddings, reasoning
 from app.engine_client import check_prompts, generate, until_disconnected
 from app.errors import ServiceUnavailableError, model_not_found
+from app.model_registry import request_keep_alive
+from app.prompt_logprobs import PromptScoring, score_only
 from app.schemas_llama_stack import native_model_fields
 from app.schemas_openai import (
     ChatCompletionRequest,
@@ -57,6 +59,19 @@ def check_model(request: Request, engine: Any, model: str | None) -> str:
     raise model_not_found(model, [engine.model_name])
 
 
+async def engine_for(request: Request, model: str | None, keep_alive: float | str | None = None) -> tuple[Any, str]:
+    """The engine serving the request's `model` and the id to answer with. One model: `app.state.engine`.
+    Several (`app.state.models`, app/model_registry.py): the registry's, loaded on demand, leased until the
+    response is complete; `keep_alive` (Ollama's) sets how long it stays loaded after this request."""
+    registry = getattr(request.app.state, "models", None)
+    if registry is None:
+        engine = get_engine(request)
+        return engine, check_model(request, engine, model)
+    engine, slot = await registry.acquire(model, request_keep_alive(keep_alive))
+    request.state.model_leases.append((registry, slot))
+    return engine, slot.spec.name
+
+
 def _request_id(request: Request) -> str:
     return getattr(request.state, "request_id", None) or uuid.uuid4().hex
 
@@ -73,17 +88,24 @@ async def create_chat_completion(
     fields, vLLM's extra sampling keys are accepted at top level: `top_k`, `min_p`,
     `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`, `skip_special_tokens`,
     `include_stop_str_in_output`.
+
+    Reasoning models: the thinking between `<think>` and `</think>` comes in `message.reasoning_content`
+    (and `delta.reasoning_content` in streams; both also as `reasoning`), the answer in `content`; the
+    server's `--reasoning-parser` (auto, none, deepseek_r1, qwen3) chooses how. vLLM's `prompt_logprobs`
+    extra returns the prompt tokens' logprobs in the top-level `prompt_logprobs`.
     """
-    engine = get_engine(request)
-    model = check_model(request, engine, body.model)
+    engine, model = await engine_for(request, body.model, body.keep_alive)
     params = conv.to_sampling_params(body, engine.vocab_size)
     prompt = conv.chat_prompt_ids(engine.tokenizer, body.messages)
     check_prompts(engine, [prompt], params, prompt_param="messages")
+    splitter = reasoning.splitter_factory(reasoning_parser(request), engine.tokenizer, prompt)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     outputs = generate(engine, [prompt], params, rid)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = conv.chat_chunks(outputs, id=rid, model=model, n=params.n, include_usage=include_usage)
+        if splitter is not None:
+            events = reasoning.split_chunks(events, splitter)
         return stream_response(events, stream_format(request, openai=True), request_id=_request_id(request))
     result = conv.ChatResult(id=rid, model=model, n=params.n, want_logprobs=params.logprobs is not None)
 
@@ -92,7 +114,11 @@ async def create_chat_completion(
             result.add(out)
 
     await until_disconnected(request, collect())
-    return result.response()
+    return result.response() if splitter is None else reasoning.split_response(result.response(), splitter)
+
+
+def reasoning_parser(request: Request) -> str:
+    return getattr(request.app.state.settings, "reasoning_parser", "auto")
 
 
 @router.post("/completions", response_model=CompletionResponse)
@@ -103,25 +129,36 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     each prompt gets `n` choices (choice index = prompt index * n + i). `logprobs` (an int, or a bool
     meaning 1) returns OpenAI's legacy logprobs object; `echo` prepends the prompt to the text.
     `stream: true` returns server-sent events of `text_completion` chunks, then `data: [DONE]`.
+
+    Scoring (lm-evaluation-harness and other evaluation tools): with `echo` and `logprobs` the logprobs
+    object covers the prompt tokens first (`token_logprobs[0]` is null: the first token has no context),
+    then the generated ones; `max_tokens: 0` with `echo` generates nothing (`finish_reason: "length"`).
+    vLLM's `prompt_logprobs: k` adds `choices[i].prompt_logprobs` (null, then per token
+    `{token id: {logprob, rank, decoded_token}}` for the token and the k most likely). Prompt logprobs come
+    from the prefill and cost nothing to requests that do not ask.
     """
-    engine = get_engine(request)
-    model = check_model(request, engine, body.model)
+    engine, model = await engine_for(request, body.model, body.keep_alive)
     params = conv.to_sampling_params(body, engine.vocab_size)
     texts, prompts = zip(
         *conv.completion_prompts(engine.tokenizer, body.prompt, engine.vocab_size), strict=True
     )
     check_prompts(engine, prompts, params, prompt_param="prompt")
     echo = [text if body.echo else "" for text in texts]
+    scoring = PromptScoring.of(engine.tokenizer, prompts, body.echo, params.logprobs, body.prompt_logprobs)
     rid = f"cmpl-{uuid.uuid4().hex}"
     outputs = generate(engine, prompts, params, rid)
+    if body.max_tokens == 0:
+        outputs = score_only(outputs)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = conv.completion_chunks(
-            outputs, id=rid, model=model, n=params.n, prompt_texts=echo, include_usage=include_usage
+            outputs, id=rid, model=model, n=params.n, prompt_texts=echo, include_usage=include_usage,
+            scoring=scoring,
         )
         return stream_response(events, stream_format(request, openai=True), request_id=_request_id(request))
     result = conv.CompletionResult(
-        id=rid, model=model, n=params.n, prompt_texts=echo, want_logprobs=params.logprobs is not None
+        id=rid, model=model, n=params.n, prompt_texts=echo, want_logprobs=params.logprobs is not None,
+        scoring=scoring,
     )
 
     async def collect() -> None:
@@ -133,39 +170,60 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
 
 
 def model_card(request: Request, engine: Any) -> ModelCard:
+    return _card(engine.model_name, engine.max_model_len)
+
+
+def _card(name: str, max_model_len: int | None, **extra: Any) -> ModelCard:
     return ModelCard(
-        id=engine.model_name,
+        id=name,
         created=STARTED_AT,
-        max_model_len=engine.max_model_len,
-        custom_metadata={
-            "model_type": "llm",
-            "provider_id": "peregrine",
-            "provider_resource_id": engine.model_name,
-        },
-        **native_model_fields(engine.model_name, "llm", {}),
+        max_model_len=max_model_len,
+        custom_metadata={"model_type": "llm", "provider_id": "peregrine", "provider_resource_id": name},
+        **native_model_fields(name, "llm", {}),
+        **extra,
     )
+
+
+def _registry_cards(registry: Any) -> list[ModelCard]:
+    """Every served model with its state ("loaded", "loading", "unloaded", "unloading") and memory figures."""
+    cards = []
+    for slot in registry.slots.values():
+        engine = slot.engine
+        max_len = engine.max_model_len if engine is not None else slot.spec.max_model_len
+        info = registry.describe(slot)
+        cards.append(_card(slot.spec.name, max_len, state=info["state"], status=info))
+    return cards
 
 
 @router.get("/models", response_model=ModelList)
 async def list_models(request: Request) -> ModelList:
     """The served models, in OpenAI's list shape. `custom_metadata` carries what Llama Stack reads
-    (`model_type`, `provider_id`, `provider_resource_id`)."""
-    return ModelList(data=[model_card(request, get_engine(request)), *embeddings.embedding_cards(request)])
+    (`model_type`, `provider_id`, `provider_resource_id`). A server with several models adds `state`
+    (loaded, loading, unloaded, unloading) and `status` (memory need, keep-alive, requests in flight) to each."""
+    registry = getattr(request.app.state, "models", None)
+    cards = _registry_cards(registry) if registry is not None else [model_card(request, get_engine(request))]
+    return ModelList(data=[*cards, *embeddings.embedding_cards(request)])
 
 
 @router.get("/models/{model_id:path}")
 async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
     """One model. The answer has both OpenAI's fields (`id`, `object`, ...) and llama-stack-client's
     (`identifier`, `provider_resource_id`, `type`, `model_type`), so both clients can read it."""
-    engine = get_engine(request)
     if (embedding := embeddings.embedding_model_detail(request, model_id)) is not None:
         return embedding
-    if model_id not in served_names(request, engine):
-        raise model_not_found(model_id, [engine.model_name])
-    card = model_card(request, engine).model_dump()
+    registry = getattr(request.app.state, "models", None)
+    if registry is not None:
+        name = registry.slot(model_id).spec.name
+        card = next(c for c in _registry_cards(registry) if c.id == name).model_dump()
+    else:
+        engine = get_engine(request)
+        if model_id not in served_names(request, engine):
+            raise model_not_found(model_id, [engine.model_name])
+        card = model_card(request, engine).model_dump()
+        name = engine.model_name
     return card | {
-        "identifier": engine.model_name,
-        "provider_resource_id": engine.model_name,
+        "identifier": name,
+        "provider_resource_id": name,
         "provider_id": "peregrine",
         "type": "model",
         "metadata": {},

@@ -73,6 +73,17 @@ class SamplingRequest(BaseModel):
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=20,
+        description="vLLM's extra: the logprob of every prompt token (null for the first) plus this many "
+        "alternatives, computed from the prefill; returned as `prompt_logprobs` (per choice for completions, "
+        "top level for chat), each entry {token id: {logprob, rank, decoded_token}}.",
+    )  # fmt: skip
+    keep_alive: float | str | None = Field(
+        None,
+        description="Ollama's keep_alive, when the server serves several models: how long the model stays loaded "
+        "after this request (30s, 5m, 1h, or seconds; 0 unloads it at once, negative keeps it loaded).",
+    )
 
     @field_validator("stop")
     @classmethod
@@ -97,8 +108,15 @@ PromptInput = str | list[str] | list[int] | list[list[int]]
 
 class CompletionRequest(SamplingRequest):
     prompt: PromptInput = Field(..., description="A string, strings, token ids, or lists of token ids.")
-    logprobs: bool | int | None = Field(None, description="0-20 alternatives per token (true means 1).")
-    echo: bool = False
+    max_tokens: int | None = Field(
+        None, ge=0, description="Omitted: the rest of the context. 0 (only with echo): score the prompt, generate "
+        "nothing.",
+    )
+    logprobs: bool | int | None = Field(
+        None, description="0-20 alternatives per token (true means 1). With echo, the prompt tokens are "
+        "covered too (null for the first).",
+    )
+    echo: bool = Field(False, description="Prepend the prompt to each choice's text (and to its logprobs).")
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
 
@@ -129,10 +147,21 @@ def _is_token_id(value: Any) -> bool:
 # ---------------------------------------------------------------- responses
 
 
+class PromptTokensDetails(BaseModel):
+    """Where the prompt tokens came from."""
+
+    cached_tokens: int = Field(
+        0,
+        description="Prompt tokens whose KV cache was reused from an earlier request (automatic prefix caching, "
+        "in whole blocks) instead of being computed; per prompt, as its first choice found them.",
+    )
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class TopLogprobOut(BaseModel):
@@ -152,6 +181,11 @@ class ChatLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = Field(
+        None, description="A reasoning model's thinking (between <think> and </think>), split from content by "
+        "--reasoning-parser; null when there is none.",
+    )
+    reasoning: str | None = Field(None, description="The same as reasoning_content (vLLM's newer name).")
 
 
 class ChatChoice(BaseModel):
@@ -169,11 +203,14 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None  # see AssistantMessage; also sent as `reasoning`
+    reasoning: str | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: Any) -> dict[str, Any]:
@@ -203,11 +240,21 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+class PromptLogprobOut(BaseModel):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprobOut] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):

@@ -15,11 +15,13 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app import embeddings, health, llama_stack, openai_routes
+from app import embeddings, health, llama_stack, openai_routes, tokenize_routes
 from app.errors import classify, install_error_handlers
 from app.hardening import install_hardening
 from app.metrics import install_metrics
+from app.model_registry import ModelLeaseMiddleware
 from app.openapi import install_openapi
+from app.ui import install_ui
 
 log = logging.getLogger("peregrine.app")
 REQUEST_ID_HEADER = "x-request-id"
@@ -43,6 +45,9 @@ def create_app(engine: Any = None, settings: Any = None, embedder: Any = None) -
     app.include_router(openai_routes.router)
     app.include_router(embeddings.router)
     app.include_router(llama_stack.router)
+    app.include_router(tokenize_routes.router)
+    install_ui(app)  # GET / (the chat page) and /ui/ (its static files)
+    app.add_middleware(ModelLeaseMiddleware)  # several models: leases end when the response is complete
     install_hardening(app, settings)  # auth, limits, draining, disconnect/timeout cancellation
     install_metrics(app)  # GET /metrics; its middleware sits outside hardening, so 401/429 are counted
     app.add_middleware(RequestIdMiddleware)  # added last: outermost, so every answer carries the id

@@ -1,4 +1,5 @@
-"""Peregrine's own CPU kernels (`csrc/cpu_kernels.cpp`), for the decode steps torch's general kernels serve badly.
+"""Peregrine's own CPU kernels (`csrc/`: a shared header `kernels.h`, one file per kernel family, `bindings.cpp`),
+for the decode steps torch's general kernels serve badly.
 
 - `linear_bf16`, a bandwidth-bound bfloat16 linear for decode steps of 1 to 8 rows. At batch 1 a decode step
   reads every weight once, so its speed is memory bandwidth / weight bytes. torch's bf16 `F.linear` (oneDNN)
@@ -21,8 +22,8 @@
   keep the Python-level path from the memory roofline; at 16 rows AMX does the matmuls at the cost of reading
   the weights, where oneDNN's GEMM repacks them on every call.
 
-The source is compiled with torch's own extension builder on first use (a C++ compiler is needed; about half
-a minute) and cached under `<cache>/kernels/`, keyed by the source, its path and torch version, so later
+The sources (`csrc/*.cpp`) are compiled with torch's own extension builder on first use (a C++ compiler is
+needed; about a minute on a quiet machine) and cached under `<cache>/kernels/`, keyed by the source, its path and torch version, so later
 starts load it in milliseconds. When the CPU lacks AVX512-BF16, no compiler is found, or the build fails,
 `load()` logs why once and the engine keeps torch's ops.
 """
@@ -40,9 +41,12 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from engine import cpu_features
+from engine.extension_build import exclusive_build
+
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+CSRC = Path(__file__).with_name("csrc")  # a shared header and one file per kernel family
 NAME = "peregrine_cpu_kernels"
 MAX_ROWS = 8  # measured: 2.3x F.linear at 1 row, 1.3x at 4, even at 8, slower beyond (oneDNN's AMX GEMM wins)
 CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-fopenmp"]
@@ -50,6 +54,7 @@ CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx
 Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 _loaded: dict[str, ModuleType | None] = {}
+_said_off: set[str | None] = set()  # reasons logged already: each once
 
 
 def default_cache_dir() -> Path:
@@ -58,7 +63,9 @@ def default_cache_dir() -> Path:
 
 def unsupported_reason() -> str | None:
     """Why the kernel cannot run on this machine, or None when it can."""
-    if not _has_avx512_bf16():
+    if not cpu_features.has("avx512"):
+        if cpu_features.detected_level() in ("avx512", "amx"):
+            return f"AVX-512 hidden by {cpu_features.ENV}={cpu_features.ceiling()}"
         return "this CPU has no AVX512-BF16"
     from torch.utils.cpp_extension import get_cxx_compiler
 
@@ -69,22 +76,17 @@ def unsupported_reason() -> str | None:
     return None
 
 
-def _has_avx512_bf16() -> bool:
-    probe = getattr(torch._C._cpu, "_is_avx512_bf16_supported", None)
-    if probe is not None:
-        return bool(probe())
-    try:
-        return "avx512_bf16" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-
 
 def load(cache_dir: Path | None = None) -> ModuleType | None:
     """The compiled extension (built on first use), or None when this machine cannot run it (logged once)."""
-    source = SOURCE.read_bytes()
-    # keyed by the checkout too: torch's builder rebuilds when the same build folder sees another source path
-    key = hashlib.sha256(source + str(SOURCE.resolve()).encode() + torch.__version__.encode()
-                         + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    sources = sorted(CSRC.glob("*.cpp"))
+    digest = hashlib.sha256(torch.__version__.encode() + " ".join(CFLAGS).encode())
+    for path in sorted([*sources, *CSRC.glob("*.h")]):
+        # keyed by the checkout too: torch's builder rebuilds when the same build folder sees another source path
+        digest.update(str(path.resolve()).encode() + path.read_bytes())
+    key = digest.hexdigest()[:16]
+    if not cpu_features.has("avx512"):  # the ceiling can change between calls (tests); the build cannot
+        return _off(unsupported_reason())
     if key in _loaded:
         return _loaded[key]
     reason = unsupported_reason()
@@ -94,19 +96,24 @@ def load(cache_dir: Path | None = None) -> ModuleType | None:
         build_dir.mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()
         if not (build_dir / f"{NAME}.so").exists():
-            log.info("compiling Peregrine's CPU kernels (%s) into %s, once", SOURCE.name, build_dir)
+            log.info("compiling Peregrine's CPU kernels (%s) into %s, once", CSRC, build_dir)
         try:
             from torch.utils.cpp_extension import load as build
 
-            module = build(name=NAME, sources=[str(SOURCE)], extra_cflags=CFLAGS,
-                           extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
+            with exclusive_build(build_dir):
+                module = build(name=NAME, sources=[str(p) for p in sources], extra_cflags=CFLAGS,
+                               extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
             log.info("CPU kernels ready in %.1f s", time.perf_counter() - started)
         except Exception as exc:  # a failed build must never stop the server: F.linear still works
             reason = f"build failed: {str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__}"
-    if module is None:
-        log.warning("Peregrine's CPU kernels off (%s); using torch's own", reason)
     _loaded[key] = module
-    return module
+    return module if module is not None else _off(reason)
+
+
+def _off(reason: str | None) -> None:
+    if reason not in _said_off:
+        _said_off.add(reason)
+        log.warning("Peregrine's CPU kernels off (%s); using torch's own", reason)
 
 
 def _for(device: torch.device, enabled: bool, cache_dir: Path | None,
@@ -194,7 +201,7 @@ def llama_decoder_for(device: torch.device, dtype: torch.dtype, enabled: bool = 
     module = _for(device, enabled, cache_dir, dtype)
     if module is None:
         return None
-    amx = bool(module.amx_available()) if amx is None else amx
+    amx = bool(module.amx_available()) and cpu_features.has("amx") if amx is None else amx
     log.info("decode steps: one kernel call per step, matmuls on %s", "AMX" if amx else "AVX512-BF16")
 
     def build(*args: object) -> object:

@@ -70,6 +70,15 @@ def resolve_embedding_model(spec: str) -> tuple[Path, str]:
     return path, path.name
 
 
+EMBED_SUFFIX = "-embed"
+
+
+def discoverable_name(name: str) -> str:
+    """The default served id: `name`, plus "-embed" unless it says "embed" already. Llama Stack's remote::vllm
+    provider (and other vLLM clients) tell embedding models from LLMs in /v1/models by that word alone."""
+    return name if "embed" in name.lower() else name + EMBED_SUFFIX
+
+
 def read_pipeline(path: Path) -> Pipeline:
     """Read modules.json and the pooling / sentence-bert configs; refuse modules we do not implement."""
     modules_file = path / "modules.json"

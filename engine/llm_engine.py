@@ -14,14 +14,14 @@ from typing import Any
 
 import torch
 
-from engine import cpu_kernels
+from engine import cpu_kernels, prompt_logprobs
 from engine.backends import get_backend
 from engine.block_manager import BlockManager
 from engine.kv_cache import KVCache, KVCacheSpec, plan_num_blocks
 from engine.model_runner import ModelRunner
 from engine.outputs import SequenceOutput
 from engine.sampler import Sampler
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
 from engine.types import (
     EngineConfig,
@@ -54,7 +54,7 @@ class LLMEngine:
         backend = get_backend("tt" if cfg.device == "tt" else device)  # tt runs from host (cpu) tensors
         self.kv_cache = _allocate_kv(model, cfg, backend.free_memory_bytes(), dtype, device, max_model_len)
         self.max_model_len = min(max_model_len, self.kv_cache.num_slots)
-        self.blocks = BlockManager(self.kv_cache.num_blocks, cfg.block_size)
+        self.blocks = BlockManager(self.kv_cache.num_blocks, cfg.block_size, cfg.prefix_caching)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         kernel_cache = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else None
         self.runner = ModelRunner(backend.prepare(model), self.kv_cache, device, cfg.model_impl,
@@ -67,6 +67,8 @@ class LLMEngine:
         self.sampler = Sampler(device, cfg.seed, self.eos_token_ids,
                                cpu_kernels.argmax_for(device, cfg.cpu_kernels, kernel_cache))
         self.counters = Counters()
+        log.info("prefix caching %s", f"on: up to {self.kv_cache.num_slots} tokens of KV kept for reuse in "
+                 f"blocks of {cfg.block_size}, evicted least recently used" if cfg.prefix_caching else "off")
         self._outputs: dict[tuple[str, int], SequenceOutput] = {}
 
     @classmethod
@@ -82,7 +84,9 @@ class LLMEngine:
         if batch.is_empty:
             return []
         logits = self.runner.run(batch)
-        sampled = self.sampler.sample(logits, [item.seq for item in batch.sampling])
+        num_sampling = len(batch.sampling)
+        self._score_prompt(batch, logits[num_sampling:])
+        sampled = self.sampler.sample(logits[:num_sampling], [item.seq for item in batch.sampling])
         grown = self.scheduler.update(batch, [s.token_id for s in sampled])
         self.counters.steps += 1
         self.counters.generated_tokens += len(grown)
@@ -147,7 +151,18 @@ class LLMEngine:
             steps_total=self.counters.steps,
             last_step_age_s=last_step_age_s,
             alive=alive,
+            computed_tokens_total=self.scheduler.computed_tokens_total,
+            prefix_cache_queries_total=self.scheduler.prefix_cache_queries_total,
+            prefix_cache_hits_total=self.scheduler.prefix_cache_hits_total,
+            kv_cached_blocks=self.blocks.num_cached_blocks,
         )
+
+    def _score_prompt(self, batch: SchedulerOutput, rows: torch.Tensor) -> None:
+        """Record the prompt logprobs of this step's chunks (rows: their logits, after the sampling rows)."""
+        spans = prompt_logprobs.spans(batch)
+        if spans:
+            for span, scored in zip(spans, prompt_logprobs.score(rows, spans), strict=True):
+                self._outputs[span.item.seq.seq_id].add_prompt_logprobs(span.first, scored)
 
     def _emit(self, seq: Sequence, sampled: Any) -> RequestOutput:
         out = self._outputs[seq.seq_id].on_token(sampled, self.eos_token_ids, self.max_model_len)
@@ -172,6 +187,8 @@ def _validate_params(p: SamplingParams) -> None:
         (p.min_tokens >= 0, "min_tokens", "min_tokens must be >= 0"),
         (p.logprobs is None or 0 <= p.logprobs <= MAX_LOGPROBS, "logprobs",
          f"logprobs must be between 0 and {MAX_LOGPROBS}"),
+        (p.prompt_logprobs is None or 0 <= p.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs",
+         f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}"),
     ]
     for ok, param, message in checks:
         if not ok:

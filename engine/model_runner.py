@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine import attention, cpu_kernels, llama_fast
+from engine import attention, cpu_kernels, llama_fast, prompt_logprobs
 from engine.attention import AttentionMetadata, PrefillChunk
 from engine.kv_cache import KVCache
 from engine.scheduler import ScheduledSeq, SchedulerOutput
@@ -31,7 +31,9 @@ Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]
 class StepInputs:
     input_ids: torch.Tensor  # [1, total_tokens]
     positions: torch.Tensor  # [1, total_tokens]
-    logits_indices: torch.Tensor  # [num_sampling] rows of the packed batch, in SchedulerOutput.sampling order
+    # [num_sampling + prompt rows] rows of the packed batch: SchedulerOutput.sampling order, then the rows of
+    # engine.prompt_logprobs.spans(out) (only sequences that asked for prompt logprobs have any)
+    logits_indices: torch.Tensor
     meta: AttentionMetadata
 
 
@@ -56,7 +58,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> torch.Tensor:
-        """Returns logits [num_sampling, vocab] (float32) for `out.sampling`, in that order."""
+        """Returns logits [num_sampling, vocab] (float32) for `out.sampling`, in that order, followed by the rows of
+        `prompt_logprobs.spans(out)` when a sequence asked for prompt logprobs."""
         inputs = self.prepare(out)
         logits = self._forward(inputs.input_ids[0], inputs.positions[0], inputs.meta, inputs.logits_indices)
         return logits.float()
@@ -84,6 +87,9 @@ class ModelRunner:
         decodes = [s for s in items if s.num_tokens == 1]
         prefills = tuple(self._chunk(s, offsets[id(s)]) for s in items if s.num_tokens > 1)
         logits_rows = [offsets[id(s)] + s.num_tokens - 1 for s in out.sampling]
+        for span in prompt_logprobs.spans(out):
+            first = offsets[id(span.item)] + span.offset
+            logits_rows += range(first, first + span.count)
         tables = self._decode_block_tables(decodes) if decodes else None
         lengths = self._tensor([s.start + 1 for s in decodes]) if decodes else None
         meta = AttentionMetadata(

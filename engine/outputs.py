@@ -6,10 +6,11 @@ from collections.abc import Collection
 from typing import Any
 
 from engine.detokenizer import IncrementalDetokenizer
+from engine.prompt_logprobs import PromptLogprobs, Scored
 from engine.sampler import SampledToken
 from engine.sequence import Sequence
 from engine.stopping import StopDecision, StopStringMatcher, check_token_stop
-from engine.types import RequestOutput, TokenLogprob, TopLogprob
+from engine.types import PromptTokenLogprob, RequestOutput, TokenLogprob, TopLogprob
 
 
 class SequenceOutput:
@@ -20,6 +21,12 @@ class SequenceOutput:
         self._tokenizer = tokenizer
         self._detok = IncrementalDetokenizer(tokenizer, seq.params.skip_special_tokens)
         self._stops = StopStringMatcher(seq.params.stop, seq.params.include_stop_str_in_output)
+        self._prompt = PromptLogprobs(seq) if seq.params.prompt_logprobs is not None else None
+        self._prompt_sent = False
+
+    def add_prompt_logprobs(self, first: int, scored: list[Scored]) -> None:
+        if self._prompt is not None:
+            self._prompt.add(first, scored)
 
     def on_token(self, sampled: SampledToken, eos: Collection[int], max_model_len: int) -> RequestOutput:
         """Process the token just appended to the sequence; `finish_reason` is set when it ends here."""
@@ -38,7 +45,7 @@ class SequenceOutput:
     def aborted(self) -> RequestOutput:
         return RequestOutput(
             self.seq.request_id, self.seq.index, "", [], len(self.seq.prompt_token_ids),
-            len(self.seq.output_token_ids), finish_reason="abort",
+            len(self.seq.output_token_ids), finish_reason="abort", cached_tokens=self.seq.num_cached_tokens,
         )
 
     def _output(self, text: str, sampled: SampledToken, decision: StopDecision | None) -> RequestOutput:
@@ -52,7 +59,20 @@ class SequenceOutput:
             finish_reason=decision.reason if decision else None,
             stop_reason=decision.stop_reason if decision else None,
             logprobs=[self._logprob(sampled)] if sampled.logprob is not None else None,
+            cached_tokens=self.seq.num_cached_tokens,
+            prompt_logprobs=self._take_prompt_logprobs(),
         )
+
+    def _take_prompt_logprobs(self) -> list[PromptTokenLogprob | None] | None:
+        """The prompt's logprobs, once: on the sequence's first output (the prefill has finished by then)."""
+        if self._prompt is None or self._prompt_sent:
+            return None
+        self._prompt_sent = True
+        return [None if e is None else self._prompt_token(e) for e in self._prompt.entries]
+
+    def _prompt_token(self, e: Scored) -> PromptTokenLogprob:
+        top = tuple(TopLogprob(t, self._token_text(t), lp) for t, lp in e.top)
+        return PromptTokenLogprob(e.token_id, self._token_text(e.token_id), e.logprob, e.rank, top)
 
     def _logprob(self, sampled: SampledToken) -> TokenLogprob:
         top = tuple(TopLogprob(t, self._token_text(t), lp) for t, lp in sampled.top)

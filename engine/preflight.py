@@ -302,11 +302,11 @@ def _prod(shape: Iterable[int]) -> int:
 
 
 def cpu_has_amx(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
-    """Whether this CPU reports AMX-BF16 (Linux's flags), without building the kernels."""
-    try:
-        return " amx_bf16" in cpuinfo.read_text(errors="replace")
-    except OSError:
-        return False
+    """Whether the kernels may use AMX here (the CPU reports it and PEREGRINE_CPU_ISA does not hide it),
+    without building them."""
+    from engine import cpu_features
+
+    return cpu_features.has("amx", flags=cpu_features.cpu_flags.__wrapped__(cpuinfo))
 
 
 def disk_of(path: Path) -> Disk:

@@ -9,6 +9,12 @@ Order of service:
 When a running sequence needs a block and none is free, the newest running sequence is preempted: its blocks
 are freed and it goes back to the front of the queue, to be recomputed (prompt + tokens so far) later.
 No request ever fails for lack of KV memory.
+
+With prefix caching on, a waiting sequence first takes the cached blocks that hold the start of its tokens
+(`BlockManager.cached_prefix`); it is admitted by the blocks it still needs and computes only the tokens after
+that prefix. Blocks are published as they become full and computed, at the end of each step (`update`). The
+siblings of an n > 1 request wait at the head of the queue while the first one computes the shared prompt, then
+take it from the cache.
 """
 
 from __future__ import annotations
@@ -66,6 +72,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # sorted by arrival, oldest first
         self.preemptions_total = 0
+        self.computed_tokens_total = 0  # positions whose K/V the model computed (prefill, recompute and decode)
+        self.prefix_cache_queries_total = 0  # tokens of admitted sequences looked up in the prefix cache
+        self.prefix_cache_hits_total = 0  # of those, tokens found cached (not computed)
 
     @property
     def has_work(self) -> bool:
@@ -94,6 +103,8 @@ class Scheduler:
         Returns the sequences that received a new token."""
         for item in out.scheduled:
             item.seq.num_computed_tokens += item.num_tokens
+            self.computed_tokens_total += item.num_tokens
+            self.blocks.publish(item.seq)
         grown = []
         for item, token in zip(out.sampling, sampled, strict=True):
             item.seq.output_token_ids.append(token)
@@ -142,14 +153,38 @@ class Scheduler:
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_uncomputed_tokens, budget)
-            if not self.blocks.grow(seq, seq.num_computed_tokens + n):
+            if self._sibling_is_computing_prompt(seq):
+                return
+            # prompt logprobs come from computing the prompt: a request asking for them takes no cached blocks
+            prefix = [] if seq.params.prompt_logprobs is not None else self.blocks.cached_prefix(seq)
+            cached = len(prefix) * self.blocks.block_size
+            n = min(seq.num_tokens - cached, budget)
+            if not self.blocks.allocate(seq, prefix, cached + n):
                 return  # first come first served: nobody overtakes the head of the queue
+            self._count_prefix_hit(seq, cached)
             self.waiting.popleft()
             seq.status = "running"
             bisect.insort(self.running, seq, key=lambda s: s.arrival)
             out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
             budget -= n
+
+    def _count_prefix_hit(self, seq: Sequence, cached: int) -> None:
+        seq.num_computed_tokens = cached
+        if seq.num_preemptions == 0:  # what the request's usage reports: its first admission
+            seq.num_cached_tokens = cached
+        if self.blocks.prefix_caching:
+            self.prefix_cache_queries_total += seq.num_tokens
+            self.prefix_cache_hits_total += cached
+
+    def _sibling_is_computing_prompt(self, seq: Sequence) -> bool:
+        """True while a running sibling (same request, n > 1) has yet to compute the full prompt blocks `seq`
+        could take from the cache once they are published."""
+        if not self.blocks.prefix_caching:
+            return False
+        shareable = (len(seq.prompt_token_ids) - 1) // self.blocks.block_size * self.blocks.block_size
+        return shareable > 0 and any(
+            s.request_id == seq.request_id and s.num_computed_tokens < shareable for s in self.running
+        )
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

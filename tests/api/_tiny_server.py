@@ -7,7 +7,6 @@ the soak and overload tests can send thousands. Each server runs from a temporar
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
@@ -17,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support import free_port, log_tail, stop_process, wait_http_ok
+from tests.support import free_port, log_tail, server_env, stop_process, wait_http_ok
 
 REPO = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 600.0
@@ -32,7 +31,7 @@ class TinyServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = workdir / "server.log"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("PEREGRINE_")}
+        env = server_env()
         cmd = [sys.executable, str(REPO / "main.py"), "--model", str(model_dir), "--host", "127.0.0.1",
                "--port", str(self.port), *BASE_ARGS, *args]  # fmt: skip
         with open(self.log_path, "wb") as log:

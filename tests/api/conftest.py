@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support import free_port, stop_process, wait_http_ok
+from tests.support import free_port, server_env, stop_process, wait_http_ok
 
 REPO = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 900.0  # loading and dequantizing the GGUF on a busy 2-core machine can take minutes
@@ -41,7 +41,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     workdir = tmp_path_factory.mktemp("server")
     log_path = workdir / "server.log"
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PEREGRINE_")}
+    env = server_env()
     cmd = [sys.executable, str(REPO / "main.py"), "--host", "127.0.0.1", "--port", str(port), *SERVER_ARGS]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -25,7 +25,7 @@ SECRET = "issue-5-test-secret-0123456789abcdef-0123456789abcdef"
 BURST = 40
 MAX_BODY = 65536
 HI = [{"role": "user", "content": "hi"}]
-OPEN_PATHS = {"/health", "/health/engine", "/health/ready", "/ready", "/v1/health"}
+OPEN_PATHS = {"/health", "/health/engine", "/health/ready", "/ready", "/v1/health", "/"}  # "/": the chat page
 
 
 @pytest.fixture(scope="module")

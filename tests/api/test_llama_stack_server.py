@@ -7,17 +7,17 @@ its PID. llama-stack-client 0.7.x then talks to the stack only, and must get Per
 
 from __future__ import annotations
 
-import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from tests.interop.harness import check_embeddings, check_generation, direct, embedding_id, run_client
 from tests.interop.venvs import CLIENT_MODERN, SERVER, ensure_venv
-from tests.support import free_port, stop_process, wait_http_ok
+from tests.support import free_port, server_env, stop_process, wait_http_ok
 
 # A first run builds the clients' (and the stack's) venvs inside setup: allow for it beyond the default 900 s.
 pytestmark = [pytest.mark.slow, pytest.mark.interop, pytest.mark.timeout(3600)]
@@ -28,14 +28,29 @@ START_TIMEOUT_S = 300
 
 @pytest.fixture(scope="module")
 def stack(server: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    yield from run_stack(server, tmp_path_factory.mktemp("llama-stack"), RUN_YAML)
+
+
+@pytest.fixture(scope="module")
+def discovering_stack(server: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The same run config without its `registered_resources` (no `models:` list): the stack finds
+    Peregrine's models by listing /v1/models, and its remote::vllm adapter types them by name."""
+    workdir = tmp_path_factory.mktemp("llama-stack-discovery")
+    config = yaml.safe_load(RUN_YAML.read_text())
+    config.pop("registered_resources")
+    run_yaml = workdir / "run.yaml"
+    run_yaml.write_text(yaml.safe_dump(config))
+    yield from run_stack(server, workdir, run_yaml)
+
+
+def run_stack(server: str, workdir: Path, run_yaml: Path) -> Iterator[str]:
     venv = ensure_venv(SERVER)
-    workdir = tmp_path_factory.mktemp("llama-stack")
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PEREGRINE_", "LLAMA_STACK_"))}
+    env = server_env("LLAMA_STACK_")
     env |= {"PEREGRINE_URL": f"{server}/v1", "SQLITE_STORE_DIR": str(workdir / "store"), "HOME": str(workdir),
             "LLAMA_STACK_HOST": "127.0.0.1"}  # fmt: skip
     log = workdir / "stack.log"
-    cmd = [str(venv / "bin" / "llama"), "stack", "run", str(RUN_YAML), "--port", str(port)]
+    cmd = [str(venv / "bin" / "llama"), "stack", "run", str(run_yaml), "--port", str(port)]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -58,4 +73,15 @@ def test_llama_stack_serves_peregrine(
     assert seen["models"][emb_id]["model_type"] == "embedding"
     assert seen["retrieve_embedding"]["provider_resource_id"] == embedding_id
     check_generation(seen, direct)
+    check_embeddings(seen, direct)
+
+
+def test_llama_stack_discovers_the_embedding_model_without_a_models_list(
+    discovering_stack: str, model_id: str, embedding_id: str, direct: dict[str, Any]
+) -> None:
+    assert "embed" in embedding_id  # the default served name is one remote::vllm types as an embedding model
+    llm_id, emb_id = f"peregrine/{model_id}", f"peregrine/{embedding_id}"
+    seen = run_client(CLIENT_MODERN, "lsc_modern.py", discovering_stack, llm_id, emb_id, "models,embeddings")
+    assert seen["models"][llm_id]["model_type"] == "llm"
+    assert seen["models"][emb_id]["model_type"] == "embedding"
     check_embeddings(seen, direct)

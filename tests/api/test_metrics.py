@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.slow
 COMPLETIONS = "/v1/completions"
+TOKENS = 160  # long enough that the scrape taken after the first token still sees the request running
 
 
 def scrape(http: httpx.Client) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -43,7 +44,7 @@ def test_metrics_move_during_and_after_a_stream(server: str, http: httpx.Client,
     assert get(before, "peregrine_engine_alive") == 1
     total_tokens = get(before, "peregrine_kv_cache_total_tokens")
     assert total_tokens > 0
-    body = {"model": model_id, "prompt": "Peregrine falcons hunt", "max_tokens": 48, "ignore_eos": True,
+    body = {"model": model_id, "prompt": "Peregrine falcons hunt", "max_tokens": TOKENS, "ignore_eos": True,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     during: dict = {}
     usage: dict = {}
@@ -65,7 +66,7 @@ def test_metrics_move_during_and_after_a_stream(server: str, http: httpx.Client,
     assert get(during, "peregrine_time_to_first_token_seconds_count") == (
         get(before, "peregrine_time_to_first_token_seconds_count") + 1
     ), "TTFT is observed as soon as the first token leaves the engine"
-    assert usage["completion_tokens"] == 48
+    assert usage["completion_tokens"] == TOKENS
 
     ok = {"route": COMPLETIONS, "method": "POST", "status": "200"}
     counted = get(before, "peregrine_http_requests_total", **ok) + 1
@@ -84,7 +85,7 @@ def test_metrics_move_during_and_after_a_stream(server: str, http: httpx.Client,
     assert get(after, "peregrine_num_requests_running") == 0
     assert get(after, "peregrine_kv_cache_used_tokens") == get(after, "peregrine_kv_cache_usage_ratio") == 0
     assert moved("peregrine_prompt_tokens_total") == usage["prompt_tokens"]
-    assert moved("peregrine_generation_tokens_total") == 48
+    assert moved("peregrine_generation_tokens_total") == TOKENS
     assert moved("peregrine_request_success_total", finished_reason="length") == 1
     for hist in (
         "time_to_first_token_seconds",
@@ -97,7 +98,7 @@ def test_metrics_move_during_and_after_a_stream(server: str, http: httpx.Client,
         "peregrine_time_to_first_token_seconds_sum"
     )
     assert moved("peregrine_http_requests_total", **ok) == 1
-    assert moved("peregrine_engine_steps_total") >= 48
+    assert moved("peregrine_engine_steps_total") >= TOKENS
     assert get(after, "peregrine_kv_cache_total_tokens") == total_tokens
 
 

@@ -55,7 +55,9 @@ def test_capital_of_france_stream_equals_non_stream(client: openai.OpenAI, model
     assert chunks[0].choices[0].delta.role == "assistant"
     assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
     last = chunks[-1]  # stream_options.include_usage: a last chunk with no choices carries the usage
-    assert last.choices == [] and last.usage.model_dump() == paris.usage.model_dump()
+    assert last.choices == [] and _counts(last.usage) == _counts(paris.usage)
+    # the same prompt again: its full blocks come from the prefix cache
+    assert last.usage.prompt_tokens_details.cached_tokens == (paris.usage.prompt_tokens - 1) // 16 * 16
     assert all(c.usage is None for c in chunks[:-1])
 
 
@@ -171,3 +173,8 @@ def test_vllm_extra_sampling_keys_accepted(client: openai.OpenAI, model_id: str)
         },
     )
     assert r.usage.completion_tokens >= 2
+
+
+def _counts(usage) -> dict:
+    """The token counts of a usage object, without the cache details (they depend on what ran before)."""
+    return usage.model_dump(exclude={"prompt_tokens_details"})

@@ -12,6 +12,8 @@ import pytest
 pytestmark = pytest.mark.slow
 
 USE_PY = Path(__file__).resolve().parents[2] / "use.py"
+sys.path.insert(0, str(USE_PY.parent))
+import use  # noqa: E402  (the smoke client is a script at the repository root)
 
 
 def _use(base_url: str, *args: str) -> subprocess.CompletedProcess:
@@ -22,8 +24,27 @@ def _use(base_url: str, *args: str) -> subprocess.CompletedProcess:
 def test_use_py_passes(server: str) -> None:
     r = _use(server)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "FAIL" not in r.stdout and " 0 failed" in r.stdout
-    assert "ok   chat stream" in r.stdout and "ok   completions" in r.stdout
+    assert "FAIL" not in r.stdout and f"{len(use.CHECKS)} passed, 0 failed" in r.stdout
+    lines = [line for line in r.stdout.splitlines() if line.startswith("ok   ")]
+    assert len(lines) == len(use.CHECKS)  # one line per route
+    for name, _ in use.CHECKS:
+        assert any(line.startswith(f"ok   {name} (") for line in lines), name
+    names = " | ".join(name for name, _ in use.CHECKS)
+    for route in ("embeddings", "tokenize", "legacy chat_completion SSE", "legacy chat_completion NDJSON",
+                  "legacy completion SSE", "legacy completion NDJSON", "/v1/health", "/v1/version",
+                  "/v1/providers", "models/{id}", "chat stream", "completions stream"):
+        assert route in names, route
+
+
+def test_one_failing_check_is_reported_and_the_rest_still_run(capsys: pytest.CaptureFixture) -> None:
+    def broken(ctx: object) -> str:
+        raise AssertionError("the route answered 500")
+
+    checks = [("first", lambda ctx: "fine"), ("broken", broken), ("last", lambda ctx: "fine too")]
+    assert use.run(use.Ctx("http://x", None, 1, None, None), checks) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("ok   first") and out[1] == "FAIL broken: AssertionError: the route answered 500"
+    assert out[2].startswith("ok   last") and out[3] == "2 passed, 1 failed"
 
 
 def test_use_py_fails_without_a_server() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -38,6 +39,30 @@ async def wait_for(condition: Any, timeout: float = 60.0) -> None:
         await asyncio.sleep(0.01)
 
 
+class StepGate:
+    """Holds the engine's loop thread before its step number `after` + 1 until `release()`: while held, a
+    request is provably still in flight, however fast the machine generates (no race with generation)."""
+
+    def __init__(self, front: AsyncEngine, after: int) -> None:
+        self.after, self.steps = after, 0
+        self.holding, self._open = threading.Event(), threading.Event()
+        self._step = front.engine.step
+        front.engine.step = self.step  # type: ignore[method-assign]
+
+    def step(self) -> list[RequestOutput]:
+        if self.steps >= self.after:
+            self.holding.set()
+            assert self._open.wait(120), "the test never released the engine"
+        self.steps += 1
+        return self._step()
+
+    async def held(self) -> None:
+        assert await asyncio.to_thread(self.holding.wait, 120), "the engine never reached the gate"
+
+    def release(self) -> None:
+        self._open.set()
+
+
 async def test_streams_the_same_tokens_as_the_sync_engine(front: AsyncEngine, tiny: Any) -> None:
     prompt = tiny.tokenizer.encode("Hello world")
     expected = run_all(make_engine(tiny), {"s": (prompt, greedy())})["s"]
@@ -60,18 +85,23 @@ async def test_concurrent_requests_and_n(front: AsyncEngine, tiny: Any) -> None:
 
 
 async def test_abort_mid_generation_ends_stream_and_frees_kv(front: AsyncEngine, tiny: Any) -> None:
+    gate = StepGate(front, after=3)  # the abort lands while the request has ~400 tokens to go
     outs = []
     async for out in front.generate(tiny.tokenizer.encode("Hello"), greedy(400), "long"):
         outs.append(out)
         if len(outs) == 3:
+            await gate.held()
             assert front.stats().kv_used_blocks > 0
             front.abort("long")
-    assert outs[-1].finish_reason == "abort" and len(outs) < 400
+            gate.release()
+    # three tokens, the held step's token, then the abort, applied before the step after it
+    assert outs[-1].finish_reason == "abort" and len(outs) <= 5
     assert front.stats().kv_used_blocks == 0  # freed in the step that processed the abort
     front.abort("no-such-request")  # harmless
 
 
 async def test_cancelled_consumer_aborts_its_request(front: AsyncEngine, tiny: Any) -> None:
+    gate = StepGate(front, after=1)
     started = asyncio.Event()
 
     async def consume() -> None:
@@ -80,25 +110,32 @@ async def test_cancelled_consumer_aborts_its_request(front: AsyncEngine, tiny: A
 
     task = asyncio.create_task(consume())
     await asyncio.wait_for(started.wait(), 60)
+    await gate.held()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+    gate.release()
     await wait_for(lambda: front.stats().running == 0 and front.stats().kv_used_blocks == 0)
+    assert front.stats().generated_tokens_total < 400  # aborted, not run to the end
 
 
 async def test_event_loop_keeps_running_during_generation(front: AsyncEngine, tiny: Any) -> None:
-    ticks = 0
+    """The engine steps in its own thread: while a step is held there, the event loop still runs other work
+    (were the step on the loop's thread, the ticker could never reach 100 and the gate would time out)."""
+    gate = StepGate(front, after=1)
+    ticked = threading.Event()
 
     async def ticker() -> None:
-        nonlocal ticks
-        while True:
-            ticks += 1
+        await gate.held()
+        for _ in range(100):
             await asyncio.sleep(0)
+        ticked.set()
+        gate.release()
 
     task = asyncio.create_task(ticker())
-    await collect(front, tiny.tokenizer.encode("Hello"), greedy(32), "t")
-    task.cancel()
-    assert ticks > 32  # the loop ran other work while the engine thread stepped
+    outs = await collect(front, tiny.tokenizer.encode("Hello"), greedy(32), "t")
+    await task
+    assert ticked.is_set() and len(outs) == 32
 
 
 async def test_loop_death_fails_in_flight_requests_then_refuses(front: AsyncEngine, tiny: Any) -> None:

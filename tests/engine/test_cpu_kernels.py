@@ -96,13 +96,34 @@ def test_linear_for_keeps_torch_where_the_kernel_does_not_apply() -> None:
 @needs_kernel
 def test_a_failed_build_falls_back_to_torch_with_the_reason(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                             caplog: pytest.LogCaptureFixture) -> None:
-    broken = tmp_path / "cpu_kernels.cpp"
-    broken.write_text("#include <torch/extension.h>\nthis is not C++;\n")
-    monkeypatch.setattr(cpu_kernels, "SOURCE", broken)
+    broken = tmp_path / "csrc"
+    broken.mkdir()
+    (broken / "bindings.cpp").write_text("#include <torch/extension.h>\nthis is not C++;\n")
+    monkeypatch.setattr(cpu_kernels, "CSRC", broken)
     with caplog.at_level(logging.WARNING, logger="engine.cpu_kernels"):
         linear = cpu_kernels.linear_for(torch.device("cpu"), torch.bfloat16, cache_dir=tmp_path / "cache")
     assert linear is F.linear
     assert "CPU kernels off (build failed" in caplog.text
+
+
+@needs_kernel
+def test_a_build_left_locked_by_a_killed_builder_does_not_hang(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """torch's `lock` file, left in the build folder by a builder killed midway, is cleared instead of waited on
+    forever (the build here fails at once: the source is broken)."""
+    broken = tmp_path / "csrc"
+    broken.mkdir()
+    (broken / "bindings.cpp").write_text("#include <torch/extension.h>\nthis is not C++;\n")
+    monkeypatch.setattr(cpu_kernels, "CSRC", broken)
+    cache = tmp_path / "cache"
+    first = cpu_kernels.linear_for(torch.device("cpu"), torch.bfloat16, cache_dir=cache)  # makes the build folder
+    (build_dir,) = (cache / "kernels").iterdir()
+    (build_dir / "lock").touch()  # what a killed torch builder leaves
+    cpu_kernels._loaded.clear()
+    with caplog.at_level(logging.WARNING):
+        again = cpu_kernels.linear_for(torch.device("cpu"), torch.bfloat16, cache_dir=cache)
+    assert first is again is F.linear
+    assert "left by a build that was stopped midway" in caplog.text and not (build_dir / "lock").exists()
 
 
 @needs_kernel

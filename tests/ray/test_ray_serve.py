@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support import free_port
+from tests.support import free_port, server_env
 
 pytest.importorskip("ray.serve", reason="the ray extra is not installed (pip install .[ray])")
 openai = pytest.importorskip("openai")
@@ -93,7 +93,7 @@ def cluster(long_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     ray_tmpdir = tempfile.mkdtemp(prefix="prg-ray-", dir="/tmp")  # short: Ray puts unix sockets under it
     log_path = workdir / "server.log"
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PEREGRINE_", "RAY_"))}
+    env = server_env("RAY_")
     # A private local cluster: own temp dir, and Ray's single-machine mode, which binds the node to 127.0.0.1.
     env |= {"RAY_TMPDIR": ray_tmpdir, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_DEDUP_LOGS": "0",
             "PYTHONPATH": str(REPO)}  # fmt: skip
@@ -214,7 +214,7 @@ def test_stream_is_not_buffered_and_disconnect_aborts(cluster: Cluster, route: s
     its engine while it was still generating. No other request runs meanwhile, so the replica's counters
     belong to this one.
     """
-    max_tokens = 3000
+    max_tokens = MAX_MODEL_LEN - 64  # as long as the context allows: far more than any machine makes meanwhile
     body = {"model": cluster.model_id, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True}  # fmt: skip
     body |= (
@@ -274,19 +274,21 @@ async def test_killed_replica_errors_its_requests_and_comes_back(
     cluster: Cluster, reference: Reference
 ) -> None:
     """SIGKILL one replica's process while both serve long requests: nothing hangs, nothing ends silently.
-    A stream on the killed replica either raises or (if all of it had left the replica before the kill) is
-    complete and correct; at least one of them raises. Every request that completes is correct. Ray starts
-    a new replica, and requests sent once it is up succeed."""
-    max_tokens, prompt = 1000, PROMPTS[2]
+    The kill lands, synchronously, when the first stream gets its first chunk: that stream has about 4,000
+    tokens still to come, so it and the other streams on the killed replica are provably in flight (no event
+    loop turn passes between seeing the chunk and the kill). A stream on the killed replica either raises or
+    (if all of it had left the replica before the kill) is complete and correct; the one that triggered the
+    kill raises. Every request that completes is correct. Ray starts a new replica, and requests sent once it
+    is up succeed."""
+    max_tokens, prompt = MAX_MODEL_LEN - 64, PROMPTS[2]  # as long as the context allows
     replicas = {r["id"]: r["pid"] for r in _health(cluster.base_url)["replicas"]}
     client = cluster.client()
-    first_chunk: dict[str, asyncio.Event] = {rid: asyncio.Event() for rid in replicas}
-    streams = [asyncio.create_task(_long_stream(client, cluster.model_id, prompt, max_tokens, first_chunk))
+    killer = _KillOnFirstChunk(replicas)
+    streams = [asyncio.create_task(_long_stream(client, cluster.model_id, prompt, max_tokens, killer))
                for _ in range(10)]  # fmt: skip
     plain = [asyncio.create_task(_outcome(_ask_raw(client, cluster.model_id, "completion", prompt, max_tokens,
                                                    stream=False))) for _ in range(4)]  # fmt: skip
-    victim = await _first_replica_streaming(first_chunk)
-    os.kill(replicas[victim], signal.SIGKILL)
+    victim = await killer.victim()
     results = await asyncio.gather(*streams)
     outcomes = await asyncio.gather(*plain)
     # The reference answer is computed while Ray brings the replacement replica up.
@@ -298,8 +300,7 @@ async def test_killed_replica_errors_its_requests_and_comes_back(
     )
 
     assert not [r for r in results if r.silent], f"a stream ended without finish_reason or error: {results}"
-    on_victim = [r for r in results if r.replica == victim]
-    assert [r for r in on_victim if r.error is not None], f"no stream on the killed replica failed: {results}"
+    assert killer.trigger.error is not None, f"the stream that saw the kill completed: {killer.trigger}"
     for r in results:
         assert r.error is not None or (r.finish_reason == "length" and r.text == expected), r
     for outcome in outcomes:
@@ -377,10 +378,32 @@ class StreamResult:
     silent: bool = False  # ended cleanly but without a finish_reason: the failure mode that must not happen
 
 
-async def _long_stream(client, model: str, prompt: str, max_tokens: int, first_chunk: dict) -> StreamResult:
+class _KillOnFirstChunk:
+    """SIGKILLs the replica of the first stream that gets a chunk, inside that stream's chunk loop (so the kill
+    lands before the loop reads any further), and remembers which stream and replica that was."""
+
+    def __init__(self, replicas: dict[str, int]) -> None:
+        self.replicas = replicas
+        self.trigger: StreamResult | None = None
+        self._killed = asyncio.Event()
+
+    def on_chunk(self, result: StreamResult) -> None:
+        if self.trigger is None:
+            self.trigger = result
+            os.kill(self.replicas[result.replica], signal.SIGKILL)
+            self._killed.set()
+
+    async def victim(self) -> str:
+        await asyncio.wait_for(self._killed.wait(), timeout=REQUEST_TIMEOUT_S)
+        return self.trigger.replica
+
+
+async def _long_stream(
+    client, model: str, prompt: str, max_tokens: int, killer: _KillOnFirstChunk
+) -> StreamResult:
     result = StreamResult(None, "", None, 0, None)
     try:
-        await _timed(_consume(client, model, prompt, max_tokens, first_chunk, result))
+        await _timed(_consume(client, model, prompt, max_tokens, killer, result))
     except TimeoutError:
         pytest.fail(f"a stream hung: {result}")
     except Exception as exc:  # an error is an answer; a clean end without a finish_reason is not
@@ -388,7 +411,9 @@ async def _long_stream(client, model: str, prompt: str, max_tokens: int, first_c
     return result
 
 
-async def _consume(client, model, prompt, max_tokens, first_chunk, result: StreamResult) -> None:
+async def _consume(
+    client, model, prompt, max_tokens, killer: _KillOnFirstChunk, result: StreamResult
+) -> None:
     raw = await client.completions.with_raw_response.create(
         model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
         extra_body={"ignore_eos": True})  # fmt: skip
@@ -396,7 +421,7 @@ async def _consume(client, model, prompt, max_tokens, first_chunk, result: Strea
     parsed = await raw.parse() if asyncio.iscoroutinefunction(raw.parse) else raw.parse()
     async for chunk in parsed:
         result.chunks += 1
-        first_chunk[result.replica].set()
+        killer.on_chunk(result)
         if chunk.choices:
             result.text += chunk.choices[0].text or ""
             result.finish_reason = chunk.choices[0].finish_reason or result.finish_reason
@@ -411,15 +436,6 @@ async def _outcome(coro):
         pytest.fail("a request hung")
     except openai.APIError as exc:
         return exc
-
-
-async def _first_replica_streaming(first_chunk: dict[str, asyncio.Event]) -> str:
-    waits = {asyncio.create_task(e.wait()): rid for rid, e in first_chunk.items()}
-    done, pending = await asyncio.wait(waits, timeout=REQUEST_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
-    for task in pending:
-        task.cancel()
-    assert done, "no stream delivered a chunk"
-    return waits[next(iter(done))]
 
 
 # --- helpers: SSE / NDJSON lines ---------------------------------------------------------------------------

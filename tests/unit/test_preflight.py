@@ -244,9 +244,20 @@ def test_the_amx_decoders_packed_copy_counts_on_cpu_only() -> None:
     assert on_gpu[0].needed == plain[0].needed
 
 
-def test_cpu_has_amx_reads_the_flags(tmp_path: Path) -> None:
+AMX_FLAGS = "fpu avx2 fma f16c avx512f avx512bw avx512vl avx512_bf16 amx_tile amx_bf16"
+
+
+def test_cpu_has_amx_reads_the_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PEREGRINE_CPU_ISA", raising=False)
     with_amx, without = tmp_path / "a", tmp_path / "b"
-    with_amx.write_text("flags\t\t: fpu avx512_bf16 amx_bf16 amx_tile\n")
-    without.write_text("flags\t\t: fpu avx512f\n")
+    with_amx.write_text(f"flags\t\t: {AMX_FLAGS}\n")
+    without.write_text("flags\t\t: fpu avx2 fma f16c avx512f\n")
     assert preflight.cpu_has_amx(with_amx) and not preflight.cpu_has_amx(without)
     assert not preflight.cpu_has_amx(tmp_path / "missing")
+
+
+def test_cpu_has_amx_follows_the_isa_ceiling(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with_amx = tmp_path / "a"
+    with_amx.write_text(f"flags\t\t: {AMX_FLAGS}\n")
+    monkeypatch.setenv("PEREGRINE_CPU_ISA", "avx512")
+    assert not preflight.cpu_has_amx(with_amx)  # the packed AMX copy is not counted when AMX is hidden

@@ -1,0 +1,75 @@
+"""What this CPU offers Peregrine's kernels: the one probe of its features, and the one ceiling on them.
+
+The kernels come in ISA levels, each a superset of the one before:
+
+- `avx2`: AVX2 + FMA + F16C, what nearly every x86-64 CPU of the last decade has (AMD Zen 1-3, Intel client
+  CPUs, most cloud VMs);
+- `avx512`: AVX-512 F/BW/VL with the BF16 dot products (AMD Zen 4+, Intel Cooper Lake / Sapphire Rapids+);
+- `amx`: AMX-BF16 tiles on top of that (Intel Sapphire Rapids and later).
+
+`PEREGRINE_CPU_ISA` (set by the `--cpu-isa` flag, or in the environment like oneDNN's `ONEDNN_MAX_CPU_ISA`)
+caps the level the kernels may use: `auto` (no cap), `amx`, `avx512`, `avx2` or `none`. It is a process-wide
+ceiling read where the kernels are picked, and child processes (Ray replicas, test servers) inherit it, so one
+machine can run the paths of a smaller CPU: CI runs the AVX2 paths on AVX-512 machines this way.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+from pathlib import Path
+
+ENV = "PEREGRINE_CPU_ISA"
+LEVELS = ("none", "avx2", "avx512", "amx")  # ascending: each level needs every flag of the ones before
+CHOICES = ("auto", *LEVELS)
+_NEEDS = {  # Linux's /proc/cpuinfo flag names
+    "avx2": ("avx2", "fma", "f16c"),
+    "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
+    "amx": ("amx_tile", "amx_bf16"),
+}
+
+
+@cache
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The CPU's feature flags as Linux reports them (empty where there is no /proc/cpuinfo)."""
+    try:
+        text = cpuinfo.read_text(errors="replace")
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):  # x86 / aarch64
+            return frozenset(value.split())
+    return frozenset()
+
+
+def detected_level(flags: frozenset[str] | None = None) -> str:
+    """The highest level whose flags this CPU has (every lower level's flags included)."""
+    flags = cpu_flags() if flags is None else flags
+    level = "none"
+    for name in LEVELS[1:]:
+        if not all(flag in flags for flag in _NEEDS[name]):
+            break
+        level = name
+    return level
+
+
+def ceiling(value: str | None = None) -> str:
+    """The cap in force: `value`, else `PEREGRINE_CPU_ISA`, else auto. Unknown values raise ValueError."""
+    value = (os.environ.get(ENV, "auto") if value is None else value).strip().lower() or "auto"
+    if value not in CHOICES:
+        raise ValueError(f"{ENV}={value!r}: expected one of {', '.join(CHOICES)}")
+    return value
+
+
+def isa_level(flags: frozenset[str] | None = None, cap: str | None = None) -> str:
+    """The level the kernels use: what the CPU has, capped by the ceiling."""
+    level, limit = detected_level(flags), ceiling(cap)
+    if limit == "auto":
+        return level
+    return LEVELS[min(LEVELS.index(level), LEVELS.index(limit))]
+
+
+def has(level: str, flags: frozenset[str] | None = None, cap: str | None = None) -> bool:
+    """Whether the kernels may use `level` (one of LEVELS) here."""
+    return LEVELS.index(isa_level(flags, cap)) >= LEVELS.index(level)

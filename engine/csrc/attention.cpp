@@ -1,0 +1,246 @@
+// Decode attention straight from the paged KV cache, in fixed chunks of context positions.
+#include "attention.h"
+
+namespace peregrine {
+namespace {
+
+// The 16 horizontal sums of v[0..15] as one vector (a transpose by shuffles instead of 16 reductions).
+__attribute__((always_inline)) inline __m512 sum16(const __m512* v) {
+  __m512 t[8], u[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: v[2i] and v[2i+1] folded to pairs
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int j = 0; j < 4; ++j)  // per lane: the lane's sums of v[4j..4j+3]
+    u[j] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * j], t[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(t[2 * j], t[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 x01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 x23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(x01, x23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// The softmax numerators exp(score - max) of each head's chunk scores, in place; the max and their sum go to the
+// head's partial.
+__attribute__((always_inline)) inline void chunk_softmax(float* scores, float* part, int64_t dim) {
+  __m512 vmax = _mm512_set1_ps(-INFINITY);
+  for (int64_t o = 0; o < kAttnChunk; o += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(scores + o));
+  const float max = _mm512_reduce_max_ps(vmax);
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t o = 0; o < kAttnChunk; o += 16) {  // the -inf padding becomes 0
+    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(scores + o), _mm512_set1_ps(max)));
+    _mm512_storeu_ps(scores + o, e);
+    total = _mm512_add_ps(total, e);
+  }
+  part[dim] = max;
+  part[dim + 1] = _mm512_reduce_add_ps(total);
+}
+
+// One chunk for GP query heads of a GQA group (from g0), head_dim = CH * 16 known at compile time: the query
+// vectors and the V accumulators stay in registers and the dot products of 16 positions are independent chains.
+// The arithmetic and its order are attend_generic's, so both give the same bits.
+template <int CH, int GP, typename T>
+void attend_heads(int64_t b, int64_t h0, int64_t chunk, const T* q, const T* const* k_rows, const T* const* v_rows,
+                  int64_t n, int64_t heads, float scale, AttnPartials& partials) {
+  constexpr int64_t dim = CH * 16;
+  __m512 qv[GP][CH];
+  for (int g = 0; g < GP; ++g)
+    for (int c = 0; c < CH; ++c)
+      qv[g][c] = _mm512_mul_ps(load16(q + (b * heads + h0 + g) * dim + c * 16), _mm512_set1_ps(scale));
+  alignas(64) float scores[GP][kAttnChunk];
+  for (int g = 0; g < GP; ++g) std::fill_n(scores[g], kAttnChunk, -INFINITY);
+  for (int64_t o0 = 0; o0 < n; o0 += 16) {
+    const int64_t m = std::min<int64_t>(16, n - o0);
+    const T* const* rows = k_rows + o0;  // past the end: the last row again, masked
+    for (int g = 0; g < GP; ++g) {
+      __m512 dots[16];
+      for (int o = 0; o < 16; ++o) {
+        const T* r = rows[std::min<int64_t>(o, m - 1)];
+        __m512 dot = _mm512_setzero_ps();
+        for (int c = 0; c < CH; ++c) dot = _mm512_fmadd_ps(qv[g][c], load16(r + c * 16), dot);
+        dots[o] = dot;
+      }
+      _mm512_mask_storeu_ps(scores[g] + o0, static_cast<__mmask16>((1u << m) - 1), sum16(dots));
+    }
+  }
+  for (int g = 0; g < GP; ++g) chunk_softmax(scores[g], partials.at(b, h0 + g, chunk), dim);
+  __m512 acc[GP][CH];
+  for (int g = 0; g < GP; ++g)
+    for (int c = 0; c < CH; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t o = 0; o < n; ++o) {
+    const T* vp = v_rows[o];
+    for (int c = 0; c < CH; ++c) {
+      const __m512 v = load16(vp + c * 16);
+      for (int g = 0; g < GP; ++g) acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g][o]), v, acc[g][c]);
+    }
+  }
+  for (int g = 0; g < GP; ++g)
+    for (int c = 0; c < CH; ++c) _mm512_storeu_ps(partials.at(b, h0 + g, chunk) + c * 16, acc[g][c]);
+}
+
+// attend_heads for `count` (1..GP) heads: the instantiation with that many.
+template <int CH, int GP, typename T>
+void attend_pass(int64_t count, int64_t b, int64_t h0, int64_t chunk, const T* q, const T* const* k_rows,
+                 const T* const* v_rows, int64_t n, int64_t heads, float scale, AttnPartials& partials) {
+  if (count == GP) attend_heads<CH, GP, T>(b, h0, chunk, q, k_rows, v_rows, n, heads, scale, partials);
+  else if constexpr (GP > 1) attend_pass<CH, GP - 1, T>(count, b, h0, chunk, q, k_rows, v_rows, n, heads, scale, partials);
+}
+
+// Any head_dim (a multiple of 16): the same arithmetic as attend_heads, with the sizes known only at run time.
+template <typename T>
+void attend_generic(int64_t b, int64_t h0, int64_t group, int64_t chunk, const T* q, const T* const* k_rows,
+                    const T* const* v_rows, int64_t n, int64_t heads, int64_t dim, float scale, AttnPartials& partials,
+                    AttnScratch& s) {
+  const int64_t chunks = dim / 16;
+  s.scores.assign(group * kAttnChunk, -INFINITY);
+  s.qv.resize(group * chunks);
+  s.acc.assign(group * chunks, _mm512_setzero_ps());
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t c = 0; c < chunks; ++c)
+      s.qv[g * chunks + c] = _mm512_mul_ps(load16(q + ((b * heads + h0 + g) * dim) + c * 16), _mm512_set1_ps(scale));
+  for (int64_t o0 = 0; o0 < n; o0 += 16) {
+    const int64_t m = std::min<int64_t>(16, n - o0);
+    for (int64_t g = 0; g < group; ++g) {
+      __m512 dots[16];
+      for (int o = 0; o < 16; ++o) {
+        const T* r = k_rows[o0 + std::min<int64_t>(o, m - 1)];
+        __m512 dot = _mm512_setzero_ps();
+        for (int64_t c = 0; c < chunks; ++c) dot = _mm512_fmadd_ps(s.qv[g * chunks + c], load16(r + c * 16), dot);
+        dots[o] = dot;
+      }
+      _mm512_mask_storeu_ps(s.scores.data() + g * kAttnChunk + o0, static_cast<__mmask16>((1u << m) - 1), sum16(dots));
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) chunk_softmax(s.scores.data() + g * kAttnChunk, partials.at(b, h0 + g, chunk), dim);
+  for (int64_t o = 0; o < n; ++o) {
+    const T* vp = v_rows[o];
+    for (int64_t c = 0; c < chunks; ++c) {
+      const __m512 v = load16(vp + c * 16);
+      for (int64_t g = 0; g < group; ++g)
+        s.acc[g * chunks + c] = _mm512_fmadd_ps(_mm512_set1_ps(s.scores[g * kAttnChunk + o]), v, s.acc[g * chunks + c]);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(partials.at(b, h0 + g, chunk) + c * 16, s.acc[g * chunks + c]);
+}
+
+}  // namespace
+
+// Per query head of the item's GQA group: the chunk's scores (16 positions at a time, one vector per head), softmax
+// numerators, weighted V sum. Head dims of 32, 64 and 128 take the register-resident attend_heads, a few heads
+// at a time; others the generic loop.
+template <typename T>
+void attend_chunk(const AttnItem& item, const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
+                  const int64_t* lengths, int64_t heads, int64_t kv_heads, int64_t dim, int64_t max_blocks,
+                  int64_t block_size, float scale, AttnPartials& partials, AttnScratch& s) {
+  const int64_t b = item.b, kvh = item.kvh, group = heads / kv_heads, h0 = kvh * group;
+  const int64_t* table = block_tables + b * max_blocks;
+  const int64_t p_begin = item.chunk * kAttnChunk, n = std::min(kAttnChunk, lengths[b] - p_begin);
+  const T* k_rows[kAttnChunk];
+  const T* v_rows[kAttnChunk];
+  for (int64_t o = 0, block = p_begin / block_size, slot = p_begin % block_size; o < n; ++o) {  // no division per row
+    const int64_t at = ((table[block] * block_size + slot) * kv_heads + kvh) * dim;
+    k_rows[o] = k_cache + at;
+    v_rows[o] = v_cache + at;
+    if (++slot == block_size) slot = 0, ++block;
+  }
+  // The rows come from memory (a step's weight stream evicts them): ask for all of the chunk's rows up front.
+  const int64_t row_bytes = dim * static_cast<int64_t>(sizeof(T));
+  for (int64_t o = 0; o < n; ++o)
+    for (int64_t l = 0; l < row_bytes; l += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(k_rows[o]) + l, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(v_rows[o]) + l, _MM_HINT_T0);
+    }
+  auto passes = [&](auto ch, auto most) {
+    constexpr int CH = decltype(ch)::value, GP = decltype(most)::value;
+    for (int64_t g0 = 0; g0 < group; g0 += GP)
+      attend_pass<CH, GP, T>(std::min<int64_t>(GP, group - g0), b, h0 + g0, item.chunk, q, k_rows, v_rows, n, heads,
+                             scale, partials);
+  };
+  if (dim == 32) passes(std::integral_constant<int, 2>{}, std::integral_constant<int, 8>{});
+  else if (dim == 64) passes(std::integral_constant<int, 4>{}, std::integral_constant<int, 4>{});
+  else if (dim == 128) passes(std::integral_constant<int, 8>{}, std::integral_constant<int, 2>{});
+  else attend_generic(b, h0, group, item.chunk, q, k_rows, v_rows, n, heads, dim, scale, partials, s);
+}
+
+// out[b, h] from the head's chunks, combined in chunk order.
+template <typename T>
+void merge_chunks(int64_t b, int64_t h, const int64_t* lengths, T* out, int64_t heads, int64_t dim,
+                  AttnPartials& partials) {
+  const int64_t count = attn_chunks(lengths[b]);
+  float max = -INFINITY, total = 0.f;
+  for (int64_t c = 0; c < count; ++c) max = std::max(max, partials.at(b, h, c)[dim]);
+  alignas(64) float acc[512] = {};
+  for (int64_t c = 0; c < count; ++c) {
+    const float* part = partials.at(b, h, c);
+    const float w = std::exp(part[dim] - max);
+    total += w * part[dim + 1];
+    for (int64_t d = 0; d < dim; d += 16)
+      _mm512_store_ps(acc + d, _mm512_fmadd_ps(_mm512_set1_ps(w), _mm512_loadu_ps(part + d), _mm512_load_ps(acc + d)));
+  }
+  T* dst = out + (b * heads + h) * dim;
+  for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(acc[d] / total);
+}
+
+template void attend_chunk<float>(const AttnItem&, const float*, const float*, const float*, const int64_t*,
+                                  const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, float, AttnPartials&,
+                                  AttnScratch&);
+template void attend_chunk<bf16>(const AttnItem&, const bf16*, const bf16*, const bf16*, const int64_t*,
+                                 const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, float, AttnPartials&,
+                                 AttnScratch&);
+template void merge_chunks<float>(int64_t, int64_t, const int64_t*, float*, int64_t, int64_t, AttnPartials&);
+template void merge_chunks<bf16>(int64_t, int64_t, const int64_t*, bf16*, int64_t, int64_t, AttnPartials&);
+
+namespace {
+
+template <typename T>
+void paged_decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
+                  const int64_t* lengths, T* out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
+                  int64_t max_blocks, int64_t block_size, float scale) {
+  const std::vector<AttnItem> items = attn_items(lengths, batch, kv_heads);
+  AttnPartials partials;
+  partials.reset(lengths, batch, heads, dim);
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    AttnScratch s;
+    for (int64_t i = begin; i < end; ++i)
+      attend_chunk(items[i], q, k_cache, v_cache, block_tables, lengths, heads, kv_heads, dim, max_blocks, block_size,
+                   scale, partials, s);
+  });
+  at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) merge_chunks(i / heads, i % heads, lengths, out, heads, dim, partials);
+  });
+}
+
+}  // namespace
+
+// Decode attention straight from the paged cache: one query token per sequence, no gather, no padding.
+// q [B, H, D]; k_cache, v_cache [slots, KVH, D]; block_tables [B, max_blocks] long; lengths [B] long (tokens
+// of context, this step's included). Softmax in float32. Returns [B, H, D] in q's dtype.
+torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
+                                     const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                                     const torch::Tensor& lengths, int64_t block_size, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && q.is_contiguous() && k_cache.is_contiguous() &&
+              v_cache.is_contiguous(), "paged_decode_attention: contiguous q [B, H, D], caches [slots, KVH, D]");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "paged_decode_attention: q and caches share a dtype");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(1);
+  TORCH_CHECK(D % 16 == 0 && D <= 512 && k_cache.size(2) == D && H % KVH == 0,
+              "paged_decode_attention: head dim % 16 and <= 512, GQA");
+  auto tables = block_tables.to(at::kLong).contiguous();
+  auto lens = lengths.to(at::kLong).contiguous();
+  TORCH_CHECK(tables.size(0) == B && lens.size(0) == B, "paged_decode_attention: one table and length per row");
+  auto out = torch::empty_like(q);
+  const float s = static_cast<float>(scale);
+  if (q.scalar_type() == at::kBFloat16) {
+    paged_decode(q.data_ptr<c10::BFloat16>(), k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(),
+                 tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<c10::BFloat16>(), B, H, KVH, D,
+                 tables.size(1), block_size, s);
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kFloat, "paged_decode_attention: float32 or bfloat16");
+    paged_decode(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), tables.data_ptr<int64_t>(),
+                 lens.data_ptr<int64_t>(), out.data_ptr<float>(), B, H, KVH, D, tables.size(1), block_size, s);
+  }
+  return out;
+}
+
+}  // namespace peregrine

@@ -1,0 +1,324 @@
+// LlamaDecoder: a whole decode step of a Llama-family model (Llama, SmolLM, Mistral, Qwen2) in one call.
+//
+// At batch 1 the weights are read once per token and everything else is tiny vectors, so what costs time besides
+// the weight stream is per-op overhead: Python dispatch and waking the thread team for each of the ~15 ops of
+// each layer. Here the step is one parallel region: the threads split each matmul's output rows and meet at a
+// spin barrier between phases (as llama.cpp's thread pool does). The matmuls run on AMX tiles where the CPU has
+// them (Sapphire Rapids and later): the decoder keeps a copy of the weights packed as B tiles in the order a step
+// reads them (pack_weight), so the weight stream runs front to back near the plain read speed, and the step's
+// 1-32 input rows are the A tiles, read in place. One instruction sequence serves every batch size, so a row's
+// output does not depend on its batch mates. CPUs without AMX use the AVX512-BF16 rows of linear.cpp on the model's
+// own weights (no copy).
+// The rounding to bfloat16 follows engine/llama_fast.py op for op (RoPE, SiLU * up, norms, matmul outputs).
+#include "attention.h"
+
+#include <omp.h>
+#include <sched.h>
+#include <sys/mman.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <memory>
+
+namespace peregrine {
+namespace {
+
+struct Scratch {
+  AmxScratch amx;
+  AttnScratch attn;
+};
+
+struct Linear {
+  torch::Tensor weight, bias;  // bias kept in float32, undefined when absent
+  const uint16_t* packed = nullptr;  // the AMX layout (pack_weight), in the decoder's packed buffer
+  int64_t N = 0, K = 0;
+};
+
+// out[:M, n_begin:n_end] = x[:M] @ w[n_begin:n_end]^T (+ bias). n_begin and n_end are multiples of 16; with AMX
+// n_begin is a multiple of 32 and n_end one too or N.
+void linear_rows(const Linear& L, const bf16* x, int64_t ldx, int64_t M, bf16* out, int64_t ldo, int64_t n_begin,
+                 int64_t n_end, bool amx, Scratch& s) {
+  const float* bias = L.bias.defined() ? L.bias.data_ptr<float>() : nullptr;
+  const auto* xs = reinterpret_cast<const uint16_t*>(x);
+  if (n_begin >= n_end) return;
+  if (!amx) {
+    const auto* w = reinterpret_cast<const uint16_t*>(L.weight.data_ptr());
+    for (int64_t m0 = 0; m0 < M; m0 += 8)
+      gemv_rows(std::min<int64_t>(M - m0, 8), xs + m0 * ldx, w, bias, out + m0 * ldo, L.K, ldx, ldo, n_begin, n_end);
+    return;
+  }
+  amx_rows(L.packed, L.N, L.K, bias, xs, ldx, M, out, ldo, n_begin, n_end, s.amx);
+}
+
+// One allocation for all packed weights, in the order a step reads them, on transparent huge pages where the
+// kernel grants them (fewer TLB misses along the stream).
+struct PackedBuffer {
+  uint16_t* data = nullptr;
+  explicit PackedBuffer(int64_t elements) {
+    constexpr size_t huge = size_t(2) << 20;
+    const size_t bytes = (static_cast<size_t>(elements) * 2 + kAheadBytes + huge - 1) / huge * huge;
+    data = static_cast<uint16_t*>(std::aligned_alloc(huge, bytes));
+    TORCH_CHECK(data, "LlamaDecoder: cannot allocate ", bytes, " bytes for the packed weights");
+    madvise(data, bytes, MADV_HUGEPAGE);
+  }
+  ~PackedBuffer() { std::free(data); }
+  PackedBuffer(const PackedBuffer&) = delete;
+  PackedBuffer& operator=(const PackedBuffer&) = delete;
+};
+
+// A spin barrier for the step's thread team (a passive OpenMP barrier would sleep in the kernel at every phase).
+struct SpinBarrier {
+  int n = 1;
+  std::atomic<int> arrived{0}, phase{0};
+  void wait() {
+    if (n == 1) return;
+    const int p = phase.load(std::memory_order_acquire);
+    if (arrived.fetch_add(1, std::memory_order_acq_rel) + 1 == n) {
+      arrived.store(0, std::memory_order_relaxed);
+      phase.store(p + 1, std::memory_order_release);
+      return;
+    }
+    // A phase ends within microseconds of its mates when every thread has a core. When one has lost its core
+    // (the server's event loop, a client on the same machine), spinning on would keep it off: yield soon.
+    for (int spins = 0; phase.load(std::memory_order_acquire) == p; ++spins) {
+      if (spins < 256) _mm_pause();
+      else sched_yield();
+    }
+  }
+};
+
+// [begin, end) of thread t's share of `units` * `align` items.
+inline std::pair<int64_t, int64_t> share(int64_t items, int64_t align, int t, int threads) {
+  const int64_t units = items / align;
+  return {units * t / threads * align, units * (t + 1) / threads * align};
+}
+
+// transformers' rotate-half RoPE in bfloat16: to_bf16(to_bf16(x * cos) + to_bf16(rotate_half(x) * sin)).
+inline void rope_head(const bf16* x, const bf16* cos, const bf16* sin, bf16* dst, int64_t dim) {
+  const int64_t half = dim / 2;
+  for (int64_t i = 0; i < dim; ++i) {
+    const float rotated = i < half ? -static_cast<float>(x[i + half]) : static_cast<float>(x[i - half]);
+    const bf16 a = static_cast<bf16>(static_cast<float>(x[i]) * static_cast<float>(cos[i]));
+    const bf16 b = static_cast<bf16>(rotated * static_cast<float>(sin[i]));
+    dst[i] = static_cast<bf16>(static_cast<float>(a) + static_cast<float>(b));
+  }
+}
+
+
+// act = to_bf16(to_bf16(silu(gate)) * up), 16 elements.
+inline void silu_mul16(const bf16* gate, const bf16* up, bf16* act) {
+  const __m512 g = load16(gate), u = load16(up), one = _mm512_set1_ps(1.f);
+  const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));  // exp(-|g|)
+  const __m512 inv = _mm512_div_ps(one, _mm512_add_ps(one, e));
+  const __mmask16 positive = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_GE_OQ);
+  const __m512 sigmoid = _mm512_mask_blend_ps(positive, _mm512_mul_ps(e, inv), inv);
+  __m256bh silu = _mm512_cvtneps_pbh(_mm512_mul_ps(g, sigmoid));
+  const __m512 silu32 = load16(reinterpret_cast<const bf16*>(&silu));
+  const __m256bh r = _mm512_cvtneps_pbh(_mm512_mul_ps(silu32, u));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(act), (__m256i)r);
+}
+
+struct DecoderLayer {
+  torch::Tensor input_norm, post_norm, k_cache, v_cache;
+  Linear qkv, o, gate_up, down;
+};
+
+Linear make_linear(const torch::Tensor& w, const torch::Tensor& bias) {
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kBFloat16,
+              "LlamaDecoder: weights contiguous bfloat16 [N, K]");
+  TORCH_CHECK(w.size(0) % 16 == 0 && w.size(1) % 32 == 0, "LlamaDecoder: weight rows % 16, columns % 32");
+  Linear L;
+  L.weight = w;
+  L.N = w.size(0);
+  L.K = w.size(1);
+  if (bias.defined() && bias.numel()) L.bias = bias.to(at::kFloat).contiguous();
+  return L;
+}
+
+}  // namespace
+
+class LlamaDecoder {
+ public:
+  // layers: per layer [input_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, gate_up_bias, down, down_bias,
+  // k_cache, v_cache]; an absent bias is an empty tensor. qkv rows: q heads, then k heads, then v heads.
+  LlamaDecoder(const torch::Tensor& embed, const std::vector<std::vector<torch::Tensor>>& layers,
+               const torch::Tensor& final_norm, const torch::Tensor& head, const torch::Tensor& head_bias,
+               int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, int64_t block_size, double scale, bool amx)
+      : embed_(embed), final_norm_(final_norm), heads_(heads), kv_heads_(kv_heads), dim_(head_dim), eps_(eps),
+        block_size_(block_size), scale_(scale), amx_(amx) {
+    TORCH_CHECK(!amx || amx_available(), "LlamaDecoder: AMX is not available");
+    TORCH_CHECK(head_dim % 32 == 0 && head_dim <= 512 && heads % kv_heads == 0, "LlamaDecoder: head_dim % 32, GQA");
+    head_ = make_linear(head, head_bias);
+    hidden_ = head_.K;
+    for (const auto& t : layers) {
+      TORCH_CHECK(t.size() == 12, "LlamaDecoder: 12 tensors per layer");
+      DecoderLayer l;
+      l.input_norm = t[0];
+      l.qkv = make_linear(t[1], t[2]);
+      l.o = make_linear(t[3], t[4]);
+      l.post_norm = t[5];
+      l.gate_up = make_linear(t[6], t[7]);
+      l.down = make_linear(t[8], t[9]);
+      l.k_cache = t[10];
+      l.v_cache = t[11];
+      TORCH_CHECK(l.qkv.N == (heads + 2 * kv_heads) * head_dim && l.qkv.K == hidden_ && l.o.N == hidden_ &&
+                  l.o.K == heads * head_dim && l.gate_up.K == hidden_ && l.down.N == hidden_ &&
+                  l.gate_up.N == 2 * l.down.K && l.down.K % 16 == 0, "LlamaDecoder: inconsistent shapes");
+      for (const auto* n : {&l.input_norm, &l.post_norm})
+        TORCH_CHECK(n->scalar_type() == at::kBFloat16 && n->is_contiguous() && n->numel() == hidden_,
+                    "LlamaDecoder: norm weights bfloat16 [hidden]");
+      for (const auto* c : {&l.k_cache, &l.v_cache})
+        TORCH_CHECK(c->scalar_type() == at::kBFloat16 && c->is_contiguous() && c->dim() == 3 &&
+                    c->size(1) == kv_heads && c->size(2) == head_dim, "LlamaDecoder: bfloat16 caches [slots, KVH, D]");
+      layers_.push_back(std::move(l));
+    }
+    TORCH_CHECK(final_norm.scalar_type() == at::kBFloat16 && final_norm.numel() == hidden_, "LlamaDecoder: final norm");
+    TORCH_CHECK(embed.scalar_type() == at::kBFloat16 && embed.is_contiguous() && embed.dim() == 2 &&
+                embed.size(1) == hidden_, "LlamaDecoder: embeddings bfloat16 [vocab, hidden]");
+    if (amx_) pack_all();
+  }
+
+  // ids [B] (this step's tokens), rope_rows [B] (each token's row of the RoPE tables cos and sin [rows, head_dim]),
+  // slots [B], block_tables [B, max_blocks], lengths [B] (context tokens, this one included). Returns float32 logits
+  // [B, vocab] holding the bfloat16 values the LM head rounds to. Embedding lookup to logits is one call, so no
+  // torch op runs between steps on caches the weight stream has just flushed.
+  torch::Tensor step(const torch::Tensor& ids, const torch::Tensor& rope_rows, const torch::Tensor& cos,
+                     const torch::Tensor& sin, const torch::Tensor& slots, const torch::Tensor& block_tables,
+                     const torch::Tensor& lengths) {
+    auto tok = ids.to(at::kLong).contiguous(), rope = rope_rows.to(at::kLong).contiguous();
+    auto cs = cos.to(at::kBFloat16).contiguous(), sn = sin.to(at::kBFloat16).contiguous();
+    auto slot = slots.to(at::kLong).contiguous(), tables = block_tables.to(at::kLong).contiguous();
+    auto lens = lengths.to(at::kLong).contiguous();
+    const int64_t B = tok.numel(), H = heads_, KVH = kv_heads_, D = dim_, hid = hidden_;
+    TORCH_CHECK(rope.numel() == B && slot.numel() == B && tables.size(0) == B && lens.numel() == B,
+                "LlamaDecoder.step: one RoPE row, slot, table and length per token");
+    TORCH_CHECK(cs.dim() == 2 && cs.size(1) == D && sn.sizes() == cs.sizes(), "LlamaDecoder.step: cos, sin [rows, head_dim]");
+    const int64_t *tokp = tok.data_ptr<int64_t>(), *ropep = rope.data_ptr<int64_t>();
+    for (int64_t m = 0; m < B; ++m)
+      TORCH_CHECK(tokp[m] >= 0 && tokp[m] < embed_.size(0) && ropep[m] >= 0 && ropep[m] < cs.size(0),
+                  "LlamaDecoder.step: token id or RoPE row out of range");
+    const int64_t QKV = (H + 2 * KVH) * D, I = layers_.empty() ? 0 : layers_[0].down.K, V = head_.N;
+    auto opts = embed_.options();
+    auto h = torch::empty({B, hid}, opts);  // the residual stream, from the embeddings
+    for (int64_t m = 0; m < B; ++m)
+      std::copy_n(embed_.data_ptr<bf16>() + tokp[m] * hid, hid, h.data_ptr<bf16>() + m * hid);
+    auto x = torch::empty({B, hid}, opts), delta = torch::empty({B, hid}, opts), qkv = torch::empty({B, QKV}, opts);
+    auto q = torch::empty({B, H, D}, opts), attn = torch::empty({B, H * D}, opts);
+    auto gu = torch::empty({B, 2 * I}, opts), act = torch::empty({B, I}, opts), head_out = torch::empty({B, V}, opts);
+    auto logits = torch::empty({B, V}, opts.dtype(at::kFloat));
+    bf16 *hp = h.data_ptr<bf16>(), *xp = x.data_ptr<bf16>(), *dp = delta.data_ptr<bf16>(),
+         *qkvp = qkv.data_ptr<bf16>(), *qp = q.data_ptr<bf16>(), *ap = attn.data_ptr<bf16>(),
+         *gup = gu.data_ptr<bf16>(), *actp = act.data_ptr<bf16>(), *lp = head_out.data_ptr<bf16>();
+    float* logitsp = logits.data_ptr<float>();
+    const bf16 *cs0 = cs.data_ptr<bf16>(), *sn0 = sn.data_ptr<bf16>();
+    const int64_t *slotp = slot.data_ptr<int64_t>(), *tp = tables.data_ptr<int64_t>(), *lenp = lens.data_ptr<int64_t>();
+    const int64_t max_blocks = tables.size(1);
+    const float eps = static_cast<float>(eps_), scale = static_cast<float>(scale_);
+    const std::vector<AttnItem> items = attn_items(lenp, B, KVH);
+    AttnPartials partials;
+    partials.reset(lenp, B, H, D);
+    SpinBarrier barrier;
+#pragma omp parallel num_threads(at::get_num_threads())
+    {
+#pragma omp single
+      barrier.n = omp_get_num_threads();
+      const int T = barrier.n, t = omp_get_thread_num();
+      Scratch s;
+      auto rows = [&](const torch::Tensor& w, const bf16* add) {  // h += add; x = RMSNorm(h) * w, rows shared
+        for (int64_t m = t; m < B; m += T)
+          add_rms_norm_row(hp + m * hid, add ? add + m * hid : nullptr, w.data_ptr<bf16>(), xp + m * hid, hid, eps);
+        barrier.wait();
+      };
+      auto columns = [&](const Linear& L) {  // this thread's output columns (AMX: whole packed blocks)
+        auto [n0, n1] = share(L.N, amx_ ? 32 : 16, t, T);
+        return std::make_pair(n0, t == T - 1 ? L.N : n1);
+      };
+      auto matmul = [&](const Linear& L, const bf16* in, bf16* out) {
+        const auto [n0, n1] = columns(L);
+        linear_rows(L, in, L.K, B, out, L.N, n0, n1, amx_, s);
+        barrier.wait();
+      };
+      for (size_t li = 0; li < layers_.size(); ++li) {
+        const DecoderLayer& l = layers_[li];
+        rows(l.input_norm, li ? dp : nullptr);
+        auto* kc = l.k_cache.data_ptr<bf16>();
+        auto* vc = l.v_cache.data_ptr<bf16>();
+        matmul(l.qkv, xp, qkvp);
+        for (int64_t i = t; i < B * (H + 2 * KVH); i += T) {  // RoPE on q and k; k and v into their cache slots
+          const int64_t m = i / (H + 2 * KVH), head = i % (H + 2 * KVH);
+          const bf16* src = qkvp + m * QKV + head * D;
+          const bf16 *cp = cs0 + ropep[m] * D, *sp = sn0 + ropep[m] * D;
+          if (head < H) rope_head(src, cp, sp, qp + (m * H + head) * D, D);
+          else if (head < H + KVH) rope_head(src, cp, sp, kc + (slotp[m] * KVH + head - H) * D, D);
+          else std::copy(src, src + D, vc + (slotp[m] * KVH + head - H - KVH) * D);
+        }
+        barrier.wait();
+        for (size_t i = t; i < items.size(); i += T)
+          attend_chunk(items[i], qp, kc, vc, tp, lenp, H, KVH, D, max_blocks, block_size_, scale, partials, s.attn);
+        barrier.wait();
+        for (int64_t i = t; i < B * H; i += T) merge_chunks(i / H, i % H, lenp, ap, H, D, partials);
+        barrier.wait();
+        matmul(l.o, ap, dp);
+        rows(l.post_norm, dp);
+        matmul(l.gate_up, xp, gup);
+        const auto [e0, e1] = share(B * I, 16, t, T);
+        for (int64_t e = e0; e < e1; e += 16) {
+          const int64_t m = e / I, j = e % I;
+          silu_mul16(gup + m * 2 * I + j, gup + m * 2 * I + I + j, actp + e);
+        }
+        barrier.wait();
+        matmul(l.down, actp, dp);
+      }
+      rows(final_norm_, layers_.empty() ? nullptr : dp);
+      const auto [v0, v1] = columns(head_);  // the LM head, then this thread's logits as float32
+      linear_rows(head_, xp, head_.K, B, lp, V, v0, v1, amx_, s);
+      for (int64_t m = 0; m < B; ++m)
+        for (int64_t n = v0; n < v1; n += 16)
+          _mm512_storeu_ps(logitsp + m * V + n, load16(lp + m * V + n));
+      if (amx_) amx_release();
+    }
+    return logits;
+  }
+
+ private:
+  // A copy of every matmul's weights in the AMX layout, in the order a step reads them.
+  void pack_all() {
+    std::vector<Linear*> all;
+    for (auto& l : layers_)
+      for (Linear* L : {&l.qkv, &l.o, &l.gate_up, &l.down}) all.push_back(L);
+    all.push_back(&head_);
+    int64_t elements = 0;
+    for (const Linear* L : all) elements += L->N * L->K;
+    packed_ = std::make_unique<PackedBuffer>(elements);
+    uint16_t* at = packed_->data;
+    for (Linear* L : all) {
+      pack_weight(reinterpret_cast<const uint16_t*>(L->weight.data_ptr()), L->N, L->K, at);
+      L->packed = at;
+      at += L->N * L->K;
+    }
+  }
+
+  std::unique_ptr<PackedBuffer> packed_;
+  torch::Tensor embed_;
+  std::vector<DecoderLayer> layers_;
+  torch::Tensor final_norm_;
+  Linear head_;
+  int64_t heads_, kv_heads_, dim_, hidden_ = 0;
+  double eps_;
+  int64_t block_size_;
+  double scale_;
+  bool amx_;
+};
+
+void bind_decoder(pybind11::module_& m) {
+  using release = py::call_guard<py::gil_scoped_release>;
+  py::class_<LlamaDecoder>(m, "LlamaDecoder")
+      .def(py::init<const torch::Tensor&, const std::vector<std::vector<torch::Tensor>>&, const torch::Tensor&,
+                    const torch::Tensor&, const torch::Tensor&, int64_t, int64_t, int64_t, double, int64_t, double,
+                    bool>())
+      .def("step", &LlamaDecoder::step,
+           "one decode step: step(ids, rope_rows, cos, sin, slots, block_tables, lengths) -> float32 logits [B, vocab]",
+           release());
+}
+
+}  // namespace peregrine

@@ -1,0 +1,70 @@
+"""The CPU feature probe and the PEREGRINE_CPU_ISA ceiling the kernel pickers obey."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine import cpu_features
+
+AVX2 = frozenset({"avx", "avx2", "fma", "f16c"})
+AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
+AMX = AVX512 | {"amx_tile", "amx_bf16"}
+
+
+@pytest.fixture(autouse=True)
+def no_ceiling(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(cpu_features.ENV, raising=False)
+
+
+@pytest.mark.parametrize(("flags", "level"), [
+    (frozenset(), "none"), (frozenset({"avx", "avx2"}), "none"), (AVX2, "avx2"),
+    (AVX2 | {"avx512f", "avx512bw", "avx512vl"}, "avx2"),  # AVX-512 without BF16: the kernels' AVX2 level
+    (AVX512, "avx512"), (AMX, "amx"), (AVX2 | {"amx_tile", "amx_bf16"}, "avx2"),
+])  # fmt: skip
+def test_detected_level_needs_every_lower_level(flags: frozenset[str], level: str) -> None:
+    assert cpu_features.detected_level(flags) == level
+
+
+@pytest.mark.parametrize(("cap", "level"), [("auto", "amx"), ("amx", "amx"), ("avx512", "avx512"),
+                                            ("avx2", "avx2"), ("none", "none")])  # fmt: skip
+def test_ceiling_caps_the_level(monkeypatch: pytest.MonkeyPatch, cap: str, level: str) -> None:
+    monkeypatch.setenv(cpu_features.ENV, cap)
+    assert cpu_features.isa_level(AMX) == level
+    assert cpu_features.has("avx2", AMX) == (level != "none")
+    assert cpu_features.has("amx", AMX) == (level == "amx")
+
+
+def test_ceiling_never_raises_the_level(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpu_features.ENV, "amx")
+    assert cpu_features.isa_level(AVX2) == "avx2"
+    assert not cpu_features.has("avx512", AVX2)
+
+
+def test_unknown_ceiling_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpu_features.ENV, "sse9")
+    with pytest.raises(ValueError, match="PEREGRINE_CPU_ISA='sse9'"):
+        cpu_features.isa_level(AMX)
+
+
+def test_flags_are_read_from_cpuinfo(tmp_path: Path) -> None:
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx avx2 fma f16c\n\nprocessor\t: 1\nflags\t\t: fpu\n")
+    assert cpu_features.cpu_flags.__wrapped__(info) == frozenset({"fpu", "avx", "avx2", "fma", "f16c"})
+    assert cpu_features.cpu_flags.__wrapped__(tmp_path / "missing") == frozenset()
+
+
+def test_kernels_follow_a_lowered_ceiling(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With AVX-512 hidden, the kernel pickers hand out torch's ops even after the kernels loaded once."""
+    import torch
+    import torch.nn.functional as F
+
+    from engine import cpu_kernels
+
+    monkeypatch.setenv(cpu_features.ENV, "avx2")
+    cpu = torch.device("cpu")
+    assert cpu_kernels.load() is None
+    assert cpu_kernels.linear_for(cpu, torch.bfloat16) is F.linear
+    assert cpu_kernels.llama_decoder_for(cpu, torch.bfloat16) is None
+    assert cpu_kernels.argmax_for(cpu) is cpu_kernels.argmax_torch
