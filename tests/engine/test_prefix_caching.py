@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from engine import cpu_kernels
 from engine.types import SamplingParams
 from tests.support import chat_ids, run_all, tokens_of
 
@@ -94,7 +95,8 @@ def test_bundled_model_greedy_is_identical_with_and_without_caching(smollm2: Any
                                 prefix_caching=caching)
         results[caching] = waves(engine, prompts, 12)
         assert (engine.stats().prefix_cache_hits_total > 0) is caching
-        assert (engine.runner._forward._decoder is not None) is kernels  # bf16 decode steps: one kernel call
+        # bf16 decode steps run as one kernel call where this CPU can build the kernels, else torch's ops
+        assert (engine.runner._forward._decoder is not None) is (kernels and cpu_kernels.unsupported_reason() is None)
     assert results[True] == results[False], [tok.decode(t) for t in results[True] + results[False]]
     assert "Paris" in tok.decode(results[True][0])
 
