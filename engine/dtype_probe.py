@@ -115,12 +115,12 @@ def probe_engine(model: torch.nn.Module, tokenizer: Any, cfg: EngineConfig, devi
     """An engine over `model` with room for the plan's sequences only, and no prefix caching."""
     rows = plan.rows[-1]
     tokens = plan.prompt_tokens + plan.steps * plan.repeats + 2  # prompt, warm-up step, timed steps
-    blocks = rows * -(-tokens // cfg.block_size)
-    kv_bytes = KVCacheSpec.from_hf_config(model.config, dtype).bytes_per_token * cfg.block_size * blocks
+    context = -(-tokens // cfg.block_size) * cfg.block_size  # whole blocks: every row's fit at once
+    kv_bytes = KVCacheSpec.from_hf_config(model.config, dtype).bytes_per_token * rows * context
     small = replace(cfg, dtype=str(dtype).removeprefix("torch."), max_num_seqs=rows, kv_cache_bytes=kv_bytes,
                     prefix_caching=False, max_num_batched_tokens=max(cfg.max_num_batched_tokens, rows * tokens))
     with quiet(QUIET_LOGGERS):
-        return LLMEngine(model, tokenizer, small, device, dtype, min(max_model_len, tokens))
+        return LLMEngine(model, tokenizer, small, device, dtype, min(max_model_len, context))
 
 
 @contextmanager
@@ -147,6 +147,8 @@ def fill(engine: LLMEngine, rows: int, plan: ProbePlan) -> None:
     while any(seq.is_prefill for seq in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
     engine.step()
+    if len(engine.scheduler.running) != rows:  # the KV cache above is sized for every row: a bug if not
+        raise RuntimeError(f"dtype probe: {len(engine.scheduler.running)} of {rows} rows decoding")
 
 
 def timed_window(engine: LLMEngine, steps: int) -> float:
