@@ -11,7 +11,8 @@ concurrency. float32 is exact, so bfloat16 must beat it by `BF16_MARGIN`.
 The weights are loaded once in float32; the bfloat16 candidate is a cast copy, and the loser is dropped, so the
 peak is both copies (plus the packed copy AMX decode keeps): `engine.preflight.auto_cpu_dtypes` is that
 arithmetic, used by the preflight before anything loads and by the loader to decide whether float32 is tried.
-The probe is short (a few decode steps at a short context): a couple of seconds for a 135M model.
+The probe is short (a few decode steps at a short context, fewer when the answer is clear early): a few seconds for
+a 135M model, most of them in the slower dtype's steps at the configured concurrency.
 """
 
 from __future__ import annotations
@@ -39,13 +40,16 @@ QUIET_LOGGERS = ("engine.kv_cache", "engine.llm_engine", "engine.model_runner", 
 
 @dataclass(frozen=True, slots=True)
 class ProbePlan:
-    """What the probe runs: `repeats` windows of `steps` decode steps per dtype and row count, interleaved
-    across the dtypes (so a busy moment on a shared machine hits both), the best window kept."""
+    """What the probe runs: per row count, up to `repeats` windows of `steps` decode steps per dtype, interleaved
+    across the dtypes (so a busy moment on a shared machine hits both), the best window kept. Windows stop early
+    once the best figures are `settle` times apart: the answer is clear (settle > BF16_MARGIN), and on a CPU where
+    one dtype is several times slower its steps are what the probe would spend its time on."""
 
     rows: tuple[int, ...]  # (1, the configured concurrency)
-    prompt_tokens: int = 8  # a short context: decode cost is the weights, not the attention
-    steps: int = 2
+    prompt_tokens: int = 4  # a short context: decode cost is the weights, not the attention
+    steps: int = 1
     repeats: int = 3
+    settle: float = 1.5
 
     @classmethod
     def for_config(cls, cfg: EngineConfig) -> ProbePlan:
@@ -83,9 +87,9 @@ def pick(timings: Iterable[Timing], rows: int, margin: float = BF16_MARGIN) -> t
     figures of every timing in the reason."""
     timings = list(timings)
     at = {t.dtype: t.tok_s for t in timings if t.rows == rows}
-    figures = ", ".join(f"{t.dtype} {t.tok_s:.1f} tok/s at {t.rows} row{'s' if t.rows > 1 else ''}"
+    figures = ", ".join(f"{t.dtype} {t.tok_s:.1f} tok/s at {t.rows} row{'s' if t.rows > 1 else ''} ({t.steps} steps)"
                         for t in sorted(timings, key=lambda t: (t.rows, t.dtype != "float32")))
-    steps = f"decode steps of the loaded model, {timings[0].steps} per figure, best window: {figures}"
+    steps = f"decode steps of the loaded model, best window of each: {figures}"
     verdict = "" if at["bfloat16"] >= at["float32"] * margin else " not"
     return ("float32" if verdict else "bfloat16"), (
         f"{steps}; bfloat16 is{verdict} >= {margin:.2f}x float32 at {rows} row{'s' if rows > 1 else ''}")
@@ -104,6 +108,9 @@ def measure(models: dict[str, torch.nn.Module], tokenizer: Any, cfg: EngineConfi
         for _ in range(plan.repeats):
             for name, engine in engines.items():
                 windows[name].append(timed_window(engine, plan.steps))
+            best = sorted(min(w) for w in windows.values())
+            if best[-1] >= best[0] * plan.settle:
+                break
         timings += [Timing(name, rows, min(w), plan.steps * len(w)) for name, w in windows.items()]
         for engine in engines.values():
             engine.abort_all()

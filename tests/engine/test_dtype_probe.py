@@ -7,7 +7,9 @@ answer follows from the figures, never how fast anything is.
 from __future__ import annotations
 
 import logging
+import math
 import re
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -19,7 +21,7 @@ from engine.llm_engine import LLMEngine
 from engine.types import EngineConfig
 from tests.support import load_hf
 
-SMALL = ProbePlan(rows=(1, 4), prompt_tokens=6, steps=2, repeats=2)
+SMALL = ProbePlan(rows=(1, 4), prompt_tokens=6, steps=2, repeats=2, settle=math.inf)  # every window, always
 
 
 def timings(fp32_1: float, bf16_1: float, fp32_n: float, bf16_n: float, rows: int = 16) -> list[Timing]:
@@ -45,8 +47,8 @@ def test_the_configured_concurrency_decides_with_a_margin_for_float32() -> None:
 
 def test_the_reason_carries_every_figure() -> None:
     _, reason = dtype_probe.pick(timings(12.5, 17.25, 39.0, 17.5), rows=16)
-    for figure in ("float32 12.5 tok/s at 1 row", "bfloat16 17.2 tok/s at 1 row", "float32 39.0 tok/s at 16 rows",
-                   "bfloat16 17.5 tok/s at 16 rows", "6 per figure", "bfloat16 is not >= 1.10x float32 at 16 rows"):
+    for figure in ("float32 12.5 tok/s at 1 row (6 steps)", "bfloat16 17.2 tok/s at 1 row", "float32 39.0 tok/s at 16 rows",
+                   "bfloat16 17.5 tok/s at 16 rows (6 steps)", "bfloat16 is not >= 1.10x float32 at 16 rows"):
         assert figure in reason, reason
 
 
@@ -97,6 +99,16 @@ def test_the_probe_runs_decode_steps_of_the_loaded_model_in_both_dtypes(
     assert count.tokens == {torch.float32: tokens, torch.bfloat16: tokens}
 
 
+def test_windows_stop_once_the_figures_are_clearly_apart(tiny: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    count = StepCount(monkeypatch)
+    models = {"float32": tiny.model, "bfloat16": dtype_probe.bfloat16_copy(tiny.model)}
+    plan = replace(SMALL, settle=1.0)  # any two figures are "apart": one window each
+    got = dtype_probe.measure(models, tiny.tokenizer, probe_cfg("in-memory"), torch.device("cpu"),
+                              tiny.max_model_len, plan)
+    assert all(t.steps == plan.steps for t in got)
+    assert count.steps == dict.fromkeys((torch.float32, torch.bfloat16), len(plan.rows) * (2 + plan.steps))
+
+
 def test_choose_serves_the_dtype_with_the_better_measured_throughput(
     tiny: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -112,7 +124,7 @@ def test_choose_serves_the_dtype_with_the_better_measured_throughput(
     assert (model is tiny.model) == (dtype is torch.float32)
     [line] = [r.message for r in caplog.records if r.message.startswith("dtype auto:")]
     assert line.startswith(f"dtype auto: {str(dtype).removeprefix('torch.')} (decode steps of the loaded model")
-    assert len(re.findall(r"\d+\.\d tok/s at \d+ rows?", line)) == 4
+    assert len(re.findall(r"\d+\.\d tok/s at \d+ rows? \(4 steps\)", line)) == 4
 
 
 def test_the_bfloat16_candidate_is_the_model_transformers_loads_in_bfloat16(tiny_model_dir: Any) -> None:
@@ -170,6 +182,7 @@ def test_float32_is_not_tried_when_the_probe_would_not_fit_in_ram(
 # --- the bundled model and the server -----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_probe_on_smollm2(smollm2_fp32: Any) -> None:
     """The bundled 135M model, kept short: one window of one step per dtype and row count."""
     plan = ProbePlan(rows=(1, 2), prompt_tokens=8, steps=1, repeats=1)
