@@ -75,10 +75,11 @@ def choose(model: torch.nn.Module, tokenizer: Any, cfg: EngineConfig, device: to
     """The model in the faster dtype (`model` is the float32 load; the other candidate is a bfloat16 copy of it),
     logged with the figures behind the choice."""
     plan = plan or ProbePlan.for_config(cfg)
+    start = time.perf_counter()
     models = {"float32": model, "bfloat16": bfloat16_copy(model)}
     timings = measure(models, tokenizer, cfg, device, max_model_len, plan)
     name, reason = pick(timings, plan.rows[-1])
-    log.info("dtype auto: %s (%s)", name, reason)
+    log.info("dtype auto: %s, timed in %.1f s (%s)", name, time.perf_counter() - start, reason)
     return models[name], getattr(torch, name)
 
 
@@ -87,12 +88,16 @@ def pick(timings: Iterable[Timing], rows: int, margin: float = BF16_MARGIN) -> t
     figures of every timing in the reason."""
     timings = list(timings)
     at = {t.dtype: t.tok_s for t in timings if t.rows == rows}
-    figures = ", ".join(f"{t.dtype} {t.tok_s:.1f} tok/s at {t.rows} row{'s' if t.rows > 1 else ''} ({t.steps} steps)"
+    figures = ", ".join(f"{t.dtype} {t.tok_s:.1f} tok/s at {_rows(t.rows)} ({t.steps} step{'s' if t.steps > 1 else ''})"
                         for t in sorted(timings, key=lambda t: (t.rows, t.dtype != "float32")))
     steps = f"decode steps of the loaded model, best window of each: {figures}"
     verdict = "" if at["bfloat16"] >= at["float32"] * margin else " not"
     return ("float32" if verdict else "bfloat16"), (
-        f"{steps}; bfloat16 is{verdict} >= {margin:.2f}x float32 at {rows} row{'s' if rows > 1 else ''}")
+        f"{steps}; bfloat16 is{verdict} >= {margin:.2f}x float32 at {_rows(rows)}")
+
+
+def _rows(rows: int) -> str:
+    return f"{rows} row{'s' if rows > 1 else ''}"
 
 
 def measure(models: dict[str, torch.nn.Module], tokenizer: Any, cfg: EngineConfig, device: torch.device,
