@@ -156,7 +156,9 @@ def fill(engine: LLMEngine, rows: int, plan: ProbePlan) -> None:
     for row in range(rows):
         engine.add_request(f"dtype-probe-{row}", [(7 + 13 * (row + i)) % vocab for i in range(plan.prompt_tokens)],
                            params)
-    while any(seq.is_prefill for seq in engine.scheduler.running) or engine.scheduler.waiting:
+    for _ in range(rows + plan.prompt_tokens):  # one step when the token budget allows; bounded in any case
+        if not engine.scheduler.waiting and not any(seq.is_prefill for seq in engine.scheduler.running):
+            break
         engine.step()
     engine.step()
     if len(engine.scheduler.running) != rows:  # the KV cache above is sized for every row: a bug if not

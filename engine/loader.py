@@ -15,6 +15,7 @@ does not. Serving in bfloat16 casts from that copy at load time.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import logging
@@ -90,7 +91,10 @@ def load_fastest(folder: Path, tokenizer: Any, cfg: EngineConfig, device: torch.
         log.info("dtype auto: bfloat16 (%s)", why)
         return load_weights(folder, torch.bfloat16, device, cfg.trust_remote_code), torch.bfloat16
     model = load_weights(folder, torch.float32, device, cfg.trust_remote_code)
-    return dtype_probe.choose(model, tokenizer, cfg, device, context_length(model.config, cfg.max_model_len))
+    chosen = dtype_probe.choose(model, tokenizer, cfg, device, context_length(model.config, cfg.max_model_len))
+    del model
+    gc.collect()  # the other dtype's copy and the probe's engines: the KV cache is sized from the RAM free after this
+    return chosen
 
 
 def packed_copy_kept(cfg: EngineConfig) -> bool:
