@@ -179,6 +179,22 @@ def test_float32_is_not_tried_when_the_probe_would_not_fit_in_ram(
     assert "dtype auto: bfloat16 (float32 not tried: timing it needs" in caplog.text
 
 
+def test_main_leaves_the_cpu_choice_to_the_loader_and_preflights_both_copies(
+    tiny_model_dir: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import main
+    from config import load_settings
+
+    monkeypatch.chdir(tmp_path)  # no .env
+    settings = load_settings(["--model", str(tiny_model_dir.path), "--device", "cpu", "--dtype", "auto",
+                              "--embedding-model", "none", "--cache-dir", str(tmp_path)])
+    with caplog.at_level(logging.INFO, logger="peregrine"):
+        prepared = main.prepare(settings)
+    assert prepared.dtype == "auto" and main.engine_config(settings, prepared).dtype == "auto"
+    assert "dtype auto (decode steps timed once loaded)" in caplog.text
+    assert re.search(r"preflight: needs .* in float32 \+ KV cache .* bfloat16 copy timed by --dtype auto", caplog.text)
+
+
 # --- the bundled model and the server -----------------------------------------------------------------------
 
 
