@@ -15,6 +15,8 @@ does not. Serving in bfloat16 casts from that copy at load time.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import gc
 import hashlib
 import json
@@ -94,7 +96,14 @@ def load_fastest(folder: Path, tokenizer: Any, cfg: EngineConfig, device: torch.
     chosen = dtype_probe.choose(model, tokenizer, cfg, device, context_length(model.config, cfg.max_model_len))
     del model
     gc.collect()  # the other dtype's copy and the probe's engines: the KV cache is sized from the RAM free after this
+    release_freed_memory()
     return chosen
+
+
+def release_freed_memory() -> None:
+    """Hand the heap's freed pages back to the OS (glibc keeps them otherwise, and RSS stays at the probe's peak)."""
+    with contextlib.suppress(OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def packed_copy_kept(cfg: EngineConfig) -> bool:
