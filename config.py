@@ -96,7 +96,8 @@ class Settings(BaseSettings):
     dtype: Dtype = Field(
         "auto",
         description="Weights and KV cache dtype. auto: bfloat16 on CUDA when supported (else float16); on "
-        "CPU the faster of bfloat16 and float32, measured at start.",
+        "CPU the faster of float32 and bfloat16, timed on real decode steps of the loaded model at start (figures "
+        "in the log).",
     )
     seed: int = Field(0, description="Seed for sampling when a request gives none.")
     model_impl: Literal["auto", "generic", "llama"] = Field(

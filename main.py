@@ -37,7 +37,7 @@ class Prepared:
 
     model_path: Path  # a folder, or a .gguf file
     device: str  # "cpu", "cuda:0", "tt"
-    dtype: str  # "float32", "bfloat16", "float16"
+    dtype: str  # "float32", "bfloat16", "float16"; "auto" on the CPU, chosen by the loader (engine/dtype_probe.py)
     embedder_at: tuple[Path, str] | None = None  # the embedding model's folder and served name
 
 
@@ -83,16 +83,17 @@ def configure_logging(level: str) -> None:
 
 def prepare(settings: Settings) -> Prepared:
     """Resolve the model source, device and dtype; refuse early if it will not fit; download if needed."""
-    from engine.devices import DeviceError, resolve_dtype, resolve_probe
+    from engine.devices import DeviceError, dtype_name, resolve_dtype, resolve_probe
     from engine.hub import HubError, download, plan_download, resolve_source
 
     try:
         source = resolve_source(settings.model, settings.revision)
         probe, device = resolve_probe(settings.device)
-        dtype = str(resolve_dtype(settings.dtype, device, probe)).removeprefix("torch.")
+        dtype = dtype_name(resolve_dtype(settings.dtype, device, probe))
         plan = plan_download(source, **_hub_args(settings)) if source.kind == "hub" else None
-        log.info("model %s (%s), device %s, dtype %s, KV cache budget %s", settings.model, source.label,
-                 device, dtype, kv_budget_text(settings))  # fmt: skip
+        log.info("model %s (%s), device %s, dtype %s, KV cache budget %s", settings.model, source.label, device,
+                 "auto (decode steps timed once loaded)" if dtype == "auto" else dtype,
+                 kv_budget_text(settings))  # fmt: skip
         device_name = "tt" if probe.name == "tt" else str(device)
         if not settings.skip_preflight:
             run_preflight(settings, source, plan, device_name, dtype)
@@ -139,7 +140,7 @@ def run_preflight(settings: Settings, source: Any, plan: Any, device: str, dtype
         footprint, resources, dtype=dtype, on_cuda=cuda_index is not None, device_label=device,
         download_dir=str(download_dir), cache_dir=str(settings.cache_dir),
         max_model_len=settings.max_model_len, kv_cache_bytes=settings.kv_cache_bytes,
-        packed_copy=device == "cpu" and dtype == "bfloat16" and settings.cpu_kernels and preflight.cpu_has_amx(),
+        packed_copy=device == "cpu" and settings.cpu_kernels and preflight.cpu_has_amx(),
     )  # fmt: skip
     for need in needs:
         log.info("preflight: %s", need.message)

@@ -46,10 +46,11 @@ def model_spec(entry: ModelEntry, prepared: Prepared) -> Any:
 
     settings = entry.settings
     footprint = local_footprint(prepared.model_path, settings)
+    widest = "float32" if prepared.dtype == "auto" else prepared.dtype  # auto may keep float32
     kv = int(settings.kv_cache_bytes or preflight.kv_cache_need(
-        footprint, preflight.DTYPE_BYTES[prepared.dtype], settings.max_model_len, None))  # fmt: skip
+        footprint, preflight.DTYPE_BYTES[widest], settings.max_model_len, None))  # fmt: skip
     settings = settings.model_copy(update={"kv_cache_bytes": kv})
-    packed = prepared.device == "cpu" and prepared.dtype == "bfloat16" and settings.cpu_kernels
+    packed = prepared.device == "cpu" and settings.cpu_kernels
     need, words = preflight.memory_need(
         footprint, prepared.dtype, max_model_len=settings.max_model_len, kv_cache_bytes=kv,
         packed_copy=packed and preflight.cpu_has_amx(),

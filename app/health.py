@@ -122,5 +122,6 @@ async def ready(request: Request) -> JSONResponse:
         body["models"] = {name: info["state"] for name, info in models_health(registry).items()}
     elif state == "ready":
         engine = request.app.state.engine
-        body |= {"model": engine.model_name, "device": engine.device, "max_model_len": engine.max_model_len}
+        body |= {"model": engine.model_name, "device": engine.device, "dtype": engine.dtype,
+                 "max_model_len": engine.max_model_len}  # dtype: the one served (auto's choice on the CPU)
     return JSONResponse(body, status_code=200 if state == "ready" else 503)

@@ -248,10 +248,10 @@ class PeregrineReplica:
 def resolve_replica_device(settings: Settings) -> tuple[str, str]:
     """(device, dtype) for this replica, resolved where the model runs rather than on the driver: a CPU-only
     head can deploy onto GPU nodes, and each replica sees only the GPU(s) Ray gave it."""
-    from engine.devices import resolve_dtype, resolve_probe
+    from engine.devices import dtype_name, resolve_dtype, resolve_probe
 
     probe, device = resolve_probe(replica_device(settings.device, len(ray.get_gpu_ids())))
-    dtype = str(resolve_dtype(settings.dtype, device, probe)).removeprefix("torch.")
+    dtype = dtype_name(resolve_dtype(settings.dtype, device, probe))  # "auto" on the CPU: timed when loaded
     return ("tt" if probe.name == "tt" else str(device)), dtype
 
 

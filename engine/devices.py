@@ -3,7 +3,8 @@
 Device kinds are probed through a plain dict (`PROBES`); every probe answers three questions:
   - `missing()`: None when it can run here, else a sentence naming exactly what is missing;
   - `torch_device(index)`: the torch device that holds the model's tensors;
-  - `auto_dtype(device)`: the dtype `--dtype auto` picks, with the reason (logged).
+  - `auto_dtype(device)`: the dtype `--dtype auto` picks, with the reason (logged); None on the CPU, where
+    the loader times decode steps of the loaded model in each candidate dtype (engine/dtype_probe.py).
 
 `tt` (Tenstorrent) runs through torch-ttnn, a torch.compile backend: tensors live on the host (cpu) and
 compiled graphs run on the card, so its torch device is the cpu.
@@ -13,8 +14,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import time
-from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -39,7 +38,7 @@ class DeviceProbe(Protocol):
 
     def torch_device(self, index: int | None) -> torch.device: ...
 
-    def auto_dtype(self, device: torch.device) -> tuple[torch.dtype, str]: ...
+    def auto_dtype(self, device: torch.device) -> tuple[torch.dtype, str] | None: ...
 
 
 class CpuProbe:
@@ -51,8 +50,8 @@ class CpuProbe:
     def torch_device(self, index: int | None) -> torch.device:
         return torch.device("cpu")
 
-    def auto_dtype(self, device: torch.device) -> tuple[torch.dtype, str]:
-        return pick_cpu_dtype(*measure_cpu_matmul())
+    def auto_dtype(self, device: torch.device) -> None:
+        return None  # decided on the loaded model: engine/dtype_probe.py
 
 
 class CudaProbe:
@@ -142,16 +141,24 @@ def resolve_device(name: str) -> torch.device:
     return resolve_probe(name)[1]
 
 
-def resolve_dtype(name: str, device: torch.device, probe: DeviceProbe | None = None) -> torch.dtype:
-    """--dtype -> torch.dtype. auto asks the device's probe (measured on CPU) and logs why."""
+def resolve_dtype(name: str, device: torch.device, probe: DeviceProbe | None = None) -> torch.dtype | None:
+    """--dtype -> torch.dtype. auto asks the device's probe and logs why; None when that is the CPU, where
+    `engine.loader.load_model` times decode steps of the loaded model in each candidate (engine/dtype_probe.py)."""
     if name != "auto":
         if name not in DTYPES:
             raise DeviceError(f"unknown dtype {name!r}: use auto, float32, bfloat16 or float16")
         return DTYPES[name]
-    probe = probe or probe_for(device)
-    dtype, reason = probe.auto_dtype(device)
+    answer = (probe or probe_for(device)).auto_dtype(device)
+    if answer is None:
+        return None
+    dtype, reason = answer
     log.info("dtype auto: %s (%s)", str(dtype).removeprefix("torch."), reason)
     return dtype
+
+
+def dtype_name(dtype: torch.dtype | None) -> str:
+    """'float32', 'bfloat16', 'float16'; 'auto' for None (the CPU's choice, made when the model loads)."""
+    return "auto" if dtype is None else str(dtype).removeprefix("torch.")
 
 
 def _usable(probe: DeviceProbe) -> bool:
@@ -160,44 +167,3 @@ def _usable(probe: DeviceProbe) -> bool:
     except Exception as exc:  # a broken driver stack must not stop auto from falling back to the cpu
         log.warning("device %s probe failed: %s", probe.name, exc)
         return False
-
-
-# --- CPU dtype measurement ----------------------------------------------------------------------------
-
-BF16_MARGIN = 0.8  # bfloat16 loses precision, so it must be clearly faster (>= 1.25x) to be picked
-
-
-def measure_cpu_matmul(tokens: int = 4, dim: int = 4096, repeats: int = 7) -> tuple[float, float]:
-    """Best-of-N seconds of one decode-shaped matmul ([tokens, dim] x [dim, dim]) in float32 and bfloat16.
-
-    Decode is memory-bound, so this reflects both the kernels (AVX512-BF16 / AMX make bfloat16 fast) and
-    the halved bytes; the weight (64 MiB in float32) is larger than typical caches. The two dtypes run
-    interleaved and the minimum is kept, which is robust to other processes sharing the cores.
-    """
-    runs = {dtype: _linear_runner(dtype, tokens, dim) for dtype in (torch.float32, torch.bfloat16)}
-    best = dict.fromkeys(runs, float("inf"))
-    for _ in range(repeats):
-        for dtype, run in runs.items():
-            best[dtype] = min(best[dtype], _timed(run))
-    return best[torch.float32], best[torch.bfloat16]
-
-
-def _linear_runner(dtype: torch.dtype, tokens: int, dim: int) -> Callable[[], object]:
-    x = torch.randn(tokens, dim, dtype=dtype)  # [tokens, dim]
-    w = torch.randn(dim, dim, dtype=dtype)  # [out, in]
-    torch.nn.functional.linear(x, w)  # warm up: the first call picks kernels
-    return lambda: torch.nn.functional.linear(x, w)
-
-
-def _timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-def pick_cpu_dtype(fp32_s: float, bf16_s: float) -> tuple[torch.dtype, str]:
-    """bfloat16 when its measured matmul is clearly faster than float32, else float32 (exact)."""
-    figures = f"matmul bfloat16 {bf16_s * 1e3:.2f} ms vs float32 {fp32_s * 1e3:.2f} ms"
-    if bf16_s <= fp32_s * BF16_MARGIN:
-        return torch.bfloat16, f"{figures}: bfloat16 is faster on this CPU"
-    return torch.float32, f"{figures}: bfloat16 is not clearly faster on this CPU"

@@ -15,6 +15,9 @@ does not. Serving in bfloat16 casts from that copy at load time.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import gc
 import hashlib
 import json
 import logging
@@ -28,6 +31,7 @@ from typing import Any
 
 import torch
 
+from engine import dtype_probe, preflight
 from engine.devices import resolve_dtype, resolve_probe
 from engine.types import EngineConfig
 
@@ -53,13 +57,18 @@ class LoadError(RuntimeError):
 
 
 def load_model(cfg: EngineConfig) -> LoadedModel:
-    """Resolve device and dtype, convert a GGUF once (cached), load tokenizer and weights; eval, no grad."""
+    """Resolve device and dtype, convert a GGUF once (cached), load tokenizer and weights; eval, no grad.
+    The one place the dtype is decided: `--dtype auto` on the CPU loads float32 and times decode steps in each
+    candidate (engine/dtype_probe.py); the returned `dtype` is the one served."""
     probe, device = resolve_probe(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device, probe)
     folder = model_folder(cfg)
     start = time.perf_counter()
     tokenizer = load_tokenizer(folder, cfg.trust_remote_code)
-    model = load_weights(folder, dtype, device, cfg.trust_remote_code)
+    if dtype is None:
+        model, dtype = load_fastest(folder, tokenizer, cfg, device)
+    else:
+        model = load_weights(folder, dtype, device, cfg.trust_remote_code)
     max_len = context_length(model.config, cfg.max_model_len)
     log.info(
         "loaded %s from %s on %s in %s in %.1f s (max_model_len %d)",
@@ -71,6 +80,35 @@ def load_model(cfg: EngineConfig) -> LoadedModel:
         max_len,
     )
     return LoadedModel(model, tokenizer, device, dtype, max_len)
+
+
+def load_fastest(folder: Path, tokenizer: Any, cfg: EngineConfig, device: torch.device) -> tuple[Any, torch.dtype]:
+    """`--dtype auto` on the CPU: float32 and bfloat16 timed on real decode steps when the probe's peak fits in the
+    free RAM (the preflight's arithmetic), else bfloat16 without a probe."""
+    dtypes, why = preflight.auto_cpu_dtypes(
+        preflight.folder_footprint(folder), preflight.measure_resources([]).ram_free,
+        max_model_len=cfg.max_model_len, kv_cache_bytes=cfg.kv_cache_bytes, packed_copy=packed_copy_kept(cfg),
+    )  # fmt: skip
+    if len(dtypes) == 1:
+        log.info("dtype auto: bfloat16 (%s)", why)
+        return load_weights(folder, torch.bfloat16, device, cfg.trust_remote_code), torch.bfloat16
+    model = load_weights(folder, torch.float32, device, cfg.trust_remote_code)
+    chosen = dtype_probe.choose(model, tokenizer, cfg, device, context_length(model.config, cfg.max_model_len))
+    del model
+    gc.collect()  # the other dtype's copy and the probe's engines: the KV cache is sized from the RAM free after this
+    release_freed_memory()
+    return chosen
+
+
+def release_freed_memory() -> None:
+    """Hand the heap's freed pages back to the OS (glibc keeps them otherwise, and RSS stays at the probe's peak)."""
+    with contextlib.suppress(OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def packed_copy_kept(cfg: EngineConfig) -> bool:
+    """Whether bfloat16 decode steps on this CPU keep a packed copy of the weights (AMX, kernels on)."""
+    return cfg.cpu_kernels and preflight.cpu_has_amx()
 
 
 def model_folder(cfg: EngineConfig) -> Path:

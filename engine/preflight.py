@@ -94,17 +94,35 @@ def memory_need(
     fp: ModelFootprint, dtype: str, *, max_model_len: int | None, kv_cache_bytes: int | None,
     packed_copy: bool = False,
 ) -> tuple[int, str]:
-    """Bytes for weights in `dtype` + KV cache (+ the one-call decode step's packed copy of the weights, which it
-    keeps on CPUs with AMX), with the breakdown in words."""
-    weights = fp.param_count * DTYPE_BYTES[dtype]
-    kv = kv_cache_need(fp, DTYPE_BYTES[dtype], max_model_len, kv_cache_bytes)
+    """Bytes for weights in `dtype` + KV cache (+ the one-call decode step's packed copy of the bfloat16 weights,
+    which it keeps on CPUs with AMX), with the breakdown in words. dtype "auto" (CPU) is the peak of the
+    `--dtype auto` probe (engine/dtype_probe.py): float32 weights and KV cache + the bfloat16 copy timed beside them."""
+    stored = "float32" if dtype == "auto" else dtype
+    weights = fp.param_count * DTYPE_BYTES[stored]
+    kv = kv_cache_need(fp, DTYPE_BYTES[stored], max_model_len, kv_cache_bytes)
     tokens = max_model_len or fp.context_len
     kv_words = f"KV cache {fmt_bytes(kv)}" + (
         "" if kv_cache_bytes and kv_cache_bytes >= kv else f" for {tokens} tokens"
     )
-    copy = weights if packed_copy else 0
-    copy_words = f" + {fmt_bytes(copy)} packed copy for AMX decode steps" if packed_copy else ""
-    return weights + kv + copy, f"weights {fmt_bytes(weights)} in {dtype} + {kv_words}{copy_words}"
+    bf16 = fp.param_count * DTYPE_BYTES["bfloat16"]
+    probe = bf16 if dtype == "auto" else 0
+    probe_words = f" + {fmt_bytes(probe)} bfloat16 copy timed by --dtype auto" if probe else ""
+    copy = bf16 if packed_copy and dtype in ("auto", "bfloat16") else 0
+    copy_words = f" + {fmt_bytes(copy)} packed copy for AMX decode steps" if copy else ""
+    return weights + kv + probe + copy, f"weights {fmt_bytes(weights)} in {stored} + {kv_words}{probe_words}{copy_words}"
+
+
+def auto_cpu_dtypes(
+    fp: ModelFootprint, ram_free: int, *, max_model_len: int | None, kv_cache_bytes: int | None,
+    packed_copy: bool = False,
+) -> tuple[tuple[str, ...], str]:
+    """The dtypes `--dtype auto` times on the CPU, and why float32 is left out when it is: both when the probe's
+    peak (`memory_need(fp, "auto")`) fits in the free RAM, else bfloat16 alone."""
+    need, words = memory_need(fp, "auto", max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes,
+                              packed_copy=packed_copy)
+    if need <= ram_free:
+        return ("float32", "bfloat16"), ""
+    return ("bfloat16",), f"float32 not tried: timing it needs {fmt_bytes(need)} ({words}), {fmt_bytes(ram_free)} free"
 
 
 def check(
@@ -122,6 +140,10 @@ def check(
 ) -> list[Need]:
     """Every need against what is free. The model fits when all are `ok`."""
     needs = list(_disk_needs(fp, res.disks, download_dir, cache_dir))
+    if dtype == "auto" and not on_cuda:
+        dtypes, _ = auto_cpu_dtypes(fp, res.ram_free, max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes,
+                                    packed_copy=packed_copy)
+        dtype = "auto" if len(dtypes) > 1 else "bfloat16"
     total, words = memory_need(fp, dtype, max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes,
                                packed_copy=packed_copy and not on_cuda)
     if on_cuda and res.vram_free is not None:

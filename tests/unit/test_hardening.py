@@ -129,7 +129,7 @@ async def test_draining_server_gives_up_at_the_deadline_and_second_signal_forces
 class FakeEngine:
     """Just enough of AsyncEngine for the health routes."""
 
-    model_name, device, max_model_len = "fake", "cpu", 128
+    model_name, device, dtype, max_model_len = "fake", "cpu", "float32", 128
 
     def __init__(self) -> None:
         self.alive, self.age, self.running = True, 0.0, 0

@@ -244,6 +244,26 @@ def test_the_amx_decoders_packed_copy_counts_on_cpu_only() -> None:
     assert on_gpu[0].needed == plain[0].needed
 
 
+def test_dtype_auto_counts_the_probes_float32_and_bfloat16_copies() -> None:
+    """--dtype auto on CPU holds float32 weights and a bfloat16 copy while it times both (engine/dtype_probe.py)."""
+    auto, words = preflight.memory_need(BIG, "auto", max_model_len=None, kv_cache_bytes=None)
+    fp32, _ = preflight.memory_need(BIG, "float32", max_model_len=None, kv_cache_bytes=None)
+    assert auto == fp32 + 15 * GB
+    assert words == "weights 30.0 GB in float32 + KV cache 2.1 GB for 8192 tokens + 15.0 GB bfloat16 copy timed by " \
+                    "--dtype auto"
+    room = {"max_model_len": None, "kv_cache_bytes": None}
+    assert preflight.auto_cpu_dtypes(BIG, auto, **room) == (("float32", "bfloat16"), "")
+    dtypes, why = preflight.auto_cpu_dtypes(BIG, auto - 1, **room)
+    assert dtypes == ("bfloat16",) and why.startswith("float32 not tried: timing it needs 47.1 GB (weights 30.0 GB")
+
+
+def test_dtype_auto_is_checked_as_bfloat16_alone_when_float32_cannot_be_timed() -> None:
+    roomy = preflight.check(BIG, Resources(ram_free=64 * GB), dtype="auto", on_cuda=False)
+    tight = preflight.check(BIG, Resources(ram_free=20 * GB), dtype="auto", on_cuda=False)
+    assert roomy[0].ok and "in float32" in roomy[0].breakdown and "bfloat16 copy" in roomy[0].breakdown
+    assert tight[0].ok and tight[0].breakdown == "weights 15.0 GB in bfloat16 + KV cache 1.1 GB for 8192 tokens"
+
+
 AMX_FLAGS = "fpu avx2 fma f16c avx512f avx512bw avx512vl avx512_bf16 amx_tile amx_bf16"
 
 
