@@ -94,7 +94,7 @@ def grammar_text(constraint: Constraint) -> str:
                 raise GrammarError("a JSON schema must be an object (or a boolean)")
             return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
         if kind == "regex":
-            return llguidance.LLMatcher.grammar_from_regex(value)
+            return llguidance.LLMatcher.grammar_from_regex(ascii_classes(value))
         if kind == "choice":
             choices = _load_json(value, "choice list")
             if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
@@ -114,6 +114,36 @@ def grammar_text(constraint: Constraint) -> str:
     except Exception as exc:  # ValueError from llguidance, GbnfToLarkError, ...
         raise GrammarError(f"invalid {kind}: {exc}") from exc
     raise GrammarError(f"unknown constraint kind {kind!r}")
+
+
+_OUTSIDE = {"d": "[0-9]", "w": "[0-9A-Za-z_]", "D": "[^0-9]", "W": "[^0-9A-Za-z_]"}
+_INSIDE = {"d": "0-9", "w": "0-9A-Za-z_"}
+
+
+def ascii_classes(regex: str) -> str:
+    """`\\d` and `\\w` as ASCII classes, as in JSON Schema patterns, Outlines and xgrammar (llguidance's regex
+    syntax, Rust's, makes them Unicode: `\\d` would match Arabic-Indic digits)."""
+    out, i, depth = [], 0, 0  # depth: inside a [...] class
+    while i < len(regex):
+        c = regex[i]
+        if c == "\\" and i + 1 < len(regex):
+            nxt = regex[i + 1]
+            table = _INSIDE if depth else _OUTSIDE
+            out.append(table.get(nxt, c + nxt))
+            i += 2
+            continue
+        if c == "[":
+            depth += 1
+            if regex.startswith("[^]", i) or regex.startswith("[]", i):  # a leading ] is a literal
+                skip = 3 if regex[i + 1] == "^" else 2
+                out.append(regex[i:i + skip])
+                i += skip
+                continue
+        elif c == "]" and depth:
+            depth -= 1
+        out.append(c)
+        i += 1
+    return "".join(out)
 
 
 def _load_json(text: str, what: str) -> Any:
@@ -271,6 +301,10 @@ class GrammarState:
     @property
     def failed(self) -> bool:
         return self.matcher is not None and self.matcher.is_error()
+
+    @property
+    def error(self) -> str:
+        return self.matcher.get_error() if self.matcher is not None else ""
 
     def sync(self, output_token_ids: list[int], eos_token_ids: frozenset[int] = frozenset()) -> None:
         """Take the output tokens not seen yet into account (EOS is never fed: it ends the sequence)."""
