@@ -176,6 +176,10 @@ def _compile(constraint: Constraint, lltok: llguidance.LLTokenizer) -> llguidanc
     matcher = llguidance.LLMatcher(lltok, grammar, log_level=0, limits=LIMITS)
     if matcher.is_error():
         raise GrammarError(f"invalid {constraint.kind}: {_short(matcher.get_error())}")
+    probe = matcher.deep_copy()  # the first mask: builds the lexer now, and finds grammars that admit no text
+    probe.compute_bitmask()
+    if probe.is_error():
+        raise GrammarError(f"the {constraint.kind} admits no text (it is unsatisfiable or endlessly recursive)")
     return matcher
 
 
