@@ -106,7 +106,7 @@ async def create_chat_completion(
     tool_plan = tools.plan(body, engine.tokenizer, tool_call_parser(request))
     if tool_plan is not None:
         params = tool_plan.sampling_params(params)
-        await tools.validate(tool_plan, engine.tokenizer)
+        await structured.check(tool_plan.constraint, engine.tokenizer, "tools")
     prompt = conv.chat_prompt_ids(engine.tokenizer, body.messages, tool_plan)
     check_prompts(engine, [prompt], params, prompt_param="messages")
     splitter = reasoning.splitter_factory(reasoning_parser(request), engine.tokenizer, prompt)

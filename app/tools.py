@@ -19,7 +19,6 @@ assistant tool calls are written back in that format and tool results sent as `<
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
@@ -36,7 +35,6 @@ from app.schemas_openai import (
     ToolCallOut,
 )
 from app.tool_parsers import FORMATS, CallDelta, CallStream, ToolFormat, detect, parse, template_takes_tools
-from engine import grammar
 from engine.types import Constraint, SamplingParams
 
 DEFAULT_TOOL_PROMPT = """You are an expert in composing functions. You are given a question and a set of possible \
@@ -88,15 +86,27 @@ class ToolPlan:
 def plan(req: ChatCompletionRequest, tokenizer: Any, parser: str = "auto") -> ToolPlan | None:
     """The request's ToolPlan, or None when it has no tools. Raises BadRequestError for a tool_choice that
     cannot be honoured (a named tool that is not among `tools`, `required` without tools)."""
+    functions = [t.function.model_dump(exclude_none=True) for t in req.tools or []]
     choice = req.tool_choice
-    if not req.tools:
+    named = choice if isinstance(choice, str) or choice is None else NamedChoice(choice.function.name)
+    return plan_for(functions, named, req.parallel_tool_calls is not False, tokenizer, parser)
+
+
+@dataclass(frozen=True, slots=True)
+class NamedChoice:
+    name: str
+
+
+def plan_for(functions: list[dict[str, Any]], choice: str | NamedChoice | None, parallel: bool, tokenizer: Any,
+             parser: str = "auto", param: str = "tool_choice") -> ToolPlan | None:
+    """The plan for `functions` ({"name", "description", "parameters"}) and a tool choice (none, auto,
+    required, or NamedChoice), whichever API they came from."""
+    if not functions:
         if choice not in (None, "none", "auto"):
-            raise BadRequestError("tool_choice requires tools.", param="tool_choice")
+            raise BadRequestError("tool_choice requires tools.", param=param)
         return None
-    functions = [t.function.model_dump(exclude_none=True) for t in req.tools]
     _check_unique(functions)
     fmt = FORMATS[parser if parser in FORMATS else detect(getattr(tokenizer, "chat_template", None))]
-    parallel = req.parallel_tool_calls is not False
     if choice is None or choice == "auto":
         return ToolPlan(fmt, functions, "auto", parallel, _constraint(fmt, functions, parallel, tokenizer, True))
     if choice == "none":
@@ -104,11 +114,13 @@ def plan(req: ChatCompletionRequest, tokenizer: Any, parser: str = "auto") -> To
     if choice == "required":
         return ToolPlan(fmt, functions, "required", parallel,
                         _constraint(fmt, functions, parallel, tokenizer, False))
-    named = [f for f in functions if f["name"] == choice.function.name]
+    if not isinstance(choice, NamedChoice):
+        raise BadRequestError(f"Unknown tool_choice {choice!r}.", param=param)
+    named = [f for f in functions if f["name"] == choice.name]
     if not named:
         raise BadRequestError(
-            f"tool_choice names the function {choice.function.name!r}, which is not among tools "
-            f"({', '.join(f['name'] for f in functions)}).", param="tool_choice",
+            f"tool_choice names the function {choice.name!r}, which is not among tools "
+            f"({', '.join(f['name'] for f in functions)}).", param=param,
         )
     return ToolPlan(fmt, functions, "function", False, _constraint(fmt, named, False, tokenizer, False))
 
@@ -134,16 +146,6 @@ def _trigger_token(fmt: ToolFormat, tokenizer: Any) -> str:
         if isinstance(token_id, int) and token_id != getattr(tokenizer, "unk_token_id", None):
             return f"<[{token_id}]>"
     return json.dumps(fmt.trigger)
-
-
-async def validate(tool_plan: ToolPlan, tokenizer: Any) -> None:
-    """Compile the plan's grammar off the event loop (cached); a schema llguidance rejects is a 400 on `tools`."""
-    if tool_plan.constraint is None:
-        return
-    try:
-        await asyncio.to_thread(grammar.validate, tool_plan.constraint, tokenizer)
-    except grammar.GrammarError as exc:
-        raise BadRequestError(f"A tool's parameters cannot be served: {exc.message}", param="tools") from None
 
 
 # ---------------------------------------------------------------- prompt
