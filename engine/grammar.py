@@ -25,6 +25,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import llguidance
+import numpy as np
 import torch
 from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask_par
 
@@ -336,7 +337,8 @@ class GrammarState:
 
 
 class BitmaskFiller:
-    """Fills the token bitmasks of the constrained rows of a step, all in one llguidance call."""
+    """Fills the token bitmasks of the constrained rows of a step, all in one llguidance call, and unpacks them
+    (numpy, single-threaded, in the caller's thread: the engine runs both beside the forward pass)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
         self.lltok = ll_tokenizer(tokenizer)
@@ -345,9 +347,6 @@ class BitmaskFiller:
         self._ll_eos = self.lltok.eos_token
         self._executor = llguidance.LLExecutor(num_threads=2)
         self._buffer = allocate_token_bitmask(8, self.lltok.vocab_size)
-        width = (vocab_size + 31) // 32 * 32
-        self._shifts = torch.arange(32, dtype=torch.int32)
-        self._width = width
 
     def fill(self, states: list[GrammarState]) -> torch.Tensor:
         """[len(states), words] int32 bitmask, one row per state (each must be `active`)."""
@@ -355,27 +354,34 @@ class BitmaskFiller:
             self._buffer = allocate_token_bitmask(max(len(states), 2 * self._buffer.shape[0]), self.lltok.vocab_size)
         mask = self._buffer[: len(states)]
         fill_next_token_bitmask_par(self._executor, [(s.matcher, i) for i, s in enumerate(states)], mask)
-        return mask.clone()
+        return mask
+
+    def forbidden(self, mask: torch.Tensor) -> torch.Tensor:
+        """bool [rows, vocab_size]: True where the grammar forbids the token. Ids past the tokenizer's vocabulary
+        are forbidden; every EOS id of the model is allowed where the tokenizer's own EOS is."""
+        bits = np.unpackbits((~mask.numpy()).view(np.uint8), axis=1, bitorder="little")  # [rows, words * 32]
+        if bits.shape[1] >= self.vocab_size:
+            out = np.ascontiguousarray(bits[:, : self.vocab_size])
+        else:
+            out = np.ones((bits.shape[0], self.vocab_size), dtype=np.uint8)
+            out[:, : bits.shape[1]] = bits
+        if self._eos and 0 <= self._ll_eos < bits.shape[1]:
+            eos_banned = bits[:, self._ll_eos]
+            for t in self._eos:
+                out[:, t] = eos_banned
+        return torch.from_numpy(out).view(torch.bool)
 
     def allowed(self, mask: torch.Tensor) -> torch.Tensor:
-        """The bitmask as bool [rows, vocab_size]; every EOS id of the model is allowed where the tokenizer's is."""
-        bits = ((mask.unsqueeze(-1) >> self._shifts) & 1).bool().reshape(mask.shape[0], -1)
-        if bits.shape[1] >= self.vocab_size:
-            allowed = bits[:, : self.vocab_size].clone()
-        else:
-            allowed = torch.zeros((mask.shape[0], self.vocab_size), dtype=torch.bool)
-            allowed[:, : bits.shape[1]] = bits
-        if self._eos and 0 <= self._ll_eos < bits.shape[1]:
-            eos_ok = bits[:, self._ll_eos]
-            for t in self._eos:
-                allowed[:, t] |= eos_ok
-        return allowed
+        """bool [rows, vocab_size]: True where the grammar allows the token."""
+        return ~self.forbidden(mask)
 
 
-def apply_mask(logits: torch.Tensor, rows: list[int], allowed: torch.Tensor) -> torch.Tensor:
-    """A copy of `logits` whose `rows` are -inf where `allowed` (bool [len(rows), vocab]) is False."""
-    logits = logits.clone()
+def apply_mask(logits: torch.Tensor, rows: list[int], forbidden: torch.Tensor) -> torch.Tensor:
+    """Set the forbidden tokens of `rows` to -inf, in place (the engine's logits are the step's fresh output);
+    `forbidden`: bool [len(rows), vocab]. Returns `logits`."""
+    forbidden = forbidden.to(logits.device)
+    if len(rows) == logits.shape[0]:
+        return logits.masked_fill_(forbidden, float("-inf"))
     idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
-    sub = logits.index_select(0, idx).masked_fill(~allowed.to(logits.device), float("-inf"))
-    logits.index_copy_(0, idx, sub)
+    logits.index_copy_(0, idx, logits.index_select(0, idx).masked_fill_(forbidden, float("-inf")))
     return logits

@@ -114,7 +114,7 @@ class LLMEngine:
             return None
         filler = self._filler
         assert filler is not None and self._mask_thread is not None
-        return self._mask_thread.submit(lambda: (rows, filler.allowed(filler.fill(states))))
+        return self._mask_thread.submit(lambda: (rows, filler.forbidden(filler.fill(states))))
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.validate(prompt_token_ids, params)

@@ -48,9 +48,9 @@ class Sampler:
                masks: tuple[list[int], torch.Tensor] | None = None) -> list[SampledToken]:
         """logits: [batch, vocab] float32, one row per sequence in `seqs`.
 
-        masks: (rows, allowed) for constrained rows: bool [len(rows), vocab], the tokens their grammars allow.
-        They apply to those rows only, first, so everything after (penalties, temperature, top-p, logprobs) sees
-        the masked distribution; the other rows are untouched."""
+        masks: (rows, forbidden) for constrained rows: bool [len(rows), vocab], the tokens their grammars forbid.
+        They apply to those rows only (in place), first, so everything after (penalties, temperature, top-p,
+        logprobs) sees the masked distribution; the other rows are untouched."""
         if not seqs:
             return []
         if masks is not None:

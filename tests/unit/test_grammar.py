@@ -233,8 +233,8 @@ def test_sampler_masks_only_the_constrained_rows():
     seqs = [_seq(SamplingParams(temperature=0.7, seed=5 + i, logprobs=3), i) for i in range(3)]
     allowed = torch.zeros(1, 50, dtype=torch.bool)
     allowed[0, [7, 11]] = True
-    free = Sampler(torch.device("cpu"), 0, [0]).sample(logits, seqs)
-    masked = Sampler(torch.device("cpu"), 0, [0]).sample(logits, seqs, ([1], allowed))
+    free = Sampler(torch.device("cpu"), 0, [0]).sample(logits.clone(), seqs)
+    masked = Sampler(torch.device("cpu"), 0, [0]).sample(logits.clone(), seqs, ([1], ~allowed))
     assert masked[0] == free[0] and masked[2] == free[2]  # free rows: same tokens, same logprobs
     assert masked[1].token_id in (7, 11)
     # logprobs are those of the masked distribution: the two allowed tokens share all the mass
@@ -249,7 +249,7 @@ def test_sampler_min_tokens_never_empties_a_constrained_row():
     allowed = torch.zeros(1, 20, dtype=torch.bool)
     allowed[0, 0] = True  # only EOS (id 0) is allowed, and min_tokens forbids it
     seq = _seq(SamplingParams(temperature=0, min_tokens=5))
-    assert Sampler(torch.device("cpu"), 0, [0]).sample(logits, [seq], ([0], allowed))[0].token_id == 0
+    assert Sampler(torch.device("cpu"), 0, [0]).sample(logits, [seq], ([0], ~allowed))[0].token_id == 0
 
 
 # ---------------------------------------------------------------- wire fields -> Constraint
