@@ -136,3 +136,35 @@ def test_what_cannot_be_honoured_is_a_400(http: httpx.Client, model_id: str, bod
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error" and (error["param"] or "").startswith(param), error
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_auto_call_once_started_is_completed_valid(client: openai.OpenAI, http: httpx.Client, model_id: str,
+                                                   stream: bool) -> None:
+    """The 135M model does not call tools by itself; a logit bias on the tokens of `<tool_call>` makes it start
+    one, and from the trigger on the lazy grammar completes it: a valid call, then the answer ends."""
+    ids = http.post("/tokenize", json={"model": model_id, "prompt": "<tool_call>", "add_special_tokens": False})
+    bias = {str(i): 30 for i in ids.json()["tokens"]}
+    city = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "London"]}},
+        "required": ["city"]}}}
+    kwargs = {"model": model_id, "messages": ASK, "tools": [city], "temperature": 0, "max_tokens": 80,
+              "logit_bias": bias}
+    if stream:
+        with client.chat.completions.stream(**kwargs) as s:
+            response = s.get_final_completion()
+    else:
+        response = client.chat.completions.create(**kwargs)
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Paris", "London")
+
+
+def test_each_of_n_choices_gets_its_calls(client: openai.OpenAI, model_id: str) -> None:
+    r = client.chat.completions.create(model=model_id, messages=ASK, tools=TOOLS, tool_choice="required", n=2,
+                                       temperature=1.0, seed=3, max_tokens=200)
+    assert [c.index for c in r.choices] == [0, 1]
+    for choice in r.choices:
+        assert choice.finish_reason == "tool_calls"
+        check_calls(choice.message.tool_calls)
