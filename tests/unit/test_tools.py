@@ -343,3 +343,49 @@ def test_legacy_answers_carry_tool_calls() -> None:
     assert "".join(d["tool_call"] for d in deltas[1:-1]) == call["arguments_json"]
     bare = asyncio.run(collect(False))
     assert bare[-2]["delta"]["parse_status"] == "success" and bare[-2]["delta"]["content"]["tool_name"] == "get_weather"
+
+
+# ---------------------------------------------------------------- through apply_chat_template
+
+QWEN_LIKE = (  # the tool parts of Qwen2.5's template, shortened
+    "{%- if tools %}<|im_start|>system\n# Tools\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n"
+    "</tools>\nFor each function call, return a json object within <tool_call></tool_call> XML tags.<|im_end|>\n"
+    "{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant\n{{ m.content or '' }}"
+    "{%- for tc in m.tool_calls %}<tool_call>\n{\"name\": \"{{ tc.function.name }}\", \"arguments\": "
+    "{{ tc.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{%- elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{%- endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_tools_and_history_render_through_the_models_template() -> None:
+    from app.convert_openai import chat_prompt_text
+    from app.schemas_openai import ChatMessage
+    from tests.support import build_byte_level_tokenizer
+
+    tokenizer = build_byte_level_tokenizer()
+    tokenizer.chat_template = QWEN_LIKE
+    p = plan(request(), tokenizer)
+    assert p.fmt.name == "hermes"  # the template writes <tool_call>
+    text = chat_prompt_text(tokenizer, [ChatMessage.model_validate(m) for m in HISTORY], tool_plan=p)
+    assert json.dumps({"type": "function", "function": WEATHER}) in text
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
+    assert "<tool_response>\n21 C\n</tool_response>" in text and text.endswith("<|im_start|>assistant\n")
+
+
+def test_default_tool_prompt_through_a_template_without_tools() -> None:
+    from app.convert_openai import chat_prompt_text
+    from app.schemas_openai import ChatMessage
+    from tests.support import build_byte_level_tokenizer
+
+    tokenizer = build_byte_level_tokenizer()  # its test template renders role and content only
+    p = plan(request(), tokenizer)
+    assert p.fmt.name == "smollm2"
+    text = chat_prompt_text(tokenizer, [ChatMessage.model_validate(m) for m in HISTORY], tool_plan=p)
+    assert "<tools>" in text and '"name": "get_time"' in text
+    assert '<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}]</tool_call>' in text
+    no_tools = chat_prompt_text(tokenizer, [ChatMessage.model_validate(m) for m in HISTORY])
+    assert "<tools>" not in no_tools and "<tool_response>\n21 C" in no_tools  # a history renders without tools
