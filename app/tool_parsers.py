@@ -25,9 +25,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-ParserName = Literal["auto", "hermes", "llama3_json", "mistral", "smollm2", "none"]
-PARSERS: tuple[str, ...] = ("hermes", "llama3_json", "mistral", "smollm2")
-
 
 @dataclass(frozen=True, slots=True)
 class ToolFormat:
