@@ -45,6 +45,15 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
 
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls_name_functions(cls, calls: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        for call in calls or []:
+            function = call.get("function")
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise ValueError('each tool call needs "function": {"name": ..., "arguments": ...}')
+        return calls
+
 
 class SamplingRequest(BaseModel):
     """The sampling and stopping fields both endpoints share."""

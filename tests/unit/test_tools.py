@@ -205,6 +205,7 @@ def test_plan_refuses_what_it_cannot_honour(fields: dict[str, Any], param: str) 
     {"tools": [{"type": "custom", "custom": {"name": "x"}}]},
     {"tools": [{"type": "function", "function": {"name": "has space"}}]},
     {"tool_choice": "sometimes"},
+    {"messages": [{"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function"}]}]},
 ])
 def test_schema_refuses_unservable_tools(body: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
