@@ -21,6 +21,10 @@ WEATHER = {"tool_name": "get_weather", "description": "The current weather in a 
                           "unit": {"param_type": "string", "description": "celsius or fahrenheit"}}}
 WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string"}},
                   "required": ["city", "unit"]}
+BOUNDED = {"tool_name": "get_weather", "description": "The current weather in a city.",  # sampled answers end
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                                             "unit": {"enum": ["celsius", "fahrenheit"]}},
+                            "required": ["city", "unit"]}}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 CITY = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 30},
                                          "country": {"type": "string", "maxLength": 30}},
@@ -52,7 +56,8 @@ def check_call(call: dict[str, Any]) -> None:
                          ids=["required", "named"])
 def test_tool_calls_in_the_completion_message(http: httpx.Client, model_id: str, sampling: dict[str, Any],
                                               choice: dict[str, Any]) -> None:
-    body = {"model_id": model_id, "messages": ASK, "tools": [WEATHER], "sampling_params": sampling, **choice}
+    tool = WEATHER if sampling is GREEDY else BOUNDED  # Llama Stack requests carry no seed
+    body = {"model_id": model_id, "messages": ASK, "tools": [tool], "sampling_params": sampling, **choice}
     message = chat(http, "/v1/inference/chat-completion", body)["completion_message"]
     assert message["stop_reason"] == "end_of_message" and len(message["tool_calls"]) >= 1
     for call in message["tool_calls"]:

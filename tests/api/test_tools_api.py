@@ -21,7 +21,7 @@ WEATHER = {
         "description": "The current weather in a city.",
         "parameters": {
             "type": "object",
-            "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+            "properties": {"city": {"type": "string", "maxLength": 40}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
             "required": ["city", "unit"],
             "additionalProperties": False,
         },
