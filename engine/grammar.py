@@ -195,6 +195,7 @@ class _Cache:
     def __init__(self, size: int) -> None:
         self.size = size
         self._items: OrderedDict[tuple[int, str, str], llguidance.LLMatcher] = OrderedDict()
+        self._failures: OrderedDict[tuple[int, str, str], str] = OrderedDict()  # a refused grammar stays refused
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
@@ -209,10 +210,15 @@ class _Cache:
 
     def put(self, key: tuple[int, str, str], matcher: llguidance.LLMatcher) -> None:
         with self._lock:
-            self._items[key] = matcher
-            self._items.move_to_end(key)
-            while len(self._items) > self.size:
-                self._items.popitem(last=False)
+            _bounded_put(self._items, key, matcher, self.size)
+
+    def failure(self, key: tuple[int, str, str]) -> str | None:
+        with self._lock:
+            return self._failures.get(key)
+
+    def put_failure(self, key: tuple[int, str, str], message: str) -> None:
+        with self._lock:
+            _bounded_put(self._failures, key, message, self.size)
 
     def clear(self) -> None:
         with self._lock:
@@ -220,6 +226,13 @@ class _Cache:
 
     def __len__(self) -> int:
         return len(self._items)
+
+
+def _bounded_put(items: OrderedDict, key: Any, value: Any, size: int) -> None:
+    items[key] = value
+    items.move_to_end(key)
+    while len(items) > size:
+        items.popitem(last=False)
 
 
 CACHE = _Cache(CACHE_SIZE)
@@ -242,6 +255,9 @@ def compiled(constraint: Constraint, tokenizer: Any, timeout: float | None = COM
     hit = CACHE.get(key)
     if hit is not None:
         return hit
+    failed = CACHE.failure(key)
+    if failed is not None:  # the same hostile schema sent again costs nothing
+        raise GrammarError(failed)
     with _pending_lock:
         future = _pending.get(key)
         if future is None:
@@ -258,7 +274,11 @@ def _compile_and_cache(key: tuple[int, str, str], constraint: Constraint,
                        lltok: llguidance.LLTokenizer) -> llguidance.LLMatcher:
     try:
         started = time.perf_counter()
-        matcher = _compile(constraint, lltok)
+        try:
+            matcher = _compile(constraint, lltok)
+        except GrammarError as exc:
+            CACHE.put_failure(key, exc.message)
+            raise
         CACHE.put(key, matcher)
         log.debug("compiled a %s grammar in %.3fs", constraint.kind, time.perf_counter() - started)
         return matcher

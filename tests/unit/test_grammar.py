@@ -178,6 +178,17 @@ def test_compiled_grammars_are_cached(tok):
     assert a.matcher is not b.matcher  # each sequence has its own matcher state
 
 
+def test_a_refused_grammar_is_not_compiled_again(tok, monkeypatch):
+    calls = []
+    real = grammar._compile
+    monkeypatch.setattr(grammar, "_compile", lambda c, lltok: calls.append(c) or real(c, lltok))
+    bad = Constraint("regex", "(((refused")
+    for _ in range(3):
+        with pytest.raises(GrammarError, match="invalid regex"):
+            grammar.validate(bad, tok)
+    assert len(calls) == 1
+
+
 def test_cache_is_bounded(tok, monkeypatch):
     monkeypatch.setattr(grammar, "CACHE", grammar._Cache(3))
     for i in range(6):
