@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -33,37 +34,41 @@ class ToolFormat:
     name: str
     trigger: str  # the text that opens the calls (the lazy grammar's trigger)
     args_key: Literal["arguments", "parameters"] = "arguments"
-    special_trigger: bool = False  # the trigger is a special token: decode with skip_special_tokens=False
     trigger_in_call: bool = False  # the trigger is the start of the call itself (llama3_json's `{"name":`)
 
-    def grammar(self, tools: list[dict[str, Any]], parallel: bool, *, lazy: bool, trigger_token: str) -> str:
+    def grammar(self, tools: list[dict[str, Any]], parallel: bool, *, lazy: bool,
+                term: Callable[[str], str] = json.dumps) -> str:
         """Lark source of a valid call (or calls). `lazy`: the grammar of what follows the trigger (the engine
-        feeds the matcher the text after it); else from the first token, trigger included. `trigger_token`:
-        the trigger as a Lark terminal (a quoted string, or `<[id]>` for a special token)."""
+        feeds the matcher the text after it); else from the first token, trigger included. `term`: a tag as a
+        Lark terminal (its text quoted, or `<[id]>` where the tokenizer has it as one token)."""
         rules = _call_rules(tools, self.args_key)
         if self.trigger_in_call:  # llama3_json: the trigger is the first call's own opening characters
             first = "call_rest" if lazy else "call"
-            return f"start: {_BODIES[self.name](first, parallel)}\n{rules}"
-        body = _BODIES[self.name]("call", parallel)
-        return f"start: {body if lazy else f'{trigger_token} {body}'}\n{rules}"
+            return f"start: {_BODIES[self.name](first, parallel, term)}\n{rules}"
+        body = _BODIES[self.name]("call", parallel, term)
+        return f"start: {body if lazy else f'{term(self.trigger)} {body}'}\n{rules}"
 
 
-def _hermes(call: str, parallel: bool) -> str:
-    more = ' ("\\n<tool_call>\\n" call "\\n</tool_call>")*' if parallel else ""
-    return f'"\\n" {call} "\\n</tool_call>"{more}'
+Term = Callable[[str], str]
 
 
-def _smollm2(call: str, parallel: bool) -> str:
+def _hermes(call: str, parallel: bool, term: Term) -> str:
+    open_, close = term("<tool_call>"), term("</tool_call>")
+    more = f' ("\\n" {open_} "\\n" call "\\n" {close})*' if parallel else ""
+    return f'"\\n" {call} "\\n" {close}{more}'
+
+
+def _smollm2(call: str, parallel: bool, term: Term) -> str:
     more = ' (", " call)*' if parallel else ""
-    return f'"[" {call}{more} "]</tool_call>"'
+    return f'"[" {call}{more} "]" {term("</tool_call>")}'
 
 
-def _mistral(call: str, parallel: bool) -> str:
+def _mistral(call: str, parallel: bool, term: Term) -> str:
     more = ' (", " call)*' if parallel else ""
     return f'"[" {call}{more} "]"'
 
 
-def _llama3(first: str, parallel: bool) -> str:
+def _llama3(first: str, parallel: bool, term: Term) -> str:
     more = ' ("; " call)*' if parallel else ""
     return f"{first}{more}"
 
@@ -73,7 +78,7 @@ _BODIES = {"hermes": _hermes, "smollm2": _smollm2, "mistral": _mistral, "llama3_
 FORMATS: dict[str, ToolFormat] = {
     "hermes": ToolFormat("hermes", "<tool_call>"),
     "smollm2": ToolFormat("smollm2", "<tool_call>"),
-    "mistral": ToolFormat("mistral", "[TOOL_CALLS]", special_trigger=True),
+    "mistral": ToolFormat("mistral", "[TOOL_CALLS]"),
     "llama3_json": ToolFormat("llama3_json", '{"name": ', args_key="parameters", trigger_in_call=True),
 }
 

@@ -58,6 +58,7 @@ class ToolPlan:
     choice: str  # "none" | "auto" | "required" | "function"
     parallel: bool
     constraint: Constraint | None
+    special_trigger: bool = False  # the trigger is one special token: keep special tokens in the text
 
     @property
     def parses(self) -> bool:
@@ -77,7 +78,7 @@ class ToolPlan:
                 "tool_choice constrains the answer to tool calls; it cannot be combined with response_format "
                 "or another structured output field.", param="tool_choice",
             )
-        skip = params.skip_special_tokens and not (self.parses and self.fmt.special_trigger)
+        skip = params.skip_special_tokens and not (self.parses and self.special_trigger)
         if self.constraint is None:
             return replace(params, skip_special_tokens=skip)
         return replace(params, constraint=self.constraint, skip_special_tokens=skip)
@@ -107,13 +108,15 @@ def plan_for(functions: list[dict[str, Any]], choice: str | NamedChoice | None, 
         return None
     _check_unique(functions)
     fmt = FORMATS[parser if parser in FORMATS else detect(getattr(tokenizer, "chat_template", None))]
+    special = special_token_id(fmt.trigger, tokenizer) is not None
     if choice is None or choice == "auto":
-        return ToolPlan(fmt, functions, "auto", parallel, _constraint(fmt, functions, parallel, tokenizer, True))
+        constraint = _constraint(fmt, functions, parallel, tokenizer, True)
+        return ToolPlan(fmt, functions, "auto", parallel, constraint, special)
     if choice == "none":
-        return ToolPlan(fmt, functions, "none", parallel, None)
+        return ToolPlan(fmt, functions, "none", parallel, None, special)
     if choice == "required":
-        return ToolPlan(fmt, functions, "required", parallel,
-                        _constraint(fmt, functions, parallel, tokenizer, False))
+        constraint = _constraint(fmt, functions, parallel, tokenizer, False)
+        return ToolPlan(fmt, functions, "required", parallel, constraint, special)
     if not isinstance(choice, NamedChoice):
         raise BadRequestError(f"Unknown tool_choice {choice!r}.", param=param)
     named = [f for f in functions if f["name"] == choice.name]
@@ -122,7 +125,7 @@ def plan_for(functions: list[dict[str, Any]], choice: str | NamedChoice | None, 
             f"tool_choice names the function {choice.name!r}, which is not among tools "
             f"({', '.join(f['name'] for f in functions)}).", param=param,
         )
-    return ToolPlan(fmt, functions, "function", False, _constraint(fmt, named, False, tokenizer, False))
+    return ToolPlan(fmt, functions, "function", False, _constraint(fmt, named, False, tokenizer, False), special)
 
 
 def _check_unique(functions: list[dict[str, Any]]) -> None:
@@ -135,17 +138,32 @@ def _check_unique(functions: list[dict[str, Any]]) -> None:
 
 def _constraint(fmt: ToolFormat, functions: list[dict[str, Any]], parallel: bool, tokenizer: Any,
                 lazy: bool) -> Constraint:
-    grammar = fmt.grammar(functions, parallel, lazy=lazy, trigger_token=_trigger_token(fmt, tokenizer))
+    grammar = fmt.grammar(functions, parallel, lazy=lazy, term=lambda tag: _terminal(tag, tokenizer))
     return Constraint(kind="lark", value=grammar, trigger=fmt.trigger if lazy else None)
 
 
-def _trigger_token(fmt: ToolFormat, tokenizer: Any) -> str:
-    """The trigger as a Lark terminal: `<[id]>` when it is one special token of this tokenizer, else its text."""
-    if fmt.special_trigger:
-        token_id = tokenizer.convert_tokens_to_ids(fmt.trigger)
-        if isinstance(token_id, int) and token_id != getattr(tokenizer, "unk_token_id", None):
-            return f"<[{token_id}]>"
-    return json.dumps(fmt.trigger)
+def _terminal(tag: str, tokenizer: Any) -> str:
+    """A tag as a Lark terminal: `<[id]>` when the tokenizer has it as one (added) token, which the grammar
+    library never matches against quoted text; else the quoted text."""
+    token_id = _token_id(tag, tokenizer)
+    return f"<[{token_id}]>" if token_id is not None else json.dumps(tag)
+
+
+def _token_id(tag: str, tokenizer: Any) -> int | None:
+    convert = getattr(tokenizer, "convert_tokens_to_ids", None)
+    token_id = convert(tag) if convert is not None else None
+    if not isinstance(token_id, int) or token_id == getattr(tokenizer, "unk_token_id", None):
+        return None
+    return token_id if tokenizer.decode([token_id], skip_special_tokens=False) == tag else None
+
+
+def special_token_id(tag: str, tokenizer: Any) -> int | None:
+    """The id of `tag` when it is one special token of `tokenizer` (`[TOOL_CALLS]`, Hermes 3's `<tool_call>`):
+    such a token is dropped from text decoded with skip_special_tokens, so the parser would never see it."""
+    token_id = _token_id(tag, tokenizer)
+    if token_id is None or tokenizer.decode([token_id], skip_special_tokens=True) != "":
+        return None
+    return token_id
 
 
 # ---------------------------------------------------------------- prompt

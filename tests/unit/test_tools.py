@@ -155,13 +155,13 @@ class _Tok:
 @pytest.mark.parametrize("fmt", sorted(ANSWERS))
 def test_required_grammar_accepts_valid_calls_only(ll: Any, fmt: str) -> None:
     f = FORMATS[fmt]
-    lark = f.grammar([WEATHER, TIME], True, lazy=False, trigger_token=json.dumps(f.trigger))
+    lark = f.grammar([WEATHER, TIME], True, lazy=False)
     text = ANSWERS[fmt][0].removeprefix("Let me check.")
     assert accepts(ll, lark, text)
     assert not accepts(ll, lark, re.sub(r"\"city\": \"(?:[^\"\\]|\\.)*\"", "\"city\": 3", text))  # wrong type
     assert not accepts(ll, lark, text.replace("get_weather", "get_wether"))
     assert not accepts(ll, lark, text.replace('"city"', '"town"'))  # declared properties only
-    single = f.grammar([WEATHER, TIME], False, lazy=False, trigger_token=json.dumps(f.trigger))
+    single = f.grammar([WEATHER, TIME], False, lazy=False)
     assert accepts(ll, single, text) == (len(ANSWERS[fmt][2]) == 1)
 
 
@@ -170,7 +170,7 @@ def test_lazy_grammar_covers_the_text_after_the_trigger(ll: Any, fmt: str) -> No
     f = FORMATS[fmt]
     text = ANSWERS[fmt][0]
     after = text[text.index(f.trigger) + len(f.trigger):]
-    lark = f.grammar([WEATHER, TIME], True, lazy=True, trigger_token=json.dumps(f.trigger))
+    lark = f.grammar([WEATHER, TIME], True, lazy=True)
     assert accepts(ll, lark, after)
 
 
@@ -390,3 +390,29 @@ def test_default_tool_prompt_through_a_template_without_tools() -> None:
     assert '<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}]</tool_call>' in text
     no_tools = chat_prompt_text(tokenizer, [ChatMessage.model_validate(m) for m in HISTORY])
     assert "<tools>" not in no_tools and "<tool_response>\n21 C" in no_tools  # a history renders without tools
+
+
+@pytest.mark.parametrize("special", [True, False])
+def test_a_trigger_that_is_a_special_token_is_kept_in_the_text(special: bool) -> None:
+    """Hermes 3 / Mistral: `<tool_call>` / `[TOOL_CALLS]` are special tokens, which skip_special_tokens would drop
+    from the text the parser reads. Special or not (Qwen's), a tag the tokenizer has as one token is written in
+    the grammar as that token (the grammar library never matches added tokens against quoted text)."""
+    from transformers import AddedToken
+
+    from engine.types import SamplingParams
+    from tests.support import build_byte_level_tokenizer
+
+    tokenizer = build_byte_level_tokenizer()
+    tokenizer.add_tokens([AddedToken("<tool_call>", special=special)], special_tokens=special)
+    token_id = tokenizer.convert_tokens_to_ids("<tool_call>")
+    p = plan(request(tool_choice="required"), tokenizer, "hermes")
+    assert p.special_trigger is special
+    assert p.sampling_params(SamplingParams()).skip_special_tokens is not special
+    assert p.constraint.value.startswith(f"start: <[{token_id}]>")  # one token either way
+    lltok = llguidance.hf.from_tokenizer(tokenizer)
+    grammar = llguidance.grammar_from("lark", p.constraint.value)
+    assert llguidance.LLMatcher.validate_grammar(grammar, lltok) == ""
+    matcher = llguidance.LLMatcher(lltok, grammar)
+    text = '\n{"name": "get_time", "arguments": {"tz": 3}}\n</tool_call>'
+    ids = [token_id, *lltok.tokenize_str(text)]
+    assert matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
