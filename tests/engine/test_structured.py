@@ -222,3 +222,23 @@ def test_smollm2_regex_and_choice(smollm2: Any, engine_factory: Any) -> None:
     assert re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", text_of(outs["date"]))
     assert text_of(outs["choice"]) in ("yes", "no")
     assert all(finished(o).finish_reason == "stop" for o in outs.values())
+
+
+def test_one_mask_fill_per_step_for_all_constrained_rows(tiny: Any, engine_factory: Any, monkeypatch) -> None:
+    from engine import grammar
+
+    engine = engine_factory(tiny)
+    calls: list[int] = []
+    real = grammar.BitmaskFiller.fill
+    monkeypatch.setattr(grammar.BitmaskFiller, "fill", lambda self, states: calls.append(len(states))
+                        or real(self, states))
+    prompt = tiny.tokenizer.encode("Hello")
+    params = SamplingParams(temperature=0.8, seed=1, n=3, max_tokens=6, constraint=Constraint("regex", "[a-z]{6}"))
+    for rid in ("a", "b"):
+        engine.add_request(rid, prompt, params)
+    engine.add_request("free", prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    steps = 0
+    while engine.has_work:
+        engine.step()
+        steps += 1
+    assert len(calls) <= steps and max(calls) == 6  # six constrained rows, one call; the free row needs none
