@@ -23,7 +23,7 @@ import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 from app.errors import BadRequestError
 from app.schemas_openai import (
@@ -55,7 +55,7 @@ class ToolPlan:
 
     fmt: ToolFormat
     functions: list[dict[str, Any]]  # {"name", "description", "parameters"} per tool
-    choice: str  # "none" | "auto" | "required" | "function"
+    choice: Literal["none", "auto", "required", "function"]
     parallel: bool
     constraint: Constraint | None
     special_trigger: bool = False  # the trigger is one special token: keep special tokens in the text
