@@ -160,6 +160,13 @@ class Settings(BaseSettings):
         "until </think>; qwen3: reasoning only when the answer starts with <think>; auto: on when the tokenizer "
         "or chat template knows the markers, deepseek_r1 when the prompt ends with <think>, else qwen3; none: off.",
     )
+    tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral", "smollm2"] = Field(
+        "auto",
+        description="How the model writes tool calls (parsed into message.tool_calls). hermes: <tool_call>{json}"
+        "</tool_call> (Qwen, Hermes); llama3_json: {\"name\", \"parameters\"} JSON (Llama 3.x); mistral: "
+        "[TOOL_CALLS][...]; smollm2: <tool_call>[...]</tool_call> with Peregrine's default tool prompt (for "
+        "templates without tool support). auto: picked from the chat template.",
+    )
     max_queue: int = Field(
         256,
         ge=0,

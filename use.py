@@ -116,6 +116,75 @@ def check_chat_stream(ctx: Ctx) -> str:
     return f"{text!r} ({chunks} chunks, finish_reason={finish}, usage={usage.model_dump()})"
 
 
+STRUCTURED_MAX_TOKENS = 120  # constrained answers end by themselves; this only bounds a runaway
+CITY_SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 40}, "country": {"type": "string", "maxLength": 40}},
+    "required": ["city", "country"],
+    "additionalProperties": False,
+}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def check_chat_json_schema(ctx: Ctx) -> str:
+    r = ctx.client.chat.completions.create(
+        model=ctx.model,
+        messages=[{"role": "user", "content": QUESTION}],
+        max_tokens=STRUCTURED_MAX_TOKENS,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": CITY_SCHEMA, "strict": True}},
+    )
+    choice = r.choices[0]
+    _expect(choice.finish_reason == "stop", f"finish_reason {choice.finish_reason}")
+    answer = json.loads(choice.message.content or "")
+    _expect(set(answer) == {"city", "country"} and all(isinstance(v, str) for v in answer.values()),
+            f"answer does not match the schema: {answer}")
+    return json.dumps(answer)
+
+
+def check_chat_tool_call(ctx: Ctx) -> str:
+    r = ctx.client.chat.completions.create(
+        model=ctx.model,
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        max_tokens=STRUCTURED_MAX_TOKENS,
+        temperature=0,
+        tools=[WEATHER_TOOL],
+        tool_choice="required",
+    )
+    choice = r.choices[0]
+    _expect(choice.finish_reason == "tool_calls", f"finish_reason {choice.finish_reason}")
+    calls = choice.message.tool_calls or []
+    _expect(len(calls) >= 1 and calls[0].function.name == "get_weather", f"tool_calls {calls}")
+    arguments = json.loads(calls[0].function.arguments)
+    _expect(isinstance(arguments.get("city"), str), f"arguments {arguments}")
+    return f"{calls[0].function.name}({calls[0].function.arguments}) id={calls[0].id}"
+
+
+def check_chat_tool_call_stream(ctx: Ctx) -> str:
+    with ctx.client.chat.completions.stream(
+        model=ctx.model,
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        max_tokens=STRUCTURED_MAX_TOKENS,
+        temperature=0,
+        tools=[WEATHER_TOOL],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    ) as stream:
+        final = stream.get_final_completion()
+    choice = final.choices[0]
+    _expect(choice.finish_reason == "tool_calls", f"finish_reason {choice.finish_reason}")
+    call = (choice.message.tool_calls or [None])[0]
+    _expect(call is not None and call.function.name == "get_weather", f"tool_calls {choice.message.tool_calls}")
+    _expect(isinstance(json.loads(call.function.arguments).get("city"), str), f"arguments {call.function.arguments}")
+    return f"{call.function.name}({call.function.arguments}) assembled from the stream"
+
+
 def check_completion(ctx: Ctx) -> str:
     r = ctx.client.completions.create(
         model=ctx.model,
@@ -297,6 +366,9 @@ CHECKS: list[tuple[str, Check]] = [
     ("models/{id}", check_model_detail),
     ("chat", check_chat),
     ("chat stream", check_chat_stream),
+    ("chat json_schema", check_chat_json_schema),
+    ("chat tool call", check_chat_tool_call),
+    ("chat tool call stream", check_chat_tool_call_stream),
     ("completions", check_completion),
     ("completions stream", check_completion_stream),
     ("completions scoring (echo, max_tokens 0)", check_completion_scoring),

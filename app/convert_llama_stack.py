@@ -9,7 +9,8 @@
 | `{"type": "top_k", "top_k"}` / `"top_k"` with `top_k` (and `temperature`) beside it | given (0.0.x), else 1 | 1 | given |
 
 `max_tokens` 0 or absent means the rest of the context; `repetition_penalty` and `stop` carry over;
-`logprobs: {"top_k": k}` returns `k` alternatives per token (and the chosen token).
+`logprobs: {"top_k": k}` returns `k` alternatives per token (and the chosen token). `response_format`
+(`json_schema`, `grammar`) and the tool fields are mapped in `app/llama_stack_tools.py`.
 
 Responses, as llama-stack-client reads them:
 
@@ -31,6 +32,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from app import llama_stack_tools
 from app.errors import BadRequestError
 from app.schemas_llama_stack import (
     Content,
@@ -53,10 +55,6 @@ DeltaStyle = Literal["typed", "bare"]  # 0.1.0+ {"type": "text", "text"} vs 0.0.
 
 def to_sampling_params(req: GenerationRequest) -> SamplingParams:
     """The one legacy Llama Stack request -> SamplingParams conversion (chat, completion and batches)."""
-    if req.response_format is not None:
-        raise BadRequestError(
-            "response_format (structured output) is not supported by this server.", param="response_format"
-        )
     sp = req.sampling_params
     temperature, top_p, top_k = _strategy(sp)
     return SamplingParams(
@@ -67,6 +65,7 @@ def to_sampling_params(req: GenerationRequest) -> SamplingParams:
         max_tokens=sp.max_tokens or None,
         stop=tuple(s for s in sp.stop or () if s),
         logprobs=req.logprobs.top_k if req.logprobs is not None else None,
+        constraint=llama_stack_tools.response_constraint(req),
     )
 
 

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from app import structured, tools
 from app.errors import BadRequestError
 from app.prompt_logprobs import PromptScoring, engine_max_tokens, engine_prompt_logprobs, vllm_prompt_logprobs
 from app.schemas_openai import (
@@ -35,6 +36,7 @@ from app.schemas_openai import (
     TopLogprobOut,
     Usage,
 )
+from app.tools import ToolPlan
 from engine.types import RequestOutput, SamplingParams, TokenLogprob
 
 MAX_LOGPROBS = 20
@@ -78,6 +80,7 @@ def to_sampling_params(req: ChatCompletionRequest | CompletionRequest, vocab_siz
         logprobs=logprobs,
         skip_special_tokens=req.skip_special_tokens,
         prompt_logprobs=engine_prompt_logprobs(echo, logprobs, req.prompt_logprobs),
+        constraint=structured.constraint_of(req),
     )
 
 
@@ -135,21 +138,25 @@ def _logprobs(req: ChatCompletionRequest | CompletionRequest) -> int | None:
     return k
 
 
-def chat_prompt_ids(tokenizer: Any, messages: Sequence[ChatMessage]) -> list[int]:
+def chat_prompt_ids(tokenizer: Any, messages: Sequence[ChatMessage], tool_plan: ToolPlan | None = None) -> list[int]:
     """Render the conversation with the model's chat template and tokenize it (no extra BOS: the
     template writes every special token the model expects)."""
-    return list(tokenizer.encode(chat_prompt_text(tokenizer, messages), add_special_tokens=False))
+    text = chat_prompt_text(tokenizer, messages, tool_plan=tool_plan)
+    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def chat_prompt_text(tokenizer: Any, messages: Sequence[ChatMessage], add_generation_prompt: bool = True,
-                     continue_final_message: bool = False) -> str:
-    """The conversation rendered with the model's chat template (ChatML when the tokenizer has none)."""
+                     continue_final_message: bool = False, tool_plan: ToolPlan | None = None) -> str:
+    """The conversation rendered with the model's chat template (ChatML when the tokenizer has none); tool
+    definitions and tool-call turns as `app/tools.py` prepares them for that template."""
     conversation = [_template_message(i, m) for i, m in enumerate(messages)]
-    template = None if getattr(tokenizer, "chat_template", None) else CHATML_TEMPLATE
+    own = getattr(tokenizer, "chat_template", None)
+    template = None if own else CHATML_TEMPLATE
+    conversation, tool_defs = tools.template_input(conversation, tool_plan, own if isinstance(own, str) else None)
     try:
         return tokenizer.apply_chat_template(
             conversation, add_generation_prompt=add_generation_prompt, tokenize=False, chat_template=template,
-            continue_final_message=continue_final_message,
+            continue_final_message=continue_final_message, tools=tool_defs,
         )
     except Exception as exc:  # jinja's TemplateError, or a template's own raise_exception(...)
         raise BadRequestError(f"The chat template rejected these messages: {exc}", param="messages") from None

@@ -28,12 +28,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from app import convert_llama_stack as conv
+from app import llama_stack_tools, structured
 from app.convert_openai import chat_prompt_ids, completion_prompt_ids
 from app.embeddings import get_embedder, run_embed
 from app.engine_client import check_prompts, generate, until_disconnected
 from app.errors import NotFoundError
 from app.health import engine_state
-from app.openai_routes import engine_for
+from app.openai_routes import engine_for, tool_call_parser
 from app.schemas_llama_stack import (
     BatchChatCompletionRequest,
     BatchCompletionRequest,
@@ -42,6 +43,8 @@ from app.schemas_llama_stack import (
     EmbeddingsRequest,
 )
 from app.streaming import stream_format, stream_response
+from app.tools import ToolPlan
+from engine.types import SamplingParams
 
 router = APIRouter(tags=["llama-stack"])
 LEGACY_PREFIXES = ("/inference", "/alpha/inference", "/v1/inference")
@@ -144,18 +147,37 @@ def _stream(request: Request, events) -> Response:
 @_legacy("chat-completion")
 async def chat_completion(body: ChatCompletionRequest, request: Request) -> Any:
     """Legacy Llama Stack chat completion: `completion_message`, or with `stream: true` one `start`,
-    many `progress` and one `complete` event (SSE, or NDJSON with `Accept: application/x-ndjson`)."""
+    many `progress` and one `complete` event (SSE, or NDJSON with `Accept: application/x-ndjson`).
+
+    `tools` / `tool_choice` / `tool_config` answer with `completion_message.tool_calls` (streams: `tool_call`
+    deltas); `response_format` (`json_schema`, `grammar`) constrains the answer (see app/llama_stack_tools.py)."""
     engine, _ = await engine_for(request, body.model_name)
-    params = conv.to_sampling_params(body)
-    prompt = chat_prompt_ids(engine.tokenizer, conv.chat_messages(body.messages))
+    params, tool_plan = await _chat_params(request, engine, body)
+    prompt = chat_prompt_ids(engine.tokenizer, conv.chat_messages(body.messages), tool_plan)
     check_prompts(engine, [prompt], params, prompt_param="messages")
     outputs = generate(engine, [prompt], params, _rid("chat"))
     want_logprobs = params.logprobs is not None
+    parses = tool_plan is not None and tool_plan.parses
     if body.stream:
         events = conv.chat_events(outputs, _delta_style(request), want_logprobs)
+        if parses:
+            events = llama_stack_tools.split_events(events, tool_plan, _delta_style(request) == "typed")
         return _stream(request, events)
     folds = await _collect(request, outputs, 1, want_logprobs)
-    return folds[0].chat_response()
+    response = folds[0].chat_response()
+    return llama_stack_tools.split_response(response, tool_plan) if parses else response
+
+
+async def _chat_params(request: Request, engine: Any, body: ChatCompletionRequest | BatchChatCompletionRequest
+                       ) -> tuple[SamplingParams, ToolPlan | None]:
+    """Sampling params with the request's response_format or tool constraint (compiled, or a 400)."""
+    params = conv.to_sampling_params(body)
+    await structured.check(params.constraint, engine.tokenizer, "response_format")
+    tool_plan = llama_stack_tools.plan(body, engine.tokenizer, tool_call_parser(request))
+    if tool_plan is not None:
+        params = tool_plan.sampling_params(params)
+        await structured.check(tool_plan.constraint, engine.tokenizer, "tools")
+    return params, tool_plan
 
 
 @_legacy("completion")
@@ -180,15 +202,18 @@ async def completion(body: CompletionRequest, request: Request) -> Any:
 async def batch_chat_completion(body: BatchChatCompletionRequest, request: Request) -> dict[str, Any]:
     """Several conversations in one request, run concurrently: `{"batch": [chat response, ...]}`."""
     engine, _ = await engine_for(request, body.model_name)
-    params = conv.to_sampling_params(body)
+    params, tool_plan = await _chat_params(request, engine, body)
     prompts = [
-        chat_prompt_ids(engine.tokenizer, conv.chat_messages(messages, f"messages_batch[{i}]"))
+        chat_prompt_ids(engine.tokenizer, conv.chat_messages(messages, f"messages_batch[{i}]"), tool_plan)
         for i, messages in enumerate(body.messages_batch)
     ]
     check_prompts(engine, prompts, params, prompt_param="messages_batch")
     outputs = generate(engine, prompts, params, _rid("chat"))
     folds = await _collect(request, outputs, len(prompts), params.logprobs is not None)
-    return {"batch": [fold.chat_response() for fold in folds]}
+    responses = [fold.chat_response() for fold in folds]
+    if tool_plan is not None and tool_plan.parses:
+        responses = [llama_stack_tools.split_response(r, tool_plan) for r in responses]
+    return {"batch": responses}
 
 
 @router.post("/v1/inference/batch-completion")

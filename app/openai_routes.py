@@ -15,7 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from app import convert_openai as conv
-from app import embeddings, reasoning
+from app import embeddings, reasoning, structured, tools
 from app.engine_client import check_prompts, generate, until_disconnected
 from app.errors import ServiceUnavailableError, model_not_found
 from app.model_registry import request_keep_alive
@@ -93,10 +93,21 @@ async def create_chat_completion(
     (and `delta.reasoning_content` in streams; both also as `reasoning`), the answer in `content`; the
     server's `--reasoning-parser` (auto, none, deepseek_r1, qwen3) chooses how. vLLM's `prompt_logprobs`
     extra returns the prompt tokens' logprobs in the top-level `prompt_logprobs`.
+
+    Tools: `tools`, `tool_choice` (none, auto, required, or a named function) and `parallel_tool_calls`.
+    Calls come back in `message.tool_calls` with `finish_reason: "tool_calls"` (streams: OpenAI's tool-call
+    deltas, the name first, then argument fragments). `required` and a named function are constrained to a
+    valid call from the first token; with `auto`, a call the model starts is constrained from there on. The
+    model's own format is parsed (`--tool-call-parser`: auto, hermes, llama3_json, mistral, smollm2).
     """
     engine, model = await engine_for(request, body.model, body.keep_alive)
     params = conv.to_sampling_params(body, engine.vocab_size)
-    prompt = conv.chat_prompt_ids(engine.tokenizer, body.messages)
+    await structured.check(params.constraint, engine.tokenizer, structured.field_of(body))
+    tool_plan = tools.plan(body, engine.tokenizer, tool_call_parser(request))
+    if tool_plan is not None:
+        params = tool_plan.sampling_params(params)
+        await structured.check(tool_plan.constraint, engine.tokenizer, "tools")
+    prompt = conv.chat_prompt_ids(engine.tokenizer, body.messages, tool_plan)
     check_prompts(engine, [prompt], params, prompt_param="messages")
     splitter = reasoning.splitter_factory(reasoning_parser(request), engine.tokenizer, prompt)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -106,6 +117,8 @@ async def create_chat_completion(
         events = conv.chat_chunks(outputs, id=rid, model=model, n=params.n, include_usage=include_usage)
         if splitter is not None:
             events = reasoning.split_chunks(events, splitter)
+        if tool_plan is not None and tool_plan.parses:
+            events = tools.split_chunks(events, tool_plan.new_stream)
         return stream_response(events, stream_format(request, openai=True), request_id=_request_id(request))
     result = conv.ChatResult(id=rid, model=model, n=params.n, want_logprobs=params.logprobs is not None)
 
@@ -114,11 +127,16 @@ async def create_chat_completion(
             result.add(out)
 
     await until_disconnected(request, collect())
-    return result.response() if splitter is None else reasoning.split_response(result.response(), splitter)
+    response = result.response() if splitter is None else reasoning.split_response(result.response(), splitter)
+    return tools.split_response(response, tool_plan) if tool_plan is not None and tool_plan.parses else response
 
 
 def reasoning_parser(request: Request) -> str:
     return getattr(request.app.state.settings, "reasoning_parser", "auto")
+
+
+def tool_call_parser(request: Request) -> str:
+    return getattr(request.app.state.settings, "tool_call_parser", "auto")
 
 
 @router.post("/completions", response_model=CompletionResponse)
@@ -139,6 +157,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     """
     engine, model = await engine_for(request, body.model, body.keep_alive)
     params = conv.to_sampling_params(body, engine.vocab_size)
+    await structured.check(params.constraint, engine.tokenizer, structured.field_of(body))
     texts, prompts = zip(
         *conv.completion_prompts(engine.tokenizer, body.prompt, engine.vocab_size), strict=True
     )

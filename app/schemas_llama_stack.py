@@ -107,7 +107,10 @@ class ModelRequest(BaseModel):
 
 class GenerationRequest(ModelRequest):
     sampling_params: LegacySamplingParams = Field(default_factory=LegacySamplingParams)
-    response_format: dict[str, Any] | None = Field(None, description="Structured output is not supported.")
+    response_format: dict[str, Any] | None = Field(
+        None, description='{"type": "json_schema", "json_schema": {...}} or {"type": "grammar", "bnf": GBNF}: the '
+        "answer is constrained to match.",
+    )
     stream: bool = False
     logprobs: LogprobsConfig | None = None
 
@@ -127,6 +130,8 @@ class CompletionRequest(GenerationRequest):
 class BatchChatCompletionRequest(GenerationRequest):
     messages_batch: list[list[Message]] = Field(..., min_length=1)
     tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    tool_prompt_format: Any = None
     tool_config: dict[str, Any] | None = None
 
 

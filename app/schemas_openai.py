@@ -4,8 +4,10 @@ Requests accept the OpenAI fields plus vLLM's extra sampling keys at top level (
 `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`, `skip_special_tokens`,
 `include_stop_str_in_output`), because that is where OpenAI SDK `extra_body` and Llama Stack's
 `remote::vllm` provider put them. Unknown keys are ignored (clients send many that do not change a
-text-only answer: `tools`, `response_format`, `parallel_tool_calls`, ...). Range checks live here, so a bad
-value is a 400 that names the field; checks that need the model (vocabulary, context length) live in
+text-only answer). `tools`, `tool_choice` and `parallel_tool_calls` are served (`app/tools.py`), and so are
+the structured output fields (`response_format`, vLLM's `structured_outputs` and `guided_*`, llama.cpp's
+`grammar` and `json_schema`; `app/structured.py`). Range checks live here, so a bad value is a 400 that
+names the field; checks that need the model (vocabulary, context length) live in
 `app/convert_openai.py`.
 """
 
@@ -42,6 +44,15 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls_name_functions(cls, calls: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        for call in calls or []:
+            function = call.get("function")
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise ValueError('each tool call needs "function": {"name": ..., "arguments": ...}')
+        return calls
 
 
 class SamplingRequest(BaseModel):
@@ -84,6 +95,21 @@ class SamplingRequest(BaseModel):
         description="Ollama's keep_alive, when the server serves several models: how long the model stays loaded "
         "after this request (30s, 5m, 1h, or seconds; 0 unloads it at once, negative keeps it loaded).",
     )
+    # structured output (app/structured.py): at most one of these; the answer is constrained to match it
+    response_format: Any = Field(
+        None, description="OpenAI's: {type: text}, {type: json_object}, or {type: json_schema, json_schema: "
+        "{name, schema, strict}}. The answer is constrained token by token to match.",
+    )
+    structured_outputs: Any = Field(
+        None, description="vLLM's: exactly one of json (a JSON Schema), regex, choice (strings), grammar "
+        "(GBNF or Lark), json_object (true).",
+    )
+    guided_json: Any = Field(None, description="vLLM's older field: a JSON Schema (object or JSON text).")
+    guided_regex: str | None = Field(None, description="vLLM's older field: a regular expression.")
+    guided_choice: Any = Field(None, description="vLLM's older field: the answer is one of these strings.")
+    guided_grammar: str | None = Field(None, description="vLLM's older field: a GBNF (or Lark) grammar.")
+    grammar: str | None = Field(None, description="llama.cpp's: a GBNF grammar.")
+    json_schema: Any = Field(None, description="llama.cpp's: a JSON Schema the answer must match.")
 
     @field_validator("stop")
     @classmethod
@@ -96,8 +122,41 @@ class SamplingRequest(BaseModel):
         return stop
 
 
+class FunctionDefinition(BaseModel):
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_.\-]{1,64}$", description="Letters, digits, _ . -; at most 64.")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="A JSON Schema of the arguments object.")
+    strict: bool | None = None
+
+
+class ToolDefinition(BaseModel):
+    type: Literal["function"] = Field(..., description="Only function tools can be served.")
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+MAX_TOOLS = 128
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(..., min_length=1)
+    tools: list[ToolDefinition] | None = Field(
+        None, max_length=MAX_TOOLS, description="Functions the model may call (see tool_choice)."
+    )
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="none: never call (tools stay in the prompt); auto (default with tools): the model "
+        "decides, a started call is constrained valid; required: at least one call; a named function: exactly "
+        "that one. required and named calls are constrained from the first token.",
+    )
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one call. Default true.")
     max_completion_tokens: int | None = Field(None, ge=1, description="Alias of max_tokens; wins if both.")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
@@ -178,9 +237,21 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprobOut] | None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = Field(..., description="The arguments as JSON text.")
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)
     reasoning_content: str | None = Field(
         None, description="A reasoning model's thinking (between <think> and </think>), split from content by "
         "--reasoning-parser; null when there is none.",
@@ -206,9 +277,31 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: PromptLogprobs | None = None
 
 
+class _DropNone(BaseModel):
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunction(_DropNone):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_DropNone):
+    """OpenAI's tool-call delta: the first for a call has id, type and the name (arguments ""), the next ones
+    argument fragments only; `index` says which call."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunction | None = None
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
     reasoning_content: str | None = None  # see AssistantMessage; also sent as `reasoning`
     reasoning: str | None = None
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from engine.types import (
+    Constraint,
     EngineConfig,
     EngineDeadError,
     EngineError,
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AsyncEngine",
+    "Constraint",
     "EngineConfig",
     "EngineDeadError",
     "EngineError",

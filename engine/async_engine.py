@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine import grammar
 from engine.llm_engine import LLMEngine
 from engine.types import (
     EngineConfig,
@@ -112,7 +113,15 @@ class AsyncEngine:
     async def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
     ) -> AsyncIterator[RequestOutput]:
-        """Streams the request's outputs; ends when all `params.n` sequences have finished."""
+        """Streams the request's outputs; ends when all `params.n` sequences have finished.
+
+        A constrained request's grammar is compiled here, in a worker thread, unless the app's
+        `grammar.validate` already did (then it is cached): the engine loop never compiles."""
+        if params.constraint is not None:
+            try:
+                await asyncio.to_thread(grammar.validate, params.constraint, self.tokenizer)
+            except grammar.GrammarError as exc:
+                raise InvalidRequestError(exc.message, param="response_format") from None
         stream = self._open(prompt_token_ids, params, request_id)
         try:
             while stream.remaining:

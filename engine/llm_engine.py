@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from engine import cpu_kernels, prompt_logprobs
+from engine import cpu_kernels, grammar, prompt_logprobs
 from engine.backends import get_backend
 from engine.block_manager import BlockManager
 from engine.kv_cache import KVCache, KVCacheSpec, plan_num_blocks
@@ -70,6 +71,10 @@ class LLMEngine:
         log.info("prefix caching %s", f"on: up to {self.kv_cache.num_slots} tokens of KV kept for reuse in "
                  f"blocks of {cfg.block_size}, evicted least recently used" if cfg.prefix_caching else "off")
         self._outputs: dict[tuple[str, int], SequenceOutput] = {}
+        # structured output: one grammar state per constrained sequence; masks filled beside the forward pass
+        self._grammars: dict[tuple[str, int], grammar.GrammarState] = {}
+        self._filler: grammar.BitmaskFiller | None = None
+        self._mask_thread: ThreadPoolExecutor | None = None
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> LLMEngine:
@@ -83,23 +88,59 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
+        seqs = [item.seq for item in batch.sampling]
+        masks = self._start_masks(seqs)
         logits = self.runner.run(batch)
         num_sampling = len(batch.sampling)
         self._score_prompt(batch, logits[num_sampling:])
-        sampled = self.sampler.sample(logits[:num_sampling], [item.seq for item in batch.sampling])
+        sampled = self.sampler.sample(logits[:num_sampling], seqs, masks.result() if masks is not None else None)
         grown = self.scheduler.update(batch, [s.token_id for s in sampled])
         self.counters.steps += 1
         self.counters.generated_tokens += len(grown)
         return [self._emit(seq, tok) for seq, tok in zip(grown, sampled, strict=True)]
 
+    def _start_masks(self, seqs: list[Sequence]) -> Future[tuple[list[int], torch.Tensor]] | None:
+        """Start filling the token masks of this step's constrained rows (one llguidance call, GIL released)
+        in a helper thread, so it runs beside the forward pass. None when no row is constrained now."""
+        if not self._grammars:
+            return None
+        rows, states = [], []
+        for i, seq in enumerate(seqs):
+            state = self._grammars.get(seq.seq_id)
+            if state is not None and state.active:
+                rows.append(i)
+                states.append(state)
+        if not rows:
+            return None
+        filler = self._filler
+        assert filler is not None and self._mask_thread is not None
+        return self._mask_thread.submit(lambda: (rows, filler.forbidden(filler.fill(states))))
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.validate(prompt_token_ids, params)
         max_tokens = self.resolve_max_tokens(len(prompt_token_ids), params.max_tokens)
+        states = self._grammar_states(params)
         for index in range(params.n):
             seq = Sequence(request_id, index, list(prompt_token_ids), params, max_tokens)
             self._outputs[seq.seq_id] = SequenceOutput(seq, self.tokenizer)
+            if states:
+                self._grammars[seq.seq_id] = states[index]
             self.scheduler.add(seq)
         self.counters.prompt_tokens += len(prompt_token_ids)
+
+    def _grammar_states(self, params: SamplingParams) -> list[grammar.GrammarState]:
+        """One grammar state per sequence of a constrained request (compiled grammars come from the cache that
+        the app's `grammar.validate` filled before queueing)."""
+        if params.constraint is None:
+            return []
+        try:
+            states = [grammar.GrammarState(params.constraint, self.tokenizer) for _ in range(params.n)]
+        except grammar.GrammarError as exc:
+            raise InvalidRequestError(exc.message, param="response_format") from exc
+        if self._filler is None:
+            self._filler = grammar.BitmaskFiller(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            self._mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="peregrine-masks")
+        return states
 
     def abort_request(self, request_id: str) -> list[RequestOutput]:
         """Ends the request's sequences now; their KV blocks are free when this returns."""
@@ -165,7 +206,14 @@ class LLMEngine:
                 self._outputs[span.item.seq.seq_id].add_prompt_logprobs(span.first, scored)
 
     def _emit(self, seq: Sequence, sampled: Any) -> RequestOutput:
-        out = self._outputs[seq.seq_id].on_token(sampled, self.eos_token_ids, self.max_model_len)
+        state = self._grammars.get(seq.seq_id)
+        done = False
+        if state is not None:
+            state.sync(seq.output_token_ids, self.eos_token_ids)
+            done = state.done
+            if state.failed:
+                log.warning("request %s: the grammar matcher failed: %s", seq.request_id, state.error)
+        out = self._outputs[seq.seq_id].on_token(sampled, self.eos_token_ids, self.max_model_len, done)
         if out.finish_reason is not None:
             self.scheduler.finish(seq, out.finish_reason, out.stop_reason)
             self._release(seq)
@@ -173,6 +221,7 @@ class LLMEngine:
 
     def _release(self, seq: Sequence) -> SequenceOutput:
         self.sampler.release(seq)
+        self._grammars.pop(seq.seq_id, None)
         return self._outputs.pop(seq.seq_id)
 
 

@@ -28,10 +28,14 @@ class SequenceOutput:
         if self._prompt is not None:
             self._prompt.add(first, scored)
 
-    def on_token(self, sampled: SampledToken, eos: Collection[int], max_model_len: int) -> RequestOutput:
-        """Process the token just appended to the sequence; `finish_reason` is set when it ends here."""
+    def on_token(self, sampled: SampledToken, eos: Collection[int], max_model_len: int,
+                 grammar_done: bool = False) -> RequestOutput:
+        """Process the token just appended to the sequence; `finish_reason` is set when it ends here.
+        `grammar_done`: the sequence's constraint is complete and admits no more text: it stops here."""
         decision = check_token_stop(self.seq, eos, max_model_len)
         hide = decision is not None and decision.reason == "stop" and not self.seq.params.include_stop_str_in_output
+        if grammar_done and (decision is None or decision.reason == "length"):
+            decision = StopDecision("stop")
         delta = "" if hide else self._detok.add(sampled.token_id)
         if decision is not None:
             delta += self._detok.finish()

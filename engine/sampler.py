@@ -4,7 +4,8 @@ Order: min_tokens suppression, penalties (repetition, presence, frequency), logi
 temperature -> top-k -> top-p -> min-p -> draw. Draws use the exponential race (argmax of p / q, q ~ Exp(1)), with
 noise from the sequence's own generator when it has a seed, so a seeded sequence gets the same tokens whatever
 else is in the batch. The results cross to the host in one copy per step. Logprobs are those of the model's raw
-distribution (before penalties and temperature), like vLLM's default.
+distribution (before penalties and temperature), like vLLM's default; for a row constrained by a grammar
+(engine/grammar.py), of the masked distribution: its mask is applied first, to that row only.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from dataclasses import dataclass
 import torch
 
 from engine.cpu_kernels import argmax_torch
+from engine.grammar import apply_mask
 from engine.sequence import Sequence
 
 SeqKey = tuple[str, int]
+MIN_LOGPROB = -9999.0  # a token a grammar forbids has logprob -inf; reported as this (JSON has no -inf), as vLLM
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,12 +44,21 @@ class Sampler:
         self._seeded.pop(seq.seq_id, None)
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
-        """logits: [batch, vocab] float32, one row per sequence in `seqs`."""
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence],
+               masks: tuple[list[int], torch.Tensor] | None = None) -> list[SampledToken]:
+        """logits: [batch, vocab] float32, one row per sequence in `seqs`.
+
+        masks: (rows, forbidden) for constrained rows: bool [len(rows), vocab], the tokens their grammars forbid.
+        They apply to those rows only (in place), first, so everything after (penalties, temperature, top-p,
+        logprobs) sees the masked distribution; the other rows are untouched."""
         if not seqs:
             return []
+        if masks is not None:
+            logits = apply_mask(logits, *masks)
         raw = logits
         logits = self._process(logits, seqs)
+        if masks is not None and logits is not raw:
+            logits = _keep_allowed(logits, raw, masks[0])
         ids = self._choose(logits, seqs)  # [batch]
         return self._to_host(ids, raw, seqs)
 
@@ -95,13 +107,24 @@ class Sampler:
             return [SampledToken(t) for t in ids.tolist()]  # the one device-to-host copy
         k = max(wanted)
         logprobs = torch.log_softmax(raw.float(), dim=-1)
-        chosen = logprobs.gather(1, ids[:, None])
+        chosen = logprobs.gather(1, ids[:, None]).clamp(min=MIN_LOGPROB)
         top = logprobs.topk(k, dim=-1) if k > 0 else None
         parts = [ids[:, None].double(), chosen.double()]
         if top is not None:
-            parts += [top.indices.double(), top.values.double()]
+            parts += [top.indices.double(), top.values.clamp(min=MIN_LOGPROB).double()]
         rows = torch.cat(parts, dim=1).tolist()  # the one device-to-host copy
         return [_unpack(row, seq.params.logprobs, k) for row, seq in zip(rows, seqs, strict=True)]
+
+
+def _keep_allowed(logits: torch.Tensor, masked: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """A constrained row that min_tokens left with no token at all gets its grammar's choices back."""
+    idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    dead = torch.isneginf(logits.index_select(0, idx)).all(dim=1)
+    if bool(dead.any()):
+        dead_rows = idx[dead]
+        logits = logits.clone()
+        logits[dead_rows] = masked[dead_rows]
+    return logits
 
 
 def _unpack(row: list[float], asked: int | None, k: int) -> SampledToken:

@@ -16,6 +16,23 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 aborted by the caller (client gone, timeout) -> "abort"; the engine failed -> "error"."""
 
 
+ConstraintKind = Literal["json_schema", "json_object", "regex", "choice", "lark", "gbnf"]
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """What the sampled text must match: an llguidance grammar, applied token by token (engine/grammar.py).
+
+    value: json_schema: the schema as JSON text; regex/lark/gbnf: the grammar source; choice: a JSON list of
+    strings; json_object: "". trigger: lazy constraint: the text is free until this string appears in the
+    output, then the text after it is constrained (as llama.cpp's lazy grammars); None: from the first token.
+    """
+
+    kind: ConstraintKind
+    value: str
+    trigger: str | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """Per-request sampling and stopping controls. Defaults match the OpenAI API.
@@ -45,6 +62,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None
+    constraint: Constraint | None = None  # structured output: the text must match this grammar
 
     @property
     def greedy(self) -> bool:

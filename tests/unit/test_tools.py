@@ -1,0 +1,418 @@
+"""app/tools.py and app/tool_parsers.py: tool calls parsed from each model family's format (whole and streamed in
+any chunking), the grammars that keep calls valid (checked directly with llguidance), tool_choice checks, and
+the prompt each kind of chat template gets."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+from typing import Any
+
+import llguidance
+import llguidance.hf
+import pytest
+
+from app.errors import BadRequestError
+from app.schemas_openai import ChatCompletionRequest
+from app.tool_parsers import FORMATS, CallStream, detect, parse
+from app.tools import DEFAULT_TOOL_PROMPT, plan, split_chunks, template_input
+
+WEATHER = {
+    "name": "get_weather",
+    "description": "Weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["c", "f"]}},
+        "required": ["city"],
+    },
+}
+TIME = {"name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"type": "integer"}},
+                                           "required": ["tz"]}}
+NAMES = frozenset({"get_weather", "get_time"})
+
+ANSWERS = {  # format -> (model output, content, [(name, arguments)])
+    "hermes": (
+        'Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_time", "arguments": {"tz": 2}}\n</tool_call>',
+        "Let me check.", [("get_weather", {"city": "Paris"}), ("get_time", {"tz": 2})],
+    ),
+    "smollm2": (
+        '<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris \\"centre\\" {x}"}}, '
+        '{"name": "get_time", "arguments": {"tz": -1}}]</tool_call>',
+        "", [("get_weather", {"city": 'Paris "centre" {x}'}), ("get_time", {"tz": -1})],
+    ),
+    "mistral": (
+        '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}]',
+        "", [("get_weather", {"city": "Oslo", "unit": "c"})],
+    ),
+    "llama3_json": (
+        '{"name": "get_weather", "parameters": {"city": "Rome"}}; {"name": "get_time", "parameters": {"tz": 1}}',
+        "", [("get_weather", {"city": "Rome"}), ("get_time", {"tz": 1})],
+    ),
+}
+
+
+@pytest.mark.parametrize("fmt", sorted(ANSWERS))
+def test_parse_whole_answer(fmt: str) -> None:
+    text, content, expected = ANSWERS[fmt]
+    got_content, calls = parse(FORMATS[fmt], text, NAMES)
+    assert got_content == content
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == expected
+    assert all(c.id.startswith("call_") for c in calls) and len({c.id for c in calls}) == len(calls)
+
+
+@pytest.mark.parametrize("fmt", sorted(ANSWERS))
+@pytest.mark.parametrize("seed", range(5))
+def test_stream_deltas_assemble_to_the_whole_answer(fmt: str, seed: int) -> None:
+    """Any chunking: content never leaks call text; per call one delta with id, name and "" arguments first,
+    then fragments whose concatenation is the call's arguments."""
+    text, content, expected = ANSWERS[fmt]
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, len(text)), k=min(len(text) - 1, rng.randint(1, 30))))
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    stream = CallStream(FORMATS[fmt], NAMES)
+    got_content, calls = "", {}
+    for i, piece in enumerate(pieces):
+        c, deltas = stream.feed(piece, final=i == len(pieces) - 1)
+        got_content += c
+        for d in deltas:
+            if d.index not in calls:
+                assert d.id and d.id.startswith("call_") and d.name and d.arguments in ("", d.arguments)
+                calls[d.index] = [d.name, d.arguments]
+            else:
+                assert d.id is None and d.name is None
+                calls[d.index][1] += d.arguments
+    assert got_content == content
+    assert [(n, json.loads(a)) for n, a in calls.values()] == expected
+    assert [c.arguments for c in stream.calls] == [a for _, a in calls.values()]
+
+
+def test_streamed_call_sends_the_name_before_the_arguments_end() -> None:
+    stream = CallStream(FORMATS["hermes"], NAMES)
+    _, deltas = stream.feed('<tool_call>\n{"name": "get_weather", "arguments": {"ci')
+    assert [(d.name, d.arguments) for d in deltas] == [("get_weather", ""), (None, '{"ci')]
+
+
+def test_text_that_is_not_a_call() -> None:
+    fmt = FORMATS["hermes"]
+    assert parse(fmt, "No tools needed: 2 + 2 = 4.", NAMES) == ("No tools needed: 2 + 2 = 4.", [])
+    content, calls = parse(fmt, '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>', NAMES)
+    assert calls == [] and content == ""
+    _, calls = parse(FORMATS["llama3_json"], '{"name": "Bob", "parameters": {}}', NAMES)
+    assert calls == []
+    assert parse(fmt, "a <tool_ca", NAMES) == ("a <tool_ca", [])  # a partial trigger at the end is content
+
+
+def test_parallel_false_keeps_the_first_call() -> None:
+    text = ANSWERS["hermes"][0]
+    _, calls = parse(FORMATS["hermes"], text, NAMES, max_calls=1)
+    assert [c.name for c in calls] == ["get_weather"]
+
+
+def test_detect_from_template() -> None:
+    assert detect("{{ '[TOOL_CALLS]' }}") == "mistral"
+    assert detect("{{ '<|python_tag|>' }}") == "llama3_json"
+    assert detect("{% if tools %}<tool_call>{% endif %}") == "hermes"
+    assert detect("{% for tool in tools %}{{ tool }}{% endfor %}") == "hermes"
+    assert detect("{{ message['content'] }}") == "smollm2"
+    assert detect(None) == "smollm2"
+
+
+# ---------------------------------------------------------------- grammars, checked with llguidance
+
+
+@pytest.fixture(scope="module")
+def ll(byte_level_tokenizer: Any) -> tuple[Any, llguidance.LLTokenizer]:
+    return byte_level_tokenizer, llguidance.hf.from_tokenizer(byte_level_tokenizer)
+
+
+def accepts(ll: tuple[Any, llguidance.LLTokenizer], lark: str, text: str) -> bool:
+    """Whether `text` is a complete sentence of the grammar (every token allowed, then EOS allowed)."""
+    tokenizer, lltok = ll
+    grammar = llguidance.grammar_from("lark", lark)
+    assert llguidance.LLMatcher.validate_grammar(grammar, lltok) == ""
+    matcher = llguidance.LLMatcher(lltok, grammar)
+    ids = lltok.tokenize_str(text)
+    return matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
+
+
+def request(**fields: Any) -> ChatCompletionRequest:
+    base = {"messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"type": "function", "function": WEATHER}, {"type": "function", "function": TIME}]}
+    return ChatCompletionRequest.model_validate(base | fields)
+
+
+class _Tok:
+    chat_template = "{{ messages }}"  # takes no tools: the smollm2 format
+    unk_token_id = 0
+
+    def convert_tokens_to_ids(self, token: str) -> int:
+        return 0
+
+
+@pytest.mark.parametrize("fmt", sorted(ANSWERS))
+def test_required_grammar_accepts_valid_calls_only(ll: Any, fmt: str) -> None:
+    f = FORMATS[fmt]
+    lark = f.grammar([WEATHER, TIME], True, lazy=False)
+    text = ANSWERS[fmt][0].removeprefix("Let me check.")
+    assert accepts(ll, lark, text)
+    assert not accepts(ll, lark, re.sub(r"\"city\": \"(?:[^\"\\]|\\.)*\"", "\"city\": 3", text))  # wrong type
+    assert not accepts(ll, lark, text.replace("get_weather", "get_wether"))
+    assert not accepts(ll, lark, text.replace('"city"', '"town"'))  # declared properties only
+    single = f.grammar([WEATHER, TIME], False, lazy=False)
+    assert accepts(ll, single, text) == (len(ANSWERS[fmt][2]) == 1)
+
+
+@pytest.mark.parametrize("fmt", sorted(ANSWERS))
+def test_lazy_grammar_covers_the_text_after_the_trigger(ll: Any, fmt: str) -> None:
+    f = FORMATS[fmt]
+    text = ANSWERS[fmt][0]
+    after = text[text.index(f.trigger) + len(f.trigger):]
+    lark = f.grammar([WEATHER, TIME], True, lazy=True)
+    assert accepts(ll, lark, after)
+
+
+def test_plan_required_named_auto_none() -> None:
+    tok = _Tok()
+    auto = plan(request(), tok)
+    assert auto is not None and auto.choice == "auto" and auto.constraint.trigger == "<tool_call>"
+    assert auto.constraint.kind == "lark" and "args_1: %json" in auto.constraint.value
+    required = plan(request(tool_choice="required", parallel_tool_calls=False), tok)
+    assert required.constraint.trigger is None and required.constraint.value.startswith('start: "<tool_call>"')
+    named = plan(request(tool_choice={"type": "function", "function": {"name": "get_time"}}), tok)
+    assert "get_weather" not in named.constraint.value and "get_time" in named.constraint.value
+    assert named.functions == [WEATHER, TIME] and not named.parallel  # all tools stay in the prompt
+    none = plan(request(tool_choice="none"), tok)
+    assert none.constraint is None and not none.parses
+    assert plan(request(tools=None), tok) is None
+    assert plan(request(), tok, "mistral").fmt.name == "mistral"
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": None, "tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": WEATHER}] * 2}, "tools[1].function.name"),
+])
+def test_plan_refuses_what_it_cannot_honour(fields: dict[str, Any], param: str) -> None:
+    with pytest.raises(BadRequestError) as err:
+        plan(request(**fields), _Tok())
+    assert err.value.param == param
+
+
+@pytest.mark.parametrize("body", [
+    {"tools": [{"type": "custom", "custom": {"name": "x"}}]},
+    {"tools": [{"type": "function", "function": {"name": "has space"}}]},
+    {"tool_choice": "sometimes"},
+    {"messages": [{"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function"}]}]},
+])
+def test_schema_refuses_unservable_tools(body: dict[str, Any]) -> None:
+    with pytest.raises(ValueError):
+        request(**body)
+
+
+# ---------------------------------------------------------------- prompt rendering
+
+
+HISTORY = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "21 C"},
+]
+
+
+def test_template_with_tools_gets_them_and_object_arguments() -> None:
+    p = plan(request(), _Tok())
+    messages, tools = template_input(HISTORY, p, "{% for t in tools %}{% endfor %}")
+    assert tools == [{"type": "function", "function": WEATHER}, {"type": "function", "function": TIME}]
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert messages[2] == HISTORY[2]
+
+
+def test_template_without_tools_gets_the_default_prompt_and_text_calls() -> None:
+    p = plan(request(), _Tok())
+    messages, tools = template_input(HISTORY, p, "{{ messages }}")
+    assert tools is None
+    assert messages[0]["role"] == "system" and messages[0]["content"].startswith(DEFAULT_TOOL_PROMPT[:40])
+    assert json.dumps([WEATHER, TIME]) in messages[0]["content"]
+    assert messages[2] == {"role": "assistant", "content":
+                           '<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}]</tool_call>'}
+    assert messages[3] == {"role": "user", "content": "<tool_response>\n21 C\n</tool_response>"}
+
+
+def test_chatml_template_renders_a_tool_history() -> None:
+    """The ChatML-style template (SmolLM2's shape) renders the whole round trip as text."""
+    from jinja2 import Template
+
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "<|im_start|>assistant\n")
+    messages, _ = template_input(HISTORY, plan(request(), _Tok()), template)
+    text = Template(template).render(messages=messages)
+    assert "<tool_call>[" in text and "<tool_response>\n21 C" in text and "<tools>[" in text
+
+
+# ---------------------------------------------------------------- stream chunks
+
+
+def test_split_chunks_turns_content_into_tool_call_deltas() -> None:
+    text = ANSWERS["hermes"][0]
+
+    async def events():
+        yield {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+        for i in range(0, len(text), 7):
+            last = i + 7 >= len(text)
+            yield {"choices": [{"index": 0, "delta": {"content": text[i:i + 7]},
+                                "finish_reason": "stop" if last else None}]}
+
+    async def collect() -> list[dict[str, Any]]:
+        p = plan(request(), _Tok(), "hermes")
+        return [e async for e in split_chunks(events(), p.new_stream)]
+
+    out = asyncio.run(collect())
+    assert out[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    deltas = [tc for e in out for c in e["choices"] for tc in c["delta"].get("tool_calls", [])]
+    assert deltas[0]["type"] == "function" and deltas[0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert set(deltas[1]) == {"index", "function"} and set(deltas[1]["function"]) == {"arguments"}
+    content = "".join(c["delta"].get("content", "") for e in out for c in e["choices"])
+    assert content == "Let me check."
+
+
+# ---------------------------------------------------------------- Llama Stack legacy
+
+
+def legacy_request(**fields: Any) -> Any:
+    from app.schemas_llama_stack import ChatCompletionRequest as LegacyRequest
+
+    tool = {"tool_name": "get_weather", "description": "Weather in a city",
+            "parameters": {"city": {"param_type": "string", "description": "The city"},
+                           "days": {"param_type": "int", "required": False}}}
+    return LegacyRequest.model_validate({"model_id": "m", "messages": [{"role": "user", "content": "hi"}],
+                                         "tools": [tool]} | fields)
+
+
+def test_legacy_tools_become_a_plan() -> None:
+    from app import llama_stack_tools
+
+    p = llama_stack_tools.plan(legacy_request(tool_choice="required"), _Tok())
+    assert p.choice == "required" and p.functions == [{
+        "name": "get_weather", "description": "Weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "The city"},
+                                                        "days": {"type": "integer"}}, "required": ["city"]}}]
+    named = llama_stack_tools.plan(legacy_request(tool_config={"tool_choice": "get_weather"}), _Tok())
+    assert named.choice == "function"
+    assert llama_stack_tools.plan(legacy_request(tool_prompt_format="json"), _Tok()).choice == "auto"
+    for fields, param in [({"tool_choice": "get_time"}, "tool_choice"), ({"tool_prompt_format": "xml"},
+                                                                         "tool_prompt_format")]:
+        with pytest.raises(BadRequestError) as err:
+            llama_stack_tools.plan(legacy_request(**fields), _Tok())
+        assert err.value.param == param
+
+
+def test_legacy_answers_carry_tool_calls() -> None:
+    from app import llama_stack_tools
+
+    p = llama_stack_tools.plan(legacy_request(), _Tok(), "smollm2")
+    text = '<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}]</tool_call>'
+    response = {"completion_message": {"role": "assistant", "content": text, "stop_reason": "end_of_turn",
+                                       "tool_calls": []}}
+    message = llama_stack_tools.split_response(response, p)["completion_message"]
+    assert message["content"] == "" and message["stop_reason"] == "end_of_message"
+    [call] = message["tool_calls"]
+    assert call["tool_name"] == "get_weather" and call["arguments"] == {"city": "Paris"}
+    assert json.loads(call["arguments_json"]) == {"city": "Paris"} and call["call_id"].startswith("call_")
+
+    async def events(typed: bool):
+        delta = (lambda t: {"type": "text", "text": t}) if typed else (lambda t: t)
+        yield {"event": {"event_type": "start", "delta": delta(""), "stop_reason": None, "logprobs": None}}
+        for i in range(0, len(text), 5):
+            yield {"event": {"event_type": "progress", "delta": delta(text[i:i + 5]), "stop_reason": None,
+                             "logprobs": None}}
+        yield {"event": {"event_type": "complete", "delta": delta(""), "stop_reason": "end_of_turn",
+                         "logprobs": None}}
+
+    async def collect(typed: bool) -> list[dict[str, Any]]:
+        return [e["event"] async for e in llama_stack_tools.split_events(events(typed), p, typed)]
+
+    typed = asyncio.run(collect(True))
+    assert typed[-1]["event_type"] == "complete" and typed[-1]["stop_reason"] == "end_of_message"
+    deltas = [e["delta"] for e in typed[1:-1]]
+    assert all(d["type"] == "tool_call" for d in deltas)
+    assert deltas[0]["parse_status"] == "started" and deltas[-1]["parse_status"] == "succeeded"
+    assert deltas[-1]["tool_call"]["arguments"] == {"city": "Paris"}
+    assert "".join(d["tool_call"] for d in deltas[1:-1]) == call["arguments_json"]
+    bare = asyncio.run(collect(False))
+    assert bare[-2]["delta"]["parse_status"] == "success" and bare[-2]["delta"]["content"]["tool_name"] == "get_weather"
+
+
+# ---------------------------------------------------------------- through apply_chat_template
+
+QWEN_LIKE = (  # the tool parts of Qwen2.5's template, shortened
+    "{%- if tools %}<|im_start|>system\n# Tools\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n"
+    "</tools>\nFor each function call, return a json object within <tool_call></tool_call> XML tags.<|im_end|>\n"
+    "{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant\n{{ m.content or '' }}"
+    "{%- for tc in m.tool_calls %}<tool_call>\n{\"name\": \"{{ tc.function.name }}\", \"arguments\": "
+    "{{ tc.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{%- elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{%- endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_tools_and_history_render_through_the_models_template() -> None:
+    from app.convert_openai import chat_prompt_text
+    from app.schemas_openai import ChatMessage
+    from tests.support import build_byte_level_tokenizer
+
+    tokenizer = build_byte_level_tokenizer()
+    tokenizer.chat_template = QWEN_LIKE
+    p = plan(request(), tokenizer)
+    assert p.fmt.name == "hermes"  # the template writes <tool_call>
+    text = chat_prompt_text(tokenizer, [ChatMessage.model_validate(m) for m in HISTORY], tool_plan=p)
+    assert json.dumps({"type": "function", "function": WEATHER}) in text
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
+    assert "<tool_response>\n21 C\n</tool_response>" in text and text.endswith("<|im_start|>assistant\n")
+
+
+def test_default_tool_prompt_through_a_template_without_tools() -> None:
+    from app.convert_openai import chat_prompt_text
+    from app.schemas_openai import ChatMessage
+    from tests.support import build_byte_level_tokenizer
+
+    tokenizer = build_byte_level_tokenizer()  # its test template renders role and content only
+    p = plan(request(), tokenizer)
+    assert p.fmt.name == "smollm2"
+    text = chat_prompt_text(tokenizer, [ChatMessage.model_validate(m) for m in HISTORY], tool_plan=p)
+    assert "<tools>" in text and '"name": "get_time"' in text
+    assert '<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}]</tool_call>' in text
+    no_tools = chat_prompt_text(tokenizer, [ChatMessage.model_validate(m) for m in HISTORY])
+    assert "<tools>" not in no_tools and "<tool_response>\n21 C" in no_tools  # a history renders without tools
+
+
+@pytest.mark.parametrize("special", [True, False])
+def test_a_trigger_that_is_a_special_token_is_kept_in_the_text(special: bool) -> None:
+    """Hermes 3 / Mistral: `<tool_call>` / `[TOOL_CALLS]` are special tokens, which skip_special_tokens would drop
+    from the text the parser reads. Special or not (Qwen's), a tag the tokenizer has as one token is written in
+    the grammar as that token (the grammar library never matches added tokens against quoted text)."""
+    from transformers import AddedToken
+
+    from engine.types import SamplingParams
+    from tests.support import build_byte_level_tokenizer
+
+    tokenizer = build_byte_level_tokenizer()
+    tokenizer.add_tokens([AddedToken("<tool_call>", special=special)], special_tokens=special)
+    token_id = tokenizer.convert_tokens_to_ids("<tool_call>")
+    p = plan(request(tool_choice="required"), tokenizer, "hermes")
+    assert p.special_trigger is special
+    assert p.sampling_params(SamplingParams()).skip_special_tokens is not special
+    assert p.constraint.value.startswith(f"start: <[{token_id}]>")  # one token either way
+    lltok = llguidance.hf.from_tokenizer(tokenizer)
+    grammar = llguidance.grammar_from("lark", p.constraint.value)
+    assert llguidance.LLMatcher.validate_grammar(grammar, lltok) == ""
+    matcher = llguidance.LLMatcher(lltok, grammar)
+    text = '\n{"name": "get_time", "arguments": {"tz": 3}}\n</tool_call>'
+    ids = [token_id, *lltok.tokenize_str(text)]
+    assert matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
