@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
 from app.schemas_openai import ChatCompletionResponse
+from engine.stopping import partial_stop_len
 
 ReasoningParser = Literal["auto", "none", "deepseek_r1", "qwen3"]
 START, END = "<think>", "</think>"
@@ -66,7 +67,7 @@ class ReasoningSplitter:
             self._take(len(END))
             self._mode, self._trim_next = "content", True
             return True
-        keep = 0 if final else _partial_suffix(self._buffer, END)
+        keep = 0 if final else partial_stop_len(self._buffer, (END,))
         reasoning.append(self._trim(self._take(len(self._buffer) - keep)))
         return False
 
@@ -93,14 +94,6 @@ class ReasoningSplitter:
             text = text.lstrip()
             self._trim_next = not text
         return text
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:n]):
-            return n
-    return 0
 
 
 def parser_enabled(parser: str, tokenizer: Any) -> bool:

@@ -26,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from engine.stopping import partial_stop_len
+
 
 @dataclass(frozen=True, slots=True)
 class ToolFormat:
@@ -204,7 +206,7 @@ class CallStream:
     def _content(self, final: bool) -> str:
         at = self._buffer.find(self.fmt.trigger)
         if at < 0:
-            keep = 0 if final else _partial_suffix(self._buffer, self.fmt.trigger)
+            keep = 0 if final else partial_stop_len(self._buffer, (self.fmt.trigger,))
             cut = len(self._buffer) - keep
             out, self._buffer = self._buffer[:cut], self._buffer[cut:]
             return out
@@ -300,14 +302,6 @@ def _merged(deltas: list[CallDelta]) -> list[CallDelta]:
         else:
             out.append(d)
     return out
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:n]):
-            return n
-    return 0
 
 
 def parse(fmt: ToolFormat, text: str, names: frozenset[str] | None = None,
