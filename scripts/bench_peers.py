@@ -157,6 +157,13 @@ def _transformers(name: str, opts: PeerOptions, port: int) -> Peer:
                 stream_options=False, ready_path="/health")  # fmt: skip
 
 
+def _cpu_has(flag: str) -> bool:
+    try:
+        return flag in Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+
+
 def _llama_server(name: str, opts: PeerOptions, port: int) -> Peer:
     binary = opts.llama_server or LLAMA_BUILD / "bin" / "llama-server"
     desc = "llama.cpp llama-server (continuous batching over slots, unified KV)"
@@ -165,8 +172,9 @@ def _llama_server(name: str, opts: PeerOptions, port: int) -> Peer:
     slots = max(1, opts.max_concurrency)
     ctx = max(4096, slots * opts.context_per_request)
     cmd = [str(binary), "-m", str(opts.gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(opts.threads),
-           "-tb", str(opts.threads), "-np", str(slots), "-kvu", "-c", str(ctx), "--no-webui", "--no-warmup",
-           "--no-repack"]  # extra buffer types off: the AMX kernels crash here (bench_llama_cpp_server.py)  # fmt: skip
+           "-tb", str(opts.threads), "-np", str(slots), "-kvu", "-c", str(ctx), "--no-webui", "--no-warmup"]
+    if _cpu_has("amx_tile"):
+        cmd.append("--no-repack")  # extra buffer types off only where they crash: ggml's AMX kernels (see README)
     return Peer(name, desc, cmd, model=GGUF_NAME, ready_path="/health")
 
 

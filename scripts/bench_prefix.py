@@ -79,15 +79,17 @@ def system_prompt(tokenizer: Any, tokens: int, seed: int) -> str:
 
 async def conversation(session: aiohttp.ClientSession, target: Target, system: str, index: int,
                        args: argparse.Namespace, tokenizer: Any) -> list[dict[str, Any]]:
-    """One chat, turn after turn; each reply is appended to the history the next turn resends."""
+    """One chat, turn after turn; each reply is appended to the history the next turn resends. A failed turn
+    ends the chat: it is recorded with its error, and the turns before it count."""
     messages = [{"role": "system", "content": system}]
-    turns = []
+    turns: list[dict[str, Any]] = []
     for turn in range(1, args.turns + 1):
         messages.append({"role": "user", "content": f"(chat {index}) {QUESTIONS[(index + turn) % len(QUESTIONS)]}"})
         req = BenchRequest("chat", None, tuple(messages), 0, args.output_len)
         result = await send(session, target, req, tokenizer)
         if not result.success:
-            raise RuntimeError(f"chat {index} turn {turn} failed: {result.error}")
+            turns.append({"turn": turn, "error": f"chat {index} turn {turn} failed: {result.error}"})
+            break
         messages.append({"role": "assistant", "content": result.text})
         turns.append({"turn": turn, "ttft_s": result.ttft, "latency_s": result.latency,
                       "prompt_tokens": result.prompt_tokens, "output_tokens": result.output_tokens})
@@ -96,20 +98,26 @@ async def conversation(session: aiohttp.ClientSession, target: Target, system: s
 
 async def run_load(target: Target, system: str, args: argparse.Namespace, tokenizer: Any) -> dict[str, Any]:
     timeout = aiohttp.ClientTimeout(total=3600, connect=30)
-    async with aiohttp.ClientSession(timeout=timeout, read_bufsize=2**20) as session:
+    # A new connection per request, for every server alike: llama-server closes idle keep-alive connections
+    # under this load, and a request written into a closed pooled connection fails ("Can not write request body").
+    connector = aiohttp.TCPConnector(force_close=True, limit=args.conversations + 4)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, read_bufsize=2**20) as session:
         start = time.perf_counter()
         chats = await asyncio.gather(*(conversation(session, target, system, i, args, tokenizer)
                                        for i in range(args.conversations)))
         duration = time.perf_counter() - start
-    turns = [t for chat in chats for t in chat]
-    later = [t["ttft_s"] for t in turns if t["turn"] > 1]
+    errors = [t["error"] for chat in chats for t in chat if "error" in t]
+    turns = [t for chat in chats for t in chat if "error" not in t]
+    if not turns:
+        return {"failed": errors[0] if errors else "no turns", "errors": errors, "turns": []}
+    later = [t["ttft_s"] for t in turns if t["turn"] > 1] or [float("nan")]
     first = [t["ttft_s"] for t in turns if t["turn"] == 1]
     output = sum(t["output_tokens"] for t in turns)
     return {"requests": len(turns), "duration_s": duration, "output_tokens": output,
             "output_tok_s": output / duration, "ttft_turn1_p50_ms": 1000 * percentile(first, 50),
             "ttft_turns2plus_p50_ms": 1000 * percentile(later, 50),
             "ttft_turns2plus_p90_ms": 1000 * percentile(later, 90),
-            "prompt_tokens": sum(t["prompt_tokens"] for t in turns), "turns": turns}  # fmt: skip
+            "prompt_tokens": sum(t["prompt_tokens"] for t in turns), "errors": errors, "turns": turns}  # fmt: skip
 
 
 async def warm_up(target: Target, tokenizer: Any) -> None:
@@ -179,25 +187,29 @@ def base_url_row(args: argparse.Namespace, system: str, tokenizer: Any) -> list[
 
 
 def ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
-    by = {r["peer"]: r for r in rows if "skipped" not in r}
-    on, off = by.get("peregrine"), by.get("peregrine-nocache")
-    if not (on and off):
-        return {}
-    return {"ttft_turns2plus_p50_on_over_off": on["ttft_turns2plus_p50_ms"] / off["ttft_turns2plus_p50_ms"],
-            "output_tok_s_on_over_off": on["output_tok_s"] / off["output_tok_s"]}
+    by = {r["peer"]: r for r in rows if has_figures(r)}
+    on = by.get("peregrine")
+    rel = {}
+    for other, suffix in (("peregrine-nocache", "on_over_off"), ("llamacpp", "peregrine_over_llamacpp")):
+        if on and other in by:
+            rel[f"ttft_turns2plus_p50_{suffix}"] = on["ttft_turns2plus_p50_ms"] / by[other]["ttft_turns2plus_p50_ms"]
+            rel[f"output_tok_s_{suffix}"] = on["output_tok_s"] / by[other]["output_tok_s"]
+    return rel
 
 
 def print_table(rows: list[dict[str, Any]], rel: dict[str, float]) -> None:
     print(f"\n{'server':<20} {'TTFT p50 turn 1':>16} {'TTFT p50 turns 2+':>18} {'output tok/s':>13} "
           f"{'cached / prompt tokens':>23}")  # fmt: skip
     for r in rows:
-        if "skipped" in r:
-            print(f"{r['peer']:<20} skipped: {r['skipped']}")
+        if not has_figures(r):
+            print(f"{r['peer']:<20} {'skipped' if 'skipped' in r else 'failed'}: {r.get('skipped') or r['failed']}")
             continue
         cached = (f"{r['prefix_cache_hit_tokens']:.0f} / {r['prompt_tokens']}"
                   if "prefix_cache_hit_tokens" in r else "-")
         print(f"{r['peer']:<20} {r['ttft_turn1_p50_ms']:>13.0f} ms {r['ttft_turns2plus_p50_ms']:>15.0f} ms "
               f"{r['output_tok_s']:>13.1f} {cached:>23}")  # fmt: skip
+        if r.get("errors"):
+            print(f"{'':<20} {len(r['errors'])} failed turn(s), first: {r['errors'][0]}")
     for key, value in rel.items():
         print(f"{key}: {value:.3f}")
 
@@ -223,7 +235,11 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(report | {"turns": {r["peer"]: r.get("turns") for r in rows}}, indent=2,
                                    default=str))
     print(f"wrote {args.out}")
-    return 0 if any("skipped" not in r for r in rows) else 1
+    return 0 if any(has_figures(r) for r in rows) else 1
+
+
+def has_figures(row: dict[str, Any]) -> bool:
+    return "skipped" not in row and "failed" not in row
 
 
 def default_tokenizer() -> Path:
