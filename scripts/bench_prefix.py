@@ -54,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--turns", type=int, default=5)
     p.add_argument("--system-tokens", type=int, default=1000, help="length of the shared system prompt")
     p.add_argument("--output-len", type=int, default=32, help="tokens generated per turn")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="auto", help="Peregrine's --dtype (auto: what a user gets; it times decode steps at start)")
     p.add_argument("--threads", type=int, default=2, help="llama-server threads")
     p.add_argument("--peregrine-args", default="--kv-cache-bytes 1GiB --max-model-len 4096",
                    help="extra flags for both Peregrine servers")
