@@ -38,6 +38,7 @@ Size = TypeAliasType("Size", ByteSize)
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 
+DEFAULT_CACHE_DIR = Path("~/.cache/peregrine")  # the one default; callers of the engine pass it on
 _DEVICE_RE = re.compile(r"^(auto|cpu|tt|cuda(:\d+)?)$")
 
 
@@ -76,7 +77,7 @@ class Settings(BaseSettings):
         None, description="Where Hub downloads go. Default: the Hugging Face cache (HF_HOME / HF_HUB_CACHE)."
     )
     cache_dir: Path = Field(
-        Path("~/.cache/peregrine"),
+        DEFAULT_CACHE_DIR,
         description="Where converted models (GGUF dequantized to safetensors) are cached.",
     )
     trust_remote_code: bool = Field(False, description="Allow model code from the Hub repository to run.")

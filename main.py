@@ -24,12 +24,6 @@ from config import Settings, load_settings, settings_or_exit
 
 log = logging.getLogger("peregrine")
 
-# OpenMP threads sleep at barriers instead of spinning unless the user chose otherwise. The engine runs in its
-# own thread next to the event loop; spinning OpenMP workers took the cores that thread and other processes
-# needed, 5-10x slower decoding under CPU contention, and on a quiet machine passive is no slower
-# (docs/benchmarks.md, "OpenMP spin-waiting"). Set here, before anything imports torch.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 
 @dataclass(frozen=True)
 class Prepared:
@@ -48,6 +42,7 @@ class StartError(RuntimeError):
 def main(argv: list[str] | None = None) -> int:
     settings = settings_or_exit(argv)
     configure_logging(settings.log_level)
+    quiet_openmp_waits()
     apply_cpu_isa(settings.cpu_isa)
     try:
         if settings.multi_model:
@@ -59,6 +54,14 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s", exc)
         return 1
     return (serve_on_ray if settings.use_ray else serve)(settings, prepared)
+
+
+def quiet_openmp_waits() -> None:
+    """OpenMP threads sleep at barriers instead of spinning unless the user chose otherwise. The engine runs in
+    its own thread next to the event loop; spinning OpenMP workers took the cores that thread and other processes
+    needed, 5-10x slower decoding under CPU contention, and on a quiet machine passive is no slower
+    (docs/benchmarks.md, "OpenMP spin-waiting"). Called on start, before anything imports torch."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def apply_cpu_isa(cap: str) -> None:
@@ -303,6 +306,7 @@ def ray_app(args: dict[str, Any]) -> Any:
 
     settings = load_settings([_flag(name, value) for name, value in args.items()])
     configure_logging(settings.log_level)
+    quiet_openmp_waits()
     return ray_serve.build_application(ray_plan(settings, prepare(settings)), ray_serve.cluster_gpus())
 
 

@@ -37,9 +37,8 @@ from app.schemas_openai import (
     Usage,
 )
 from app.tools import ToolPlan
-from engine.types import RequestOutput, SamplingParams, TokenLogprob
+from engine.types import MAX_LOGPROBS, RequestOutput, SamplingParams, TokenLogprob
 
-MAX_LOGPROBS = 20
 CHATML_TEMPLATE = (  # used only when the tokenizer ships no chat template of its own
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
     "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"

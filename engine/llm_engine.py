@@ -25,6 +25,7 @@ from engine.sampler import Sampler
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
 from engine.types import (
+    MAX_LOGPROBS,
     EngineConfig,
     EngineStats,
     InvalidRequestError,
@@ -34,8 +35,6 @@ from engine.types import (
 )
 
 log = logging.getLogger(__name__)
-
-MAX_LOGPROBS = 20
 
 
 @dataclass(slots=True)

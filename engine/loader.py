@@ -39,8 +39,6 @@ log = logging.getLogger(__name__)
 
 GGUF_CACHE_FORMAT = 1  # bump when the cached layout changes; old folders are then ignored
 _HASH_CHUNK = 4 * 1024 * 1024
-_CONTEXT_ATTRS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
-DEFAULT_CACHE_DIR = Path("~/.cache/peregrine")
 
 
 @dataclass
@@ -118,8 +116,9 @@ def model_folder(cfg: EngineConfig) -> Path:
         if not (path / "config.json").is_file():
             raise LoadError(f"{path} has no config.json: not a transformers model folder")
         return path
-    cache_dir = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else DEFAULT_CACHE_DIR.expanduser()
-    return ensure_gguf_converted(path / cfg.gguf_file, cache_dir)
+    if not cfg.cache_dir:
+        raise LoadError("a GGUF model needs EngineConfig.cache_dir for its conversion (config.DEFAULT_CACHE_DIR)")
+    return ensure_gguf_converted(path / cfg.gguf_file, Path(cfg.cache_dir).expanduser())
 
 
 def load_tokenizer(folder: Path, trust_remote_code: bool = False) -> Any:
@@ -154,7 +153,7 @@ def load_weights(
 def context_length(config: Any, requested: int | None) -> int:
     """The model's context (from its config), or the requested one if it is not longer."""
     text_config = getattr(config, "text_config", None) or config
-    own = next((int(v) for a in _CONTEXT_ATTRS if (v := getattr(text_config, a, None))), None)
+    own = next((int(v) for a in preflight.CONTEXT_KEYS if (v := getattr(text_config, a, None))), None)
     if requested is None:
         if own is None:
             raise LoadError("the model's config gives no context length: pass --max-model-len")

@@ -153,10 +153,11 @@ def load_smollm2(folder: Path) -> Loaded:
         from engine.loader import load_model
     except ModuleNotFoundError:
         return load_hf(folder, dtype="bfloat16", gguf_file=SMOLLM2_GGUF)
+    from config import DEFAULT_CACHE_DIR
     from engine.types import EngineConfig
 
     loaded = load_model(EngineConfig(model_path=str(folder), model_name="smollm2", gguf_file=SMOLLM2_GGUF,
-                                     device="cpu", dtype="bfloat16"))
+                                     device="cpu", dtype="bfloat16", cache_dir=str(DEFAULT_CACHE_DIR)))
     return Loaded(loaded.model, loaded.tokenizer, loaded.max_model_len)
 
 
