@@ -42,6 +42,11 @@ DEFAULT_CACHE_DIR = Path("~/.cache/peregrine")  # the one default; callers of th
 _DEVICE_RE = re.compile(r"^(auto|cpu|tt|cuda(:\d+)?)$")
 
 
+def device_kind(device: str) -> str:
+    """The kind of a --device value: 'cuda:1' -> 'cuda'; auto, cpu, cuda and tt name themselves."""
+    return device.partition(":")[0]
+
+
 class Settings(BaseSettings):
     """Peregrine: a self-hosted LLM inference server with OpenAI and Llama Stack APIs."""
 

@@ -86,24 +86,23 @@ def configure_logging(level: str) -> None:
 
 def prepare(settings: Settings) -> Prepared:
     """Resolve the model source, device and dtype; refuse early if it will not fit; download if needed."""
-    from engine.devices import DeviceError, dtype_name, resolve_dtype, resolve_probe
+    from engine.devices import DeviceError, resolve
     from engine.hub import HubError, download, plan_download, resolve_source
 
     try:
         source = resolve_source(settings.model, settings.revision)
-        probe, device = resolve_probe(settings.device)
-        dtype = dtype_name(resolve_dtype(settings.dtype, device, probe))
+        resolved = resolve(settings.device, settings.dtype)  # the one resolution: EngineConfig carries it
+        device, dtype = resolved.device, resolved.dtype
         plan = plan_download(source, **_hub_args(settings)) if source.kind == "hub" else None
         log.info("model %s (%s), device %s, dtype %s, KV cache budget %s", settings.model, source.label, device,
                  "auto (decode steps timed once loaded)" if dtype == "auto" else dtype,
                  kv_budget_text(settings))  # fmt: skip
-        device_name = "tt" if probe.name == "tt" else str(device)
         if not settings.skip_preflight:
-            run_preflight(settings, source, plan, device_name, dtype)
+            run_preflight(settings, source, plan, device, dtype)
         path = download(plan, **_hub_args(settings, plan=False)) if plan else source.path
     except (DeviceError, HubError) as exc:
         raise StartError(str(exc)) from None
-    return Prepared(Path(str(path)), device_name, dtype, embedder_location(settings))
+    return Prepared(Path(str(path)), device, dtype, embedder_location(settings))
 
 
 def kv_budget_text(settings: Settings) -> str:
@@ -120,6 +119,7 @@ def _hub_args(settings: Settings, plan: bool = True) -> dict[str, Any]:
 def run_preflight(settings: Settings, source: Any, plan: Any, device: str, dtype: str) -> None:
     """Disk for the download (and a GGUF conversion), RAM or VRAM for weights + minimal KV cache."""
     from engine import preflight
+    from engine.devices import cuda_index
     from engine.hub import default_download_dir, fetch_config
     from engine.loader import gguf_cache_folder, is_converted
 
@@ -137,13 +137,13 @@ def run_preflight(settings: Settings, source: Any, plan: Any, device: str, dtype
         raise StartError(
             f"preflight cannot read {source.label}: {exc} (--skip-preflight skips the check)"
         ) from None
-    cuda_index = int(device.partition(":")[2] or 0) if device.startswith("cuda") else None
-    resources = preflight.measure_resources([download_dir, settings.cache_dir], cuda_index)
+    gpu = cuda_index(device)
+    resources = preflight.measure_resources([download_dir, settings.cache_dir], gpu)
     needs = preflight.check(
-        footprint, resources, dtype=dtype, on_cuda=cuda_index is not None, device_label=device,
+        footprint, resources, dtype=dtype, on_cuda=gpu is not None, device_label=device,
         download_dir=str(download_dir), cache_dir=str(settings.cache_dir),
         max_model_len=settings.max_model_len, kv_cache_bytes=settings.kv_cache_bytes,
-        packed_copy=device == "cpu" and settings.cpu_kernels and preflight.cpu_has_amx(),
+        packed_copy=preflight.packed_copy_kept(device, settings.cpu_kernels),
     )  # fmt: skip
     for need in needs:
         log.info("preflight: %s", need.message)
@@ -230,7 +230,6 @@ def load_embedder(app: Any, embedder_at: tuple[Path, str] | None, device: str) -
     from engine.embedder import Embedder
 
     path, name = embedder_at
-    device = device if device.startswith("cuda") else "cpu"
     app.state.embedder = Embedder.from_path(path, device=device, dtype="float32", name=name)
     log.info("embedding model %s loaded from %s", name, path)
 
@@ -294,7 +293,6 @@ def ray_plan(settings: Settings, prepared: Prepared) -> Any:
         engine_config=engine_config(settings, prepared),
         embedder_path=str(embedder_at[0]) if embedder_at else None,
         embedder_name=embedder_at[1] if embedder_at else None,
-        embedder_device=prepared.device if prepared.device.startswith("cuda") else "cpu",
     )
 
 

@@ -50,10 +50,9 @@ def model_spec(entry: ModelEntry, prepared: Prepared) -> Any:
     kv = int(settings.kv_cache_bytes or preflight.kv_cache_need(
         footprint, preflight.DTYPE_BYTES[widest], settings.max_model_len, None))  # fmt: skip
     settings = settings.model_copy(update={"kv_cache_bytes": kv})
-    packed = prepared.device == "cpu" and settings.cpu_kernels
     need, words = preflight.memory_need(
         footprint, prepared.dtype, max_model_len=settings.max_model_len, kv_cache_bytes=kv,
-        packed_copy=packed and preflight.cpu_has_amx(),
+        packed_copy=preflight.packed_copy_kept(prepared.device, settings.cpu_kernels),
     )  # fmt: skip
     return ModelSpec(
         name=entry.name, config=engine_config(settings, prepared), need_bytes=need, need_words=words,
@@ -79,9 +78,9 @@ def memory_budget(settings: Settings, device: str) -> int:
     if settings.models_memory_budget is not None:
         return int(settings.models_memory_budget)
     from engine import preflight
+    from engine.devices import cuda_index
 
-    cuda_index = int(device.partition(":")[2] or 0) if device.startswith("cuda") else None
-    resources = preflight.measure_resources([], cuda_index)
+    resources = preflight.measure_resources([], cuda_index(device))
     free = resources.vram_free if resources.vram_free is not None else resources.ram_free
     return int(free * DEFAULT_BUDGET_SHARE)
 

@@ -21,7 +21,7 @@ from typing import Literal
 
 import torch
 
-from engine import hub
+from engine import devices, hub
 
 PoolingMode = Literal["cls", "mean", "max", "mean_sqrt_len", "lasttoken"]
 
@@ -161,7 +161,7 @@ class Embedder:
         from transformers import AutoModel, AutoTokenizer
 
         path = Path(path)
-        torch_device = torch.device("cpu" if device == "auto" else device)
+        torch_device = torch.device(device if devices.kind_of(device) == "cuda" else "cpu")  # tt, auto: the host
         torch_dtype = torch.float32 if dtype == "auto" else getattr(torch, dtype)
         model = AutoModel.from_pretrained(str(path), dtype=torch_dtype).to(torch_device).eval()
         tokenizer = AutoTokenizer.from_pretrained(str(path))

@@ -15,8 +15,7 @@ from typing import Any
 
 import torch
 
-from engine import cpu_kernels, grammar, prompt_logprobs
-from engine.backends import get_backend
+from engine import cpu_kernels, devices, grammar, prompt_logprobs
 from engine.block_manager import BlockManager
 from engine.kv_cache import KVCache, KVCacheSpec, plan_num_blocks
 from engine.model_runner import ModelRunner
@@ -51,7 +50,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.device = device
         self.dtype = dtype
-        backend = get_backend("tt" if cfg.device == "tt" else device)  # tt runs from host (cpu) tensors
+        backend = devices.backend_for(cfg.device, device)
         self.kv_cache = _allocate_kv(model, cfg, backend.free_memory_bytes(), dtype, device, max_model_len)
         self.max_model_len = min(max_model_len, self.kv_cache.num_slots)
         self.blocks = BlockManager(self.kv_cache.num_blocks, cfg.block_size, cfg.prefix_caching)

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from engine import dtype_probe, preflight
-from engine.devices import resolve_dtype, resolve_probe
+from engine.devices import placement
 from engine.types import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -55,11 +55,10 @@ class LoadError(RuntimeError):
 
 
 def load_model(cfg: EngineConfig) -> LoadedModel:
-    """Resolve device and dtype, convert a GGUF once (cached), load tokenizer and weights; eval, no grad.
-    The one place the dtype is decided: `--dtype auto` on the CPU loads float32 and times decode steps in each
-    candidate (engine/dtype_probe.py); the returned `dtype` is the one served."""
-    probe, device = resolve_probe(cfg.device)
-    dtype = resolve_dtype(cfg.dtype, device, probe)
+    """Convert a GGUF once (cached), load tokenizer and weights on the configured device; eval, no grad.
+    The CPU's `--dtype auto` is decided here: float32 is loaded and decode steps are timed in each candidate
+    (engine/dtype_probe.py); the returned `dtype` is the one served."""
+    device, dtype = placement(cfg.device, cfg.dtype)
     folder = model_folder(cfg)
     start = time.perf_counter()
     tokenizer = load_tokenizer(folder, cfg.trust_remote_code)
@@ -85,7 +84,8 @@ def load_fastest(folder: Path, tokenizer: Any, cfg: EngineConfig, device: torch.
     free RAM (the preflight's arithmetic), else bfloat16 without a probe."""
     dtypes, why = preflight.auto_cpu_dtypes(
         preflight.folder_footprint(folder), preflight.measure_resources([]).ram_free,
-        max_model_len=cfg.max_model_len, kv_cache_bytes=cfg.kv_cache_bytes, packed_copy=packed_copy_kept(cfg),
+        max_model_len=cfg.max_model_len, kv_cache_bytes=cfg.kv_cache_bytes,
+        packed_copy=preflight.packed_copy_kept(str(device), cfg.cpu_kernels),
     )  # fmt: skip
     if len(dtypes) == 1:
         log.info("dtype auto: bfloat16 (%s)", why)
@@ -102,11 +102,6 @@ def release_freed_memory() -> None:
     """Hand the heap's freed pages back to the OS (glibc keeps them otherwise, and RSS stays at the probe's peak)."""
     with contextlib.suppress(OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-def packed_copy_kept(cfg: EngineConfig) -> bool:
-    """Whether bfloat16 decode steps on this CPU keep a packed copy of the weights (AMX, kernels on)."""
-    return cfg.cpu_kernels and preflight.cpu_has_amx()
 
 
 def model_folder(cfg: EngineConfig) -> Path:

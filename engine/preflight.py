@@ -332,6 +332,12 @@ def cpu_has_amx(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     return cpu_features.has("amx", flags=cpu_features.cpu_flags.__wrapped__(cpuinfo))
 
 
+def packed_copy_kept(device: str, cpu_kernels: bool) -> bool:
+    """Whether bfloat16 decode steps keep a packed copy of the weights (the CPU with the kernels on and AMX
+    usable, as engine/cpu_kernels.py decides): the one place the preflight, the loader and main.py ask."""
+    return device == "cpu" and cpu_kernels and cpu_has_amx()
+
+
 def disk_of(path: Path) -> Disk:
     """Free space for a directory that may not exist yet (its nearest existing parent is measured)."""
     probe = path.expanduser().absolute()

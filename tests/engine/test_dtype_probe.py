@@ -168,7 +168,7 @@ def test_float32_is_not_tried_when_the_probe_would_not_fit_in_ram(
     tiny_model_dir: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     fp = preflight.folder_footprint(tiny_model_dir.path)
-    room = dict(max_model_len=None, kv_cache_bytes=None, packed_copy=loader.packed_copy_kept(probe_cfg("x")))
+    room = dict(max_model_len=None, kv_cache_bytes=None, packed_copy=preflight.packed_copy_kept("cpu", True))
     peak, _ = preflight.memory_need(fp, "auto", **room)
     assert preflight.memory_need(fp, "bfloat16", **room)[0] < peak
     monkeypatch.setattr(preflight, "measure_resources", lambda dirs: preflight.Resources(ram_free=peak - 1))
