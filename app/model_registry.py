@@ -32,11 +32,14 @@ import math
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from app.errors import APIError, BadRequestError, ServiceUnavailableError, model_not_found
 from config import parse_duration
 from engine.preflight import fmt_bytes
+
+if TYPE_CHECKING:
+    from app.deps import Engine
 
 log = logging.getLogger("peregrine.models")
 
@@ -80,7 +83,7 @@ class ModelSpec:
 @dataclass
 class ModelSlot:
     spec: ModelSpec
-    engine: Any = None
+    engine: Engine | None = None
     state: ModelState = "unloaded"
     leases: int = 0
     last_used: float = 0.0

@@ -195,7 +195,8 @@ class EngineDeadError(EngineError):
 
 
 class PromptTooLongError(EngineError):
-    """The prompt (or prompt + max_tokens) does not fit in the model's context."""
+    """The prompt (or prompt + max_tokens) does not fit in the model's context. `param` names the engine's input
+    at fault, "prompt_token_ids" or "max_tokens"; the app maps it to its wire field."""
 
     def __init__(self, message: str, *, prompt_tokens: int, max_model_len: int, param: str) -> None:
         super().__init__(message)
@@ -205,7 +206,8 @@ class PromptTooLongError(EngineError):
 
 
 class InvalidRequestError(EngineError):
-    """The request's parameters or prompt are invalid (the HTTP layer answers 400 with `param`)."""
+    """The request's parameters or prompt are invalid. `param` names the engine's input at fault: a
+    `SamplingParams` field, "prompt_token_ids" or "request_id" (the HTTP layer answers 400, naming its wire field)."""
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)

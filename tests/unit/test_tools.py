@@ -363,7 +363,7 @@ QWEN_LIKE = (  # the tool parts of Qwen2.5's template, shortened
 
 
 def test_tools_and_history_render_through_the_models_template() -> None:
-    from app.convert_openai import chat_prompt_text
+    from app.prompts import chat_prompt_text
     from app.schemas_openai import ChatMessage
     from tests.support import build_byte_level_tokenizer
 
@@ -378,7 +378,7 @@ def test_tools_and_history_render_through_the_models_template() -> None:
 
 
 def test_default_tool_prompt_through_a_template_without_tools() -> None:
-    from app.convert_openai import chat_prompt_text
+    from app.prompts import chat_prompt_text
     from app.schemas_openai import ChatMessage
     from tests.support import build_byte_level_tokenizer
 
