@@ -87,7 +87,7 @@ def configure_logging(level: str) -> None:
 def prepare(settings: Settings) -> Prepared:
     """Resolve the model source, device and dtype; refuse early if it will not fit; download if needed."""
     from engine.devices import DeviceError, resolve
-    from engine.hub import HubError, download, plan_download, resolve_source
+    from models.hub import HubError, download, plan_download, resolve_source
 
     try:
         source = resolve_source(settings.model, settings.revision)
@@ -118,10 +118,10 @@ def _hub_args(settings: Settings, plan: bool = True) -> dict[str, Any]:
 
 def run_preflight(settings: Settings, source: Any, plan: Any, device: str, dtype: str) -> None:
     """Disk for the download (and a GGUF conversion), RAM or VRAM for weights + minimal KV cache."""
-    from engine import preflight
     from engine.devices import cuda_index
-    from engine.hub import default_download_dir, fetch_config
-    from engine.loader import gguf_cache_folder, is_converted
+    from models import preflight
+    from models.hub import default_download_dir, fetch_config
+    from models.loader import gguf_cache_folder, is_converted
 
     download_dir = settings.download_dir or default_download_dir()
     try:
@@ -183,7 +183,7 @@ def embedder_location(settings: Settings) -> tuple[Path, str] | None:
     """The embedding model's folder and served name, or None when --embedding-model none."""
     if settings.embedding_model.strip().lower() in ("", "none", "off"):
         return None
-    from engine.embedder import discoverable_name, resolve_embedding_model
+    from models.embedder import discoverable_name, resolve_embedding_model
 
     try:
         path, name = resolve_embedding_model(settings.embedding_model)
@@ -227,7 +227,7 @@ def load_embedder(app: Any, embedder_at: tuple[Path, str] | None, device: str) -
     """Attach the embedding model to the app (blocking); nothing when --embedding-model none."""
     if embedder_at is None:
         return
-    from engine.embedder import Embedder
+    from models.embedder import Embedder
 
     path, name = embedder_at
     app.state.embedder = Embedder.from_path(path, device=device, dtype="float32", name=name)

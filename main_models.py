@@ -42,7 +42,7 @@ def prepare_models(settings: Settings) -> tuple[list[Any], tuple[Path, str] | No
 def model_spec(entry: ModelEntry, prepared: Prepared) -> Any:
     """The registry's view of one model: its engine config and its memory need, with the arithmetic."""
     from app.model_registry import ModelSpec
-    from engine import preflight
+    from models import preflight
 
     settings = entry.settings
     footprint = local_footprint(prepared.model_path, settings)
@@ -63,7 +63,7 @@ def model_spec(entry: ModelEntry, prepared: Prepared) -> Any:
 
 def local_footprint(path: Path, settings: Settings) -> Any:
     """What the (now local) model needs, from its headers: a .gguf file or a transformers folder."""
-    from engine import preflight
+    from models import preflight
 
     try:
         if path.suffix == ".gguf":
@@ -77,8 +77,8 @@ def memory_budget(settings: Settings, device: str) -> int:
     """--models-memory-budget, else 90% of the RAM (or the CUDA device's VRAM) free now."""
     if settings.models_memory_budget is not None:
         return int(settings.models_memory_budget)
-    from engine import preflight
     from engine.devices import cuda_index
+    from models import preflight
 
     resources = preflight.measure_resources([], cuda_index(device))
     free = resources.vram_free if resources.vram_free is not None else resources.ram_free
@@ -101,7 +101,7 @@ def serve_models(settings: Settings, specs: list[Any], embedder_at: tuple[Path, 
     """uvicorn with a model registry: the first model loads at start, the others on demand."""
     from app import create_app
     from app.model_registry import ModelRegistry, install_registry
-    from engine.preflight import fmt_bytes
+    from models.preflight import fmt_bytes
 
     app = create_app(engine=None, settings=settings)
     budget = memory_budget(settings, device)

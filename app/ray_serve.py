@@ -221,7 +221,7 @@ class PeregrineReplica:
     def _load_embedder(self, device: str) -> Any:
         if self.plan.embedder_path is None:
             return None
-        from engine.embedder import Embedder
+        from models.embedder import Embedder
 
         return Embedder.from_path(self.plan.embedder_path, device=device, name=self.plan.embedder_name)
 

@@ -212,7 +212,7 @@ def resolve_device(name: str) -> torch.device:
 
 def resolve_dtype(name: str, device: torch.device, probe: DeviceProbe | None = None) -> torch.dtype | None:
     """--dtype -> torch.dtype. auto asks the device's probe and logs why; None when that is the CPU, where
-    `engine.loader.load_model` times decode steps of the loaded model in each candidate (engine/dtype_probe.py)."""
+    `models.loader.load_model` times decode steps of the loaded model in each candidate (engine/dtype_probe.py)."""
     if name != "auto":
         if name not in DTYPES:
             raise DeviceError(f"unknown dtype {name!r}: use auto, float32, bfloat16 or float16")

@@ -76,7 +76,7 @@ class LLMEngine:
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> LLMEngine:
-        from engine.loader import load_model
+        from models.loader import load_model
 
         loaded = load_model(cfg)
         return cls(loaded.model, loaded.tokenizer, cfg, loaded.device, loaded.dtype, loaded.max_model_len)

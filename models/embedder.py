@@ -21,7 +21,8 @@ from typing import Literal
 
 import torch
 
-from engine import devices, hub
+from engine import devices
+from models import hub
 
 PoolingMode = Literal["cls", "mean", "max", "mean_sqrt_len", "lasttoken"]
 

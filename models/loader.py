@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 
-from engine import dtype_probe, preflight
+from engine import dtype_probe
+from models import preflight
 from engine.devices import placement
 from engine.types import EngineConfig
 

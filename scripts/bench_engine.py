@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from config import DEFAULT_CACHE_DIR  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.loader import load_model  # noqa: E402
 from engine.types import EngineConfig, SamplingParams  # noqa: E402
+from models.loader import load_model  # noqa: E402
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TEXT = (

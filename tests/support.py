@@ -150,7 +150,7 @@ def smollm2_dir() -> Path | None:
 
 def load_smollm2(folder: Path) -> Loaded:
     try:
-        from engine.loader import load_model
+        from models.loader import load_model
     except ModuleNotFoundError:
         return load_hf(folder, dtype="bfloat16", gguf_file=SMOLLM2_GGUF)
     from config import DEFAULT_CACHE_DIR

@@ -54,8 +54,8 @@ def write_task(folder: Path) -> str:
 def hf_folder() -> Path:
     """The dense float32 folder the server loads the bundled GGUF from (converted once, cached)."""
     from config import DEFAULT_CACHE_DIR
-    from engine.loader import model_folder
     from engine.types import EngineConfig
+    from models.loader import model_folder
 
     source = smollm2_dir()
     if source is None:

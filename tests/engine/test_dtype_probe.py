@@ -15,10 +15,11 @@ from typing import Any
 import pytest
 import torch
 
-from engine import dtype_probe, loader, preflight
+from engine import dtype_probe
 from engine.dtype_probe import ProbePlan, Timing
 from engine.llm_engine import LLMEngine
 from engine.types import EngineConfig
+from models import loader, preflight
 from tests.support import load_hf
 
 SMALL = ProbePlan(rows=(1, 4), prompt_tokens=6, steps=2, repeats=2, settle=math.inf)  # every window, always

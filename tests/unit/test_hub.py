@@ -23,8 +23,8 @@ from urllib.parse import unquote, urlparse
 
 import pytest
 
-from engine import hub
-from engine.hub import HubError, ModelSource
+from models import hub
+from models.hub import HubError, ModelSource
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 TOKEN = "hf_test_token"
