@@ -273,12 +273,13 @@ def connect(settings: Settings) -> bool:
 
 
 def peregrine_modules() -> list[ModuleType]:
-    """The modules a replica imports: the app and engine packages and config.py."""
+    """The modules a replica imports: the app, models and engine packages and config."""
     import app
     import config
     import engine
+    import models
 
-    return [app, engine, config]
+    return [app, models, engine, config]
 
 
 def run(plan: ReplicaPlan) -> int:

@@ -32,9 +32,9 @@ from typing import Any
 import torch
 
 from engine import dtype_probe
-from models import preflight
 from engine.devices import placement
 from engine.types import EngineConfig
+from models import preflight
 
 log = logging.getLogger(__name__)
 

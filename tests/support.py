@@ -215,6 +215,16 @@ def text_of(outputs: list, index: int = 0) -> str:
 # --- server processes started by tests -------------------------------------------------------------------
 
 
+# A small JSON schema the structured-output tests (engine and API) constrain answers to.
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 40}, "age": {"type": "integer", "minimum": 0,
+                                                                        "maximum": 150}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
 KEPT_SETTINGS = ("PEREGRINE_CPU_ISA",)  # machine-level: a run with the kernels capped caps every server too
 
 

@@ -145,7 +145,7 @@ def test_load_model_with_dtype_auto_times_and_serves_the_choice(
     tiny_model_dir: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     count = StepCount(monkeypatch)
-    with caplog.at_level(logging.INFO, logger="engine"):
+    with caplog.at_level(logging.INFO):  # engine.* and models.loader
         loaded = loader.load_model(probe_cfg(tiny_model_dir.path, dtype="auto", max_num_seqs=4))
     assert count.steps.keys() == {torch.float32, torch.bfloat16} and min(count.steps.values()) >= 2 * 3
     assert loaded.dtype in (torch.float32, torch.bfloat16)
@@ -159,7 +159,7 @@ def test_an_explicit_dtype_times_nothing(tiny_model_dir: Any, monkeypatch: pytes
                                          caplog: pytest.LogCaptureFixture) -> None:
     count = StepCount(monkeypatch)
     monkeypatch.setattr(dtype_probe, "choose", lambda *a, **k: pytest.fail("an explicit dtype was timed"))
-    with caplog.at_level(logging.INFO, logger="engine"):
+    with caplog.at_level(logging.INFO):  # engine.* and models.loader
         for name in ("float32", "bfloat16"):
             assert loader.load_model(probe_cfg(tiny_model_dir.path, dtype=name)).dtype is getattr(torch, name)
     assert count.steps == {} and "dtype auto" not in caplog.text
@@ -174,7 +174,7 @@ def test_float32_is_not_tried_when_the_probe_would_not_fit_in_ram(
     assert preflight.memory_need(fp, "bfloat16", **room)[0] < peak
     monkeypatch.setattr(preflight, "measure_resources", lambda dirs: preflight.Resources(ram_free=peak - 1))
     monkeypatch.setattr(dtype_probe, "choose", lambda *a, **k: pytest.fail("float32 was timed"))
-    with caplog.at_level(logging.INFO, logger="engine"):
+    with caplog.at_level(logging.INFO):  # engine.* and models.loader
         loaded = loader.load_model(probe_cfg(tiny_model_dir.path, dtype="auto"))
     assert loaded.dtype is torch.bfloat16
     assert "dtype auto: bfloat16 (float32 not tried: timing it needs" in caplog.text
