@@ -215,6 +215,16 @@ def text_of(outputs: list, index: int = 0) -> str:
 # --- server processes started by tests -------------------------------------------------------------------
 
 
+class NoToolsTokenizer:
+    """Just enough of a tokenizer for tool planning: a chat template that takes no tools (the smollm2 format)."""
+
+    chat_template = "{{ messages }}"
+    unk_token_id = 0
+
+    def convert_tokens_to_ids(self, token: str) -> int:
+        return 0
+
+
 # A small JSON schema the structured-output tests (engine and API) constrain answers to.
 PERSON = {
     "type": "object",
