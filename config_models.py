@@ -12,7 +12,7 @@ A models file is YAML (or JSON, which YAML reads too):
 
 Each entry may set the keys in `ENTRY_KEYS`; the rest of the server's settings apply to every model. Models
 given with `--model` come first, then the file's; the first one is the default (a request without `model`)
-and is loaded at start, the others when a request asks for them. Like `config.py`, this module imports nothing
+and is loaded at start, the others when a request asks for them. Like `config/`, this module imports nothing
 of Peregrine's but `config`, and nothing heavy.
 """
 

@@ -24,12 +24,6 @@ from config import Settings, load_settings, settings_or_exit
 
 log = logging.getLogger("peregrine")
 
-# OpenMP threads sleep at barriers instead of spinning unless the user chose otherwise. The engine runs in its
-# own thread next to the event loop; spinning OpenMP workers took the cores that thread and other processes
-# needed, 5-10x slower decoding under CPU contention, and on a quiet machine passive is no slower
-# (docs/benchmarks.md, "OpenMP spin-waiting"). Set here, before anything imports torch.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 
 @dataclass(frozen=True)
 class Prepared:
@@ -48,6 +42,7 @@ class StartError(RuntimeError):
 def main(argv: list[str] | None = None) -> int:
     settings = settings_or_exit(argv)
     configure_logging(settings.log_level)
+    quiet_openmp_waits()
     apply_cpu_isa(settings.cpu_isa)
     try:
         if settings.multi_model:
@@ -59,6 +54,14 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s", exc)
         return 1
     return (serve_on_ray if settings.use_ray else serve)(settings, prepared)
+
+
+def quiet_openmp_waits() -> None:
+    """OpenMP threads sleep at barriers instead of spinning unless the user chose otherwise. The engine runs in
+    its own thread next to the event loop; spinning OpenMP workers took the cores that thread and other processes
+    needed, 5-10x slower decoding under CPU contention, and on a quiet machine passive is no slower
+    (docs/benchmarks.md, "OpenMP spin-waiting"). Called on start, before anything imports torch."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def apply_cpu_isa(cap: str) -> None:
@@ -83,24 +86,23 @@ def configure_logging(level: str) -> None:
 
 def prepare(settings: Settings) -> Prepared:
     """Resolve the model source, device and dtype; refuse early if it will not fit; download if needed."""
-    from engine.devices import DeviceError, dtype_name, resolve_dtype, resolve_probe
-    from engine.hub import HubError, download, plan_download, resolve_source
+    from engine.devices import DeviceError, resolve
+    from models.hub import HubError, download, plan_download, resolve_source
 
     try:
         source = resolve_source(settings.model, settings.revision)
-        probe, device = resolve_probe(settings.device)
-        dtype = dtype_name(resolve_dtype(settings.dtype, device, probe))
+        resolved = resolve(settings.device, settings.dtype)  # the one resolution: EngineConfig carries it
+        device, dtype = resolved.device, resolved.dtype
         plan = plan_download(source, **_hub_args(settings)) if source.kind == "hub" else None
         log.info("model %s (%s), device %s, dtype %s, KV cache budget %s", settings.model, source.label, device,
                  "auto (decode steps timed once loaded)" if dtype == "auto" else dtype,
                  kv_budget_text(settings))  # fmt: skip
-        device_name = "tt" if probe.name == "tt" else str(device)
         if not settings.skip_preflight:
-            run_preflight(settings, source, plan, device_name, dtype)
+            run_preflight(settings, source, plan, device, dtype)
         path = download(plan, **_hub_args(settings, plan=False)) if plan else source.path
     except (DeviceError, HubError) as exc:
         raise StartError(str(exc)) from None
-    return Prepared(Path(str(path)), device_name, dtype, embedder_location(settings))
+    return Prepared(Path(str(path)), device, dtype, embedder_location(settings))
 
 
 def kv_budget_text(settings: Settings) -> str:
@@ -116,9 +118,10 @@ def _hub_args(settings: Settings, plan: bool = True) -> dict[str, Any]:
 
 def run_preflight(settings: Settings, source: Any, plan: Any, device: str, dtype: str) -> None:
     """Disk for the download (and a GGUF conversion), RAM or VRAM for weights + minimal KV cache."""
-    from engine import preflight
-    from engine.hub import default_download_dir, fetch_config
-    from engine.loader import gguf_cache_folder, is_converted
+    from engine.devices import cuda_index
+    from models import preflight
+    from models.hub import default_download_dir, fetch_config
+    from models.loader import gguf_cache_folder, is_converted
 
     download_dir = settings.download_dir or default_download_dir()
     try:
@@ -134,13 +137,13 @@ def run_preflight(settings: Settings, source: Any, plan: Any, device: str, dtype
         raise StartError(
             f"preflight cannot read {source.label}: {exc} (--skip-preflight skips the check)"
         ) from None
-    cuda_index = int(device.partition(":")[2] or 0) if device.startswith("cuda") else None
-    resources = preflight.measure_resources([download_dir, settings.cache_dir], cuda_index)
+    gpu = cuda_index(device)
+    resources = preflight.measure_resources([download_dir, settings.cache_dir], gpu)
     needs = preflight.check(
-        footprint, resources, dtype=dtype, on_cuda=cuda_index is not None, device_label=device,
+        footprint, resources, dtype=dtype, on_cuda=gpu is not None, device_label=device,
         download_dir=str(download_dir), cache_dir=str(settings.cache_dir),
         max_model_len=settings.max_model_len, kv_cache_bytes=settings.kv_cache_bytes,
-        packed_copy=device == "cpu" and settings.cpu_kernels and preflight.cpu_has_amx(),
+        packed_copy=preflight.packed_copy_kept(device, settings.cpu_kernels),
     )  # fmt: skip
     for need in needs:
         log.info("preflight: %s", need.message)
@@ -180,7 +183,7 @@ def embedder_location(settings: Settings) -> tuple[Path, str] | None:
     """The embedding model's folder and served name, or None when --embedding-model none."""
     if settings.embedding_model.strip().lower() in ("", "none", "off"):
         return None
-    from engine.embedder import discoverable_name, resolve_embedding_model
+    from models.embedder import discoverable_name, resolve_embedding_model
 
     try:
         path, name = resolve_embedding_model(settings.embedding_model)
@@ -224,10 +227,9 @@ def load_embedder(app: Any, embedder_at: tuple[Path, str] | None, device: str) -
     """Attach the embedding model to the app (blocking); nothing when --embedding-model none."""
     if embedder_at is None:
         return
-    from engine.embedder import Embedder
+    from models.embedder import Embedder
 
     path, name = embedder_at
-    device = device if device.startswith("cuda") else "cpu"
     app.state.embedder = Embedder.from_path(path, device=device, dtype="float32", name=name)
     log.info("embedding model %s loaded from %s", name, path)
 
@@ -291,7 +293,6 @@ def ray_plan(settings: Settings, prepared: Prepared) -> Any:
         engine_config=engine_config(settings, prepared),
         embedder_path=str(embedder_at[0]) if embedder_at else None,
         embedder_name=embedder_at[1] if embedder_at else None,
-        embedder_device=prepared.device if prepared.device.startswith("cuda") else "cpu",
     )
 
 
@@ -303,6 +304,7 @@ def ray_app(args: dict[str, Any]) -> Any:
 
     settings = load_settings([_flag(name, value) for name, value in args.items()])
     configure_logging(settings.log_level)
+    quiet_openmp_waits()
     return ray_serve.build_application(ray_plan(settings, prepare(settings)), ray_serve.cluster_gpus())
 
 

@@ -42,7 +42,7 @@ def prepare_models(settings: Settings) -> tuple[list[Any], tuple[Path, str] | No
 def model_spec(entry: ModelEntry, prepared: Prepared) -> Any:
     """The registry's view of one model: its engine config and its memory need, with the arithmetic."""
     from app.model_registry import ModelSpec
-    from engine import preflight
+    from models import preflight
 
     settings = entry.settings
     footprint = local_footprint(prepared.model_path, settings)
@@ -50,10 +50,9 @@ def model_spec(entry: ModelEntry, prepared: Prepared) -> Any:
     kv = int(settings.kv_cache_bytes or preflight.kv_cache_need(
         footprint, preflight.DTYPE_BYTES[widest], settings.max_model_len, None))  # fmt: skip
     settings = settings.model_copy(update={"kv_cache_bytes": kv})
-    packed = prepared.device == "cpu" and settings.cpu_kernels
     need, words = preflight.memory_need(
         footprint, prepared.dtype, max_model_len=settings.max_model_len, kv_cache_bytes=kv,
-        packed_copy=packed and preflight.cpu_has_amx(),
+        packed_copy=preflight.packed_copy_kept(prepared.device, settings.cpu_kernels),
     )  # fmt: skip
     return ModelSpec(
         name=entry.name, config=engine_config(settings, prepared), need_bytes=need, need_words=words,
@@ -64,7 +63,7 @@ def model_spec(entry: ModelEntry, prepared: Prepared) -> Any:
 
 def local_footprint(path: Path, settings: Settings) -> Any:
     """What the (now local) model needs, from its headers: a .gguf file or a transformers folder."""
-    from engine import preflight
+    from models import preflight
 
     try:
         if path.suffix == ".gguf":
@@ -78,10 +77,10 @@ def memory_budget(settings: Settings, device: str) -> int:
     """--models-memory-budget, else 90% of the RAM (or the CUDA device's VRAM) free now."""
     if settings.models_memory_budget is not None:
         return int(settings.models_memory_budget)
-    from engine import preflight
+    from engine.devices import cuda_index
+    from models import preflight
 
-    cuda_index = int(device.partition(":")[2] or 0) if device.startswith("cuda") else None
-    resources = preflight.measure_resources([], cuda_index)
+    resources = preflight.measure_resources([], cuda_index(device))
     free = resources.vram_free if resources.vram_free is not None else resources.ram_free
     return int(free * DEFAULT_BUDGET_SHARE)
 
@@ -102,7 +101,7 @@ def serve_models(settings: Settings, specs: list[Any], embedder_at: tuple[Path, 
     """uvicorn with a model registry: the first model loads at start, the others on demand."""
     from app import create_app
     from app.model_registry import ModelRegistry, install_registry
-    from engine.preflight import fmt_bytes
+    from models.preflight import fmt_bytes
 
     app = create_app(engine=None, settings=settings)
     budget = memory_budget(settings, device)

@@ -19,7 +19,7 @@ from pydantic import BaseModel, Field
 from app.errors import BadRequestError, NotFoundError, ServiceUnavailableError
 from app.schemas_llama_stack import native_model_fields
 from app.schemas_openai import ModelCard
-from engine.embedder import EMBED_SUFFIX, Embedder, EmbeddingResult
+from models.embedder import EMBED_SUFFIX, Embedder, EmbeddingResult
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 STARTED_AT = int(time.time())

@@ -1,93 +1,59 @@
-"""The one place `app/` runs engine requests: prompt checks, fan-out over prompts, abort on exit.
+"""The one place `app/` runs engine requests: one engine request per prompt, merged, closed on exit.
 
-Every API family (OpenAI, Llama Stack) turns its wire request into token ids + `SamplingParams`, then
-calls `check_prompts` (before any byte of a response is sent, so context overflow is a clean 400) and
-iterates `generate`. Leaving the iteration early for any reason (client gone, error, shutdown) aborts the
-engine requests that have not finished, so their KV memory is freed at once.
+Every API family (OpenAI, Llama Stack) turns its wire request into token ids + `SamplingParams` and calls
+`generate`, before any byte of a response is sent: the engine checks each prompt and the params there, once
+(context overflow is a clean 400, its `param` mapped to the family's wire field). Leaving the iteration early
+for any reason (client gone, timeout, error, shutdown) closes the engine's iterators, and the engine aborts the
+requests that have not finished (`AsyncEngine.generate`: the one abort), so their KV memory is freed at once.
+Client disconnects and timeouts are watched in one place, the limits middleware (app/limits.py), which cancels
+the route.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Coroutine, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Sequence
 
-from starlette.requests import Request
-
-from app.errors import APIError, EngineFailureError, ServiceUnavailableError
+from app.deps import Engine
+from app.errors import EngineFailureError, ServiceUnavailableError
 from app.metrics import start_timer
-from engine.types import PromptTooLongError, RequestOutput, SamplingParams
+from engine.types import InvalidRequestError, PromptTooLongError, RequestOutput, SamplingParams
 
 
-def check_prompts(
-    engine, prompts: Sequence[Sequence[int]], params: SamplingParams, prompt_param: str
-) -> None:
-    """Raise PromptTooLongError (a 400) if a prompt does not fit; `prompt_param` names the wire field."""
-    for ids in prompts:
-        try:
-            engine.check_prompt(len(ids), params.max_tokens)
-        except PromptTooLongError as exc:
-            param = prompt_param if exc.param in ("prompt", "messages") else exc.param
-            raise PromptTooLongError(
-                str(exc), prompt_tokens=exc.prompt_tokens, max_model_len=exc.max_model_len, param=param
-            ) from None
-
-
-async def generate(
-    engine, prompts: Sequence[list[int]], params: SamplingParams, request_id: str
+def generate(
+    engine: Engine, prompts: Sequence[list[int]], params: SamplingParams, request_id: str, prompt_param: str
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Yield (prompt index, output) as the engine produces them, one engine request per prompt.
+    """(prompt index, output) as the engine produces them. Raises at once (a 400) when a prompt does not fit or
+    is invalid; `prompt_param` is the wire field holding the prompts ("messages", "prompt", ...).
 
     An output that ends in "error" or an unexpected "abort" (the server is stopping) is raised as an
     APIError instead of being yielded, so converters only ever see "stop" and "length".
     """
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-    unfinished: dict[str, int] = {rid: params.n for rid in ids}
+    try:
+        streams = [engine.generate(list(p), params, rid) for p, rid in zip(prompts, ids, strict=True)]
+    except (PromptTooLongError, InvalidRequestError) as exc:
+        if exc.param == "prompt_token_ids":
+            exc.param = prompt_param
+        elif exc.param == "constraint":
+            exc.param = "response_format"
+        raise
+    return _outputs(streams, prompts)
+
+
+async def _outputs(
+    streams: list[AsyncIterator[RequestOutput]], prompts: Sequence[list[int]]
+) -> AsyncIterator[tuple[int, RequestOutput]]:
     timer = start_timer(len(p) for p in prompts)  # TTFT / TPOT / e2e and token counts for GET /metrics
     try:
-        async for i, out in _merge(engine, prompts, params, ids):
-            timer.on_output(i, out)
-            _raise_if_failed(out)
-            if out.finished:
-                unfinished[ids[i]] -= 1
-            yield i, out
+        async with contextlib.aclosing(_merge(streams)) as merged:
+            async for i, out in merged:
+                timer.on_output(i, out)
+                _raise_if_failed(out)
+                yield i, out
     finally:
         timer.close()
-        for rid, left in unfinished.items():
-            if left > 0:
-                engine.abort(rid)
-
-
-class ClientDisconnectedError(APIError):
-    status_code = 499  # nginx's "client closed request": nobody reads it, but logs show why
-    error_type = "client_disconnected"
-
-
-async def until_disconnected(request: Request, work: Coroutine[Any, Any, None]) -> None:
-    """Run `work` (a non-stream request's collection loop), cancelling it if the client leaves first.
-
-    The cancellation closes the `generate` iterator inside `work`, which aborts the engine request.
-    The body has been read by then, so the next ASGI message can only be `http.disconnect`.
-    """
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_disconnect(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-    if task.cancelled():
-        raise ClientDisconnectedError("The client disconnected before the answer was ready.")
-    task.result()
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 def _raise_if_failed(out: RequestOutput) -> None:
@@ -97,24 +63,25 @@ def _raise_if_failed(out: RequestOutput) -> None:
         raise ServiceUnavailableError("The request was aborted by the server (it is shutting down).")
 
 
-async def _merge(
-    engine, prompts: Sequence[list[int]], params: SamplingParams, ids: Sequence[str]
-) -> AsyncIterator[tuple[int, RequestOutput]]:
-    if len(prompts) == 1:  # the common case: no tasks, no queue
-        async for out in engine.generate(prompts[0], params, ids[0]):
-            yield 0, out
+async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave the prompts' streams; closing this closes each of them (which aborts what is unfinished)."""
+    if len(streams) == 1:  # the common case: no tasks, no queue
+        async with contextlib.aclosing(streams[0]) as outs:  # type: ignore[type-var]
+            async for out in outs:
+                yield 0, out
         return
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
     async def pump(i: int) -> None:
         try:
-            async for out in engine.generate(prompts[i], params, ids[i]):
-                await queue.put((i, out))
+            async with contextlib.aclosing(streams[i]) as outs:  # type: ignore[type-var]
+                async for out in outs:
+                    await queue.put((i, out))
             await queue.put((i, None))
         except Exception as exc:  # noqa: BLE001 - handed to the consumer, which re-raises it
             await queue.put((i, exc))
 
-    tasks = [asyncio.ensure_future(pump(i)) for i in range(len(prompts))]
+    tasks = [asyncio.ensure_future(pump(i)) for i in range(len(streams))]
     try:
         running = len(tasks)
         while running:

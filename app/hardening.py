@@ -17,6 +17,7 @@ import ipaddress
 import logging
 import signal
 import time
+from collections.abc import Collection
 from types import FrameType
 from typing import Any
 
@@ -32,8 +33,9 @@ DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 MIN_JWT_SECRET_BYTES = 32  # RFC 7518 3.2: an HS256 key at least as long as the hash
 
 
-def install_hardening(app: FastAPI, settings: Any = None) -> None:
-    """Add the limits and auth middlewares; call before any middleware that must see their answers."""
+def install_hardening(app: FastAPI, settings: Any = None, generation: Collection[str] = frozenset()) -> None:
+    """Add the limits and auth middlewares; call before any middleware that must see their answers.
+    `generation`: the paths of the routes that run the engine (app.limits.generation_paths)."""
     app.state.draining = False
     app.state.admission = Admission(_admission_limit(settings))
     app.add_middleware(
@@ -42,6 +44,7 @@ def install_hardening(app: FastAPI, settings: Any = None) -> None:
         admission=app.state.admission,
         request_timeout=_get(settings, "request_timeout", None),
         draining=lambda: app.state.draining,
+        generation=generation,
     )
     authenticator = Authenticator(
         _get(settings, "api_key_list", ()), _secret(_get(settings, "jwt_secret", None))

@@ -3,7 +3,8 @@
 In order, for every route but the health ones:
 
 1. Draining (shutdown under way): 503 with `Retry-After`, so a load balancer retries elsewhere.
-2. Admission control for generation routes: at most `limit` generation requests (`max_num_seqs +
+2. Admission control for generation routes (the routes marked with `app.deps.generates`, collected from the
+   routers by `create_app`, so a new route or prefix needs no second list here): at most `limit` generation requests (`max_num_seqs +
    max_queue`: a full batch plus a bounded waiting queue) are admitted at once, counted from the moment
    their headers arrive. The next one is refused at once with 429 and `Retry-After`, before its body is
    read, rather than queued without bound; every admitted request runs to completion.
@@ -27,18 +28,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
 from app.errors import error_body
 
 log = logging.getLogger("peregrine.limits")
-
-GENERATION_ROUTE = re.compile(
-    r"(?:^|/)(?:chat/completions|completions|inference/(?:batch-)?(?:chat[-_])?completion)$"
-)
-"""Routes that run the engine: OpenAI chat / completions and the legacy Llama Stack inference routes."""
 
 OPEN_PATHS = frozenset({"/health", "/ready", "/v1/health", "/"})
 OPEN_PREFIXES = ("/health/", "/ui/")
@@ -53,8 +48,15 @@ def is_open_path(path: str) -> bool:
     return path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
 
 
-def is_generation_route(method: str, path: str) -> bool:
-    return method == "POST" and GENERATION_ROUTE.search(path.rstrip("/")) is not None
+def generation_paths(routes: Iterable[object]) -> frozenset[str]:
+    """The paths of the routes that run the engine: those whose endpoint is marked `generates` (app/deps.py)."""
+    return frozenset(
+        str(getattr(r, "path", "")) for r in routes if getattr(getattr(r, "endpoint", None), "generates", False)
+    )
+
+
+def is_generation_route(method: str, path: str, paths: Collection[str]) -> bool:
+    return method == "POST" and (path.rstrip("/") or "/") in paths
 
 
 async def send_error(
@@ -131,8 +133,10 @@ class LimitsMiddleware:
         admission: Admission,
         request_timeout: float | None = None,
         draining: Callable[[], bool] = lambda: False,
+        generation: Collection[str] = frozenset(),
     ) -> None:
         self.app = app
+        self.generation = generation  # paths of the routes that run the engine (`generation_paths`)
         self.max_body_bytes = max_body_bytes
         self.admission = admission
         self.request_timeout = request_timeout if request_timeout and request_timeout > 0 else None
@@ -143,7 +147,7 @@ class LimitsMiddleware:
             await self.app(scope, receive, send)
             return
         method, path = scope["method"], route_path(scope)
-        generation = is_generation_route(method, path)
+        generation = is_generation_route(method, path, self.generation)
         try:
             self._admit(generation)
         except Rejection as r:

@@ -29,12 +29,12 @@ from fastapi.responses import JSONResponse, Response
 
 from app import convert_llama_stack as conv
 from app import llama_stack_tools, structured
-from app.convert_openai import chat_prompt_ids, completion_prompt_ids
+from app.deps import Engine, engine_for, generates, tool_call_parser
 from app.embeddings import get_embedder, run_embed
-from app.engine_client import check_prompts, generate, until_disconnected
+from app.engine_client import generate
 from app.errors import NotFoundError
 from app.health import engine_state
-from app.openai_routes import engine_for, tool_call_parser
+from app.prompts import chat_prompt_ids, completion_prompt_ids
 from app.schemas_llama_stack import (
     BatchChatCompletionRequest,
     BatchCompletionRequest,
@@ -116,6 +116,8 @@ def _legacy(path: str):
     """Register a handler under every legacy prefix (the 0.0.x snake_case chat path included)."""
 
     def register(handler):
+        if path != "embeddings":
+            generates(handler)
         for prefix in LEGACY_PREFIXES:
             route = f"{prefix}/{path}"
             if prefix == "/inference" and path == "chat-completion":
@@ -154,8 +156,7 @@ async def chat_completion(body: ChatCompletionRequest, request: Request) -> Any:
     engine, _ = await engine_for(request, body.model_name)
     params, tool_plan = await _chat_params(request, engine, body)
     prompt = chat_prompt_ids(engine.tokenizer, conv.chat_messages(body.messages), tool_plan)
-    check_prompts(engine, [prompt], params, prompt_param="messages")
-    outputs = generate(engine, [prompt], params, _rid("chat"))
+    outputs = generate(engine, [prompt], params, _rid("chat"), prompt_param="messages")
     want_logprobs = params.logprobs is not None
     parses = tool_plan is not None and tool_plan.parses
     if body.stream:
@@ -163,12 +164,12 @@ async def chat_completion(body: ChatCompletionRequest, request: Request) -> Any:
         if parses:
             events = llama_stack_tools.split_events(events, tool_plan, _delta_style(request) == "typed")
         return _stream(request, events)
-    folds = await _collect(request, outputs, 1, want_logprobs)
+    folds = await conv.fold_outputs(outputs, 1, want_logprobs)
     response = folds[0].chat_response()
     return llama_stack_tools.split_response(response, tool_plan) if parses else response
 
 
-async def _chat_params(request: Request, engine: Any, body: ChatCompletionRequest | BatchChatCompletionRequest
+async def _chat_params(request: Request, engine: Engine, body: ChatCompletionRequest | BatchChatCompletionRequest
                        ) -> tuple[SamplingParams, ToolPlan | None]:
     """Sampling params with the request's response_format or tool constraint (compiled, or a 400)."""
     params = conv.to_sampling_params(body)
@@ -188,17 +189,17 @@ async def completion(body: CompletionRequest, request: Request) -> Any:
     params = conv.to_sampling_params(body)
     text = conv.content_text(body.content, "content")
     prompts = completion_prompt_ids(engine.tokenizer, text, engine.vocab_size)
-    check_prompts(engine, prompts, params, prompt_param="content")
-    outputs = generate(engine, prompts, params, _rid("cmpl"))
+    outputs = generate(engine, prompts, params, _rid("cmpl"), prompt_param="content")
     want_logprobs = params.logprobs is not None
     if body.stream:
         events = conv.completion_events(outputs, want_logprobs)
         return _stream(request, events)
-    folds = await _collect(request, outputs, 1, want_logprobs)
+    folds = await conv.fold_outputs(outputs, 1, want_logprobs)
     return folds[0].completion_response()
 
 
 @router.post("/v1/inference/batch-chat-completion")
+@generates
 async def batch_chat_completion(body: BatchChatCompletionRequest, request: Request) -> dict[str, Any]:
     """Several conversations in one request, run concurrently: `{"batch": [chat response, ...]}`."""
     engine, _ = await engine_for(request, body.model_name)
@@ -207,9 +208,8 @@ async def batch_chat_completion(body: BatchChatCompletionRequest, request: Reque
         chat_prompt_ids(engine.tokenizer, conv.chat_messages(messages, f"messages_batch[{i}]"), tool_plan)
         for i, messages in enumerate(body.messages_batch)
     ]
-    check_prompts(engine, prompts, params, prompt_param="messages_batch")
-    outputs = generate(engine, prompts, params, _rid("chat"))
-    folds = await _collect(request, outputs, len(prompts), params.logprobs is not None)
+    outputs = generate(engine, prompts, params, _rid("chat"), prompt_param="messages_batch")
+    folds = await conv.fold_outputs(outputs, len(prompts), params.logprobs is not None)
     responses = [fold.chat_response() for fold in folds]
     if tool_plan is not None and tool_plan.parses:
         responses = [llama_stack_tools.split_response(r, tool_plan) for r in responses]
@@ -217,15 +217,15 @@ async def batch_chat_completion(body: BatchChatCompletionRequest, request: Reque
 
 
 @router.post("/v1/inference/batch-completion")
+@generates
 async def batch_completion(body: BatchCompletionRequest, request: Request) -> dict[str, Any]:
     """Several completions in one request, run concurrently: `{"batch": [completion response, ...]}`."""
     engine, _ = await engine_for(request, body.model_name)
     params = conv.to_sampling_params(body)
     texts = [conv.content_text(c, f"content_batch[{i}]") for i, c in enumerate(body.content_batch)]
     prompts = [completion_prompt_ids(engine.tokenizer, t, engine.vocab_size)[0] for t in texts]
-    check_prompts(engine, prompts, params, prompt_param="content_batch")
-    outputs = generate(engine, prompts, params, _rid("cmpl"))
-    folds = await _collect(request, outputs, len(prompts), params.logprobs is not None)
+    outputs = generate(engine, prompts, params, _rid("cmpl"), prompt_param="content_batch")
+    folds = await conv.fold_outputs(outputs, len(prompts), params.logprobs is not None)
     return {"batch": [fold.completion_response() for fold in folds]}
 
 
@@ -240,12 +240,3 @@ async def embeddings(body: EmbeddingsRequest, request: Request) -> dict[str, lis
     )
     return {"embeddings": result.vectors}
 
-
-async def _collect(request: Request, outputs, count: int, want_logprobs: bool) -> list[conv.Fold]:
-    folds: list[conv.Fold] = []
-
-    async def work() -> None:
-        folds.extend(await conv.fold_outputs(outputs, count, want_logprobs))
-
-    await until_disconnected(request, work())
-    return folds

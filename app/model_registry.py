@@ -9,7 +9,7 @@ per model with its state: "unloaded", "loading", "loaded" or "unloading".
   worker thread; a request waits for its model up to `load_wait_s`, then gets 503 with `Retry-After` (the load
   goes on, so the retry finds the model loaded).
 - **Memory budget.** Before a load, the models loaded must leave room for the new one's preflight need
-  (weights + KV cache, `engine/preflight.py`). The loaded models idle longest are unloaded first; a model in
+  (weights + KV cache, `models/preflight.py`). The loaded models idle longest are unloaded first; a model in
   use is never unloaded. A model that can never fit, or cannot fit while the others are busy, is refused with
   the arithmetic in the message.
 - **Keep-alive.** A model with no request in flight for longer than its keep-alive (the request's
@@ -32,11 +32,14 @@ import math
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from app.errors import APIError, BadRequestError, ServiceUnavailableError, model_not_found
 from config import parse_duration
-from engine.preflight import fmt_bytes
+from models.preflight import fmt_bytes
+
+if TYPE_CHECKING:
+    from app.deps import Engine
 
 log = logging.getLogger("peregrine.models")
 
@@ -80,7 +83,7 @@ class ModelSpec:
 @dataclass
 class ModelSlot:
     spec: ModelSpec
-    engine: Any = None
+    engine: Engine | None = None
     state: ModelState = "unloaded"
     leases: int = 0
     last_used: float = 0.0

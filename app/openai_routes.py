@@ -1,8 +1,8 @@
 """The OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models.
 
-Routers stay thin: check the model name, convert the request (`app/convert_openai.py`), check the
-prompt fits (a 400 before any streaming starts), run it (`app/engine_client.py`), convert the outputs
-back. `stream: true` in the body selects SSE, whatever the Accept header says.
+Routers stay thin: find the engine and check the model name (`app/deps.py`), convert the request
+(`app/convert_openai.py`, prompts by `app/prompts.py`), run it (`app/engine_client.py`: a prompt that does not
+fit is a 400 before any streaming starts), convert the outputs back. `stream: true` in the body selects SSE, whatever the Accept header says.
 """
 
 from __future__ import annotations
@@ -15,10 +15,19 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from app import convert_openai as conv
-from app import embeddings, reasoning, structured, tools
-from app.engine_client import check_prompts, generate, until_disconnected
-from app.errors import ServiceUnavailableError, model_not_found
-from app.model_registry import request_keep_alive
+from app import embeddings, prompts, reasoning, structured, tools
+from app.deps import (
+    Engine,
+    engine_for,
+    generates,
+    get_engine,
+    reasoning_parser,
+    request_id,
+    served_names,
+    tool_call_parser,
+)
+from app.engine_client import generate
+from app.errors import model_not_found
 from app.prompt_logprobs import PromptScoring, score_only
 from app.schemas_llama_stack import native_model_fields
 from app.schemas_openai import (
@@ -35,48 +44,8 @@ router = APIRouter(prefix="/v1", tags=["openai"])
 STARTED_AT = int(time.time())
 
 
-def get_engine(request: Request) -> Any:
-    engine = getattr(request.app.state, "engine", None)
-    if engine is None:
-        raise ServiceUnavailableError("The model is still loading; retry when GET /ready answers 200.")
-    return engine
-
-
-def served_names(request: Request, engine: Any) -> list[str]:
-    """The served id first, then aliases a client may also use (the model path or name it was started with)."""
-    settings = request.app.state.settings
-    names = [engine.model_name]
-    for alias in (getattr(settings, "served_model_name", None), getattr(settings, "model", None)):
-        if alias and str(alias) not in names:
-            names.append(str(alias))
-    return names
-
-
-def check_model(request: Request, engine: Any, model: str | None) -> str:
-    """Accept the served id or an alias; answer with the served id. 404 for anything else."""
-    if model is None or model in served_names(request, engine):
-        return engine.model_name
-    raise model_not_found(model, [engine.model_name])
-
-
-async def engine_for(request: Request, model: str | None, keep_alive: float | str | None = None) -> tuple[Any, str]:
-    """The engine serving the request's `model` and the id to answer with. One model: `app.state.engine`.
-    Several (`app.state.models`, app/model_registry.py): the registry's, loaded on demand, leased until the
-    response is complete; `keep_alive` (Ollama's) sets how long it stays loaded after this request."""
-    registry = getattr(request.app.state, "models", None)
-    if registry is None:
-        engine = get_engine(request)
-        return engine, check_model(request, engine, model)
-    engine, slot = await registry.acquire(model, request_keep_alive(keep_alive))
-    request.state.model_leases.append((registry, slot))
-    return engine, slot.spec.name
-
-
-def _request_id(request: Request) -> str:
-    return getattr(request.state, "request_id", None) or uuid.uuid4().hex
-
-
 @router.post("/chat/completions", response_model=ChatCompletionResponse)
+@generates
 async def create_chat_completion(
     body: ChatCompletionRequest, request: Request
 ) -> Response | ChatCompletionResponse:
@@ -107,11 +76,10 @@ async def create_chat_completion(
     if tool_plan is not None:
         params = tool_plan.sampling_params(params)
         await structured.check(tool_plan.constraint, engine.tokenizer, "tools")
-    prompt = conv.chat_prompt_ids(engine.tokenizer, body.messages, tool_plan)
-    check_prompts(engine, [prompt], params, prompt_param="messages")
-    splitter = reasoning.splitter_factory(reasoning_parser(request), engine.tokenizer, prompt)
+    prompt = prompts.chat_prompt_ids(engine.tokenizer, body.messages, tool_plan)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    outputs = generate(engine, [prompt], params, rid)
+    outputs = generate(engine, [prompt], params, rid, prompt_param="messages")
+    splitter = reasoning.splitter_factory(reasoning_parser(request), engine.tokenizer, prompt)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = conv.chat_chunks(outputs, id=rid, model=model, n=params.n, include_usage=include_usage)
@@ -119,27 +87,17 @@ async def create_chat_completion(
             events = reasoning.split_chunks(events, splitter)
         if tool_plan is not None and tool_plan.parses:
             events = tools.split_chunks(events, tool_plan.new_stream)
-        return stream_response(events, stream_format(request, openai=True), request_id=_request_id(request))
+        return stream_response(events, stream_format(request, openai=True), request_id=request_id(request))
     result = conv.ChatResult(id=rid, model=model, n=params.n, want_logprobs=params.logprobs is not None)
 
-    async def collect() -> None:
-        async for _, out in outputs:
-            result.add(out)
-
-    await until_disconnected(request, collect())
+    async for _, out in outputs:
+        result.add(out)
     response = result.response() if splitter is None else reasoning.split_response(result.response(), splitter)
     return tools.split_response(response, tool_plan) if tool_plan is not None and tool_plan.parses else response
 
 
-def reasoning_parser(request: Request) -> str:
-    return getattr(request.app.state.settings, "reasoning_parser", "auto")
-
-
-def tool_call_parser(request: Request) -> str:
-    return getattr(request.app.state.settings, "tool_call_parser", "auto")
-
-
 @router.post("/completions", response_model=CompletionResponse)
+@generates
 async def create_completion(body: CompletionRequest, request: Request) -> Response | CompletionResponse:
     """Text completion (OpenAI `POST /v1/completions`).
 
@@ -158,14 +116,11 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     engine, model = await engine_for(request, body.model, body.keep_alive)
     params = conv.to_sampling_params(body, engine.vocab_size)
     await structured.check(params.constraint, engine.tokenizer, structured.field_of(body))
-    texts, prompts = zip(
-        *conv.completion_prompts(engine.tokenizer, body.prompt, engine.vocab_size), strict=True
-    )
-    check_prompts(engine, prompts, params, prompt_param="prompt")
-    echo = [text if body.echo else "" for text in texts]
-    scoring = PromptScoring.of(engine.tokenizer, prompts, body.echo, params.logprobs, body.prompt_logprobs)
+    texts, ids = zip(*prompts.completion_prompts(engine.tokenizer, body.prompt, engine.vocab_size), strict=True)
     rid = f"cmpl-{uuid.uuid4().hex}"
-    outputs = generate(engine, prompts, params, rid)
+    outputs = generate(engine, ids, params, rid, prompt_param="prompt")
+    echo = [text if body.echo else "" for text in texts]
+    scoring = PromptScoring.of(engine.tokenizer, ids, body.echo, params.logprobs, body.prompt_logprobs)
     if body.max_tokens == 0:
         outputs = score_only(outputs)
     if body.stream:
@@ -174,21 +129,17 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
             outputs, id=rid, model=model, n=params.n, prompt_texts=echo, include_usage=include_usage,
             scoring=scoring,
         )
-        return stream_response(events, stream_format(request, openai=True), request_id=_request_id(request))
+        return stream_response(events, stream_format(request, openai=True), request_id=request_id(request))
     result = conv.CompletionResult(
         id=rid, model=model, n=params.n, prompt_texts=echo, want_logprobs=params.logprobs is not None,
         scoring=scoring,
     )
-
-    async def collect() -> None:
-        async for p, out in outputs:
-            result.add(p, out)
-
-    await until_disconnected(request, collect())
+    async for p, out in outputs:
+        result.add(p, out)
     return result.response()
 
 
-def model_card(request: Request, engine: Any) -> ModelCard:
+def model_card(request: Request, engine: Engine) -> ModelCard:
     return _card(engine.model_name, engine.max_model_len)
 
 

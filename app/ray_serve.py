@@ -36,7 +36,7 @@ import ray
 from ray import serve
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from config import Settings
+from config import Settings, device_kind
 from engine.types import EngineConfig
 
 log = logging.getLogger("peregrine.ray")
@@ -58,8 +58,7 @@ class ReplicaPlan:
     settings: Settings
     engine_config: EngineConfig
     embedder_path: str | None = None  # a local embedding model folder; None: /v1/embeddings is off
-    embedder_name: str | None = None
-    embedder_device: str = "cpu"  # on the driver's machine; a replica uses its own device's kind
+    embedder_name: str | None = None  # the embedder runs on the replica's own device (or the CPU)
 
 
 # --- deployment options (pure: no Ray calls) -------------------------------------------------------------
@@ -111,15 +110,13 @@ def replica_gpus(settings: Settings, cluster_gpus: float) -> float:
     cluster has GPUs (Ray then sets CUDA_VISIBLE_DEVICES, so each replica sees only its own), else none."""
     if settings.ray_num_gpus is not None:
         return settings.ray_num_gpus
-    wants_cuda = settings.device == "auto" or settings.device.startswith("cuda")
+    wants_cuda = device_kind(settings.device) in ("auto", "cuda")
     return 1.0 if wants_cuda and cluster_gpus > 0 else 0.0
 
 
 def replica_device(device: str, num_gpus: float) -> str:
     """Inside a replica Ray exposes only the replica's own GPU(s), so `cuda:N` becomes `cuda` (device 0)."""
-    if device.startswith("cuda:") and num_gpus > 0:
-        return "cuda"
-    return device
+    return "cuda" if device_kind(device) == "cuda" and num_gpus > 0 else device
 
 
 # --- the replica -----------------------------------------------------------------------------------------
@@ -214,18 +211,17 @@ class PeregrineReplica:
 
         self.plan = plan
         self.replica_id = serve.get_replica_context().replica_tag
-        device, dtype = resolve_replica_device(plan.settings)
-        self.engine_config = replace(plan.engine_config, device=device, dtype=dtype)
+        self.engine_config = replica_config(plan)
         log.info("replica %s (pid %d) loading %s on %s", self.replica_id, os.getpid(), plan.engine_config.model_path,
-                 device)  # fmt: skip
+                 self.engine_config.device)  # fmt: skip
         self.engine = AsyncEngine.from_config(self.engine_config)
         self.engine.start()
-        self.embedder = self._load_embedder("cuda" if device.startswith("cuda") else "cpu")
+        self.embedder = self._load_embedder(self.engine.device)
 
     def _load_embedder(self, device: str) -> Any:
         if self.plan.embedder_path is None:
             return None
-        from engine.embedder import Embedder
+        from models.embedder import Embedder
 
         return Embedder.from_path(self.plan.embedder_path, device=device, name=self.plan.embedder_name)
 
@@ -245,14 +241,12 @@ class PeregrineReplica:
         await self.engine.shutdown()
 
 
-def resolve_replica_device(settings: Settings) -> tuple[str, str]:
-    """(device, dtype) for this replica, resolved where the model runs rather than on the driver: a CPU-only
-    head can deploy onto GPU nodes, and each replica sees only the GPU(s) Ray gave it."""
-    from engine.devices import dtype_name, resolve_dtype, resolve_probe
-
-    probe, device = resolve_probe(replica_device(settings.device, len(ray.get_gpu_ids())))
-    dtype = dtype_name(resolve_dtype(settings.dtype, device, probe))  # "auto" on the CPU: timed when loaded
-    return ("tt" if probe.name == "tt" else str(device)), dtype
+def replica_config(plan: ReplicaPlan) -> EngineConfig:
+    """The engine config with the device and dtype as the user gave them, for the engine's loader to resolve
+    where the model runs rather than on the driver: a CPU-only head can deploy onto GPU nodes, and each replica
+    sees only the GPU(s) Ray gave it."""
+    device = replica_device(plan.settings.device, len(ray.get_gpu_ids()))
+    return replace(plan.engine_config, device=device, dtype=plan.settings.dtype)
 
 
 def build_application(plan: ReplicaPlan, cluster_gpus: float = 0.0) -> serve.Application:
@@ -279,12 +273,13 @@ def connect(settings: Settings) -> bool:
 
 
 def peregrine_modules() -> list[ModuleType]:
-    """The modules a replica imports: the app and engine packages and config.py."""
+    """The modules a replica imports: the app, models and engine packages and config."""
     import app
     import config
     import engine
+    import models
 
-    return [app, engine, config]
+    return [app, models, engine, config]
 
 
 def run(plan: ReplicaPlan) -> int:

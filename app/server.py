@@ -16,8 +16,10 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app import embeddings, health, llama_stack, openai_routes, tokenize_routes
+from app.deps import Engine
 from app.errors import classify, install_error_handlers
 from app.hardening import install_hardening
+from app.limits import generation_paths
 from app.metrics import install_metrics
 from app.model_registry import ModelLeaseMiddleware
 from app.openapi import install_openapi
@@ -28,7 +30,7 @@ REQUEST_ID_HEADER = "x-request-id"
 _CLIENT_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")  # a client's id is echoed only if it is this tame
 
 
-def create_app(engine: Any = None, settings: Any = None, embedder: Any = None) -> FastAPI:
+def create_app(engine: Engine | None = None, settings: Any = None, embedder: Any = None) -> FastAPI:
     """Build the HTTP app around an engine (or None while it loads) and the Settings object."""
     app = FastAPI(
         title="Peregrine",
@@ -41,14 +43,13 @@ def create_app(engine: Any = None, settings: Any = None, embedder: Any = None) -
     app.state.embedder = embedder
     install_error_handlers(app)
     install_openapi(app)  # /docs shows the 400 envelope Peregrine sends, not FastAPI's unused 422
-    app.include_router(health.router)
-    app.include_router(openai_routes.router)
-    app.include_router(embeddings.router)
-    app.include_router(llama_stack.router)
-    app.include_router(tokenize_routes.router)
+    routers = [health.router, openai_routes.router, embeddings.router, llama_stack.router, tokenize_routes.router]
+    for router in routers:
+        app.include_router(router)
     install_ui(app)  # GET / (the chat page) and /ui/ (its static files)
     app.add_middleware(ModelLeaseMiddleware)  # several models: leases end when the response is complete
-    install_hardening(app, settings)  # auth, limits, draining, disconnect/timeout cancellation
+    generation = generation_paths(route for router in routers for route in router.routes)
+    install_hardening(app, settings, generation)  # auth, limits, draining, disconnect/timeout cancellation
     install_metrics(app)  # GET /metrics; its middleware sits outside hardening, so 401/429 are counted
     app.add_middleware(RequestIdMiddleware)  # added last: outermost, so every answer carries the id
     return app

@@ -12,9 +12,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field, model_validator
 
-from app import convert_openai as conv
+from app.deps import engine_for
 from app.errors import BadRequestError
-from app.openai_routes import engine_for
+from app.prompts import chat_prompt_text
 from app.schemas_openai import ChatMessage
 
 router = APIRouter(tags=["tokenizer"])
@@ -73,7 +73,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     engine, _ = await engine_for(request, body.model)
     tokenizer = engine.tokenizer
     if body.messages is not None:
-        text = conv.chat_prompt_text(tokenizer, body.messages, body.add_generation_prompt,
+        text = chat_prompt_text(tokenizer, body.messages, body.add_generation_prompt,
                                      body.continue_final_message)
         ids = list(tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens)))
     else:

@@ -107,21 +107,29 @@ class AsyncEngine:
             await asyncio.to_thread(self._thread.join)
         self._alive = False
 
-    def check_prompt(self, prompt_len: int, max_tokens: int | None) -> None:
-        self.engine.check_prompt(prompt_len, max_tokens)
-
-    async def generate(
+    def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
     ) -> AsyncIterator[RequestOutput]:
-        """Streams the request's outputs; ends when all `params.n` sequences have finished.
+        """The request's outputs; the iterator ends when all `params.n` sequences have finished.
 
-        A constrained request's grammar is compiled here, in a worker thread, unless the app's
+        The prompt and the params are checked here, when called, and only here: a prompt that does not fit raises
+        PromptTooLongError (a bad one InvalidRequestError) before any output, so the caller can still answer 400.
+        The request is queued when iteration starts; closing the iterator early aborts it."""
+        if not self._alive:
+            raise EngineDeadError("the engine loop has stopped")
+        self.engine.validate(prompt_token_ids, params)
+        return self._stream(prompt_token_ids, params, request_id)
+
+    async def _stream(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        """A constrained request's grammar is compiled here, in a worker thread, unless the app's
         `grammar.validate` already did (then it is cached): the engine loop never compiles."""
         if params.constraint is not None:
             try:
                 await asyncio.to_thread(grammar.validate, params.constraint, self.tokenizer)
             except grammar.GrammarError as exc:
-                raise InvalidRequestError(exc.message, param="response_format") from None
+                raise InvalidRequestError(exc.message, param="constraint") from None
         stream = self._open(prompt_token_ids, params, request_id)
         try:
             while stream.remaining:
@@ -146,7 +154,6 @@ class AsyncEngine:
     def _open(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> _Stream:
         if not self._alive:
             raise EngineDeadError("the engine loop has stopped")
-        self.engine.validate(prompt_token_ids, params)
         self.start()
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), set(range(params.n)))
         with self._lock:
@@ -193,8 +200,8 @@ class AsyncEngine:
 
     def _add(self, command: _Add) -> None:
         try:
-            self.engine.add_request(command.request_id, command.prompt_token_ids, command.params)
-        except EngineError as exc:  # validated before queueing; this guards the loop, not the caller
+            self.engine.admit(command.request_id, command.prompt_token_ids, command.params)
+        except EngineError as exc:  # validated by `generate`; this guards the loop (a grammar that fails), not the caller
             self._dispatch([RequestOutput(command.request_id, i, "", [], len(command.prompt_token_ids), 0,
                                           finish_reason="error", error=str(exc)) for i in range(command.params.n)])
 

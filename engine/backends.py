@@ -1,4 +1,4 @@
-"""Device backends behind one small interface, chosen from a plain dict by the device type.
+"""Device backends behind one small interface; engine/devices.py's registry (`DEVICES`) picks one per kind.
 
 Invariants every backend keeps:
 - `free_memory_bytes()` is measured, not guessed: what the device could still hand out right now;
@@ -9,7 +9,6 @@ Invariants every backend keeps:
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -97,18 +96,3 @@ class TTBackend:
 
     def synchronize(self) -> None:
         return None
-
-
-BACKENDS: dict[str, Callable[[torch.device], Backend]] = {
-    "cpu": CpuBackend,
-    "cuda": CudaBackend,
-    "tt": TTBackend,
-}
-
-
-def get_backend(device: torch.device | str) -> Backend:
-    device = torch.device(device) if isinstance(device, str) and device != "tt" else device
-    kind = device if isinstance(device, str) else device.type
-    if kind not in BACKENDS:
-        raise ValueError(f"unknown device {device!r}; known: {', '.join(BACKENDS)}")
-    return BACKENDS[kind](device)  # type: ignore[arg-type]

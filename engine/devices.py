@@ -1,22 +1,31 @@
-"""Which device and dtype the model runs on.
+"""Which device and dtype the model runs on: the one registry of device kinds (cpu, cuda, tt).
 
-Device kinds are probed through a plain dict (`PROBES`); every probe answers three questions:
+`DEVICES` maps each kind to a `DeviceKind`: its probe, its backend (engine/backends.py) and a slot for the
+kernel set the backend hands the model runner. Every probe answers four questions:
   - `missing()`: None when it can run here, else a sentence naming exactly what is missing;
   - `torch_device(index)`: the torch device that holds the model's tensors;
+  - `device_name(device)`: the resolved name `EngineConfig.device` carries ("cpu", "cuda:0", "tt");
   - `auto_dtype(device)`: the dtype `--dtype auto` picks, with the reason (logged); None on the CPU, where
     the loader times decode steps of the loaded model in each candidate dtype (engine/dtype_probe.py).
 
+The device and dtype are resolved once (`resolve`, called by main.py, or on a Ray replica by the loader
+when its config still says "auto"); `EngineConfig` carries the result and the rest only translates it.
+
 `tt` (Tenstorrent) runs through torch-ttnn, a torch.compile backend: tensors live on the host (cpu) and
-compiled graphs run on the card, so its torch device is the cpu.
+compiled graphs run on the card, so its torch device is the cpu and its name is "tt".
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
-from typing import Protocol
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
+
+from engine.backends import Backend, CpuBackend, CudaBackend, TTBackend
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +47,8 @@ class DeviceProbe(Protocol):
 
     def torch_device(self, index: int | None) -> torch.device: ...
 
+    def device_name(self, device: torch.device) -> str: ...
+
     def auto_dtype(self, device: torch.device) -> tuple[torch.dtype, str] | None: ...
 
 
@@ -49,6 +60,9 @@ class CpuProbe:
 
     def torch_device(self, index: int | None) -> torch.device:
         return torch.device("cpu")
+
+    def device_name(self, device: torch.device) -> str:
+        return "cpu"
 
     def auto_dtype(self, device: torch.device) -> None:
         return None  # decided on the loaded model: engine/dtype_probe.py
@@ -71,6 +85,9 @@ class CudaProbe:
             raise DeviceError(f"cuda:{index} requested but only {count} CUDA device(s) are visible")
         return torch.device("cuda", index)
 
+    def device_name(self, device: torch.device) -> str:
+        return str(device)
+
     def auto_dtype(self, device: torch.device) -> tuple[torch.dtype, str]:
         if torch.cuda.is_bf16_supported():
             return torch.bfloat16, f"{torch.cuda.get_device_name(device)} supports bfloat16"
@@ -91,11 +108,68 @@ class TtProbe:
     def torch_device(self, index: int | None) -> torch.device:
         return torch.device("cpu")
 
+    def device_name(self, device: torch.device) -> str:
+        return "tt"  # its torch device is the host's
+
     def auto_dtype(self, device: torch.device) -> tuple[torch.dtype, str]:
         return torch.bfloat16, "Tenstorrent cards compute in bfloat16"
 
 
-PROBES: dict[str, DeviceProbe] = {"cpu": CpuProbe(), "cuda": CudaProbe(), "tt": TtProbe()}
+@dataclass(frozen=True)
+class DeviceKind:
+    """One kind of device: whether and how it runs here (probe), and what runs on it (backend, kernels)."""
+
+    probe: DeviceProbe
+    backend: Callable[[torch.device], Backend]
+    kernels: Callable[..., Any] | None = None  # the kernel set the backend hands the runner (None: torch's ops)
+
+
+DEVICES: dict[str, DeviceKind] = {
+    "cpu": DeviceKind(CpuProbe(), CpuBackend),
+    "cuda": DeviceKind(CudaProbe(), CudaBackend),
+    "tt": DeviceKind(TtProbe(), TTBackend),
+}
+PROBES: dict[str, DeviceProbe] = {kind: entry.probe for kind, entry in DEVICES.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class Resolved:
+    """The device and dtype `EngineConfig` carries: resolved once, translated (never re-resolved) after."""
+
+    device: str  # "cpu", "cuda:0", "tt"
+    dtype: str  # "float32", "bfloat16", "float16"; "auto" on the CPU, chosen by the loader (engine/dtype_probe.py)
+
+
+def resolve(device: str, dtype: str) -> Resolved:
+    """--device and --dtype -> the names the engine is configured with. Raises DeviceError."""
+    probe, torch_dev = resolve_probe(device)
+    return Resolved(probe.device_name(torch_dev), dtype_name(resolve_dtype(dtype, torch_dev, probe)))
+
+
+def placement(device: str, dtype: str) -> tuple[torch.device, torch.dtype | None]:
+    """The torch device and dtype for an `EngineConfig`'s names. Resolved names are only translated; "auto"
+    (a config built without main.py: tests, a Ray replica on its own node) is resolved here, once."""
+    kind, index = parse_device(device)
+    probe, torch_dev = resolve_probe(device) if kind == "auto" else (PROBES[kind], PROBES[kind].torch_device(index))
+    return torch_dev, resolve_dtype(dtype, torch_dev, probe)
+
+
+def backend_for(device: str, torch_dev: torch.device) -> Backend:
+    """The backend for an engine on `torch_dev`: by the configured kind ("tt" runs from host tensors), or by
+    the torch device's type when the config says "auto"."""
+    kind = parse_device(device)[0]
+    return DEVICES[torch_dev.type if kind == "auto" else kind].backend(torch_dev)
+
+
+def kind_of(device: str) -> str:
+    """'cuda:1' -> 'cuda', 'tt' -> 'tt', 'auto' -> 'auto'."""
+    return parse_device(device)[0]
+
+
+def cuda_index(device: str) -> int | None:
+    """The CUDA device index of a resolved name ('cuda' is 0), None for any other kind."""
+    kind, index = parse_device(device)
+    return (index or 0) if kind == "cuda" else None
 
 
 def tt_device_count() -> int:
@@ -118,11 +192,6 @@ def parse_device(name: str) -> tuple[str, int | None]:
     return kind, int(index) if index else None
 
 
-def probe_for(device: torch.device) -> DeviceProbe:
-    """The probe of a resolved torch device (cpu or cuda; tt's host device is the cpu)."""
-    return PROBES[device.type]
-
-
 def resolve_probe(name: str) -> tuple[DeviceProbe, torch.device]:
     """The probe and torch device for --device. auto: cuda if usable, else tt if usable, else cpu."""
     kind, index = parse_device(name)
@@ -143,12 +212,12 @@ def resolve_device(name: str) -> torch.device:
 
 def resolve_dtype(name: str, device: torch.device, probe: DeviceProbe | None = None) -> torch.dtype | None:
     """--dtype -> torch.dtype. auto asks the device's probe and logs why; None when that is the CPU, where
-    `engine.loader.load_model` times decode steps of the loaded model in each candidate (engine/dtype_probe.py)."""
+    `models.loader.load_model` times decode steps of the loaded model in each candidate (engine/dtype_probe.py)."""
     if name != "auto":
         if name not in DTYPES:
             raise DeviceError(f"unknown dtype {name!r}: use auto, float32, bfloat16 or float16")
         return DTYPES[name]
-    answer = (probe or probe_for(device)).auto_dtype(device)
+    answer = (probe or PROBES[device.type]).auto_dtype(device)
     if answer is None:
         return None
     dtype, reason = answer

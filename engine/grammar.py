@@ -1,5 +1,6 @@
 """Constrained decoding with llguidance: compile a `Constraint` once, then one matcher per sequence.
 
+- `engine/grammar_text.py` turns a constraint into llguidance grammar text (bounded in size and nesting).
 - `validate(constraint, tokenizer)` compiles (bounded in size and time) and caches the compiled grammar; the
   app calls it before queueing a request, so a slow or hostile compile never runs on the engine loop, and a
   grammar llguidance rejects raises `GrammarError` (the app answers 400).
@@ -15,7 +16,6 @@ Why llguidance rather than xgrammar: see the README's "Structured output and too
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -29,30 +29,18 @@ import numpy as np
 import torch
 from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask_par
 
+from engine.grammar_text import GrammarError, grammar_text
 from engine.types import Constraint
 
 log = logging.getLogger(__name__)
 
-MAX_GRAMMAR_CHARS = 64 * 1024  # a schema / regex / grammar source longer than this is refused
-MAX_SCHEMA_DEPTH = 32  # JSON nesting of a schema's text
 COMPILE_TIMEOUT_S = 10.0  # wall time a compile may take (also bounded by llguidance's fuel limits below)
 CACHE_SIZE = 256  # compiled grammars kept, least recently used evicted
-
-# JSON output: compact but readable separators and no free whitespace, so a small model cannot loop on spaces
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 LIMITS = llguidance.LLParserLimits(
     max_items_in_row=2000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000, step_max_items=50_000,
     max_lexer_states=100_000, max_grammar_size=200_000, verbose_errors=False,
 )
-
-
-class GrammarError(ValueError):
-    """The constraint cannot be compiled (invalid, unsupported, too large or too slow); the app answers 400."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
 
 
 # --- tokenizers ----------------------------------------------------------------------------------------
@@ -79,97 +67,6 @@ def ll_tokenizer(tokenizer: Any) -> llguidance.LLTokenizer:
 
 
 # --- compiling -----------------------------------------------------------------------------------------
-
-
-def grammar_text(constraint: Constraint) -> str:
-    """The llguidance grammar (its JSON form) for a constraint; GrammarError for bad input."""
-    kind, value = constraint.kind, constraint.value
-    if len(value) > MAX_GRAMMAR_CHARS:
-        raise GrammarError(f"the {kind} is {len(value)} characters long; the limit is {MAX_GRAMMAR_CHARS}")
-    try:
-        if kind == "json_object":
-            return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', overrides=JSON_OPTIONS)
-        if kind == "json_schema":
-            schema = _load_json(value, "JSON schema")
-            if not isinstance(schema, dict | bool):
-                raise GrammarError("a JSON schema must be an object (or a boolean)")
-            return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
-        if kind == "regex":
-            return llguidance.LLMatcher.grammar_from_regex(ascii_classes(value))
-        if kind == "choice":
-            choices = _load_json(value, "choice list")
-            if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
-                raise GrammarError("a choice must be a non-empty list of strings")
-            lark = "start: " + " | ".join(json.dumps(c) for c in choices)
-            return llguidance.LLMatcher.grammar_from_lark(lark)
-        if kind == "lark":
-            return llguidance.LLMatcher.grammar_from_lark(value)
-        if kind == "gbnf":
-            from llguidance.gbnf_to_lark import any_to_lark
-
-            return llguidance.LLMatcher.grammar_from_lark(any_to_lark(value))
-    except GrammarError:
-        raise
-    except RecursionError as exc:
-        raise GrammarError(f"the {kind} is nested too deeply") from exc
-    except Exception as exc:  # ValueError from llguidance, GbnfToLarkError, ...
-        raise GrammarError(f"invalid {kind}: {exc}") from exc
-    raise GrammarError(f"unknown constraint kind {kind!r}")
-
-
-_OUTSIDE = {"d": "[0-9]", "w": "[0-9A-Za-z_]", "D": "[^0-9]", "W": "[^0-9A-Za-z_]"}
-_INSIDE = {"d": "0-9", "w": "0-9A-Za-z_"}
-
-
-def ascii_classes(regex: str) -> str:
-    """`\\d` and `\\w` as ASCII classes, as in JSON Schema patterns, Outlines and xgrammar (llguidance's regex
-    syntax, Rust's, makes them Unicode: `\\d` would match Arabic-Indic digits)."""
-    out, i, depth = [], 0, 0  # depth: inside a [...] class
-    while i < len(regex):
-        c = regex[i]
-        if c == "\\" and i + 1 < len(regex):
-            nxt = regex[i + 1]
-            table = _INSIDE if depth else _OUTSIDE
-            out.append(table.get(nxt, c + nxt))
-            i += 2
-            continue
-        if c == "[":
-            depth += 1
-            if regex.startswith("[^]", i) or regex.startswith("[]", i):  # a leading ] is a literal
-                skip = 3 if regex[i + 1] == "^" else 2
-                out.append(regex[i:i + skip])
-                i += skip
-                continue
-        elif c == "]" and depth:
-            depth -= 1
-        out.append(c)
-        i += 1
-    return "".join(out)
-
-
-def _load_json(text: str, what: str) -> Any:
-    try:
-        value = json.loads(text)
-    except RecursionError as exc:
-        raise GrammarError(f"the {what} is nested too deeply") from exc
-    except ValueError as exc:
-        raise GrammarError(f"the {what} is not valid JSON: {exc}") from exc
-    if _depth(value) > MAX_SCHEMA_DEPTH:
-        raise GrammarError(f"the {what} is nested more than {MAX_SCHEMA_DEPTH} levels deep")
-    return value
-
-
-def _depth(value: Any) -> int:
-    """Nesting depth of a JSON value, without recursion."""
-    best, stack = 0, [(value, 1)]
-    while stack:
-        item, d = stack.pop()
-        if isinstance(item, dict | list):
-            best = max(best, d)
-            if d > MAX_SCHEMA_DEPTH:
-                return d
-            stack.extend((v, d + 1) for v in (item.values() if isinstance(item, dict) else item))
-    return best
 
 
 def _compile(constraint: Constraint, lltok: llguidance.LLTokenizer) -> llguidance.LLMatcher:

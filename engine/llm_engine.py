@@ -15,8 +15,7 @@ from typing import Any
 
 import torch
 
-from engine import cpu_kernels, grammar, prompt_logprobs
-from engine.backends import get_backend
+from engine import cpu_kernels, devices, grammar, prompt_logprobs
 from engine.block_manager import BlockManager
 from engine.kv_cache import KVCache, KVCacheSpec, plan_num_blocks
 from engine.model_runner import ModelRunner
@@ -25,6 +24,7 @@ from engine.sampler import Sampler
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
 from engine.types import (
+    MAX_LOGPROBS,
     EngineConfig,
     EngineStats,
     InvalidRequestError,
@@ -34,8 +34,6 @@ from engine.types import (
 )
 
 log = logging.getLogger(__name__)
-
-MAX_LOGPROBS = 20
 
 
 @dataclass(slots=True)
@@ -52,7 +50,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.device = device
         self.dtype = dtype
-        backend = get_backend("tt" if cfg.device == "tt" else device)  # tt runs from host (cpu) tensors
+        backend = devices.backend_for(cfg.device, device)
         self.kv_cache = _allocate_kv(model, cfg, backend.free_memory_bytes(), dtype, device, max_model_len)
         self.max_model_len = min(max_model_len, self.kv_cache.num_slots)
         self.blocks = BlockManager(self.kv_cache.num_blocks, cfg.block_size, cfg.prefix_caching)
@@ -78,7 +76,7 @@ class LLMEngine:
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> LLMEngine:
-        from engine.loader import load_model
+        from models.loader import load_model
 
         loaded = load_model(cfg)
         return cls(loaded.model, loaded.tokenizer, cfg, loaded.device, loaded.dtype, loaded.max_model_len)
@@ -118,6 +116,10 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.validate(prompt_token_ids, params)
+        self.admit(request_id, prompt_token_ids, params)
+
+    def admit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """`add_request` for a request `validate` accepted already (the async front validates on the caller's side)."""
         max_tokens = self.resolve_max_tokens(len(prompt_token_ids), params.max_tokens)
         states = self._grammar_states(params)
         for index in range(params.n):
@@ -136,7 +138,7 @@ class LLMEngine:
         try:
             states = [grammar.GrammarState(params.constraint, self.tokenizer) for _ in range(params.n)]
         except grammar.GrammarError as exc:
-            raise InvalidRequestError(exc.message, param="response_format") from exc
+            raise InvalidRequestError(exc.message, param="constraint") from exc
         if self._filler is None:
             self._filler = grammar.BitmaskFiller(self.tokenizer, self.vocab_size, self.eos_token_ids)
             self._mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="peregrine-masks")
@@ -158,7 +160,7 @@ class LLMEngine:
             raise PromptTooLongError(
                 f"The prompt has {prompt_len} tokens; this model's context is {self.max_model_len} tokens, "
                 "which must also leave room for at least one generated token.",
-                prompt_tokens=prompt_len, max_model_len=self.max_model_len, param="messages",
+                prompt_tokens=prompt_len, max_model_len=self.max_model_len, param="prompt_token_ids",
             )
         if max_tokens is not None and prompt_len + max_tokens > self.max_model_len:
             raise PromptTooLongError(
@@ -169,9 +171,9 @@ class LLMEngine:
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if not prompt_token_ids:
-            raise InvalidRequestError("the prompt must contain at least one token", param="prompt")
+            raise InvalidRequestError("the prompt must contain at least one token", param="prompt_token_ids")
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
-            raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
+            raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt_token_ids")
         _validate_params(params)
         self.check_prompt(len(prompt_token_ids), params.max_tokens)
 

@@ -8,13 +8,16 @@ Nothing here imports torch, fastapi or pydantic.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 """Why a sequence ended: EOS / stop string / stop token -> "stop"; max_tokens or context end -> "length";
 aborted by the caller (client gone, timeout) -> "abort"; the engine failed -> "error"."""
 
+
+MAX_LOGPROBS = 20
+"""The most alternatives `logprobs` / `prompt_logprobs` may ask for (the OpenAI API's bound)."""
 
 ConstraintKind = Literal["json_schema", "json_object", "regex", "choice", "lark", "gbnf"]
 
@@ -175,13 +178,12 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory_fraction: float = 0.5  # of the memory free after the model loads
     kv_cache_bytes: int | None = None  # explicit size; overrides the fraction
-    cache_dir: str | None = None  # where converted GGUF models are cached
+    cache_dir: str | None = None  # where converted GGUF models are cached (needed for GGUF; config.DEFAULT_CACHE_DIR)
     seed: int = 0
     trust_remote_code: bool = False
     model_impl: str = "auto"  # auto | generic | llama: the forward pass (auto: Llama fast path when it applies)
     cpu_kernels: bool = True  # Peregrine's AVX512-BF16 decode kernel (engine.cpu_kernels) where it applies
     prefix_caching: bool = True  # reuse the KV of full blocks whose prefix was computed before (block_manager)
-    extra: dict[str, str] = field(default_factory=dict)
 
 
 class EngineError(Exception):
@@ -193,7 +195,8 @@ class EngineDeadError(EngineError):
 
 
 class PromptTooLongError(EngineError):
-    """The prompt (or prompt + max_tokens) does not fit in the model's context."""
+    """The prompt (or prompt + max_tokens) does not fit in the model's context. `param` names the engine's input
+    at fault, "prompt_token_ids" or "max_tokens"; the app maps it to its wire field."""
 
     def __init__(self, message: str, *, prompt_tokens: int, max_model_len: int, param: str) -> None:
         super().__init__(message)
@@ -203,7 +206,8 @@ class PromptTooLongError(EngineError):
 
 
 class InvalidRequestError(EngineError):
-    """The request's parameters or prompt are invalid (the HTTP layer answers 400 with `param`)."""
+    """The request's parameters or prompt are invalid. `param` names the engine's input at fault: a
+    `SamplingParams` field, "prompt_token_ids" or "request_id" (the HTTP layer answers 400, naming its wire field)."""
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)

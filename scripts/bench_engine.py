@@ -26,9 +26,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from config import DEFAULT_CACHE_DIR  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.loader import load_model  # noqa: E402
 from engine.types import EngineConfig, SamplingParams  # noqa: E402
+from models.loader import load_model  # noqa: E402
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TEXT = (
@@ -114,7 +115,7 @@ def main() -> None:
     parser.add_argument("--hf-requests", type=int, default=2, help="sequential HF requests to time")
     parser.add_argument("--batch1-repeats", type=int, default=3,
                         help="lone requests timed for batch-1 decode (the best is reported, all are listed)")
-    parser.add_argument("--cache-dir", default=None)
+    parser.add_argument("--cache-dir", default=str(DEFAULT_CACHE_DIR))
     parser.add_argument("--cpu-kernels", action=argparse.BooleanOptionalAction, default=True,
                         help="Peregrine's CPU kernels (engine.cpu_kernels); --no-cpu-kernels: torch's own ops")
     args = parser.parse_args()

@@ -150,13 +150,14 @@ def smollm2_dir() -> Path | None:
 
 def load_smollm2(folder: Path) -> Loaded:
     try:
-        from engine.loader import load_model
+        from models.loader import load_model
     except ModuleNotFoundError:
         return load_hf(folder, dtype="bfloat16", gguf_file=SMOLLM2_GGUF)
+    from config import DEFAULT_CACHE_DIR
     from engine.types import EngineConfig
 
     loaded = load_model(EngineConfig(model_path=str(folder), model_name="smollm2", gguf_file=SMOLLM2_GGUF,
-                                     device="cpu", dtype="bfloat16"))
+                                     device="cpu", dtype="bfloat16", cache_dir=str(DEFAULT_CACHE_DIR)))
     return Loaded(loaded.model, loaded.tokenizer, loaded.max_model_len)
 
 
@@ -212,6 +213,26 @@ def text_of(outputs: list, index: int = 0) -> str:
 
 
 # --- server processes started by tests -------------------------------------------------------------------
+
+
+class NoToolsTokenizer:
+    """Just enough of a tokenizer for tool planning: a chat template that takes no tools (the smollm2 format)."""
+
+    chat_template = "{{ messages }}"
+    unk_token_id = 0
+
+    def convert_tokens_to_ids(self, token: str) -> int:
+        return 0
+
+
+# A small JSON schema the structured-output tests (engine and API) constrain answers to.
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 40}, "age": {"type": "integer", "minimum": 0,
+                                                                        "maximum": 150}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 
 
 KEPT_SETTINGS = ("PEREGRINE_CPU_ISA",)  # machine-level: a run with the kernels capped caps every server too

@@ -73,7 +73,7 @@ def test_sdk_models(client: openai.OpenAI, model_id: str, embedding_id: str) -> 
 
 def test_sdk_embeddings_match_sentence_transformers(client: openai.OpenAI, embedding_id: str) -> None:
     st = pytest.importorskip("sentence_transformers")
-    from engine.embedder import resolve_embedding_model
+    from models.embedder import resolve_embedding_model
 
     reference = st.SentenceTransformer(
         str(resolve_embedding_model("bundled:all-minilm-l6-v2")[0]), device="cpu"

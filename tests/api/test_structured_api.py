@@ -17,13 +17,8 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-PERSON = {
-    "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 40}, "age": {"type": "integer", "minimum": 0,
-                                                                        "maximum": 150}},
-    "required": ["name", "age"],
-    "additionalProperties": False,
-}
+from tests.support import PERSON
+
 ASK = [{"role": "user", "content": "Describe a person as JSON with a name and an age."}]
 
 

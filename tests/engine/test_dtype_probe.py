@@ -15,10 +15,11 @@ from typing import Any
 import pytest
 import torch
 
-from engine import dtype_probe, loader, preflight
+from engine import dtype_probe
 from engine.dtype_probe import ProbePlan, Timing
 from engine.llm_engine import LLMEngine
 from engine.types import EngineConfig
+from models import loader, preflight
 from tests.support import load_hf
 
 SMALL = ProbePlan(rows=(1, 4), prompt_tokens=6, steps=2, repeats=2, settle=math.inf)  # every window, always
@@ -144,7 +145,7 @@ def test_load_model_with_dtype_auto_times_and_serves_the_choice(
     tiny_model_dir: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     count = StepCount(monkeypatch)
-    with caplog.at_level(logging.INFO, logger="engine"):
+    with caplog.at_level(logging.INFO):  # engine.* and models.loader
         loaded = loader.load_model(probe_cfg(tiny_model_dir.path, dtype="auto", max_num_seqs=4))
     assert count.steps.keys() == {torch.float32, torch.bfloat16} and min(count.steps.values()) >= 2 * 3
     assert loaded.dtype in (torch.float32, torch.bfloat16)
@@ -158,7 +159,7 @@ def test_an_explicit_dtype_times_nothing(tiny_model_dir: Any, monkeypatch: pytes
                                          caplog: pytest.LogCaptureFixture) -> None:
     count = StepCount(monkeypatch)
     monkeypatch.setattr(dtype_probe, "choose", lambda *a, **k: pytest.fail("an explicit dtype was timed"))
-    with caplog.at_level(logging.INFO, logger="engine"):
+    with caplog.at_level(logging.INFO):  # engine.* and models.loader
         for name in ("float32", "bfloat16"):
             assert loader.load_model(probe_cfg(tiny_model_dir.path, dtype=name)).dtype is getattr(torch, name)
     assert count.steps == {} and "dtype auto" not in caplog.text
@@ -168,12 +169,12 @@ def test_float32_is_not_tried_when_the_probe_would_not_fit_in_ram(
     tiny_model_dir: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     fp = preflight.folder_footprint(tiny_model_dir.path)
-    room = dict(max_model_len=None, kv_cache_bytes=None, packed_copy=loader.packed_copy_kept(probe_cfg("x")))
+    room = dict(max_model_len=None, kv_cache_bytes=None, packed_copy=preflight.packed_copy_kept("cpu", True))
     peak, _ = preflight.memory_need(fp, "auto", **room)
     assert preflight.memory_need(fp, "bfloat16", **room)[0] < peak
     monkeypatch.setattr(preflight, "measure_resources", lambda dirs: preflight.Resources(ram_free=peak - 1))
     monkeypatch.setattr(dtype_probe, "choose", lambda *a, **k: pytest.fail("float32 was timed"))
-    with caplog.at_level(logging.INFO, logger="engine"):
+    with caplog.at_level(logging.INFO):  # engine.* and models.loader
         loaded = loader.load_model(probe_cfg(tiny_model_dir.path, dtype="auto"))
     assert loaded.dtype is torch.bfloat16
     assert "dtype auto: bfloat16 (float32 not tried: timing it needs" in caplog.text

@@ -129,7 +129,7 @@ def test_max_tokens_absent_means_rest_of_context(tiny: Any, engine_factory: Any)
 def test_invalid_requests_are_rejected_before_running(engine: Any) -> None:
     with pytest.raises(PromptTooLongError) as err:
         engine.add_request("x", [5] * engine.max_model_len, greedy())
-    assert err.value.param == "messages"
+    assert err.value.param == "prompt_token_ids"
     with pytest.raises(PromptTooLongError) as err:
         engine.add_request("x", [5, 6], greedy(max_tokens=engine.max_model_len))
     assert err.value.param == "max_tokens"

@@ -13,7 +13,7 @@ import pytest
 
 from engine.sampler import MIN_LOGPROB
 from engine.types import Constraint, InvalidRequestError, SamplingParams
-from tests.support import chat_ids, run_all, text_of, tokens_of
+from tests.support import PERSON, chat_ids, run_all, text_of, tokens_of
 
 FINITE = {  # a finite language: every answer ends by the grammar, whatever the model
     "type": "object",
@@ -22,15 +22,6 @@ FINITE = {  # a finite language: every answer ends by the grammar, whatever the 
     "required": ["ok", "color", "n"],
     "additionalProperties": False,
 }
-PERSON = {
-    "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 40}, "age": {"type": "integer", "minimum": 0,
-                                                                        "maximum": 150}},
-    "required": ["name", "age"],
-    "additionalProperties": False,
-}
-
-
 def schema(s: dict[str, Any]) -> Constraint:
     return Constraint("json_schema", json.dumps(s))
 

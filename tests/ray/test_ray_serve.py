@@ -13,7 +13,6 @@ The tests run in file order; the shutdown test is last.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import shutil
@@ -21,7 +20,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +27,25 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.ray.cluster_requests import (
+    HEADER,
+    REQUEST_TIMEOUT_S,
+    KillOnFirstChunk,
+    ask,
+    ask_raw,
+    long_stream,
+    outcome,
+    timed,
+)
+from tests.ray.cluster_support import (
+    cluster_pids,
+    describe,
+    kill,
+    next_event,
+    stop,
+    wait_for_replicas,
+    wait_until,
+)
 from tests.support import free_port, server_env
 
 pytest.importorskip("ray.serve", reason="the ray extra is not installed (pip install .[ray])")
@@ -38,10 +55,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 REPO = Path(__file__).resolve().parents[2]
 API_KEY = "ray-test-key"
-HEADER = "x-peregrine-replica"
 START_TIMEOUT_S = 300.0  # Ray's cluster start plus two model loads, on a busy 2-core machine
 STOP_TIMEOUT_S = 90.0
-REQUEST_TIMEOUT_S = 240.0  # a request that takes longer than this has hung
 MAX_MODEL_LEN = 4096
 PROMPTS = [
     "The quick brown fox",
@@ -108,13 +123,13 @@ def cluster(long_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
                                 start_new_session=True)  # fmt: skip
     base_url = f"http://127.0.0.1:{port}"
     try:
-        _wait_for_replicas(base_url, proc, log_path, count=2, timeout=START_TIMEOUT_S)
+        wait_for_replicas(base_url, proc, log_path, count=2, timeout=START_TIMEOUT_S)
         model_id = httpx.get(f"{base_url}/v1/models", headers=_auth(), timeout=30).json()["data"][0]["id"]
         yield Cluster(base_url, proc, ray_tmpdir, log_path, long_model_dir, model_id)
     finally:
-        _stop(proc)
-        for pid in _cluster_pids(ray_tmpdir):  # safety net; test_shutdown_* asserts there were none
-            _kill(pid)
+        stop(proc)
+        for pid in cluster_pids(ray_tmpdir):  # safety net; test_shutdown_* asserts there were none
+            kill(pid)
         shutil.rmtree(ray_tmpdir, ignore_errors=True)
 
 
@@ -152,7 +167,7 @@ class Reference:
         transport = httpx.ASGITransport(app=self.app)
         async with httpx.AsyncClient(transport=transport, base_url="http://reference") as http:
             client = openai.AsyncOpenAI(base_url="http://reference/v1", api_key="none", http_client=http)
-            answers = await asyncio.gather(*(_ask(client, self.model_id, *key) for key in missing))
+            answers = await asyncio.gather(*(ask(client, self.model_id, *key) for key in missing))
         self._cache |= dict(zip(missing, answers, strict=True))
 
     def _load(self) -> None:
@@ -192,7 +207,7 @@ async def test_concurrent_requests_are_correct_and_spread(cluster: Cluster, refe
     await reference.prepare([(kind, prompt, SHORT) for kind, prompt, _ in cases])
     client = cluster.client()
     results = await asyncio.gather(*(
-        _timed(_ask_raw(client, cluster.model_id, kind, prompt, SHORT, stream)) for kind, prompt, stream in cases
+        timed(ask_raw(client, cluster.model_id, kind, prompt, SHORT, stream)) for kind, prompt, stream in cases
     ))  # fmt: skip
     for (kind, prompt, stream), (text, finish, replica) in zip(cases, results, strict=True):
         assert text == await reference.answer(kind, prompt, SHORT), (kind, prompt, stream)
@@ -227,9 +242,9 @@ def test_stream_is_not_buffered_and_disconnect_aborts(cluster: Cluster, route: s
         assert response.status_code == 200
         assert response.headers["content-type"].startswith(_MEDIA_TYPES[fmt])
         replica = response.headers[HEADER]
-        first = _next_event(response.iter_lines(), fmt)
+        first = next_event(response.iter_lines(), fmt)
         assert first["choices"][0]["finish_reason"] is None
-    after = _wait_until(lambda: _idle(_load_of(cluster.base_url, replica)), timeout=120, what="the abort")
+    after = wait_until(lambda: _idle(_load_of(cluster.base_url, replica)), timeout=120, what="the abort")
     generated = after["generated_tokens_total"] - before[replica]["generated_tokens_total"]
     assert 0 < generated < max_tokens, f"{generated} tokens generated for a stream left after its first event"
 
@@ -283,17 +298,17 @@ async def test_killed_replica_errors_its_requests_and_comes_back(
     max_tokens, prompt = MAX_MODEL_LEN - 64, PROMPTS[2]  # as long as the context allows
     replicas = {r["id"]: r["pid"] for r in _health(cluster.base_url)["replicas"]}
     client = cluster.client()
-    killer = _KillOnFirstChunk(replicas)
-    streams = [asyncio.create_task(_long_stream(client, cluster.model_id, prompt, max_tokens, killer))
+    killer = KillOnFirstChunk(replicas)
+    streams = [asyncio.create_task(long_stream(client, cluster.model_id, prompt, max_tokens, killer))
                for _ in range(10)]  # fmt: skip
-    plain = [asyncio.create_task(_outcome(_ask_raw(client, cluster.model_id, "completion", prompt, max_tokens,
+    plain = [asyncio.create_task(outcome(ask_raw(client, cluster.model_id, "completion", prompt, max_tokens,
                                                    stream=False))) for _ in range(4)]  # fmt: skip
     victim = await killer.victim()
     results = await asyncio.gather(*streams)
     outcomes = await asyncio.gather(*plain)
     # The reference answer is computed while Ray brings the replacement replica up.
     wait_for_replacement = asyncio.to_thread(
-        _wait_until, lambda: _replaced(_health(cluster.base_url), victim, replicas[victim]), timeout=180,
+        wait_until, lambda: _replaced(_health(cluster.base_url), victim, replicas[victim]), timeout=180,
         what="a replacement replica")  # fmt: skip
     expected, health = await asyncio.gather(
         reference.answer("completion", prompt, max_tokens), wait_for_replacement
@@ -303,8 +318,8 @@ async def test_killed_replica_errors_its_requests_and_comes_back(
     assert killer.trigger.error is not None, f"the stream that saw the kill completed: {killer.trigger}"
     for r in results:
         assert r.error is not None or (r.finish_reason == "length" and r.text == expected), r
-    for outcome in outcomes:
-        assert isinstance(outcome, openai.APIError) or outcome[0] == expected, outcome
+    for result in outcomes:
+        assert isinstance(result, openai.APIError) or result[0] == expected, result
 
     (new_replica,) = {r["id"] for r in health["replicas"]} - set(replicas)
     assert _load_of(cluster.base_url, new_replica)["status"] == "ready"  # the proxy routes to it
@@ -312,7 +327,7 @@ async def test_killed_replica_errors_its_requests_and_comes_back(
         (kind, p, stream) for kind in ("chat", "completion") for p in PROMPTS[:2] for stream in (False, True)
     ]
     after = await asyncio.gather(*(
-        _timed(_ask_raw(client, cluster.model_id, kind, p, SHORT, stream)) for kind, p, stream in cases
+        timed(ask_raw(client, cluster.model_id, kind, p, SHORT, stream)) for kind, p, stream in cases
     ))  # fmt: skip
     for (kind, p, _), (text, finish, _) in zip(cases, after, strict=True):
         assert text == await reference.answer(kind, p, SHORT)
@@ -322,143 +337,13 @@ async def test_killed_replica_errors_its_requests_and_comes_back(
 def test_shutdown_leaves_no_ray_processes(cluster: Cluster) -> None:
     """SIGTERM to main.py removes the app and stops the local cluster it started: every process of that
     cluster (they all carry its RAY_TMPDIR) is gone, and main.py exits 0."""
-    assert _cluster_pids(cluster.ray_tmpdir), "found no process of the test cluster to begin with"
+    assert cluster_pids(cluster.ray_tmpdir), "found no process of the test cluster to begin with"
     os.kill(cluster.proc.pid, signal.SIGTERM)
     returncode = cluster.proc.wait(timeout=STOP_TIMEOUT_S)
-    left = _wait_until(lambda: not _cluster_pids(cluster.ray_tmpdir) or None, timeout=30, what="no Ray process",
+    left = wait_until(lambda: not cluster_pids(cluster.ray_tmpdir) or None, timeout=30, what="no Ray process",
                        fail=False)  # fmt: skip
-    assert left, f"Ray processes left behind: {_describe(_cluster_pids(cluster.ray_tmpdir))}"
+    assert left, f"Ray processes left behind: {describe(cluster_pids(cluster.ray_tmpdir))}"
     assert returncode == 0, cluster.log_path.read_text(errors="replace")[-4000:]
-
-
-# --- helpers: requests -------------------------------------------------------------------------------------
-
-
-async def _ask(client: openai.AsyncOpenAI, model: str, kind: str, prompt: str, max_tokens: int) -> str:
-    text, _, _ = await _ask_raw(client, model, kind, prompt, max_tokens, stream=False)
-    return text
-
-
-async def _ask_raw(client, model: str, kind: str, prompt: str, max_tokens: int, stream: bool):
-    """One greedy request; returns (text, finish_reason, replica header)."""
-    common = {"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": stream,
-              "extra_body": {"ignore_eos": True}}  # fmt: skip
-    if kind == "chat":
-        raw = await client.chat.completions.with_raw_response.create(
-            messages=[{"role": "user", "content": prompt}], **common
-        )
-    else:
-        raw = await client.completions.with_raw_response.create(prompt=prompt, **common)
-    replica = raw.headers.get(HEADER)
-    parsed = await raw.parse() if asyncio.iscoroutinefunction(raw.parse) else raw.parse()
-    if not stream:
-        choice = parsed.choices[0]
-        return (choice.message.content if kind == "chat" else choice.text), choice.finish_reason, replica
-    parts, finish = [], None
-    async for chunk in parsed:
-        if chunk.choices:
-            choice = chunk.choices[0]
-            parts.append((choice.delta.content if kind == "chat" else choice.text) or "")
-            finish = choice.finish_reason or finish
-    return "".join(parts), finish, replica
-
-
-async def _timed(coro):
-    """A request that does not finish within REQUEST_TIMEOUT_S has hung: fail, do not wait forever."""
-    return await asyncio.wait_for(coro, REQUEST_TIMEOUT_S)
-
-
-@dataclass
-class StreamResult:
-    replica: str | None
-    text: str
-    finish_reason: str | None
-    chunks: int
-    error: BaseException | None
-    silent: bool = False  # ended cleanly but without a finish_reason: the failure mode that must not happen
-
-
-class _KillOnFirstChunk:
-    """SIGKILLs the replica of the first stream that gets a chunk, inside that stream's chunk loop (so the kill
-    lands before the loop reads any further), and remembers which stream and replica that was."""
-
-    def __init__(self, replicas: dict[str, int]) -> None:
-        self.replicas = replicas
-        self.trigger: StreamResult | None = None
-        self._killed = asyncio.Event()
-
-    def on_chunk(self, result: StreamResult) -> None:
-        if self.trigger is None:
-            self.trigger = result
-            os.kill(self.replicas[result.replica], signal.SIGKILL)
-            self._killed.set()
-
-    async def victim(self) -> str:
-        await asyncio.wait_for(self._killed.wait(), timeout=REQUEST_TIMEOUT_S)
-        return self.trigger.replica
-
-
-async def _long_stream(
-    client, model: str, prompt: str, max_tokens: int, killer: _KillOnFirstChunk
-) -> StreamResult:
-    result = StreamResult(None, "", None, 0, None)
-    try:
-        await _timed(_consume(client, model, prompt, max_tokens, killer, result))
-    except TimeoutError:
-        pytest.fail(f"a stream hung: {result}")
-    except Exception as exc:  # an error is an answer; a clean end without a finish_reason is not
-        result.error = exc
-    return result
-
-
-async def _consume(
-    client, model, prompt, max_tokens, killer: _KillOnFirstChunk, result: StreamResult
-) -> None:
-    raw = await client.completions.with_raw_response.create(
-        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-        extra_body={"ignore_eos": True})  # fmt: skip
-    result.replica = raw.headers.get(HEADER)
-    parsed = await raw.parse() if asyncio.iscoroutinefunction(raw.parse) else raw.parse()
-    async for chunk in parsed:
-        result.chunks += 1
-        killer.on_chunk(result)
-        if chunk.choices:
-            result.text += chunk.choices[0].text or ""
-            result.finish_reason = chunk.choices[0].finish_reason or result.finish_reason
-    result.silent = result.finish_reason is None
-
-
-async def _outcome(coro):
-    """The result, or the openai error it raised; a hang fails the test."""
-    try:
-        return await _timed(coro)
-    except TimeoutError:
-        pytest.fail("a request hung")
-    except openai.APIError as exc:
-        return exc
-
-
-# --- helpers: SSE / NDJSON lines ---------------------------------------------------------------------------
-
-
-def _next_event(lines: Iterator[str], fmt: str) -> dict:
-    for line in lines:
-        event = _parse(line, fmt)
-        if event is not None:
-            return event
-    raise AssertionError("the stream ended before its first event")
-
-
-def _events(lines: Iterator[str], fmt: str) -> list[dict]:
-    return [e for e in (_parse(line, fmt) for line in lines) if e is not None]
-
-
-def _parse(line: str, fmt: str) -> dict | None:
-    if fmt == "sse":
-        if not line.startswith("data: ") or line == "data: [DONE]":
-            return None
-        line = line.removeprefix("data: ")
-    return json.loads(line) if line.strip() else None
 
 
 # --- helpers: health, replicas, processes ------------------------------------------------------------------
@@ -503,84 +388,3 @@ def _replaced(health: dict, victim: str, victim_pid: int) -> dict | None:
     running = [r for r in replicas if r["state"] == "RUNNING"]
     fresh = all(r["id"] != victim and r["pid"] != victim_pid for r in replicas)
     return health if len(running) == len(replicas) == 2 and fresh else None
-
-
-def _wait_until(check, timeout: float, what: str, fail: bool = True):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            value = check()
-        except (httpx.TransportError, AssertionError):
-            value = None
-        if value:
-            return value
-        time.sleep(0.5)
-    if fail:
-        pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
-    return None
-
-
-def _wait_for_replicas(
-    base_url: str, proc: subprocess.Popen, log_path: Path, count: int, timeout: float
-) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(
-                f"main.py exited with {proc.returncode}:\n{log_path.read_text(errors='replace')[-6000:]}"
-            )
-        try:
-            health = httpx.get(f"{base_url}/health", timeout=10).json()
-            running = [r for r in health.get("replicas") or [] if r["state"] == "RUNNING"]
-            if len(running) == count:
-                return
-        except (httpx.TransportError, ValueError, KeyError):
-            pass
-        time.sleep(1.0)
-    pytest.fail(
-        f"{count} replicas not running after {timeout:.0f}s:\n{log_path.read_text(errors='replace')[-6000:]}"
-    )
-
-
-def _cluster_pids(ray_tmpdir: str) -> list[int]:
-    """PIDs of processes whose environment carries this cluster's RAY_TMPDIR (all of Ray's, inherited)."""
-    marker = f"RAY_TMPDIR={ray_tmpdir}".encode() + b"\0"
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            environ = (entry / "environ").read_bytes()
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if marker in environ and state != "Z":
-            pids.append(int(entry.name))
-    return pids
-
-
-def _describe(pids: list[int]) -> list[str]:
-    out = []
-    for pid in pids:
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-            out.append(f"{pid}: {cmdline[:120]!r}")
-        except OSError:
-            pass
-    return out
-
-
-def _kill(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=STOP_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=30)

@@ -19,11 +19,11 @@ sys.path.insert(0, str(SCRIPTS))
 import bench  # noqa: E402
 import bench_client  # noqa: E402
 import bench_peers  # noqa: E402
+import bench_report  # noqa: E402
 from bench_datasets import (  # noqa: E402
     CHAT_FILE,
     BenchRequest,
     chat_requests,
-    load_tokenizer,
     random_requests,
     special_ids,
 )
@@ -73,13 +73,6 @@ def test_summarize_nothing_succeeded() -> None:
 def test_describe_ms_std() -> None:
     stats = describe_ms([0.001, 0.003])
     assert stats["mean"] == pytest.approx(2.0) and stats["std"] == pytest.approx(1.0)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(byte_level_tokenizer, tmp_path_factory: pytest.TempPathFactory):
-    folder = tmp_path_factory.mktemp("tok")
-    byte_level_tokenizer.save_pretrained(folder)
-    return load_tokenizer(folder)
 
 
 def test_random_prompts_are_seeded_and_exact(tokenizer) -> None:
@@ -207,7 +200,7 @@ def test_report_and_ratios(capsys: pytest.CaptureFixture[str]) -> None:
         and "skipped c: not installed" in text
         and "| conc 1 | b | 2.00 |" in text
     )
-    assert bench.format_row(runs[0]["rows"][0]).endswith(" | - |"), "no client CPU figure: a dash"
+    assert bench_report.format_row(runs[0]["rows"][0]).endswith(" | - |"), "no client CPU figure: a dash"
 
 
 def test_load_levels() -> None:
@@ -253,7 +246,7 @@ def test_bench_against_a_real_server(tiny_server, tiny_model_dir, tmp_path: Path
     assert row["total_output_tokens"] == 16 and row["total_input_tokens"] >= 30
     assert row["ttft_ms"]["p50"] > 0 and row["tpot_ms"]["mean"] > 0 and row["output_throughput"] > 0
     assert row["client_cpu_s"] > 0, "the load generator's own CPU is reported"
-    assert bench.format_row(row).endswith(f"| {row['client_cpu_s']:.2f} |")
+    assert bench_report.format_row(row).endswith(f"| {row['client_cpu_s']:.2f} |")
 
 
 def level_row(peer: str, tps: float, round_no: int) -> dict:

@@ -9,7 +9,6 @@ import json
 import sys
 from pathlib import Path
 
-import pytest
 from aiohttp import web
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
@@ -18,16 +17,8 @@ sys.path.insert(0, str(SCRIPTS))
 import bench_client  # noqa: E402
 import bench_peers  # noqa: E402
 import bench_prefix  # noqa: E402
-from bench_datasets import load_tokenizer  # noqa: E402
 
 SEEN = web.AppKey("seen", list)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(byte_level_tokenizer, tmp_path_factory: pytest.TempPathFactory):
-    folder = tmp_path_factory.mktemp("tok")
-    byte_level_tokenizer.save_pretrained(folder)
-    return load_tokenizer(folder)
 
 
 def test_system_prompt_is_seeded_and_about_the_asked_length(tokenizer) -> None:

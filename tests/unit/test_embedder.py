@@ -1,4 +1,4 @@
-"""engine/embedder.py against sentence-transformers' own output for the bundled all-MiniLM-L6-v2."""
+"""models/embedder.py against sentence-transformers' own output for the bundled all-MiniLM-L6-v2."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.embedder import Embedder, Pipeline, pool, read_pipeline, resolve_embedding_model
+from models.embedder import Embedder, Pipeline, pool, read_pipeline, resolve_embedding_model
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",

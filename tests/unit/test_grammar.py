@@ -19,7 +19,7 @@ import torch
 
 from app.errors import BadRequestError
 from app.structured import constraint_of
-from engine import grammar
+from engine import grammar, grammar_text
 from engine.grammar import BitmaskFiller, Constraint, GrammarError, GrammarState
 from engine.sampler import MIN_LOGPROB, Sampler
 from engine.sequence import Sequence
@@ -104,10 +104,10 @@ def test_masks_allow_exactly_the_valid_continuations(tok, constraint, language):
 
 
 def test_regex_digit_and_word_classes_are_ascii():
-    assert grammar.ascii_classes(r"\d{3}-\w+") == "[0-9]{3}-[0-9A-Za-z_]+"
-    assert grammar.ascii_classes(r"[\d_]\D\W") == "[0-9_][^0-9][^0-9A-Za-z_]"
-    assert grammar.ascii_classes(r"a\\d\.\p{L}") == r"a\\d\.\p{L}"
-    assert grammar.ascii_classes(r"[\]\d]\d") == r"[\]0-9][0-9]"
+    assert grammar_text.ascii_classes(r"\d{3}-\w+") == "[0-9]{3}-[0-9A-Za-z_]+"
+    assert grammar_text.ascii_classes(r"[\d_]\D\W") == "[0-9_][^0-9][^0-9A-Za-z_]"
+    assert grammar_text.ascii_classes(r"a\\d\.\p{L}") == r"a\\d\.\p{L}"
+    assert grammar_text.ascii_classes(r"[\]\d]\d") == r"[\]0-9][0-9]"
 
 
 def test_regex_digits_exclude_other_scripts(tok):
@@ -127,7 +127,7 @@ def test_regex_digits_exclude_other_scripts(tok):
         (Constraint("choice", "[]"), "non-empty list"),
         (Constraint("gbnf", "root ::= ("), "invalid gbnf"),
         (Constraint("lark", "start: undefined_rule"), "invalid lark"),
-        (Constraint("regex", "a" * (grammar.MAX_GRAMMAR_CHARS + 1)), "the limit is"),
+        (Constraint("regex", "a" * (grammar_text.MAX_GRAMMAR_CHARS + 1)), "the limit is"),
         (Constraint("json_schema", '{"items":' * 40 + "{}" + "}" * 40), "nested"),
         (Constraint("json_schema", "[" * 100_000 + "]" * 100_000), "characters long"),
         (Constraint("regex", "a", trigger=""), "trigger"),

@@ -10,7 +10,8 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from app.limits import Admission, LimitsMiddleware, is_generation_route, is_open_path
+from app.deps import generates
+from app.limits import Admission, LimitsMiddleware, generation_paths, is_generation_route, is_open_path
 
 LIMIT = 1024
 
@@ -48,6 +49,7 @@ def make_app(
         return {"keys": sorted(await request.json())}
 
     @api.post("/v1/chat/completions")
+    @generates
     async def chat(request: Request):
         body = await request.json()
         if body.get("stream"):
@@ -68,6 +70,7 @@ def make_app(
         admission=admission,
         request_timeout=timeout,
         draining=lambda: flag[0],
+        generation=generation_paths(api.routes),
     )
     return api, admission
 
@@ -95,6 +98,9 @@ def envelope(response: httpx.Response, status: int) -> dict:
 
 
 def test_route_classification() -> None:
+    from app import llama_stack, openai_routes
+
+    paths = generation_paths([*openai_routes.router.routes, *llama_stack.router.routes])  # marked `generates`
     for path in (
         "/v1/chat/completions",
         "/v1/completions",
@@ -105,9 +111,10 @@ def test_route_classification() -> None:
         "/v1/inference/batch-chat-completion",
         "/v1/inference/batch-completion",
     ):
-        assert is_generation_route("POST", path), path
-    for method, path in (("GET", "/v1/chat/completions"), ("POST", "/v1/embeddings"), ("GET", "/v1/models")):
-        assert not is_generation_route(method, path)
+        assert is_generation_route("POST", path, paths), path
+    for method, path in (("GET", "/v1/chat/completions"), ("POST", "/v1/embeddings"), ("GET", "/v1/models"),
+                         ("POST", "/v1/inference/embeddings"), ("POST", "/tokenize")):
+        assert not is_generation_route(method, path, paths)
     assert is_open_path("/health") and is_open_path("/health/engine") and is_open_path("/v1/health")
     assert is_open_path("/ready") and not is_open_path("/healthz") and not is_open_path("/v1/models")
 
@@ -204,7 +211,8 @@ async def test_admission_slot_is_released_when_the_route_fails() -> None:
     async def broken(scope, receive, send):
         raise RuntimeError("boom")
 
-    middleware = LimitsMiddleware(broken, max_body_bytes=LIMIT, admission=admission)
+    middleware = LimitsMiddleware(broken, max_body_bytes=LIMIT, admission=admission,
+                                  generation={"/v1/completions"})
     with pytest.raises(RuntimeError):
         await middleware(_scope("/v1/completions"), _receiver([b"{}"]), _sink([]))
     assert admission.in_flight == 0
@@ -324,7 +332,8 @@ async def test_slow_upload_of_a_generation_request_is_408_and_frees_its_slot() -
     async def never(scope, receive, send):
         reached.set()
 
-    middleware = LimitsMiddleware(never, max_body_bytes=LIMIT, admission=admission, request_timeout=0.2)
+    middleware = LimitsMiddleware(never, max_body_bytes=LIMIT, admission=admission, request_timeout=0.2,
+                                  generation={"/v1/completions"})
     first_chunk_only = _receiver([b'{"prompt": ', b"never sent"], gone=asyncio.Event())
 
     async def stalled_receive():

@@ -1,4 +1,4 @@
-"""engine/loader.py and engine/devices.py: device and dtype choice, folder loading, the GGUF conversion cache.
+"""models/loader.py and engine/devices.py: device and dtype choice, folder loading, the GGUF conversion cache.
 
 The fast tests use the tiny random Llama from tests/conftest.py and small files made here; the slow one
 converts the bundled SmolLM2 GGUF for real into a fresh cache and checks it is faithful and reused.
@@ -14,10 +14,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine import devices, loader
+from engine import devices
 from engine.devices import DeviceError
-from engine.loader import LoadError
 from engine.types import EngineConfig
+from models import loader
+from models.loader import LoadError
 
 # --- devices ----------------------------------------------------------------------------------------------
 
@@ -221,7 +222,7 @@ def test_failed_conversion_leaves_nothing(tmp_path: Path, monkeypatch: pytest.Mo
 def test_bundled_gguf_converts_faithfully_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """SmolLM2 Q4_1 -> dense float32 safetensors equal to gguf's own dequantization; answers correctly;
     the second load reuses the cache (no conversion)."""
-    from engine.hub import bundled_path
+    from models.hub import bundled_path
 
     try:
         gguf_path = bundled_path("smollm2")

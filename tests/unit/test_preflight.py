@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine import preflight
-from engine.preflight import Disk, ModelFootprint, Need, Resources
+from models import preflight
+from models.preflight import Disk, ModelFootprint, Need, Resources
 
 GB = 10**9
 

@@ -18,6 +18,7 @@ from app.errors import BadRequestError
 from app.schemas_openai import ChatCompletionRequest
 from app.tool_parsers import FORMATS, CallStream, detect, parse
 from app.tools import DEFAULT_TOOL_PROMPT, plan, split_chunks, template_input
+from tests.support import NoToolsTokenizer
 
 WEATHER = {
     "name": "get_weather",
@@ -144,14 +145,6 @@ def request(**fields: Any) -> ChatCompletionRequest:
     return ChatCompletionRequest.model_validate(base | fields)
 
 
-class _Tok:
-    chat_template = "{{ messages }}"  # takes no tools: the smollm2 format
-    unk_token_id = 0
-
-    def convert_tokens_to_ids(self, token: str) -> int:
-        return 0
-
-
 @pytest.mark.parametrize("fmt", sorted(ANSWERS))
 def test_required_grammar_accepts_valid_calls_only(ll: Any, fmt: str) -> None:
     f = FORMATS[fmt]
@@ -175,7 +168,7 @@ def test_lazy_grammar_covers_the_text_after_the_trigger(ll: Any, fmt: str) -> No
 
 
 def test_plan_required_named_auto_none() -> None:
-    tok = _Tok()
+    tok = NoToolsTokenizer()
     auto = plan(request(), tok)
     assert auto is not None and auto.choice == "auto" and auto.constraint.trigger == "<tool_call>"
     assert auto.constraint.kind == "lark" and "args_1: %json" in auto.constraint.value
@@ -197,7 +190,7 @@ def test_plan_required_named_auto_none() -> None:
 ])
 def test_plan_refuses_what_it_cannot_honour(fields: dict[str, Any], param: str) -> None:
     with pytest.raises(BadRequestError) as err:
-        plan(request(**fields), _Tok())
+        plan(request(**fields), NoToolsTokenizer())
     assert err.value.param == param
 
 
@@ -224,7 +217,7 @@ HISTORY = [
 
 
 def test_template_with_tools_gets_them_and_object_arguments() -> None:
-    p = plan(request(), _Tok())
+    p = plan(request(), NoToolsTokenizer())
     messages, tools = template_input(HISTORY, p, "{% for t in tools %}{% endfor %}")
     assert tools == [{"type": "function", "function": WEATHER}, {"type": "function", "function": TIME}]
     assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
@@ -232,7 +225,7 @@ def test_template_with_tools_gets_them_and_object_arguments() -> None:
 
 
 def test_template_without_tools_gets_the_default_prompt_and_text_calls() -> None:
-    p = plan(request(), _Tok())
+    p = plan(request(), NoToolsTokenizer())
     messages, tools = template_input(HISTORY, p, "{{ messages }}")
     assert tools is None
     assert messages[0]["role"] == "system" and messages[0]["content"].startswith(DEFAULT_TOOL_PROMPT[:40])
@@ -248,7 +241,7 @@ def test_chatml_template_renders_a_tool_history() -> None:
 
     template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                 "<|im_start|>assistant\n")
-    messages, _ = template_input(HISTORY, plan(request(), _Tok()), template)
+    messages, _ = template_input(HISTORY, plan(request(), NoToolsTokenizer()), template)
     text = Template(template).render(messages=messages)
     assert "<tool_call>[" in text and "<tool_response>\n21 C" in text and "<tools>[" in text
 
@@ -267,7 +260,7 @@ def test_split_chunks_turns_content_into_tool_call_deltas() -> None:
                                 "finish_reason": "stop" if last else None}]}
 
     async def collect() -> list[dict[str, Any]]:
-        p = plan(request(), _Tok(), "hermes")
+        p = plan(request(), NoToolsTokenizer(), "hermes")
         return [e async for e in split_chunks(events(), p.new_stream)]
 
     out = asyncio.run(collect())
@@ -277,73 +270,6 @@ def test_split_chunks_turns_content_into_tool_call_deltas() -> None:
     assert set(deltas[1]) == {"index", "function"} and set(deltas[1]["function"]) == {"arguments"}
     content = "".join(c["delta"].get("content", "") for e in out for c in e["choices"])
     assert content == "Let me check."
-
-
-# ---------------------------------------------------------------- Llama Stack legacy
-
-
-def legacy_request(**fields: Any) -> Any:
-    from app.schemas_llama_stack import ChatCompletionRequest as LegacyRequest
-
-    tool = {"tool_name": "get_weather", "description": "Weather in a city",
-            "parameters": {"city": {"param_type": "string", "description": "The city"},
-                           "days": {"param_type": "int", "required": False}}}
-    return LegacyRequest.model_validate({"model_id": "m", "messages": [{"role": "user", "content": "hi"}],
-                                         "tools": [tool]} | fields)
-
-
-def test_legacy_tools_become_a_plan() -> None:
-    from app import llama_stack_tools
-
-    p = llama_stack_tools.plan(legacy_request(tool_choice="required"), _Tok())
-    assert p.choice == "required" and p.functions == [{
-        "name": "get_weather", "description": "Weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "The city"},
-                                                        "days": {"type": "integer"}}, "required": ["city"]}}]
-    named = llama_stack_tools.plan(legacy_request(tool_config={"tool_choice": "get_weather"}), _Tok())
-    assert named.choice == "function"
-    assert llama_stack_tools.plan(legacy_request(tool_prompt_format="json"), _Tok()).choice == "auto"
-    for fields, param in [({"tool_choice": "get_time"}, "tool_choice"), ({"tool_prompt_format": "xml"},
-                                                                         "tool_prompt_format")]:
-        with pytest.raises(BadRequestError) as err:
-            llama_stack_tools.plan(legacy_request(**fields), _Tok())
-        assert err.value.param == param
-
-
-def test_legacy_answers_carry_tool_calls() -> None:
-    from app import llama_stack_tools
-
-    p = llama_stack_tools.plan(legacy_request(), _Tok(), "smollm2")
-    text = '<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}]</tool_call>'
-    response = {"completion_message": {"role": "assistant", "content": text, "stop_reason": "end_of_turn",
-                                       "tool_calls": []}}
-    message = llama_stack_tools.split_response(response, p)["completion_message"]
-    assert message["content"] == "" and message["stop_reason"] == "end_of_message"
-    [call] = message["tool_calls"]
-    assert call["tool_name"] == "get_weather" and call["arguments"] == {"city": "Paris"}
-    assert json.loads(call["arguments_json"]) == {"city": "Paris"} and call["call_id"].startswith("call_")
-
-    async def events(typed: bool):
-        delta = (lambda t: {"type": "text", "text": t}) if typed else (lambda t: t)
-        yield {"event": {"event_type": "start", "delta": delta(""), "stop_reason": None, "logprobs": None}}
-        for i in range(0, len(text), 5):
-            yield {"event": {"event_type": "progress", "delta": delta(text[i:i + 5]), "stop_reason": None,
-                             "logprobs": None}}
-        yield {"event": {"event_type": "complete", "delta": delta(""), "stop_reason": "end_of_turn",
-                         "logprobs": None}}
-
-    async def collect(typed: bool) -> list[dict[str, Any]]:
-        return [e["event"] async for e in llama_stack_tools.split_events(events(typed), p, typed)]
-
-    typed = asyncio.run(collect(True))
-    assert typed[-1]["event_type"] == "complete" and typed[-1]["stop_reason"] == "end_of_message"
-    deltas = [e["delta"] for e in typed[1:-1]]
-    assert all(d["type"] == "tool_call" for d in deltas)
-    assert deltas[0]["parse_status"] == "started" and deltas[-1]["parse_status"] == "succeeded"
-    assert deltas[-1]["tool_call"]["arguments"] == {"city": "Paris"}
-    assert "".join(d["tool_call"] for d in deltas[1:-1]) == call["arguments_json"]
-    bare = asyncio.run(collect(False))
-    assert bare[-2]["delta"]["parse_status"] == "success" and bare[-2]["delta"]["content"]["tool_name"] == "get_weather"
 
 
 # ---------------------------------------------------------------- through apply_chat_template
@@ -363,7 +289,7 @@ QWEN_LIKE = (  # the tool parts of Qwen2.5's template, shortened
 
 
 def test_tools_and_history_render_through_the_models_template() -> None:
-    from app.convert_openai import chat_prompt_text
+    from app.prompts import chat_prompt_text
     from app.schemas_openai import ChatMessage
     from tests.support import build_byte_level_tokenizer
 
@@ -378,7 +304,7 @@ def test_tools_and_history_render_through_the_models_template() -> None:
 
 
 def test_default_tool_prompt_through_a_template_without_tools() -> None:
-    from app.convert_openai import chat_prompt_text
+    from app.prompts import chat_prompt_text
     from app.schemas_openai import ChatMessage
     from tests.support import build_byte_level_tokenizer
 

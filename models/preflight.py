@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+# A model config's context length, under the names model families use (the loader reads the same list).
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,7 +192,7 @@ def kv_elems_from_config(config: Mapping[str, object]) -> tuple[int, int]:
     heads = int(cfg.get("num_attention_heads") or cfg.get("n_head") or 1)
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
     head_dim = int(cfg.get("head_dim") or int(cfg.get("hidden_size") or cfg.get("n_embd") or 0) // heads)
-    context = next((int(cfg[k]) for k in _CONTEXT_KEYS if cfg.get(k)), 2048)
+    context = next((int(cfg[k]) for k in CONTEXT_KEYS if cfg.get(k)), 2048)
     return 2 * layers * kv_heads * head_dim, context
 
 
@@ -329,6 +330,12 @@ def cpu_has_amx(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     from engine import cpu_features
 
     return cpu_features.has("amx", flags=cpu_features.cpu_flags.__wrapped__(cpuinfo))
+
+
+def packed_copy_kept(device: str, cpu_kernels: bool) -> bool:
+    """Whether bfloat16 decode steps keep a packed copy of the weights (the CPU with the kernels on and AMX
+    usable, as engine/cpu_kernels.py decides): the one place the preflight, the loader and main.py ask."""
+    return device == "cpu" and cpu_kernels and cpu_has_amx()
 
 
 def disk_of(path: Path) -> Disk:

@@ -31,16 +31,15 @@ from typing import Any
 
 import torch
 
-from engine import dtype_probe, preflight
-from engine.devices import resolve_dtype, resolve_probe
+from engine import dtype_probe
+from engine.devices import placement
 from engine.types import EngineConfig
+from models import preflight
 
 log = logging.getLogger(__name__)
 
 GGUF_CACHE_FORMAT = 1  # bump when the cached layout changes; old folders are then ignored
 _HASH_CHUNK = 4 * 1024 * 1024
-_CONTEXT_ATTRS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
-DEFAULT_CACHE_DIR = Path("~/.cache/peregrine")
 
 
 @dataclass
@@ -57,11 +56,10 @@ class LoadError(RuntimeError):
 
 
 def load_model(cfg: EngineConfig) -> LoadedModel:
-    """Resolve device and dtype, convert a GGUF once (cached), load tokenizer and weights; eval, no grad.
-    The one place the dtype is decided: `--dtype auto` on the CPU loads float32 and times decode steps in each
-    candidate (engine/dtype_probe.py); the returned `dtype` is the one served."""
-    probe, device = resolve_probe(cfg.device)
-    dtype = resolve_dtype(cfg.dtype, device, probe)
+    """Convert a GGUF once (cached), load tokenizer and weights on the configured device; eval, no grad.
+    The CPU's `--dtype auto` is decided here: float32 is loaded and decode steps are timed in each candidate
+    (engine/dtype_probe.py); the returned `dtype` is the one served."""
+    device, dtype = placement(cfg.device, cfg.dtype)
     folder = model_folder(cfg)
     start = time.perf_counter()
     tokenizer = load_tokenizer(folder, cfg.trust_remote_code)
@@ -87,7 +85,8 @@ def load_fastest(folder: Path, tokenizer: Any, cfg: EngineConfig, device: torch.
     free RAM (the preflight's arithmetic), else bfloat16 without a probe."""
     dtypes, why = preflight.auto_cpu_dtypes(
         preflight.folder_footprint(folder), preflight.measure_resources([]).ram_free,
-        max_model_len=cfg.max_model_len, kv_cache_bytes=cfg.kv_cache_bytes, packed_copy=packed_copy_kept(cfg),
+        max_model_len=cfg.max_model_len, kv_cache_bytes=cfg.kv_cache_bytes,
+        packed_copy=preflight.packed_copy_kept(str(device), cfg.cpu_kernels),
     )  # fmt: skip
     if len(dtypes) == 1:
         log.info("dtype auto: bfloat16 (%s)", why)
@@ -106,11 +105,6 @@ def release_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def packed_copy_kept(cfg: EngineConfig) -> bool:
-    """Whether bfloat16 decode steps on this CPU keep a packed copy of the weights (AMX, kernels on)."""
-    return cfg.cpu_kernels and preflight.cpu_has_amx()
-
-
 def model_folder(cfg: EngineConfig) -> Path:
     """The folder transformers loads: `model_path` itself, or the cached conversion of its GGUF file."""
     path = Path(cfg.model_path)
@@ -118,8 +112,9 @@ def model_folder(cfg: EngineConfig) -> Path:
         if not (path / "config.json").is_file():
             raise LoadError(f"{path} has no config.json: not a transformers model folder")
         return path
-    cache_dir = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else DEFAULT_CACHE_DIR.expanduser()
-    return ensure_gguf_converted(path / cfg.gguf_file, cache_dir)
+    if not cfg.cache_dir:
+        raise LoadError("a GGUF model needs EngineConfig.cache_dir for its conversion (config.DEFAULT_CACHE_DIR)")
+    return ensure_gguf_converted(path / cfg.gguf_file, Path(cfg.cache_dir).expanduser())
 
 
 def load_tokenizer(folder: Path, trust_remote_code: bool = False) -> Any:
@@ -154,7 +149,7 @@ def load_weights(
 def context_length(config: Any, requested: int | None) -> int:
     """The model's context (from its config), or the requested one if it is not longer."""
     text_config = getattr(config, "text_config", None) or config
-    own = next((int(v) for a in _CONTEXT_ATTRS if (v := getattr(text_config, a, None))), None)
+    own = next((int(v) for a in preflight.CONTEXT_KEYS if (v := getattr(text_config, a, None))), None)
     if requested is None:
         if own is None:
             raise LoadError("the model's config gives no context length: pass --max-model-len")

