@@ -83,3 +83,12 @@ def test_quant_weight_matmul_all_paths(rows: int, weights: dict, monkeypatch: py
         weight = QuantWeight(blocks, TYPE_IDS[fmt], (40, 512))
         torch.testing.assert_close(weight.matmul(x), x @ dense.T, rtol=1e-4, atol=1e-4)
         assert weight.matmul(x.bfloat16()).dtype == torch.bfloat16
+
+
+def test_variant_follows_the_isa_ceiling(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PEREGRINE_CPU_ISA hides features: the server then loads the smaller variant (CI runs AVX2 on AVX-512)."""
+    monkeypatch.setenv("PEREGRINE_CPU_ISA", "none")
+    assert quant_kernels.variant() == "none"
+    monkeypatch.setenv("PEREGRINE_CPU_ISA", "avx2")
+    assert quant_kernels.variant() == ("avx2" if "avx2" in quant_kernels.runnable_variants() else "none")
+    assert quant_kernels.variant("amx") == "avx512"

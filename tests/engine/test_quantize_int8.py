@@ -13,7 +13,7 @@ from engine import preflight
 from engine.loader import load_model
 from engine.quant import QuantLinear, quantize_q8_0, resident_bytes
 from engine.types import EngineConfig
-from tests.engine.test_gguf_quantized import write_tiny_gguf
+from tests.quant_blocks import write_tiny_gguf
 
 
 def test_q8_0_blocks_equal_gguf_quantize() -> None:
