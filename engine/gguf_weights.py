@@ -43,6 +43,7 @@ LAYER_NAMES = {  # GGUF blk.N.<name> -> transformers model.layers.N.<name>
     "ffn_down": "mlp.down_proj",
 }
 TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+IGNORED = ("rope_freqs.weight",)  # Llama 3.x files: transformers derives the same factors from config.json
 
 
 class Unsupported(ValueError):
@@ -134,7 +135,7 @@ def load(gguf_path: Path, folder: Path, dtype: torch.dtype, trust_remote_code: b
     config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
-    tensors = {hf_name(t.name): t for t in reader.tensors}
+    tensors = {hf_name(t.name): t for t in reader.tensors if t.name not in IGNORED}
     quantized: dict[str, QuantWeight] = {}
     for name, t in sorted(tensors.items(), key=lambda item: item[0].endswith(".bias")):  # weights before biases
         value = _tensor(t, dtype, name, config, arch)

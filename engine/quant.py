@@ -76,8 +76,7 @@ class QuantWeight:
             return flat @ self.dequantize().T
         out = flat.new_empty(flat.shape[0], rows)
         for start in range(0, rows, step):
-            index = torch.arange(start, min(rows, start + step))
-            out[:, start : start + step] = flat @ self.dequantize(index).T
+            out[:, start : start + step] = flat @ self.slice_rows(start, min(rows, start + step)).dequantize().T
         return out
 
     def slice_rows(self, start: int, end: int) -> QuantWeight:
