@@ -96,8 +96,11 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, int64_t typ
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   const int64_t ldw = w.stride(0);
+  // At least ~256k weights per thread: a smaller matrix runs on one thread, as waking the others costs more than
+  // it saves (and much more on a loaded machine, where a parallel region waits for every thread to be scheduled).
+  const int64_t grain = std::max<int64_t>(16, (int64_t{1} << 18) / K);
   dispatch(type, [&](auto t) {
-    at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
       std::vector<float> tile(kTile * K, 0.f);  // zeroed: a short last tile reads finite stale rows
       linear_range<decltype(t)::value>(xp, M, K, wp, ldw, op, N, begin, end, tile.data());
     });
