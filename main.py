@@ -126,8 +126,9 @@ def run_preflight(settings: Settings, source: Any, plan: Any, device: str, dtype
     download_dir = settings.download_dir or default_download_dir()
     try:
         if source.kind == "gguf":
-            cached = is_converted(gguf_cache_folder(source.path, settings.cache_dir))
-            footprint = preflight.gguf_footprint(source.path, cached=cached)
+            quantized = settings.weight_format != "dense" and device == "cpu"  # kept as the file holds them
+            cached = quantized or is_converted(gguf_cache_folder(source.path, settings.cache_dir))
+            footprint = preflight.gguf_footprint(source.path, cached=cached, quantized=quantized)
         elif source.kind == "folder":
             footprint = preflight.folder_footprint(source.path)
         else:
@@ -175,6 +176,8 @@ def engine_config(settings: Settings, prepared: Prepared) -> Any:
         trust_remote_code=settings.trust_remote_code,
         model_impl=settings.model_impl,
         cpu_kernels=settings.cpu_kernels,
+        weight_format=settings.weight_format,
+        quantize=None if settings.quantize == "none" else settings.quantize,
         prefix_caching=settings.prefix_caching,
     )
 

@@ -136,6 +136,19 @@ class Settings(BaseSettings):
         "follow it too.",
     )
 
+    weight_format: Literal["auto", "quantized", "dense"] = Field(
+        "auto",
+        description="How a GGUF model's weights are held. quantized: as the file stores them (Q8_0, Q4_0, Q4_1, "
+        "Q4_K, Q6_K; about the file's size in RAM, nothing converted on disk), multiplied by Peregrine's kernels "
+        "(CPU, Llama-block models). dense: converted once to float32 safetensors in cache_dir and served in "
+        "--dtype. auto: quantized on CPU when the file allows it, else dense.",
+    )
+    quantize: Literal["none", "int8"] = Field(
+        "none",
+        description="Quantize a safetensors model's linear weights at load (CPU). int8: Q8_0 blocks (int8 with a "
+        "float16 scale per 32 weights), about a quarter of float32's memory, on the same kernels as GGUF weights.",
+    )
+
     # --- engine --------------------------------------------------------------------------------------
     max_num_seqs: int = Field(64, ge=1, description="Most sequences decoded together in one step.")
     max_model_len: int | None = Field(

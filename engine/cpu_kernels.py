@@ -79,9 +79,9 @@ def unsupported_reason() -> str | None:
 
 def load(cache_dir: Path | None = None) -> ModuleType | None:
     """The compiled extension (built on first use), or None when this machine cannot run it (logged once)."""
-    sources = sorted(CSRC.glob("*.cpp"))
+    sources = sorted(p for p in CSRC.glob("*.cpp") if not p.name.startswith("quant"))  # quant*: quant_kernels.py
     digest = hashlib.sha256(torch.__version__.encode() + " ".join(CFLAGS).encode())
-    for path in sorted([*sources, *CSRC.glob("*.h")]):
+    for path in sorted([*sources, *(h for h in CSRC.glob("*.h") if not h.name.startswith("quant"))]):
         # keyed by the checkout too: torch's builder rebuilds when the same build folder sees another source path
         digest.update(str(path.resolve()).encode() + path.read_bytes())
     key = digest.hexdigest()[:16]

@@ -16,6 +16,7 @@ writes to. Prefill and mixed steps, other dtypes and devices keep the op-by-op p
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,7 @@ from torch import nn
 from engine.attention import AttentionMetadata, attend
 from engine.cpu_kernels import AddRMSNorm, DecoderFactory, Linear, add_rms_norm_torch
 from engine.kv_cache import KVCache
+from engine.quant import QuantLinear, QuantWeight, concat, is_quantized
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +45,7 @@ def supports(model: nn.Module) -> bool:
     if inner is None or not hasattr(inner, "rotary_emb") or not hasattr(inner, "layers"):
         return False
     linears = [m for layer in inner.layers for m in (*_attn_linears(layer), *_mlp_linears(layer))]
-    return all(type(m) is nn.Linear for m in linears) and type(model.lm_head) is nn.Linear
+    return all(type(m) in (nn.Linear, QuantLinear) for m in (*linears, model.lm_head))
 
 
 def _sliding_window(config: object) -> bool:
@@ -65,32 +67,66 @@ def _mlp_linears(layer: nn.Module) -> tuple[nn.Linear, ...]:
     return m.gate_proj, m.up_proj, m.down_proj
 
 
-def _fuse(linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Concatenate the weights (and biases) along the output dim and re-point each Linear at its slice."""
-    weight = torch.cat([m.weight.detach() for m in linears])
+# A projection's weight: dense, quantized (engine/quant.py), or a list of both kinds whose outputs are concatenated
+# (projections quantized in different formats, as Q4_K_M files mix Q4_K and Q6_K, are not fused).
+Weight = torch.Tensor | QuantWeight | list[torch.Tensor | QuantWeight]
+
+
+def weight_of(m: nn.Module) -> torch.Tensor | QuantWeight:
+    return m.qweight if isinstance(m, QuantLinear) else m.weight
+
+
+def _fuse(linears: tuple[nn.Module, ...]) -> tuple[Weight, torch.Tensor | None]:
+    """Concatenate the weights (and biases) along the output dim and re-point each Linear at its slice: dense
+    weights, or quantized ones of one format; others stay a list."""
     has_bias = all(m.bias is not None for m in linears)
     bias = torch.cat([m.bias.detach() for m in linears]) if has_bias else None
+    if all(type(m) is nn.Linear for m in linears):
+        weight: Weight = torch.cat([m.weight.detach() for m in linears])
+    elif all(isinstance(m, QuantLinear) for m in linears):
+        weight = concat([m.qweight for m in linears]) or [m.qweight for m in linears]
+    else:
+        weight = [weight_of(m) for m in linears]
     start = 0
     for m in linears:
-        rows = m.weight.shape[0]
-        m.weight.data = weight[start : start + rows]
+        rows = m.out_features
+        if isinstance(weight, torch.Tensor):
+            m.weight.data = weight[start : start + rows]
+        elif isinstance(weight, QuantWeight):  # the fused blocks are the only copy
+            m.qweight = weight.slice_rows(start, start + rows)
+            m.blocks = m.qweight.blocks
         if bias is not None:
             m.bias.data = bias[start : start + rows]
         start += rows
     return weight, bias
 
 
+def quant_aware(linear: Linear) -> Callable[[torch.Tensor, Weight, torch.Tensor | None], torch.Tensor]:
+    """`linear` for dense weights; the quantized kernels for QuantWeight; a list runs piece by piece."""
+
+    def call(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(weight, torch.Tensor):
+            return linear(x, weight, bias)
+        if isinstance(weight, QuantWeight):
+            out = weight.matmul(x)
+        else:
+            out = torch.cat([call(x, w, None) for w in weight], dim=-1)
+        return out if bias is None else out + bias
+
+    return call
+
+
 @dataclass(frozen=True, slots=True)
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * dim, hidden]
+    qkv: Weight  # [(heads + 2 * kv_heads) * dim, hidden]
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor
+    o: Weight
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    gate_up: Weight  # [2 * intermediate, hidden]
     gate_up_bias: torch.Tensor | None
-    down: torch.Tensor
+    down: Weight
     down_bias: torch.Tensor | None
 
 
@@ -99,7 +135,7 @@ class LlamaFastForward:
                  decoder: DecoderFactory | None = None) -> None:
         config = model.config
         self.model = model
-        self.linear = linear  # F.linear, or engine.cpu_kernels' small-batch bf16 kernel
+        self.linear = quant_aware(linear)  # F.linear or engine.cpu_kernels' small-batch bf16 kernel; quantized
         self.add_norm = add_norm  # residual add + RMSNorm: torch ops, or engine.cpu_kernels' fused bf16 kernel
         self.hidden = config.hidden_size
         self.heads = config.num_attention_heads
@@ -109,6 +145,9 @@ class LlamaFastForward:
         self.scaling = self.head_dim**-0.5
         inner = model.model
         self.layers = [self._layer(layer) for layer in inner.layers[: config.num_hidden_layers]]
+        if decoder is not None and is_quantized(model):
+            log.info("one-call decode step off: the weights are quantized (op-by-op steps on the quantized kernels)")
+            decoder = None
         self._decoder_factory = decoder  # engine.cpu_kernels.llama_decoder_for: None unless bf16 on CPU
         self._decoder: tuple[KVCache, object] | None = None  # built on the first decode-only step
         rope_type = str(getattr(inner.rotary_emb, "rope_type", "default"))
@@ -159,8 +198,8 @@ class LlamaFastForward:
         qkv, qkv_bias = _fuse((a.q_proj, a.k_proj, a.v_proj))
         gate_up, gate_up_bias = _fuse((m.gate_proj, m.up_proj))
         return LayerWeights(
-            layer.input_layernorm.weight, qkv, qkv_bias, a.o_proj.weight, a.o_proj.bias,
-            layer.post_attention_layernorm.weight, gate_up, gate_up_bias, m.down_proj.weight, m.down_proj.bias,
+            layer.input_layernorm.weight, qkv, qkv_bias, weight_of(a.o_proj), a.o_proj.bias,
+            layer.post_attention_layernorm.weight, gate_up, gate_up_bias, weight_of(m.down_proj), m.down_proj.bias,
         )
 
     @torch.inference_mode()
@@ -185,7 +224,7 @@ class LlamaFastForward:
         rows = h[logits_indices]  # the final norm and the LM head only run on the rows that sample
         last = self.add_norm(rows, None if delta is None else delta[logits_indices], inner.norm.weight, self.eps)
         head = self.model.lm_head
-        return self.linear(last, head.weight, head.bias)
+        return self.linear(last, weight_of(head), head.bias)
 
     def _attention(self, index: int, w: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    meta: AttentionMetadata) -> torch.Tensor:

@@ -61,7 +61,8 @@ class LLMEngine:
                                   cpu_kernels.decode_attention_for(device, cfg.cpu_kernels, kernel_cache),
                                   cpu_kernels.add_rms_norm_for(device, dtype, cfg.cpu_kernels, kernel_cache),
                                   cpu_kernels.llama_decoder_for(device, dtype, cfg.cpu_kernels, kernel_cache))
-        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        head = model.get_output_embeddings()
+        self.vocab_size = int(getattr(head, "out_features", None) or head.weight.shape[0])  # quantized: no .weight
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         self.sampler = Sampler(device, cfg.seed, self.eos_token_ids,
                                cpu_kernels.argmax_for(device, cfg.cpu_kernels, kernel_cache))

@@ -183,6 +183,8 @@ class EngineConfig:
     trust_remote_code: bool = False
     model_impl: str = "auto"  # auto | generic | llama: the forward pass (auto: Llama fast path when it applies)
     cpu_kernels: bool = True  # Peregrine's AVX512-BF16 decode kernel (engine.cpu_kernels) where it applies
+    weight_format: str = "auto"  # auto | quantized | dense: a GGUF's weights kept quantized in RAM, or dense
+    quantize: str | None = None  # "int8": linear weights of a dense model to Q8_0 blocks at load
     prefix_caching: bool = True  # reuse the KV of full blocks whose prefix was computed before (block_manager)
 
 

@@ -56,17 +56,24 @@ class LoadError(RuntimeError):
 
 
 def load_model(cfg: EngineConfig) -> LoadedModel:
-    """Convert a GGUF once (cached), load tokenizer and weights on the configured device; eval, no grad.
-    The CPU's `--dtype auto` is decided here: float32 is loaded and decode steps are timed in each candidate
-    (engine/dtype_probe.py); the returned `dtype` is the one served."""
+    """Load tokenizer and weights on the configured device (a GGUF kept quantized, or converted once to a dense
+    cache); eval, no grad. The one place the dtype is decided: `--dtype auto` on the CPU loads float32 and times
+    decode steps in each candidate (engine/dtype_probe.py); the returned `dtype` is the one served."""
     device, dtype = placement(cfg.device, cfg.dtype)
-    folder = model_folder(cfg)
     start = time.perf_counter()
-    tokenizer = load_tokenizer(folder, cfg.trust_remote_code)
-    if dtype is None:
-        model, dtype = load_fastest(folder, tokenizer, cfg, device)
+    loaded = load_quantized_gguf(cfg, device, dtype) if serves_quantized_gguf(cfg, device) else None
+    if loaded is not None:
+        model, tokenizer, dtype, folder = loaded
     else:
-        model = load_weights(folder, dtype, device, cfg.trust_remote_code)
+        folder = model_folder(cfg)
+        tokenizer = load_tokenizer(folder, cfg.trust_remote_code)
+        if dtype is None:
+            model, dtype = load_fastest(folder, tokenizer, cfg, device)
+        else:
+            model = load_weights(folder, dtype, device, cfg.trust_remote_code)
+        if cfg.quantize == "int8":
+            quantize_int8(model, device)
+    log_resident(model)
     max_len = context_length(model.config, cfg.max_model_len)
     log.info(
         "loaded %s from %s on %s in %s in %.1f s (max_model_len %d)",
@@ -97,6 +104,89 @@ def load_fastest(folder: Path, tokenizer: Any, cfg: EngineConfig, device: torch.
     gc.collect()  # the other dtype's copy and the probe's engines: the KV cache is sized from the RAM free after this
     release_freed_memory()
     return chosen
+
+
+def serves_quantized_gguf(cfg: EngineConfig, device: torch.device) -> bool:
+    """`--weight-format`: quantized (GGUF files only, CPU only), dense, or auto (quantized for a GGUF on CPU)."""
+    if cfg.weight_format == "dense" or cfg.gguf_file is None:
+        if cfg.weight_format == "quantized" and cfg.gguf_file is None and cfg.quantize is None:
+            raise LoadError("--weight-format quantized needs a .gguf model (or --quantize int8 for safetensors)")
+        return False
+    if device.type != "cpu":
+        if cfg.weight_format == "quantized":
+            raise LoadError(f"--weight-format quantized runs on the CPU only, not on {device}")
+        return False
+    return True
+
+
+def load_quantized_gguf(
+    cfg: EngineConfig, device: torch.device, dtype: torch.dtype | None
+) -> tuple[Any, Any, torch.dtype, Path] | None:
+    """The GGUF's weights kept quantized (models/gguf_weights.py), or None to fall back to the dense conversion
+    (`--weight-format auto` and a file the kernels do not take: logged)."""
+    from models import gguf_weights
+
+    path = Path(cfg.model_path) / cfg.gguf_file
+    if not path.is_file():
+        raise LoadError(f"GGUF file not found: {path}")
+    if not cfg.cache_dir:
+        raise LoadError("a GGUF model needs EngineConfig.cache_dir for its metadata (config.DEFAULT_CACHE_DIR)")
+    cache_dir = Path(cfg.cache_dir).expanduser()
+    if dtype is None:
+        log.info("dtype auto: float32 for activations (quantized weights: the kernels compute in float32)")
+        dtype = torch.float32
+    try:
+        folder = gguf_weights.metadata_folder(path, cache_dir)
+        tokenizer = load_tokenizer(folder, cfg.trust_remote_code)
+        model = gguf_weights.load(path, folder, dtype, cfg.trust_remote_code)
+    except gguf_weights.Unsupported as exc:
+        if cfg.weight_format == "quantized":
+            raise LoadError(f"{path.name} cannot be served quantized: {exc}") from exc
+        log.warning("GGUF %s: %s; converting to dense float32 instead (--weight-format auto)", path.name, exc)
+        return None
+    log.info("GGUF %s: weights kept quantized (%s)", path.name, quant_summary(model))
+    return model, tokenizer, dtype, folder
+
+
+def quantize_int8(model: Any, device: torch.device) -> None:
+    """`--quantize int8`: every Linear of the decoder layers and the LM head to Q8_0 blocks, the same kernels as
+    GGUF weights (CPU only; a tied LM head shares the embedding's one quantized copy)."""
+    from engine.quant import QuantEmbedding, QuantLinear, quantize_q8_0
+
+    if device.type != "cpu":
+        raise LoadError(f"--quantize int8 runs on the CPU only, not on {device}")
+    names = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear and m.in_features % 32 == 0]
+    embed = model.get_input_embeddings()
+    tied = getattr(model.lm_head, "weight", None) is getattr(embed, "weight", None)
+    for name in names:
+        parent, _, attr = name.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        linear = getattr(owner, attr)
+        if tied and name == "lm_head":
+            continue
+        setattr(owner, attr, QuantLinear(quantize_q8_0(linear.weight), linear.bias))
+    if tied and embed.embedding_dim % 32 == 0:
+        weight = quantize_q8_0(embed.weight)
+        model.set_input_embeddings(QuantEmbedding(weight, embed.weight.dtype))
+        model.lm_head = QuantLinear(weight)
+    gc.collect()
+    release_freed_memory()
+    log.info("--quantize int8: linear weights quantized to Q8_0 (%s)", quant_summary(model))
+
+
+def quant_summary(model: Any) -> str:
+    from collections import Counter
+
+    from engine.quant import QuantEmbedding, QuantLinear
+
+    kinds = Counter(m.qweight.type_name for m in model.modules() if isinstance(m, (QuantLinear, QuantEmbedding)))
+    return ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
+
+
+def log_resident(model: Any) -> None:
+    from engine.quant import resident_bytes
+
+    log.info("weights resident: %s", preflight.fmt_bytes(resident_bytes(model)))
 
 
 def release_freed_memory() -> None:

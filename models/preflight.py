@@ -37,6 +37,7 @@ class ModelFootprint:
     context_len: int  # the model's own context length
     download_bytes: int = 0  # files still to fetch from the Hub
     convert_bytes: int = 0  # dense float32 weights a first GGUF conversion writes to the cache
+    weight_bytes: int | None = None  # resident weights when they do not follow the dtype (a GGUF kept quantized)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,8 +99,10 @@ def memory_need(
     """Bytes for weights in `dtype` + KV cache (+ the one-call decode step's packed copy of the bfloat16 weights,
     which it keeps on CPUs with AMX), with the breakdown in words. dtype "auto" (CPU) is the peak of the
     `--dtype auto` probe (engine/dtype_probe.py): float32 weights and KV cache + the bfloat16 copy timed beside them."""
+    if fp.weight_bytes is not None and dtype == "auto":
+        dtype = "float32"  # quantized weights: activations and KV cache in float32, no dtype probe
     stored = "float32" if dtype == "auto" else dtype
-    weights = fp.param_count * DTYPE_BYTES[stored]
+    weights = fp.param_count * DTYPE_BYTES[stored] if fp.weight_bytes is None else fp.weight_bytes
     kv = kv_cache_need(fp, DTYPE_BYTES[stored], max_model_len, kv_cache_bytes)
     tokens = max_model_len or fp.context_len
     kv_words = f"KV cache {fmt_bytes(kv)}" + (
@@ -110,7 +113,8 @@ def memory_need(
     probe_words = f" + {fmt_bytes(probe)} bfloat16 copy timed by --dtype auto" if probe else ""
     copy = bf16 if packed_copy and dtype in ("auto", "bfloat16") else 0
     copy_words = f" + {fmt_bytes(copy)} packed copy for AMX decode steps" if copy else ""
-    return weights + kv + probe + copy, f"weights {fmt_bytes(weights)} in {stored} + {kv_words}{probe_words}{copy_words}"
+    held = f"in {stored}" if fp.weight_bytes is None else "quantized (GGUF tensors)"
+    return weights + kv + probe + copy, f"weights {fmt_bytes(weights)} {held} + {kv_words}{probe_words}{copy_words}"
 
 
 def auto_cpu_dtypes(
@@ -141,7 +145,7 @@ def check(
 ) -> list[Need]:
     """Every need against what is free. The model fits when all are `ok`."""
     needs = list(_disk_needs(fp, res.disks, download_dir, cache_dir))
-    if dtype == "auto" and not on_cuda:
+    if dtype == "auto" and not on_cuda and fp.weight_bytes is None:
         dtypes, _ = auto_cpu_dtypes(fp, res.ram_free, max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes,
                                     packed_copy=packed_copy)
         dtype = "auto" if len(dtypes) > 1 else "bfloat16"
@@ -217,10 +221,11 @@ def folder_footprint(folder: Path) -> ModelFootprint:
     return ModelFootprint(params, kv, context)
 
 
-def gguf_footprint(path: Path, *, cached: bool) -> ModelFootprint:
+def gguf_footprint(path: Path, *, cached: bool, quantized: bool = False) -> ModelFootprint:
     """A .gguf file: tensor element counts and attention shape from its header; a first conversion
-    writes the dense float32 weights (cached=False)."""
-    meta, shapes = read_gguf_header(path)
+    writes the dense float32 weights (cached=False). `quantized`: served as the file holds them
+    (engine/gguf_weights.py): the weights take their bytes in the file, and nothing is converted."""
+    meta, shapes, types = read_gguf_tensors(path)
     params = sum(_prod(shape) for shape in shapes.values())
     arch = str(meta.get("general.architecture", "llama"))
 
@@ -231,7 +236,18 @@ def gguf_footprint(path: Path, *, cached: bool) -> ModelFootprint:
     heads = get("attention.head_count", 1)
     head_dim = get("attention.key_length", get("embedding_length", 0) // heads)
     kv = 2 * get("block_count", 0) * get("attention.head_count_kv", heads) * head_dim
+    if quantized:
+        weight_bytes = sum(gguf_tensor_bytes(shapes[n], types[n]) for n in shapes)
+        return ModelFootprint(params, kv, get("context_length", 2048), weight_bytes=weight_bytes)
     return ModelFootprint(params, kv, get("context_length", 2048), convert_bytes=0 if cached else params * 4)
+
+
+def gguf_tensor_bytes(shape: tuple[int, ...], ggml_type: int) -> int:
+    """Bytes of a tensor of `ggml_type` (ggml's block sizes, from the gguf package)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    per_block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+    return _prod(shape) // per_block * block_bytes
 
 
 # GGUF metadata value types (GGUF v2/v3): scalar struct formats, 8 = string, 9 = array.
@@ -252,7 +268,13 @@ _GGUF_STRING, _GGUF_ARRAY = 8, 9
 
 
 def read_gguf_header(path: Path) -> tuple[dict[str, object], dict[str, tuple[int, ...]]]:
-    """Metadata (scalars and strings; arrays are skipped) and tensor shapes from a GGUF file's header.
+    """Metadata (scalars and strings; arrays are skipped) and tensor shapes from a GGUF file's header."""
+    meta, shapes, _ = read_gguf_tensors(path)
+    return meta, shapes
+
+
+def read_gguf_tensors(path: Path) -> tuple[dict[str, object], dict[str, tuple[int, ...]], dict[str, int]]:
+    """Metadata, tensor shapes and tensor ggml types from a GGUF file's header.
 
     Reads only the header, in a fraction of a second: gguf.GGUFReader maps every tokenizer entry into
     numpy and takes tens of seconds on a 50k-token vocabulary.
@@ -268,13 +290,13 @@ def read_gguf_header(path: Path) -> tuple[dict[str, object], dict[str, tuple[int
             value = _gguf_value(f, _unpack(f, "<I"))
             if value is not None:
                 meta[key] = value
-        shapes = {}
+        shapes, types = {}, {}
         for _ in range(n_tensors):
             name = _gguf_string(f)
-            dims = tuple(_unpack(f, "<Q") for _ in range(_unpack(f, "<I")))
-            f.read(4 + 8)  # ggml type, data offset
-            shapes[name] = dims
-    return meta, shapes
+            shapes[name] = tuple(_unpack(f, "<Q") for _ in range(_unpack(f, "<I")))
+            types[name] = _unpack(f, "<I")
+            f.read(8)  # data offset
+    return meta, shapes, types
 
 
 def _gguf_value(f: BinaryIO, vtype: int) -> object:

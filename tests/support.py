@@ -157,7 +157,8 @@ def load_smollm2(folder: Path) -> Loaded:
     from engine.types import EngineConfig
 
     loaded = load_model(EngineConfig(model_path=str(folder), model_name="smollm2", gguf_file=SMOLLM2_GGUF,
-                                     device="cpu", dtype="bfloat16", cache_dir=str(DEFAULT_CACHE_DIR)))
+                                     device="cpu", dtype="bfloat16", weight_format="dense",
+                                     cache_dir=str(DEFAULT_CACHE_DIR)))
     return Loaded(loaded.model, loaded.tokenizer, loaded.max_model_len)
 
 

@@ -220,8 +220,8 @@ def test_failed_conversion_leaves_nothing(tmp_path: Path, monkeypatch: pytest.Mo
 
 @pytest.mark.slow
 def test_bundled_gguf_converts_faithfully_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """SmolLM2 Q4_1 -> dense float32 safetensors equal to gguf's own dequantization; answers correctly;
-    the second load reuses the cache (no conversion)."""
+    """--weight-format dense: SmolLM2 Q4_1 -> dense float32 safetensors equal to gguf's own dequantization;
+    answers correctly; the second load reuses the cache (no conversion)."""
     from models.hub import bundled_path
 
     try:
@@ -229,7 +229,7 @@ def test_bundled_gguf_converts_faithfully_once(tmp_path: Path, monkeypatch: pyte
     except Exception as exc:  # noqa: BLE001
         pytest.skip(f"bundled SmolLM2 not installed: {exc}")
     cfg = EngineConfig(model_path=str(gguf_path.parent), model_name="smollm2", gguf_file=gguf_path.name,
-                       device="cpu", dtype="float32", cache_dir=str(tmp_path))  # fmt: skip
+                       device="cpu", dtype="float32", cache_dir=str(tmp_path), weight_format="dense")  # fmt: skip
     loaded = loader.load_model(cfg)
     folder = loader.gguf_cache_folder(gguf_path, tmp_path)
     assert loader.is_converted(folder)

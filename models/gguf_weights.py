@@ -1,0 +1,224 @@
+"""A GGUF file served as it is: its quantized tensors stay quantized in RAM (engine/quant.py), nothing dense is
+written to disk.
+
+What is cached (once, in `<cache>/gguf/<name>-<hash>-quantized/`): config.json, the tokenizer and its chat
+template, generation_config.json: a few MB, converted by transformers from the file's metadata. The weights are
+read from the file at each start with the `gguf` package's GGUFReader (memory-mapped): 2-D quantized matmul
+weights (q, k, v, o, gate, up, down, the LM head and the token embedding) become `QuantLinear` /
+`QuantEmbedding` over a copy of their raw blocks; 1-D, F32 and F16 tensors are dequantized to the serving dtype.
+
+llama.cpp's converter permutes the rows of Q and K of Llama models for its RoPE layout; transformers'
+GGUF loader un-permutes them (modeling_gguf_pytorch_utils.LlamaTensorProcessor), and so does `unpermute_rows`
+here, on whole rows of blocks. A model whose LM head is tied to its embedding keeps one quantized copy.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from engine.quant import FORMATS, QuantEmbedding, QuantLinear, QuantWeight
+
+log = logging.getLogger(__name__)
+
+META_FORMAT = 1  # bump when the cached metadata layout changes
+ARCHITECTURES = ("llama", "qwen2")  # GGUF general.architecture values served quantized (Llama block)
+DENSE_TYPES = (0, 1)  # F32, F16: dequantized to the serving dtype
+LAYER_NAMES = {  # GGUF blk.N.<name> -> transformers model.layers.N.<name>
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+IGNORED = ("rope_freqs.weight",)  # Llama 3.x files: transformers derives the same factors from config.json
+
+
+class Unsupported(ValueError):
+    """This file cannot be served quantized (an architecture or tensor type the kernels do not take)."""
+
+
+def hf_name(name: str) -> str:
+    """GGUF tensor name -> transformers parameter name ("blk.3.attn_q.weight" -> "model.layers.3.self_attn...")."""
+    stem, _, kind = name.rpartition(".")
+    if stem.startswith("blk."):
+        _, index, part = stem.split(".", 2)
+        if part in LAYER_NAMES:
+            return f"model.layers.{index}.{LAYER_NAMES[part]}.{kind}"
+    elif stem in TOP_NAMES:
+        return f"{TOP_NAMES[stem]}.{kind}"
+    raise Unsupported(f"tensor {name} has no place in a Llama-block model")
+
+
+def unpermute_rows(rows: int, heads: int) -> torch.Tensor:
+    """The row order that undoes llama.cpp's Q/K permutation: out[h, j, i] = in[h, i, j], per head [dim/2, 2]."""
+    return torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
+
+
+# --- the small cached metadata folder ------------------------------------------------------------------
+
+
+def metadata_folder(gguf_path: Path, cache_dir: Path) -> Path:
+    """config.json, tokenizer and generation config of `gguf_path`, converted once (atomic publish)."""
+    from models.loader import gguf_fingerprint
+
+    target = cache_dir / "gguf" / f"{gguf_path.stem}-{gguf_fingerprint(gguf_path)}-quantized"
+    if _ready(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    log.info("GGUF %s: caching its config and tokenizer once in %s (weights stay in the file)", gguf_path.name,
+             target)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        _write_metadata(gguf_path, tmp)
+        if target.exists() and not _ready(target):
+            shutil.rmtree(target, ignore_errors=True)
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not _ready(target):  # another process published first: theirs is as good
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _ready(folder: Path) -> bool:
+    try:
+        return json.loads((folder / "peregrine.json").read_text()).get("format") == META_FORMAT
+    except (OSError, ValueError):
+        return False
+
+
+def _write_metadata(gguf_path: Path, out: Path) -> None:
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    folder, name = gguf_path.parent, gguf_path.name
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the weights are loaded here, not by transformers' GGUF quantizer
+    config.save_pretrained(out)
+    GenerationConfig.from_model_config(config).save_pretrained(out)
+    AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out)
+    marker = {"format": META_FORMAT, "source": str(gguf_path), "weights": "kept quantized in the GGUF file"}
+    (out / "peregrine.json").write_text(json.dumps(marker, indent=2) + "\n")
+
+
+# --- the model ------------------------------------------------------------------------------------------
+
+
+def load(gguf_path: Path, folder: Path, dtype: torch.dtype, trust_remote_code: bool = False) -> nn.Module:
+    """The transformers model of `folder`'s config, its weights taken from `gguf_path` (quantized ones kept so).
+    Raises Unsupported before building anything when the file cannot be served this way."""
+    from gguf import GGUFReader
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    reader = GGUFReader(gguf_path)
+    arch = str(reader.fields["general.architecture"].contents())
+    if arch not in ARCHITECTURES:
+        raise Unsupported(f"architecture {arch!r} (served quantized: {', '.join(ARCHITECTURES)})")
+    odd = sorted({t.tensor_type.name for t in reader.tensors if int(t.tensor_type) not in (*FORMATS, *DENSE_TYPES)})
+    if odd:
+        raise Unsupported(f"tensor types {', '.join(odd)} (kernels: {', '.join(f[0] for f in FORMATS.values())})")
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+    tensors = {hf_name(t.name): t for t in reader.tensors if t.name not in IGNORED}
+    quantized: dict[str, QuantWeight] = {}
+    for name, t in sorted(tensors.items(), key=lambda item: item[0].endswith(".bias")):  # weights before biases
+        value = _tensor(t, dtype, name, config, arch)
+        if isinstance(value, QuantWeight):
+            quantized[name] = value
+            _place_quantized(model, name.removesuffix(".weight"), value, dtype)
+        else:
+            _set(model, name, nn.Parameter(value, requires_grad=False))
+    _tie_head(model, quantized)
+    _rebuild_rotary(model)
+    leftover = [n for n, p in (*model.named_parameters(), *model.named_buffers()) if p.is_meta]
+    if leftover:
+        raise Unsupported(f"the file has no values for {', '.join(leftover[:4])}")
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def _tensor(t: object, dtype: torch.dtype, name: str, config: object, arch: str) -> torch.Tensor | QuantWeight:
+    qtype = int(t.tensor_type)
+    data = torch.from_numpy(np.array(t.data))  # a copy out of the read-only memory map
+    if qtype in FORMATS:
+        cols, rows = (int(d) for d in t.shape)  # ggml order: the row length first
+        value: torch.Tensor | QuantWeight = QuantWeight(data.reshape(rows, -1), qtype, (rows, cols))
+    else:
+        value = data.reshape(tuple(int(d) for d in reversed(t.shape))).to(dtype)
+    heads = _permuted_heads(name, config) if arch == "llama" else None
+    if heads:
+        order = unpermute_rows(value.shape[0], heads)
+        if isinstance(value, QuantWeight):
+            return QuantWeight(value.blocks.index_select(0, order).contiguous(), value.qtype, value.shape)
+        return value.index_select(0, order).contiguous()
+    return value
+
+
+def _permuted_heads(name: str, config: object) -> int | None:
+    if ".self_attn.q_proj." in name:
+        return int(config.num_attention_heads)
+    if ".self_attn.k_proj." in name:
+        return int(config.num_key_value_heads or config.num_attention_heads)
+    return None
+
+
+def _place_quantized(model: nn.Module, path: str, weight: QuantWeight, dtype: torch.dtype) -> None:
+    parent, _, attr = path.rpartition(".")
+    owner = model.get_submodule(parent)
+    if isinstance(getattr(owner, attr), nn.Embedding):
+        setattr(owner, attr, QuantEmbedding(weight, dtype))
+    else:
+        setattr(owner, attr, QuantLinear(weight))
+
+
+def _set(model: nn.Module, name: str, value: nn.Parameter) -> None:
+    path, _, attr = name.rpartition(".")
+    owner = model.get_submodule(path)
+    if isinstance(owner, QuantLinear) and attr == "bias":
+        owner.bias = value
+        return
+    setattr(owner, attr, value)
+
+
+def _tie_head(model: nn.Module, quantized: dict[str, QuantWeight]) -> None:
+    """No `output.weight` in the file: the LM head is the embedding (one copy, quantized or not)."""
+    head = model.lm_head
+    if "lm_head.weight" in quantized or isinstance(head, QuantLinear) or not head.weight.is_meta:
+        return
+    embed = quantized.get("model.embed_tokens.weight")
+    if embed is not None:
+        model.lm_head = QuantLinear(embed)
+    else:
+        model.lm_head.weight = model.model.embed_tokens.weight
+
+
+def _rebuild_rotary(model: nn.Module) -> None:
+    """RoPE's inverse frequencies are computed at construction, which ran on the meta device: redo it."""
+    inner = model.model
+    rotary = getattr(inner, "rotary_emb", None)
+    if rotary is not None:
+        inner.rotary_emb = type(rotary)(config=model.config)
+
+
+def tensor_bytes(gguf_path: Path) -> int:
+    """Bytes of every tensor in the file: the resident size of the weights when served quantized."""
+    from gguf import GGUFReader
+
+    return sum(int(t.n_bytes) for t in GGUFReader(gguf_path).tensors)

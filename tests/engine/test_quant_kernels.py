@@ -1,0 +1,94 @@
+"""Peregrine's kernels for quantized weights (engine/csrc/quant.cpp) against gguf's numpy dequantization + torch's
+matmul, for every format, every ISA variant this CPU runs, and decode-size (1, 3, 16) and prefill-size (64) rows.
+
+Bounds: dequantization is exact (the same float32 arithmetic as ggml's reference up to one rounding of q * d + m);
+the matmul differs from torch's only in summation order: |error| <= 1e-5 * sum |x| |w| per output (float32's
+epsilon times the length of the dot product, with margin)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine import quant_kernels
+from engine.quant import QuantWeight
+from tests.quant_blocks import FORMATS, dequantize, make_blocks
+
+pytestmark = pytest.mark.timeout(900)  # the first run compiles each variant (about a minute each on 2 cores)
+VARIANTS = ("none", "avx2", "avx512")
+TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
+
+
+def kernels(variant: str):  # noqa: ANN201 - a compiled extension module
+    if variant not in quant_kernels.runnable_variants():
+        pytest.skip(f"this CPU cannot run the {variant} variant")
+    module = quant_kernels.load(variant)
+    if module is None:
+        pytest.skip("no C++ compiler: the kernels did not build")
+    assert module.isa() == variant
+    return module
+
+
+@pytest.fixture(scope="module")
+def weights() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    rng = np.random.default_rng(16)
+    out = {}
+    for fmt in FORMATS:
+        blocks = make_blocks(fmt, 40, 512, rng)  # 40 rows: not a multiple of the kernel's 4-row tiles
+        out[fmt] = (torch.from_numpy(blocks.copy()), torch.from_numpy(dequantize(blocks, fmt)))
+    return out
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_dequantize_matches_gguf(variant: str, weights: dict) -> None:
+    module = kernels(variant)
+    for fmt, (blocks, dense) in weights.items():
+        got = module.dequantize(blocks, TYPE_IDS[fmt], 512)
+        torch.testing.assert_close(got, dense, rtol=1e-6, atol=1e-7, msg=f"{fmt} dequantized")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_linear_matches_dequantize_then_matmul(variant: str, weights: dict) -> None:
+    module = kernels(variant)
+    torch.manual_seed(0)
+    for fmt, (blocks, dense) in weights.items():
+        for rows in (1, 3, 16):
+            x = torch.randn(rows, 512)
+            bound = 1e-5 * (x.abs() @ dense.abs().T)
+            error = (module.linear(x, blocks, TYPE_IDS[fmt]) - x @ dense.T).abs()
+            assert (error <= bound + 1e-6).all(), f"{fmt}, {rows} rows: max error {error.max():.3g}"
+
+
+def test_rows_are_batch_invariant(weights: dict) -> None:
+    """Each output row is the same whatever else is in the batch (the same sums in the same order)."""
+    if quant_kernels.load() is None:
+        pytest.skip("no C++ compiler: the kernels did not build")
+    x = torch.randn(16, 512)
+    for fmt, (blocks, _) in weights.items():
+        weight = QuantWeight(blocks, TYPE_IDS[fmt], (40, 512))
+        alone = torch.cat([weight.matmul(x[i : i + 1]) for i in range(16)])
+        assert torch.equal(weight.matmul(x), alone), fmt
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 64])
+def test_quant_weight_matmul_all_paths(rows: int, weights: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """QuantWeight.matmul: the kernel up to 16 rows, dequantized tiles + torch's GEMM beyond (tiles forced small
+    here so several are used), bf16 inputs answered in bf16."""
+    if quant_kernels.load() is None:
+        pytest.skip("no C++ compiler: the kernels did not build")
+    monkeypatch.setattr("engine.quant.PREFILL_TILE_ELEMS", 512 * 16)
+    x = torch.randn(rows, 512)
+    for fmt, (blocks, dense) in weights.items():
+        weight = QuantWeight(blocks, TYPE_IDS[fmt], (40, 512))
+        torch.testing.assert_close(weight.matmul(x), x @ dense.T, rtol=1e-4, atol=1e-4)
+        assert weight.matmul(x.bfloat16()).dtype == torch.bfloat16
+
+
+def test_variant_follows_the_isa_ceiling(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PEREGRINE_CPU_ISA hides features: the server then loads the smaller variant (CI runs AVX2 on AVX-512)."""
+    monkeypatch.setenv("PEREGRINE_CPU_ISA", "none")
+    assert quant_kernels.variant() == "none"
+    monkeypatch.setenv("PEREGRINE_CPU_ISA", "avx2")
+    assert quant_kernels.variant() == ("avx2" if "avx2" in quant_kernels.runnable_variants() else "none")
+    assert quant_kernels.variant("amx") == "avx512"
