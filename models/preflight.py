@@ -224,7 +224,7 @@ def folder_footprint(folder: Path) -> ModelFootprint:
 def gguf_footprint(path: Path, *, cached: bool, quantized: bool = False) -> ModelFootprint:
     """A .gguf file: tensor element counts and attention shape from its header; a first conversion
     writes the dense float32 weights (cached=False). `quantized`: served as the file holds them
-    (engine/gguf_weights.py): the weights take their bytes in the file, and nothing is converted."""
+    (models/gguf_weights.py): the weights take their bytes in the file, and nothing is converted."""
     meta, shapes, types = read_gguf_tensors(path)
     params = sum(_prod(shape) for shape in shapes.values())
     arch = str(meta.get("general.architecture", "llama"))

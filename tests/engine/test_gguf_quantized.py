@@ -1,4 +1,4 @@
-"""GGUF weights kept quantized (engine/gguf_weights.py, engine/quant.py): tiny GGUF files written here by the
+"""GGUF weights kept quantized (models/gguf_weights.py, engine/quant.py): tiny GGUF files written here by the
 `gguf` package in each format, and the bundled SmolLM2 Q4_1 file.
 
 Stated quality of the bundled model, quantized kernels against the float32 model dequantized from the same file
