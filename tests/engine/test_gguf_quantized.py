@@ -82,6 +82,7 @@ def test_q_k_rows_unpermuted_like_transformers() -> None:
 def bundled() -> tuple[Loaded, Loaded, Path]:
     """SmolLM2 served quantized, and the float32 model dequantized from the same file (the dense path)."""
     from models.loader import load_model
+    from config import DEFAULT_CACHE_DIR
     from engine.types import EngineConfig
 
     folder = smollm2_dir()
@@ -92,7 +93,7 @@ def bundled() -> tuple[Loaded, Loaded, Path]:
     loaded = []
     for fmt in ("quantized", "dense"):
         cfg = EngineConfig(model_path=str(folder), model_name="smollm2", gguf_file=SMOLLM2_GGUF, device="cpu",
-                           dtype="float32", weight_format=fmt)
+                           dtype="float32", weight_format=fmt, cache_dir=str(DEFAULT_CACHE_DIR))
         model = load_model(cfg)
         loaded.append(Loaded(model.model, model.tokenizer, model.max_model_len))
     return loaded[0], loaded[1], folder / SMOLLM2_GGUF
