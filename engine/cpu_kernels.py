@@ -1,31 +1,33 @@
-"""Peregrine's own CPU kernels (`csrc/`: a shared header `kernels.h`, one file per kernel family, `bindings.cpp`),
-for the decode steps torch's general kernels serve badly.
+"""Peregrine's own CPU kernels (`csrc/`: a shared header `kernels.h`, the vector layer `vec.h`, one file per kernel
+family, `bindings.cpp`), for the decode steps torch's general kernels serve badly. Each is written once over
+`vec.h`'s `Vec` (AVX-512, AVX2 + FMA, NEON or scalar, picked by the compiler flags) for float32 and bfloat16.
 
-- `linear_bf16`, a bandwidth-bound bfloat16 linear for decode steps of 1 to 8 rows. At batch 1 a decode step
-  reads every weight once, so its speed is memory bandwidth / weight bytes. torch's bf16 `F.linear` (oneDNN)
-  reaches about a third of this machine's bandwidth at one row; the kernel streams each weight row once
-  through AVX512-BF16 dot products and about doubles it. Larger batches are compute bound, where oneDNN's AMX
-  GEMM is the better kernel, so `linear_for` only sends it the small ones.
+- `linear_small`, a bandwidth-bound linear for decode steps of 1 to 8 rows. At batch 1 a decode step reads every
+  weight once, so its speed is memory bandwidth / weight bytes. Each weight row is streamed once, for up to 8
+  inputs per pass, through AVX512-BF16 dot products (bf16 on AVX-512) or FMA in float32. Larger batches are
+  compute bound, where torch's GEMM is the better kernel, so `linear_for` only sends it the small ones.
 - `paged_decode_attention`, decode attention read straight from the paged KV cache through the block tables
   (float32 or bfloat16, softmax in float32). The torch path gathers every sequence's context into a padded
   copy and runs a masked SDPA; at decode sizes that is a handful of ops per layer whose fixed cost dominates.
 - `add_rms_norm_`, the residual add and Llama's RMSNorm in one pass (eight torch ops), with transformers'
-  rounding; used for bfloat16, where it is most of the per-layer op count that is not a matmul.
-- `argmax_rows`, greedy sampling's argmax over float32 logits: vectorized, where torch's reduction is scalar
-  (0.25 ms a row of a 49k vocabulary, 1.4 ms at 16 rows, on this machine).
-- `LlamaDecoder`, a whole bfloat16 decode step of a Llama-family model (token ids in: the embedding lookup,
-  every layer, the final norm and the LM head; float32 logits out) in one call and one parallel region, its
-  matmuls on AMX tiles where the CPU has them, over a copy of the weights packed in the order a step reads them
-  (else the AVX512-BF16 rows of `linear_bf16` on the model's own weights), its attention in fixed 64-position
-  chunks. `engine.llama_fast` runs decode-only steps through it: at batch 1 the
-  ~450 small ops per step that remain around the weight reads, and the thread wake-ups between them, are what
-  keep the Python-level path from the memory roofline; at 16 rows AMX does the matmuls at the cost of reading
-  the weights, where oneDNN's GEMM repacks them on every call.
+  rounding.
+- `argmax_rows`, greedy sampling's argmax over float32 logits: vectorized, where torch's reduction is scalar.
+- `LlamaDecoder_float32` / `LlamaDecoder_bfloat16`, a whole decode step of a Llama-family model (token ids in:
+  the embedding lookup, every layer, the final norm and the LM head; float32 logits out) in one call and one
+  parallel region, its bf16 matmuls on AMX tiles where the CPU has them, over a copy of the weights packed in the
+  order a step reads them (else `linear_small`'s rows on the model's own weights), its attention in fixed
+  64-position chunks. `engine.llama_fast` runs decode-only steps through it: at batch 1 the ~450 small ops per
+  step that remain around the weight reads, and the thread wake-ups between them, are what keep the Python-level
+  path from the memory roofline.
 
-The sources (`csrc/*.cpp`) are compiled with torch's own extension builder on first use (a C++ compiler is
-needed; about a minute on a quiet machine) and cached under `<cache>/kernels/`, keyed by the source, its path and torch version, so later
-starts load it in milliseconds. When the CPU lacks AVX512-BF16, no compiler is found, or the build fails,
-`load()` logs why once and the engine keeps torch's ops.
+The sources are compiled once per ISA level (`engine.extension_build.build_extension`: "avx512" with the AMX
+flags, "avx2", "neon") with torch's extension builder on first use (a C++ compiler is needed; about a minute on
+a quiet machine) and cached under `<cache>/kernels/`, keyed by the sources, their path, the flags and torch's
+version, so later starts load it in milliseconds. `build_level()` picks the best level the CPU has under the
+PEREGRINE_CPU_ISA ceiling, and the path taken is logged once. When no level applies, no compiler is found, or
+the build fails, `load()` logs why once and the engine keeps torch's ops. Which kernels serve which dtype on
+which level is measured (`LINEAR_ROWS`, `DECODER_DTYPES`, `ADD_NORM_DTYPES`; the figures are in README "CPU
+kernels").
 """
 
 from __future__ import annotations
