@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.cpu_kernels import DecodeAttention
+from engine.kernels import DecodeAttention
 from engine.kv_cache import KVCache
 
 ATTN_IMPL = "peregrine_paged"

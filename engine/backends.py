@@ -3,15 +3,20 @@
 Invariants every backend keeps:
 - `free_memory_bytes()` is measured, not guessed: what the device could still hand out right now;
 - `prepare(model)` returns the module the runner calls (the same one, moved or compiled as the device needs);
-- `synchronize()` waits for queued work; the engine calls it only at boundaries, never per token.
+- `synchronize()` waits for queued work; the engine calls it only at boundaries, never per token;
+- `kernels(dtype, enabled, cache_dir)` is the kernel set the engine computes with (`engine.kernels.Kernels`),
+  chosen once per engine: torch's ops unless the device has kernels of its own.
 """
 
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 from typing import Protocol
 
 import torch
+
+from engine.kernels import TORCH, Kernels
 
 
 class Backend(Protocol):
@@ -23,6 +28,8 @@ class Backend(Protocol):
     def prepare(self, model: torch.nn.Module) -> torch.nn.Module: ...
 
     def synchronize(self) -> None: ...
+
+    def kernels(self, dtype: torch.dtype, enabled: bool, cache_dir: Path | None) -> Kernels: ...
 
 
 class CpuBackend:
@@ -41,6 +48,12 @@ class CpuBackend:
 
     def synchronize(self) -> None:
         return None
+
+    def kernels(self, dtype: torch.dtype, enabled: bool, cache_dir: Path | None) -> Kernels:
+        """Peregrine's CPU kernels where they load and serve `dtype` (`enabled`: --cpu-kernels), else torch's."""
+        from engine import cpu_kernels
+
+        return cpu_kernels.kernels_for(self.device, dtype, enabled, cache_dir)
 
 
 class CudaBackend:
@@ -64,6 +77,9 @@ class CudaBackend:
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
+
+    def kernels(self, dtype: torch.dtype, enabled: bool, cache_dir: Path | None) -> Kernels:
+        return TORCH
 
 
 class TTBackend:

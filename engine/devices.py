@@ -1,7 +1,7 @@
 """Which device and dtype the model runs on: the one registry of device kinds (cpu, cuda, tt).
 
-`DEVICES` maps each kind to a `DeviceKind`: its probe, its backend (engine/backends.py) and a slot for the
-kernel set the backend hands the model runner. Every probe answers four questions:
+`DEVICES` maps each kind to a `DeviceKind`: its probe and its backend (engine/backends.py), whose `kernels()`
+is the kernel set (engine/kernels.py) the model runner computes with. Every probe answers four questions:
   - `missing()`: None when it can run here, else a sentence naming exactly what is missing;
   - `torch_device(index)`: the torch device that holds the model's tensors;
   - `device_name(device)`: the resolved name `EngineConfig.device` carries ("cpu", "cuda:0", "tt");
@@ -21,7 +21,7 @@ import importlib.util
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -117,11 +117,11 @@ class TtProbe:
 
 @dataclass(frozen=True)
 class DeviceKind:
-    """One kind of device: whether and how it runs here (probe), and what runs on it (backend, kernels)."""
+    """One kind of device: whether and how it runs here (probe), and what runs on it (backend; the backend's
+    `kernels()` is the kernel set the model runner computes with)."""
 
     probe: DeviceProbe
     backend: Callable[[torch.device], Backend]
-    kernels: Callable[..., Any] | None = None  # the kernel set the backend hands the runner (None: torch's ops)
 
 
 DEVICES: dict[str, DeviceKind] = {

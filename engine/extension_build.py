@@ -1,4 +1,11 @@
-"""One guard around every build of Peregrine's C++ extensions (torch's `cpp_extension.load`).
+"""Building Peregrine's C++ extensions: one compiled module per ISA level, cached, and one guard around each build.
+
+`build_extension(name, sources, level)` compiles `sources` with torch's extension builder
+(`torch.utils.cpp_extension.load`) and the flags of `level` (`LEVEL_FLAGS`), into
+`<cache>/kernels/<name>-<level>-<key>/`, where the key hashes the torch version, the flags and every source and
+header next to them (and their paths), so a later start with the same sources loads the module in milliseconds.
+Each level gets its own module name (`<name>_<level>`), so one process can hold two levels (tests run the AVX2
+path on AVX-512 machines).
 
 torch's builder serialises builds of one folder with a `lock` file it creates and deletes; a builder killed
 mid-build (a server stopped while it compiled, a test timed out) leaves that file behind, and every later start
@@ -9,14 +16,28 @@ while it is held no other builder can be running in that folder and a `lock` fil
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import logging
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from types import ModuleType
+
+import torch
 
 log = logging.getLogger(__name__)
 
 TORCH_LOCK = "lock"  # torch.utils.file_baton's file in the build directory
+
+# The compiler flags of each ISA level the kernels are built for (engine.cpu_features names the x86 levels; NEON
+# is part of every aarch64 CPU, so it needs no flag).
+LEVEL_FLAGS: dict[str, list[str]] = {
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "neon": [],
+}
+BASE_FLAGS = ["-O3", "-fopenmp"]
 
 
 @contextmanager
@@ -33,3 +54,40 @@ def exclusive_build(build_dir: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(guard, fcntl.LOCK_UN)
+
+
+def level_flags(level: str) -> list[str]:
+    """The full compiler flags of `level` (one of LEVEL_FLAGS)."""
+    if level not in LEVEL_FLAGS:
+        raise ValueError(f"unknown ISA level {level!r}: expected one of {', '.join(LEVEL_FLAGS)}")
+    return [*BASE_FLAGS, *LEVEL_FLAGS[level]]
+
+
+def build_key(sources: Sequence[Path], flags: Sequence[str]) -> str:
+    """What the build depends on: torch's version, the flags, and each source and header beside them (path and
+    bytes; torch's builder rebuilds when the same build folder sees another source path)."""
+    digest = hashlib.sha256(torch.__version__.encode() + " ".join(flags).encode())
+    folders = {Path(s).parent for s in sources}
+    headers = [h for folder in sorted(folders) for h in sorted(folder.glob("*.h"))]
+    for path in sorted({*map(Path, sources), *headers}):
+        digest.update(str(path.resolve()).encode() + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def build_extension(name: str, sources: Sequence[Path], level: str, cache_dir: Path) -> ModuleType:
+    """The module `<name>_<level>` compiled from `sources` with `level`'s flags, built once into `cache_dir/kernels`
+    and loaded from there afterwards. Raises what the build raises (the caller decides what a failure means)."""
+    flags = level_flags(level)
+    module_name = f"{name}_{level}"
+    build_dir = cache_dir / "kernels" / f"{module_name}-{build_key(sources, flags)}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    if not (build_dir / f"{module_name}.so").exists():
+        log.info("compiling %s for %s into %s, once", name, level, build_dir)
+    from torch.utils.cpp_extension import load
+
+    with exclusive_build(build_dir):
+        module = load(name=module_name, sources=[str(p) for p in sources], extra_cflags=flags,
+                      extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
+    log.debug("%s (%s) ready in %.1f s", name, level, time.perf_counter() - started)
+    return module

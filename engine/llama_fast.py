@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, attend
-from engine.cpu_kernels import AddRMSNorm, DecoderFactory, Linear, add_rms_norm_torch
+from engine.kernels import TORCH, Kernels, Linear
 from engine.kv_cache import KVCache
 from engine.quant import QuantLinear, QuantWeight, concat, is_quantized
 
@@ -131,12 +131,11 @@ class LayerWeights:
 
 
 class LlamaFastForward:
-    def __init__(self, model: nn.Module, linear: Linear = F.linear, add_norm: AddRMSNorm = add_rms_norm_torch,
-                 decoder: DecoderFactory | None = None) -> None:
+    def __init__(self, model: nn.Module, kernels: Kernels = TORCH) -> None:
         config = model.config
         self.model = model
-        self.linear = quant_aware(linear)  # F.linear or engine.cpu_kernels' small-batch bf16 kernel; quantized
-        self.add_norm = add_norm  # residual add + RMSNorm: torch ops, or engine.cpu_kernels' fused bf16 kernel
+        self.linear = quant_aware(kernels.linear)  # F.linear or engine.cpu_kernels' small-batch kernel; quantized
+        self.add_norm = kernels.add_rms_norm  # residual add + RMSNorm: torch ops, or engine.cpu_kernels' fused one
         self.hidden = config.hidden_size
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads or self.heads
@@ -145,10 +144,11 @@ class LlamaFastForward:
         self.scaling = self.head_dim**-0.5
         inner = model.model
         self.layers = [self._layer(layer) for layer in inner.layers[: config.num_hidden_layers]]
+        decoder = kernels.decoder  # engine.cpu_kernels.llama_decoder_for: None unless on CPU
         if decoder is not None and is_quantized(model):
             log.info("one-call decode step off: the weights are quantized (op-by-op steps on the quantized kernels)")
             decoder = None
-        self._decoder_factory = decoder  # engine.cpu_kernels.llama_decoder_for: None unless bf16 on CPU
+        self._decoder_factory = decoder
         self._decoder: tuple[KVCache, object] | None = None  # built on the first decode-only step
         rope_type = str(getattr(inner.rotary_emb, "rope_type", "default"))
         # RoPE that depends on the position alone (not "dynamic" scaling, not longrope's length switch) is looked up

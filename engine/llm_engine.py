@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from engine import cpu_kernels, devices, grammar, prompt_logprobs
+from engine import devices, grammar, prompt_logprobs
 from engine.block_manager import BlockManager
 from engine.kv_cache import KVCache, KVCacheSpec, plan_num_blocks
 from engine.model_runner import ModelRunner
@@ -56,16 +56,12 @@ class LLMEngine:
         self.blocks = BlockManager(self.kv_cache.num_blocks, cfg.block_size, cfg.prefix_caching)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         kernel_cache = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else None
-        self.runner = ModelRunner(backend.prepare(model), self.kv_cache, device, cfg.model_impl,
-                                  cpu_kernels.linear_for(device, dtype, cfg.cpu_kernels, kernel_cache),
-                                  cpu_kernels.decode_attention_for(device, cfg.cpu_kernels, kernel_cache),
-                                  cpu_kernels.add_rms_norm_for(device, dtype, cfg.cpu_kernels, kernel_cache),
-                                  cpu_kernels.llama_decoder_for(device, dtype, cfg.cpu_kernels, kernel_cache))
+        self.kernels = backend.kernels(dtype, cfg.cpu_kernels, kernel_cache)  # chosen once, passed once
+        self.runner = ModelRunner(backend.prepare(model), self.kv_cache, device, cfg.model_impl, self.kernels)
         head = model.get_output_embeddings()
         self.vocab_size = int(getattr(head, "out_features", None) or head.weight.shape[0])  # quantized: no .weight
         self.eos_token_ids = eos_token_ids(model, tokenizer)
-        self.sampler = Sampler(device, cfg.seed, self.eos_token_ids,
-                               cpu_kernels.argmax_for(device, cfg.cpu_kernels, kernel_cache))
+        self.sampler = Sampler(device, cfg.seed, self.eos_token_ids, self.kernels.argmax)
         self.counters = Counters()
         log.info("prefix caching %s", f"on: up to {self.kv_cache.num_slots} tokens of KV kept for reuse in "
                  f"blocks of {cfg.block_size}, evicted least recently used" if cfg.prefix_caching else "off")

@@ -15,10 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from engine import attention, cpu_kernels, llama_fast, prompt_logprobs
+from engine import attention, llama_fast, prompt_logprobs
 from engine.attention import AttentionMetadata, PrefillChunk
+from engine.kernels import TORCH, Kernels
 from engine.kv_cache import KVCache
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 
@@ -39,20 +39,18 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device,
-                 impl: str = "auto", linear: cpu_kernels.Linear = F.linear,
-                 decode_attention: cpu_kernels.DecodeAttention | None = None,
-                 add_norm: cpu_kernels.AddRMSNorm = cpu_kernels.add_rms_norm_torch,
-                 decoder: cpu_kernels.DecoderFactory | None = None) -> None:
+                 impl: str = "auto", kernels: Kernels = TORCH) -> None:
         attention.register()
         model.set_attn_implementation(attention.ATTN_IMPL)
         self.model = model.eval()
         self.kv_cache = kv_cache
         self.device = device
         self.block_size = kv_cache.block_size
-        self.decode_attention = decode_attention
+        self.kernels = kernels
+        self.decode_attention = kernels.decode_attention
         self.impl = choose_impl(model, impl)
         self._forward: Forward = (
-            llama_fast.LlamaFastForward(model, linear, add_norm, decoder) if self.impl == "llama" else self._generic
+            llama_fast.LlamaFastForward(model, kernels) if self.impl == "llama" else self._generic
         )
         log.info("forward pass: %s", self.impl)
 

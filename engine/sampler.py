@@ -10,13 +10,13 @@ distribution (before penalties and temperature), like vLLM's default; for a row 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
 
-from engine.cpu_kernels import argmax_torch
 from engine.grammar import apply_mask
+from engine.kernels import Argmax, argmax_torch
 from engine.sequence import Sequence
 
 SeqKey = tuple[str, int]
@@ -32,8 +32,8 @@ class SampledToken:
 
 class Sampler:
     def __init__(self, device: torch.device, seed: int, eos_token_ids: Collection[int],
-                 argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-        """`argmax`: row-wise argmax with torch.argmax's answers (engine.cpu_kernels.argmax_for)."""
+                 argmax: Argmax | None = None) -> None:
+        """`argmax`: row-wise argmax with torch.argmax's answers (the engine's `Kernels.argmax`)."""
         self._device = device
         self._argmax = argmax or argmax_torch
         self._eos = sorted(eos_token_ids)

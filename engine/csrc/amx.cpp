@@ -2,6 +2,7 @@
 // step reads them, the step's 1-32 input rows as A tiles read in place.
 #include "kernels.h"
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -139,3 +140,19 @@ void amx_rows(const uint16_t* packed, int64_t N, int64_t K, const float* bias, c
 void amx_release() { _tile_release(); }
 
 }  // namespace peregrine
+
+#else  // a build without AMX: the decoder never asks for it
+
+namespace peregrine {
+
+bool amx_available() { return false; }
+void pack_weight(const uint16_t*, int64_t, int64_t, uint16_t*) { TORCH_CHECK(false, "this build has no AMX"); }
+void amx_rows(const uint16_t*, int64_t, int64_t, const float*, const uint16_t*, int64_t, int64_t, bf16*, int64_t,
+              int64_t, int64_t, AmxScratch&) {
+  TORCH_CHECK(false, "this build has no AMX");
+}
+void amx_release() {}
+
+}  // namespace peregrine
+
+#endif

@@ -4,11 +4,15 @@
 namespace peregrine {
 namespace {
 
-// The 16 horizontal sums of v[0..15] as one vector (a transpose by shuffles instead of 16 reductions).
-__attribute__((always_inline)) inline __m512 sum16(const __m512* v) {
+constexpr int kPos = 16;  // context positions whose dot products are summed together
+
+// out[o] = the horizontal sum of v[o], for the kPos vectors of a batch of positions.
+__attribute__((always_inline)) inline void sums16(const Vec* v, float* out) {
+#if defined(__AVX512F__)
+  // The 16 sums as one vector: a transpose by shuffles instead of 16 reductions.
   __m512 t[8], u[4];
   for (int i = 0; i < 8; ++i)  // per 128-bit lane: v[2i] and v[2i+1] folded to pairs
-    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i].v, v[2 * i + 1].v), _mm512_unpackhi_ps(v[2 * i].v, v[2 * i + 1].v));
   for (int j = 0; j < 4; ++j)  // per lane: the lane's sums of v[4j..4j+3]
     u[j] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * j], t[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
                          _mm512_shuffle_ps(t[2 * j], t[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
@@ -16,74 +20,87 @@ __attribute__((always_inline)) inline __m512 sum16(const __m512* v) {
                                    _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
   const __m512 x23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
                                    _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(x01, x23, _MM_SHUFFLE(3, 1, 3, 1)));
+  _mm512_storeu_ps(out, _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, _MM_SHUFFLE(2, 0, 2, 0)),
+                                      _mm512_shuffle_f32x4(x01, x23, _MM_SHUFFLE(3, 1, 3, 1))));
+#else
+  for (int o = 0; o < kPos; ++o) out[o] = v[o].sum();
+#endif
 }
 
 // The softmax numerators exp(score - max) of each head's chunk scores, in place; the max and their sum go to the
 // head's partial.
 __attribute__((always_inline)) inline void chunk_softmax(float* scores, float* part, int64_t dim) {
-  __m512 vmax = _mm512_set1_ps(-INFINITY);
-  for (int64_t o = 0; o < kAttnChunk; o += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(scores + o));
-  const float max = _mm512_reduce_max_ps(vmax);
-  __m512 total = _mm512_setzero_ps();
-  for (int64_t o = 0; o < kAttnChunk; o += 16) {  // the -inf padding becomes 0
-    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(scores + o), _mm512_set1_ps(max)));
-    _mm512_storeu_ps(scores + o, e);
-    total = _mm512_add_ps(total, e);
+  Vec vmax = Vec::set1(-INFINITY);
+  for (int64_t o = 0; o < kAttnChunk; o += Vec::W) vmax = max(vmax, Vec::load(scores + o));
+  const float top = vmax.max();
+  Vec total = Vec::zero();
+  for (int64_t o = 0; o < kAttnChunk; o += Vec::W) {  // the -inf padding becomes 0
+    const Vec e = exp_nonpositive(Vec::load(scores + o) - Vec::set1(top));
+    e.store(scores + o);
+    total = total + e;
   }
-  part[dim] = max;
-  part[dim + 1] = _mm512_reduce_add_ps(total);
+  part[dim] = top;
+  part[dim + 1] = total.sum();
 }
 
-// One chunk for GP query heads of a GQA group (from g0), head_dim = CH * 16 known at compile time: the query
-// vectors and the V accumulators stay in registers and the dot products of 16 positions are independent chains.
-// The arithmetic and its order are attend_generic's, so both give the same bits.
-template <int CH, int GP, typename T>
+// The chunk's scores of one head against n <= kAttnChunk key rows (-inf past n), kPos positions at a time.
+// qv: the head's scaled query, CH vectors (CH known at compile time, or 0: `chunks` at run time).
+template <int CH, typename T>
+__attribute__((always_inline)) inline void head_scores(const Vec* qv, int64_t chunks, const T* const* k_rows,
+                                                       int64_t n, float* scores) {
+  const int64_t count = CH ? CH : chunks;
+  for (int64_t o0 = 0; o0 < n; o0 += kPos) {
+    const int64_t m = std::min<int64_t>(kPos, n - o0);
+    Vec dots[kPos];
+    for (int o = 0; o < kPos; ++o) {
+      const T* r = k_rows[o0 + std::min<int64_t>(o, m - 1)];  // past the end: the last row again, dropped below
+      Vec dot = Vec::zero();
+      for (int64_t c = 0; c < count; ++c) dot = fmadd(qv[c], Vec::load(r + c * Vec::W), dot);
+      dots[o] = dot;
+    }
+    alignas(64) float sums[kPos];
+    sums16(dots, sums);
+    std::copy_n(sums, m, scores + o0);
+  }
+}
+
+// One chunk for GP query heads of a GQA group (from g0), head_dim D known at compile time: the query vectors and
+// the V accumulators stay in registers (as far as there are registers). The arithmetic and its order are
+// attend_generic's, so both give the same bits.
+template <int D, int GP, typename T>
 void attend_heads(int64_t b, int64_t h0, int64_t chunk, const T* q, const T* const* k_rows, const T* const* v_rows,
                   int64_t n, int64_t heads, float scale, AttnPartials& partials) {
-  constexpr int64_t dim = CH * 16;
-  __m512 qv[GP][CH];
+  constexpr int CH = D / Vec::W;
+  Vec qv[GP][CH];
   for (int g = 0; g < GP; ++g)
     for (int c = 0; c < CH; ++c)
-      qv[g][c] = _mm512_mul_ps(load16(q + (b * heads + h0 + g) * dim + c * 16), _mm512_set1_ps(scale));
+      qv[g][c] = Vec::load(q + (b * heads + h0 + g) * D + c * Vec::W) * Vec::set1(scale);
   alignas(64) float scores[GP][kAttnChunk];
-  for (int g = 0; g < GP; ++g) std::fill_n(scores[g], kAttnChunk, -INFINITY);
-  for (int64_t o0 = 0; o0 < n; o0 += 16) {
-    const int64_t m = std::min<int64_t>(16, n - o0);
-    const T* const* rows = k_rows + o0;  // past the end: the last row again, masked
-    for (int g = 0; g < GP; ++g) {
-      __m512 dots[16];
-      for (int o = 0; o < 16; ++o) {
-        const T* r = rows[std::min<int64_t>(o, m - 1)];
-        __m512 dot = _mm512_setzero_ps();
-        for (int c = 0; c < CH; ++c) dot = _mm512_fmadd_ps(qv[g][c], load16(r + c * 16), dot);
-        dots[o] = dot;
-      }
-      _mm512_mask_storeu_ps(scores[g] + o0, static_cast<__mmask16>((1u << m) - 1), sum16(dots));
-    }
+  for (int g = 0; g < GP; ++g) {
+    std::fill_n(scores[g], kAttnChunk, -INFINITY);
+    head_scores<CH>(qv[g], CH, k_rows, n, scores[g]);
   }
-  for (int g = 0; g < GP; ++g) chunk_softmax(scores[g], partials.at(b, h0 + g, chunk), dim);
-  __m512 acc[GP][CH];
+  for (int g = 0; g < GP; ++g) chunk_softmax(scores[g], partials.at(b, h0 + g, chunk), D);
+  Vec acc[GP][CH];
   for (int g = 0; g < GP; ++g)
-    for (int c = 0; c < CH; ++c) acc[g][c] = _mm512_setzero_ps();
+    for (int c = 0; c < CH; ++c) acc[g][c] = Vec::zero();
   for (int64_t o = 0; o < n; ++o) {
     const T* vp = v_rows[o];
     for (int c = 0; c < CH; ++c) {
-      const __m512 v = load16(vp + c * 16);
-      for (int g = 0; g < GP; ++g) acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g][o]), v, acc[g][c]);
+      const Vec v = Vec::load(vp + c * Vec::W);
+      for (int g = 0; g < GP; ++g) acc[g][c] = fmadd(Vec::set1(scores[g][o]), v, acc[g][c]);
     }
   }
   for (int g = 0; g < GP; ++g)
-    for (int c = 0; c < CH; ++c) _mm512_storeu_ps(partials.at(b, h0 + g, chunk) + c * 16, acc[g][c]);
+    for (int c = 0; c < CH; ++c) acc[g][c].store(partials.at(b, h0 + g, chunk) + c * Vec::W);
 }
 
 // attend_heads for `count` (1..GP) heads: the instantiation with that many.
-template <int CH, int GP, typename T>
+template <int D, int GP, typename T>
 void attend_pass(int64_t count, int64_t b, int64_t h0, int64_t chunk, const T* q, const T* const* k_rows,
                  const T* const* v_rows, int64_t n, int64_t heads, float scale, AttnPartials& partials) {
-  if (count == GP) attend_heads<CH, GP, T>(b, h0, chunk, q, k_rows, v_rows, n, heads, scale, partials);
-  else if constexpr (GP > 1) attend_pass<CH, GP - 1, T>(count, b, h0, chunk, q, k_rows, v_rows, n, heads, scale, partials);
+  if (count == GP) attend_heads<D, GP, T>(b, h0, chunk, q, k_rows, v_rows, n, heads, scale, partials);
+  else if constexpr (GP > 1) attend_pass<D, GP - 1, T>(count, b, h0, chunk, q, k_rows, v_rows, n, heads, scale, partials);
 }
 
 // Any head_dim (a multiple of 16): the same arithmetic as attend_heads, with the sizes known only at run time.
@@ -91,44 +108,38 @@ template <typename T>
 void attend_generic(int64_t b, int64_t h0, int64_t group, int64_t chunk, const T* q, const T* const* k_rows,
                     const T* const* v_rows, int64_t n, int64_t heads, int64_t dim, float scale, AttnPartials& partials,
                     AttnScratch& s) {
-  const int64_t chunks = dim / 16;
+  const int64_t chunks = dim / Vec::W;
   s.scores.assign(group * kAttnChunk, -INFINITY);
   s.qv.resize(group * chunks);
-  s.acc.assign(group * chunks, _mm512_setzero_ps());
+  s.acc.assign(group * chunks, Vec::zero());
   for (int64_t g = 0; g < group; ++g)
     for (int64_t c = 0; c < chunks; ++c)
-      s.qv[g * chunks + c] = _mm512_mul_ps(load16(q + ((b * heads + h0 + g) * dim) + c * 16), _mm512_set1_ps(scale));
-  for (int64_t o0 = 0; o0 < n; o0 += 16) {
-    const int64_t m = std::min<int64_t>(16, n - o0);
-    for (int64_t g = 0; g < group; ++g) {
-      __m512 dots[16];
-      for (int o = 0; o < 16; ++o) {
-        const T* r = k_rows[o0 + std::min<int64_t>(o, m - 1)];
-        __m512 dot = _mm512_setzero_ps();
-        for (int64_t c = 0; c < chunks; ++c) dot = _mm512_fmadd_ps(s.qv[g * chunks + c], load16(r + c * 16), dot);
-        dots[o] = dot;
-      }
-      _mm512_mask_storeu_ps(s.scores.data() + g * kAttnChunk + o0, static_cast<__mmask16>((1u << m) - 1), sum16(dots));
-    }
-  }
+      s.qv[g * chunks + c] = Vec::load(q + ((b * heads + h0 + g) * dim) + c * Vec::W) * Vec::set1(scale);
+  for (int64_t g = 0; g < group; ++g)
+    head_scores<0>(s.qv.data() + g * chunks, chunks, k_rows, n, s.scores.data() + g * kAttnChunk);
   for (int64_t g = 0; g < group; ++g) chunk_softmax(s.scores.data() + g * kAttnChunk, partials.at(b, h0 + g, chunk), dim);
   for (int64_t o = 0; o < n; ++o) {
     const T* vp = v_rows[o];
     for (int64_t c = 0; c < chunks; ++c) {
-      const __m512 v = load16(vp + c * 16);
+      const Vec v = Vec::load(vp + c * Vec::W);
       for (int64_t g = 0; g < group; ++g)
-        s.acc[g * chunks + c] = _mm512_fmadd_ps(_mm512_set1_ps(s.scores[g * kAttnChunk + o]), v, s.acc[g * chunks + c]);
+        s.acc[g * chunks + c] = fmadd(Vec::set1(s.scores[g * kAttnChunk + o]), v, s.acc[g * chunks + c]);
     }
   }
   for (int64_t g = 0; g < group; ++g)
-    for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(partials.at(b, h0 + g, chunk) + c * 16, s.acc[g * chunks + c]);
+    for (int64_t c = 0; c < chunks; ++c) s.acc[g * chunks + c].store(partials.at(b, h0 + g, chunk) + c * Vec::W);
 }
+
+// Query heads per register-resident pass: what fits in about half the vector registers.
+constexpr int kRegFloats = Vec::W == 16 ? 256 : 64;
+template <int D>
+constexpr int kHeadsPerPass = kRegFloats / D > 1 ? kRegFloats / D : 1;
 
 }  // namespace
 
-// Per query head of the item's GQA group: the chunk's scores (16 positions at a time, one vector per head), softmax
-// numerators, weighted V sum. Head dims of 32, 64 and 128 take the register-resident attend_heads, a few heads
-// at a time; others the generic loop.
+// Per query head of the item's GQA group: the chunk's scores (kPos positions at a time), softmax numerators,
+// weighted V sum. Head dims of 32, 64 and 128 take the register-resident attend_heads, a few heads at a time;
+// others the generic loop.
 template <typename T>
 void attend_chunk(const AttnItem& item, const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
                   const int64_t* lengths, int64_t heads, int64_t kv_heads, int64_t dim, int64_t max_blocks,
@@ -148,18 +159,18 @@ void attend_chunk(const AttnItem& item, const T* q, const T* k_cache, const T* v
   const int64_t row_bytes = dim * static_cast<int64_t>(sizeof(T));
   for (int64_t o = 0; o < n; ++o)
     for (int64_t l = 0; l < row_bytes; l += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(k_rows[o]) + l, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(v_rows[o]) + l, _MM_HINT_T0);
+      prefetch(reinterpret_cast<const char*>(k_rows[o]) + l);
+      prefetch(reinterpret_cast<const char*>(v_rows[o]) + l);
     }
-  auto passes = [&](auto ch, auto most) {
-    constexpr int CH = decltype(ch)::value, GP = decltype(most)::value;
+  auto passes = [&](auto d) {
+    constexpr int D = decltype(d)::value, GP = kHeadsPerPass<D>;
     for (int64_t g0 = 0; g0 < group; g0 += GP)
-      attend_pass<CH, GP, T>(std::min<int64_t>(GP, group - g0), b, h0 + g0, item.chunk, q, k_rows, v_rows, n, heads,
-                             scale, partials);
+      attend_pass<D, GP, T>(std::min<int64_t>(GP, group - g0), b, h0 + g0, item.chunk, q, k_rows, v_rows, n, heads,
+                            scale, partials);
   };
-  if (dim == 32) passes(std::integral_constant<int, 2>{}, std::integral_constant<int, 8>{});
-  else if (dim == 64) passes(std::integral_constant<int, 4>{}, std::integral_constant<int, 4>{});
-  else if (dim == 128) passes(std::integral_constant<int, 8>{}, std::integral_constant<int, 2>{});
+  if (dim == 32) passes(std::integral_constant<int, 32>{});
+  else if (dim == 64) passes(std::integral_constant<int, 64>{});
+  else if (dim == 128) passes(std::integral_constant<int, 128>{});
   else attend_generic(b, h0, group, item.chunk, q, k_rows, v_rows, n, heads, dim, scale, partials, s);
 }
 
@@ -175,8 +186,7 @@ void merge_chunks(int64_t b, int64_t h, const int64_t* lengths, T* out, int64_t 
     const float* part = partials.at(b, h, c);
     const float w = std::exp(part[dim] - max);
     total += w * part[dim + 1];
-    for (int64_t d = 0; d < dim; d += 16)
-      _mm512_store_ps(acc + d, _mm512_fmadd_ps(_mm512_set1_ps(w), _mm512_loadu_ps(part + d), _mm512_load_ps(acc + d)));
+    for (int64_t d = 0; d < dim; d += Vec::W) fmadd(Vec::set1(w), Vec::load(part + d), Vec::load(acc + d)).store(acc + d);
   }
   T* dst = out + (b * heads + h) * dim;
   for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(acc[d] / total);

@@ -43,7 +43,7 @@ inline std::vector<AttnItem> attn_items(const int64_t* lengths, int64_t batch, i
 // Scratch for one thread's attention items, reused across items.
 struct AttnScratch {
   std::vector<float> scores;
-  std::vector<__m512> qv, acc;
+  std::vector<Vec> qv, acc;
 };
 
 // One work item: per query head of the item's GQA group, the chunk's scores, softmax numerators and weighted V sum.

@@ -7,9 +7,10 @@
 // them (Sapphire Rapids and later): the decoder keeps a copy of the weights packed as B tiles in the order a step
 // reads them (pack_weight), so the weight stream runs front to back near the plain read speed, and the step's
 // 1-32 input rows are the A tiles, read in place. One instruction sequence serves every batch size, so a row's
-// output does not depend on its batch mates. CPUs without AMX use the AVX512-BF16 rows of linear.cpp on the model's
-// own weights (no copy).
-// The rounding to bfloat16 follows engine/llama_fast.py op for op (RoPE, SiLU * up, norms, matmul outputs).
+// output does not depend on its batch mates. Without AMX (and always in float32) the matmuls are linear.cpp's rows
+// on the model's own weights (no copy). The decoder is a template over the model dtype T (float or bf16), bound as
+// LlamaDecoder_float32 and LlamaDecoder_bfloat16; the rounding to T follows engine/llama_fast.py op for op (RoPE,
+// SiLU * up, norms, matmul outputs).
 #include "attention.h"
 
 #include <omp.h>
@@ -35,19 +36,22 @@ struct Linear {
 };
 
 // out[:M, n_begin:n_end] = x[:M] @ w[n_begin:n_end]^T (+ bias). n_begin and n_end are multiples of 16; with AMX
-// n_begin is a multiple of 32 and n_end one too or N.
-void linear_rows(const Linear& L, const bf16* x, int64_t ldx, int64_t M, bf16* out, int64_t ldo, int64_t n_begin,
+// (bf16 only) n_begin is a multiple of 32 and n_end one too or N.
+template <typename T>
+void linear_rows(const Linear& L, const T* x, int64_t ldx, int64_t M, T* out, int64_t ldo, int64_t n_begin,
                  int64_t n_end, bool amx, Scratch& s) {
   const float* bias = L.bias.defined() ? L.bias.data_ptr<float>() : nullptr;
-  const auto* xs = reinterpret_cast<const uint16_t*>(x);
   if (n_begin >= n_end) return;
-  if (!amx) {
-    const auto* w = reinterpret_cast<const uint16_t*>(L.weight.data_ptr());
-    for (int64_t m0 = 0; m0 < M; m0 += 8)
-      gemv_rows(std::min<int64_t>(M - m0, 8), xs + m0 * ldx, w, bias, out + m0 * ldo, L.K, ldx, ldo, n_begin, n_end);
-    return;
+  if constexpr (std::is_same_v<T, bf16>) {
+    if (amx) {
+      amx_rows(L.packed, L.N, L.K, bias, reinterpret_cast<const uint16_t*>(x), ldx, M, out, ldo, n_begin, n_end,
+               s.amx);
+      return;
+    }
   }
-  amx_rows(L.packed, L.N, L.K, bias, xs, ldx, M, out, ldo, n_begin, n_end, s.amx);
+  const T* w = L.weight.data_ptr<T>();
+  for (int64_t m0 = 0; m0 < M; m0 += 8)
+    gemv_rows(std::min<int64_t>(M - m0, 8), x + m0 * ldx, w, bias, out + m0 * ldo, L.K, ldx, ldo, n_begin, n_end);
 }
 
 // One allocation for all packed weights, in the order a step reads them, on transparent huge pages where the
@@ -81,7 +85,7 @@ struct SpinBarrier {
     // A phase ends within microseconds of its mates when every thread has a core. When one has lost its core
     // (the server's event loop, a client on the same machine), spinning on would keep it off: yield soon.
     for (int spins = 0; phase.load(std::memory_order_acquire) == p; ++spins) {
-      if (spins < 256) _mm_pause();
+      if (spins < 256) cpu_relax();
       else sched_yield();
     }
   }
@@ -93,29 +97,26 @@ inline std::pair<int64_t, int64_t> share(int64_t items, int64_t align, int t, in
   return {units * t / threads * align, units * (t + 1) / threads * align};
 }
 
-// transformers' rotate-half RoPE in bfloat16: to_bf16(to_bf16(x * cos) + to_bf16(rotate_half(x) * sin)).
-inline void rope_head(const bf16* x, const bf16* cos, const bf16* sin, bf16* dst, int64_t dim) {
+// transformers' rotate-half RoPE in T: to_T(to_T(x * cos) + to_T(rotate_half(x) * sin)).
+template <typename T>
+inline void rope_head(const T* x, const T* cos, const T* sin, T* dst, int64_t dim) {
   const int64_t half = dim / 2;
   for (int64_t i = 0; i < dim; ++i) {
     const float rotated = i < half ? -static_cast<float>(x[i + half]) : static_cast<float>(x[i - half]);
-    const bf16 a = static_cast<bf16>(static_cast<float>(x[i]) * static_cast<float>(cos[i]));
-    const bf16 b = static_cast<bf16>(rotated * static_cast<float>(sin[i]));
-    dst[i] = static_cast<bf16>(static_cast<float>(a) + static_cast<float>(b));
+    const T a = static_cast<T>(static_cast<float>(x[i]) * static_cast<float>(cos[i]));
+    const T b = static_cast<T>(rotated * static_cast<float>(sin[i]));
+    dst[i] = static_cast<T>(static_cast<float>(a) + static_cast<float>(b));
   }
 }
 
-
-// act = to_bf16(to_bf16(silu(gate)) * up), 16 elements.
-inline void silu_mul16(const bf16* gate, const bf16* up, bf16* act) {
-  const __m512 g = load16(gate), u = load16(up), one = _mm512_set1_ps(1.f);
-  const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));  // exp(-|g|)
-  const __m512 inv = _mm512_div_ps(one, _mm512_add_ps(one, e));
-  const __mmask16 positive = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_GE_OQ);
-  const __m512 sigmoid = _mm512_mask_blend_ps(positive, _mm512_mul_ps(e, inv), inv);
-  __m256bh silu = _mm512_cvtneps_pbh(_mm512_mul_ps(g, sigmoid));
-  const __m512 silu32 = load16(reinterpret_cast<const bf16*>(&silu));
-  const __m256bh r = _mm512_cvtneps_pbh(_mm512_mul_ps(silu32, u));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(act), (__m256i)r);
+// act = to_T(to_T(silu(gate)) * up), Vec::W elements.
+template <typename T>
+inline void silu_mul(const T* gate, const T* up, T* act) {
+  const Vec g = Vec::load(gate), u = Vec::load(up), one = Vec::set1(1.f);
+  const Vec e = exp_nonpositive(Vec::zero() - abs(g));  // exp(-|g|)
+  const Vec inv = one / (one + e);
+  const Vec sigmoid = select_ge0(g, inv, e * inv);
+  (round_to<T>(g * sigmoid) * u).store(act);
 }
 
 struct DecoderLayer {
@@ -123,9 +124,13 @@ struct DecoderLayer {
   Linear qkv, o, gate_up, down;
 };
 
+template <typename T>
+constexpr at::ScalarType kType = std::is_same_v<T, float> ? at::kFloat : at::kBFloat16;
+
+template <typename T>
 Linear make_linear(const torch::Tensor& w, const torch::Tensor& bias) {
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kBFloat16,
-              "LlamaDecoder: weights contiguous bfloat16 [N, K]");
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == kType<T>,
+              "LlamaDecoder: weights contiguous [N, K] in the model dtype");
   TORCH_CHECK(w.size(0) % 16 == 0 && w.size(1) % 32 == 0, "LlamaDecoder: weight rows % 16, columns % 32");
   Linear L;
   L.weight = w;
@@ -137,6 +142,7 @@ Linear make_linear(const torch::Tensor& w, const torch::Tensor& bias) {
 
 }  // namespace
 
+template <typename T>
 class LlamaDecoder {
  public:
   // layers: per layer [input_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, gate_up_bias, down, down_bias,
@@ -146,47 +152,47 @@ class LlamaDecoder {
                int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, int64_t block_size, double scale, bool amx)
       : embed_(embed), final_norm_(final_norm), heads_(heads), kv_heads_(kv_heads), dim_(head_dim), eps_(eps),
         block_size_(block_size), scale_(scale), amx_(amx) {
-    TORCH_CHECK(!amx || amx_available(), "LlamaDecoder: AMX is not available");
+    TORCH_CHECK(!amx || (amx_available() && std::is_same_v<T, bf16>), "LlamaDecoder: AMX is not available");
     TORCH_CHECK(head_dim % 32 == 0 && head_dim <= 512 && heads % kv_heads == 0, "LlamaDecoder: head_dim % 32, GQA");
-    head_ = make_linear(head, head_bias);
+    head_ = make_linear<T>(head, head_bias);
     hidden_ = head_.K;
     for (const auto& t : layers) {
       TORCH_CHECK(t.size() == 12, "LlamaDecoder: 12 tensors per layer");
       DecoderLayer l;
       l.input_norm = t[0];
-      l.qkv = make_linear(t[1], t[2]);
-      l.o = make_linear(t[3], t[4]);
+      l.qkv = make_linear<T>(t[1], t[2]);
+      l.o = make_linear<T>(t[3], t[4]);
       l.post_norm = t[5];
-      l.gate_up = make_linear(t[6], t[7]);
-      l.down = make_linear(t[8], t[9]);
+      l.gate_up = make_linear<T>(t[6], t[7]);
+      l.down = make_linear<T>(t[8], t[9]);
       l.k_cache = t[10];
       l.v_cache = t[11];
       TORCH_CHECK(l.qkv.N == (heads + 2 * kv_heads) * head_dim && l.qkv.K == hidden_ && l.o.N == hidden_ &&
                   l.o.K == heads * head_dim && l.gate_up.K == hidden_ && l.down.N == hidden_ &&
                   l.gate_up.N == 2 * l.down.K && l.down.K % 16 == 0, "LlamaDecoder: inconsistent shapes");
       for (const auto* n : {&l.input_norm, &l.post_norm})
-        TORCH_CHECK(n->scalar_type() == at::kBFloat16 && n->is_contiguous() && n->numel() == hidden_,
-                    "LlamaDecoder: norm weights bfloat16 [hidden]");
+        TORCH_CHECK(n->scalar_type() == kType<T> && n->is_contiguous() && n->numel() == hidden_,
+                    "LlamaDecoder: norm weights [hidden] in the model dtype");
       for (const auto* c : {&l.k_cache, &l.v_cache})
-        TORCH_CHECK(c->scalar_type() == at::kBFloat16 && c->is_contiguous() && c->dim() == 3 &&
-                    c->size(1) == kv_heads && c->size(2) == head_dim, "LlamaDecoder: bfloat16 caches [slots, KVH, D]");
+        TORCH_CHECK(c->scalar_type() == kType<T> && c->is_contiguous() && c->dim() == 3 &&
+                    c->size(1) == kv_heads && c->size(2) == head_dim, "LlamaDecoder: caches [slots, KVH, D] in the model dtype");
       layers_.push_back(std::move(l));
     }
-    TORCH_CHECK(final_norm.scalar_type() == at::kBFloat16 && final_norm.numel() == hidden_, "LlamaDecoder: final norm");
-    TORCH_CHECK(embed.scalar_type() == at::kBFloat16 && embed.is_contiguous() && embed.dim() == 2 &&
-                embed.size(1) == hidden_, "LlamaDecoder: embeddings bfloat16 [vocab, hidden]");
+    TORCH_CHECK(final_norm.scalar_type() == kType<T> && final_norm.numel() == hidden_, "LlamaDecoder: final norm");
+    TORCH_CHECK(embed.scalar_type() == kType<T> && embed.is_contiguous() && embed.dim() == 2 &&
+                embed.size(1) == hidden_, "LlamaDecoder: embeddings [vocab, hidden] in the model dtype");
     if (amx_) pack_all();
   }
 
   // ids [B] (this step's tokens), rope_rows [B] (each token's row of the RoPE tables cos and sin [rows, head_dim]),
   // slots [B], block_tables [B, max_blocks], lengths [B] (context tokens, this one included). Returns float32 logits
-  // [B, vocab] holding the bfloat16 values the LM head rounds to. Embedding lookup to logits is one call, so no
+  // [B, vocab] holding the T values the LM head rounds to. Embedding lookup to logits is one call, so no
   // torch op runs between steps on caches the weight stream has just flushed.
   torch::Tensor step(const torch::Tensor& ids, const torch::Tensor& rope_rows, const torch::Tensor& cos,
                      const torch::Tensor& sin, const torch::Tensor& slots, const torch::Tensor& block_tables,
                      const torch::Tensor& lengths) {
     auto tok = ids.to(at::kLong).contiguous(), rope = rope_rows.to(at::kLong).contiguous();
-    auto cs = cos.to(at::kBFloat16).contiguous(), sn = sin.to(at::kBFloat16).contiguous();
+    torch::Tensor cs = cos.to(kType<T>).contiguous(), sn = sin.to(kType<T>).contiguous();
     auto slot = slots.to(at::kLong).contiguous(), tables = block_tables.to(at::kLong).contiguous();
     auto lens = lengths.to(at::kLong).contiguous();
     const int64_t B = tok.numel(), H = heads_, KVH = kv_heads_, D = dim_, hid = hidden_;
@@ -201,16 +207,17 @@ class LlamaDecoder {
     auto opts = embed_.options();
     auto h = torch::empty({B, hid}, opts);  // the residual stream, from the embeddings
     for (int64_t m = 0; m < B; ++m)
-      std::copy_n(embed_.data_ptr<bf16>() + tokp[m] * hid, hid, h.data_ptr<bf16>() + m * hid);
+      std::copy_n(embed_.data_ptr<T>() + tokp[m] * hid, hid, h.data_ptr<T>() + m * hid);
     auto x = torch::empty({B, hid}, opts), delta = torch::empty({B, hid}, opts), qkv = torch::empty({B, QKV}, opts);
     auto q = torch::empty({B, H, D}, opts), attn = torch::empty({B, H * D}, opts);
-    auto gu = torch::empty({B, 2 * I}, opts), act = torch::empty({B, I}, opts), head_out = torch::empty({B, V}, opts);
+    auto gu = torch::empty({B, 2 * I}, opts), act = torch::empty({B, I}, opts);
     auto logits = torch::empty({B, V}, opts.dtype(at::kFloat));
-    bf16 *hp = h.data_ptr<bf16>(), *xp = x.data_ptr<bf16>(), *dp = delta.data_ptr<bf16>(),
-         *qkvp = qkv.data_ptr<bf16>(), *qp = q.data_ptr<bf16>(), *ap = attn.data_ptr<bf16>(),
-         *gup = gu.data_ptr<bf16>(), *actp = act.data_ptr<bf16>(), *lp = head_out.data_ptr<bf16>();
+    torch::Tensor head_out = std::is_same_v<T, float> ? logits : torch::empty({B, V}, opts);  // float32: straight to logits
+    T *hp = h.data_ptr<T>(), *xp = x.data_ptr<T>(), *dp = delta.data_ptr<T>(), *qkvp = qkv.data_ptr<T>(),
+      *qp = q.data_ptr<T>(), *ap = attn.data_ptr<T>(), *gup = gu.data_ptr<T>(), *actp = act.data_ptr<T>(),
+      *lp = head_out.data_ptr<T>();
     float* logitsp = logits.data_ptr<float>();
-    const bf16 *cs0 = cs.data_ptr<bf16>(), *sn0 = sn.data_ptr<bf16>();
+    const T *cs0 = cs.data_ptr<T>(), *sn0 = sn.data_ptr<T>();
     const int64_t *slotp = slot.data_ptr<int64_t>(), *tp = tables.data_ptr<int64_t>(), *lenp = lens.data_ptr<int64_t>();
     const int64_t max_blocks = tables.size(1);
     const float eps = static_cast<float>(eps_), scale = static_cast<float>(scale_);
@@ -222,18 +229,18 @@ class LlamaDecoder {
     {
 #pragma omp single
       barrier.n = omp_get_num_threads();
-      const int T = barrier.n, t = omp_get_thread_num();
+      const int nt = barrier.n, t = omp_get_thread_num();
       Scratch s;
-      auto rows = [&](const torch::Tensor& w, const bf16* add) {  // h += add; x = RMSNorm(h) * w, rows shared
-        for (int64_t m = t; m < B; m += T)
-          add_rms_norm_row(hp + m * hid, add ? add + m * hid : nullptr, w.data_ptr<bf16>(), xp + m * hid, hid, eps);
+      auto rows = [&](const torch::Tensor& w, const T* add) {  // h += add; x = RMSNorm(h) * w, rows shared
+        for (int64_t m = t; m < B; m += nt)
+          add_rms_norm_row(hp + m * hid, add ? add + m * hid : nullptr, w.data_ptr<T>(), xp + m * hid, hid, eps);
         barrier.wait();
       };
       auto columns = [&](const Linear& L) {  // this thread's output columns (AMX: whole packed blocks)
-        auto [n0, n1] = share(L.N, amx_ ? 32 : 16, t, T);
-        return std::make_pair(n0, t == T - 1 ? L.N : n1);
+        auto [n0, n1] = share(L.N, amx_ ? 32 : 16, t, nt);
+        return std::make_pair(n0, t == nt - 1 ? L.N : n1);
       };
-      auto matmul = [&](const Linear& L, const bf16* in, bf16* out) {
+      auto matmul = [&](const Linear& L, const T* in, T* out) {
         const auto [n0, n1] = columns(L);
         linear_rows(L, in, L.K, B, out, L.N, n0, n1, amx_, s);
         barrier.wait();
@@ -241,30 +248,30 @@ class LlamaDecoder {
       for (size_t li = 0; li < layers_.size(); ++li) {
         const DecoderLayer& l = layers_[li];
         rows(l.input_norm, li ? dp : nullptr);
-        auto* kc = l.k_cache.data_ptr<bf16>();
-        auto* vc = l.v_cache.data_ptr<bf16>();
+        auto* kc = l.k_cache.data_ptr<T>();
+        auto* vc = l.v_cache.data_ptr<T>();
         matmul(l.qkv, xp, qkvp);
-        for (int64_t i = t; i < B * (H + 2 * KVH); i += T) {  // RoPE on q and k; k and v into their cache slots
+        for (int64_t i = t; i < B * (H + 2 * KVH); i += nt) {  // RoPE on q and k; k and v into their cache slots
           const int64_t m = i / (H + 2 * KVH), head = i % (H + 2 * KVH);
-          const bf16* src = qkvp + m * QKV + head * D;
-          const bf16 *cp = cs0 + ropep[m] * D, *sp = sn0 + ropep[m] * D;
+          const T* src = qkvp + m * QKV + head * D;
+          const T *cp = cs0 + ropep[m] * D, *sp = sn0 + ropep[m] * D;
           if (head < H) rope_head(src, cp, sp, qp + (m * H + head) * D, D);
           else if (head < H + KVH) rope_head(src, cp, sp, kc + (slotp[m] * KVH + head - H) * D, D);
           else std::copy(src, src + D, vc + (slotp[m] * KVH + head - H - KVH) * D);
         }
         barrier.wait();
-        for (size_t i = t; i < items.size(); i += T)
+        for (size_t i = t; i < items.size(); i += nt)
           attend_chunk(items[i], qp, kc, vc, tp, lenp, H, KVH, D, max_blocks, block_size_, scale, partials, s.attn);
         barrier.wait();
-        for (int64_t i = t; i < B * H; i += T) merge_chunks(i / H, i % H, lenp, ap, H, D, partials);
+        for (int64_t i = t; i < B * H; i += nt) merge_chunks(i / H, i % H, lenp, ap, H, D, partials);
         barrier.wait();
         matmul(l.o, ap, dp);
         rows(l.post_norm, dp);
         matmul(l.gate_up, xp, gup);
-        const auto [e0, e1] = share(B * I, 16, t, T);
-        for (int64_t e = e0; e < e1; e += 16) {
+        const auto [e0, e1] = share(B * I, 16, t, nt);
+        for (int64_t e = e0; e < e1; e += Vec::W) {
           const int64_t m = e / I, j = e % I;
-          silu_mul16(gup + m * 2 * I + j, gup + m * 2 * I + I + j, actp + e);
+          silu_mul(gup + m * 2 * I + j, gup + m * 2 * I + I + j, actp + e);
         }
         barrier.wait();
         matmul(l.down, actp, dp);
@@ -272,9 +279,9 @@ class LlamaDecoder {
       rows(final_norm_, layers_.empty() ? nullptr : dp);
       const auto [v0, v1] = columns(head_);  // the LM head, then this thread's logits as float32
       linear_rows(head_, xp, head_.K, B, lp, V, v0, v1, amx_, s);
-      for (int64_t m = 0; m < B; ++m)
-        for (int64_t n = v0; n < v1; n += 16)
-          _mm512_storeu_ps(logitsp + m * V + n, load16(lp + m * V + n));
+      if constexpr (!std::is_same_v<T, float>)
+        for (int64_t m = 0; m < B; ++m)
+          for (int64_t n = v0; n < v1; n += Vec::W) Vec::load(lp + m * V + n).store(logitsp + m * V + n);
       if (amx_) amx_release();
     }
     return logits;
@@ -310,15 +317,25 @@ class LlamaDecoder {
   bool amx_;
 };
 
-void bind_decoder(pybind11::module_& m) {
+namespace {
+
+template <typename T>
+void bind_one(pybind11::module_& m, const char* name) {
   using release = py::call_guard<py::gil_scoped_release>;
-  py::class_<LlamaDecoder>(m, "LlamaDecoder")
+  py::class_<LlamaDecoder<T>>(m, name)
       .def(py::init<const torch::Tensor&, const std::vector<std::vector<torch::Tensor>>&, const torch::Tensor&,
                     const torch::Tensor&, const torch::Tensor&, int64_t, int64_t, int64_t, double, int64_t, double,
                     bool>())
-      .def("step", &LlamaDecoder::step,
+      .def("step", &LlamaDecoder<T>::step,
            "one decode step: step(ids, rope_rows, cos, sin, slots, block_tables, lengths) -> float32 logits [B, vocab]",
            release());
+}
+
+}  // namespace
+
+void bind_decoder(pybind11::module_& m) {
+  bind_one<float>(m, "LlamaDecoder_float32");
+  bind_one<bf16>(m, "LlamaDecoder_bfloat16");
 }
 
 }  // namespace peregrine

@@ -1,54 +1,35 @@
 // Peregrine's CPU kernels: what the kernel families share (built by engine/cpu_kernels.py, one .so per ISA level).
 //
 // The families, one file each: linear.cpp (small-batch linear), attention.cpp (paged decode attention),
-// norms.cpp (residual add + RMSNorm), amx.cpp (AMX tiles for the decoder's matmuls), decoder.cpp (a whole decode
-// step in one call), sampling.cpp (argmax) and bindings.cpp (the Python module).
+// norms.cpp (residual add + RMSNorm), amx.cpp (AMX tiles for the decoder's bf16 matmuls), decoder.cpp (a whole
+// decode step in one call), sampling.cpp (argmax) and bindings.cpp (the Python module). They are written once over
+// vec.h's `Vec`, for float32 and bfloat16 (computed in float32); the AVX512-BF16 dot products (linear.cpp) and
+// the AMX tiles (amx.cpp) stay ISA-specific, behind #if on the compiler's feature macros.
 #pragma once
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
 
+#include "vec.h"
+
 namespace peregrine {
 
-using bf16 = c10::BFloat16;
+constexpr int64_t kStep = 32;  // the linear's K must be a multiple of this (a 512-bit register of bf16)
 
-constexpr int64_t kStep = 32;  // bf16 elements per 512-bit register
-
-template <typename T>
-inline __m512 load16(const T* p);
-template <>
-inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
-template <>
-inline __m512 load16<bf16>(const bf16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));  // bf16 is float's top half
-}
-
-// e^x for x <= 0 (softmax after subtracting the max): 2^(x log2 e) as 2^floor * 2^frac, the fraction by its
-// Taylor series to degree 8 (relative error about 1e-7, float32's own).
-__attribute__((always_inline)) inline __m512 exp_nonpositive(__m512 x) {
-  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(1.4426950408889634f));
-  const __m512 whole = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, whole);  // [0, 1)
-  static constexpr float c[] = {1.f, 0.6931471805599453f, 0.2402265069591007f, 0.05550410866482158f,
-                                0.009618129107628477f, 0.0013333558146428443f, 0.00015403530393381606f,
-                                1.525273380405984e-05f, 1.3215486790144307e-06f};
-  __m512 p = _mm512_set1_ps(c[8]);
-  for (int k = 7; k >= 0; --k) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[k]));
-  return _mm512_scalef_ps(p, whole);
-}
+// The vector instruction set this module was compiled for: "avx512", "avx2", "neon" or "scalar" (vec.h).
+const char* isa();
 
 // --- linear.cpp ---
-// out[:, n_begin:n_end] for `rows` (1-8) bf16 input rows against bf16 weights [N, K] (+ float32 bias).
-void gemv_rows(int64_t rows, const uint16_t* x, const uint16_t* w, const float* bias, bf16* out, int64_t K,
-               int64_t ldx, int64_t ldo, int64_t n_begin, int64_t n_end);
-torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias);
+// out[:, n_begin:n_end] for `rows` (1-8) input rows against weights [N, K] (+ float32 bias), T float or bf16.
+template <typename T>
+void gemv_rows(int64_t rows, const T* x, const T* w, const float* bias, T* out, int64_t K, int64_t ldx, int64_t ldo,
+               int64_t n_begin, int64_t n_end);
+torch::Tensor linear_small(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias);
 
 // --- norms.cpp ---
 // One row: hr += dr (when given); out = weight * to_T(hr * rsqrt(mean(hr^2) + eps)), statistics in float32.
@@ -65,10 +46,10 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
                                      const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                                      const torch::Tensor& lengths, int64_t block_size, double scale);
 
-// --- amx.cpp ---
+// --- amx.cpp (a stub that says "no AMX" where the build has no AMX flags) ---
 constexpr int64_t kAheadBytes = 16384;  // software prefetch distance in the packed weight stream
 
-// This CPU has AMX-BF16 and Linux lets the process use it.
+// This build has AMX, the CPU has AMX-BF16 and Linux lets the process use it.
 bool amx_available();
 // The weights [N, K] as AMX B tiles, in the order a step reads them (N * K elements at dst).
 void pack_weight(const uint16_t* w, int64_t N, int64_t K, uint16_t* dst);

@@ -1,17 +1,40 @@
-// linear_bf16: small-batch bfloat16 linear, out[M, N] = x[M, K] @ w[N, K]^T (+ bias).
-// Decoding a few rows at a time is a matrix-vector product: every weight is read once per step and used M
-// times, so the step is bound by memory bandwidth. oneDNN's bf16 GEMM reaches a fraction of it at M = 1; this
-// streams each weight row once through `vdpbf16ps` (bf16 pairs multiplied, accumulated in float32), R rows at
-// a time, for up to 8 inputs per pass. Each output element is computed by the same instructions in the same order
-// whatever M is, so a sequence's logits do not depend on its batch mates.
+// linear_small: small-batch linear, out[M, N] = x[M, K] @ w[N, K]^T (+ bias), float32 or bfloat16.
+// Decoding a few rows at a time is a matrix-vector product: every weight is read once per step and used M times,
+// so the step is bound by memory bandwidth. Each weight row is streamed once, R rows at a time, for up to 8 inputs
+// per pass, accumulating in float32: bf16 pairs through `vdpbf16ps` where the build has AVX512-BF16, else each
+// vector of weights widened to float32 in registers and multiplied by FMA. Each output element is computed by the
+// same instructions in the same order whatever M is, so a sequence's logits do not depend on its batch mates.
 #include "kernels.h"
 
 namespace peregrine {
 namespace {
 
+template <typename T>
+inline void put(T* out, int64_t at, float v) { out[at] = static_cast<T>(v); }
+
+// Output rows n0 .. n0 + R for M input rows: M * R float32 accumulators, one weight vector per row in flight.
+template <int M, int R, typename T>
+void rows_block(const T* x, const T* w, const float* bias, T* out, int64_t K, int64_t ldo, int64_t n0, int64_t ldx) {
+  Vec acc[M][R];
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = Vec::zero();
+  for (int64_t k = 0; k < K; k += Vec::W) {
+    Vec wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = Vec::load(w + (n0 + r) * K + k);
+    for (int m = 0; m < M; ++m) {
+      const Vec xv = Vec::load(x + m * ldx + k);
+      for (int r = 0; r < R; ++r) acc[m][r] = fmadd(wv[r], xv, acc[m][r]);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) put(out, m * ldo + n0 + r, acc[m][r].sum() + (bias ? bias[n0 + r] : 0.f));
+}
+
+#if defined(__AVX512BF16__)
+// bf16 on AVX512-BF16: 32 bf16 pairs per instruction, multiplied and accumulated in float32.
 template <int M, int R>
-void rows_block(const uint16_t* x, const uint16_t* w, const float* bias, c10::BFloat16* out,
-                int64_t K, int64_t N, int64_t n0, int64_t ldx) {
+void rows_block_dp(const bf16* x, const bf16* w, const float* bias, bf16* out, int64_t K, int64_t ldo, int64_t n0,
+                   int64_t ldx) {
   __m512 acc[M][R];
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
@@ -27,26 +50,36 @@ void rows_block(const uint16_t* x, const uint16_t* w, const float* bias, c10::BF
     for (int r = 0; r < R; ++r) {
       float v = _mm512_reduce_add_ps(acc[m][r]);
       if (bias) v += bias[n0 + r];
-      out[m * N + n0 + r] = c10::BFloat16(v);
+      out[m * ldo + n0 + r] = bf16(v);
     }
+}
+#endif
+
+template <int M, int R, typename T>
+inline void block(const T* x, const T* w, const float* bias, T* out, int64_t K, int64_t ldo, int64_t n, int64_t ldx) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, bf16>) return rows_block_dp<M, R>(x, w, bias, out, K, ldo, n, ldx);
+#endif
+  rows_block<M, R>(x, w, bias, out, K, ldo, n, ldx);
 }
 
 // Output columns [n_begin, n_end) for M <= 8 input rows, R weight rows at a time. Each output element is the same
 // instruction sequence whatever R, M or the range boundaries are.
-template <int M>
-void gemv_range(const uint16_t* x, const uint16_t* w, const float* bias, c10::BFloat16* out, int64_t K, int64_t ldx,
-                int64_t ldo, int64_t n_begin, int64_t n_end) {
-  constexpr int R = M <= 2 ? 4 : (M <= 4 ? 2 : 1);  // accumulators M * R + loads stay within 32 registers
+template <int M, typename T>
+void gemv_range(const T* x, const T* w, const float* bias, T* out, int64_t K, int64_t ldx, int64_t ldo,
+                int64_t n_begin, int64_t n_end) {
+  constexpr int kRegs = Vec::W == 16 || Vec::W == 4 ? 32 : 16;  // vector registers: AVX-512 and NEON 32, AVX2 16
+  constexpr int R = M * 4 + 5 <= kRegs ? 4 : (M * 2 + 3 <= kRegs ? 2 : 1);  // accumulators + loads in registers
   int64_t n = n_begin;
-  for (; n + R <= n_end; n += R) rows_block<M, R>(x, w, bias, out, K, ldo, n, ldx);
-  for (; n < n_end; ++n) rows_block<M, 1>(x, w, bias, out, K, ldo, n, ldx);
+  for (; n + R <= n_end; n += R) block<M, R>(x, w, bias, out, K, ldo, n, ldx);
+  for (; n < n_end; ++n) block<M, 1>(x, w, bias, out, K, ldo, n, ldx);
 }
 
 }  // namespace
 
-// gemv_range for `rows` (1-8) input rows.
-void gemv_rows(int64_t rows, const uint16_t* x, const uint16_t* w, const float* bias, c10::BFloat16* out, int64_t K,
-               int64_t ldx, int64_t ldo, int64_t n_begin, int64_t n_end) {
+template <typename T>
+void gemv_rows(int64_t rows, const T* x, const T* w, const float* bias, T* out, int64_t K, int64_t ldx, int64_t ldo,
+               int64_t n_begin, int64_t n_end) {
   switch (rows) {
     case 1: gemv_range<1>(x, w, bias, out, K, ldx, ldo, n_begin, n_end); break;
     case 2: gemv_range<2>(x, w, bias, out, K, ldx, ldo, n_begin, n_end); break;
@@ -59,28 +92,43 @@ void gemv_rows(int64_t rows, const uint16_t* x, const uint16_t* w, const float* 
   }
 }
 
-torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear_bf16: x [M, K], w [N, K]");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "linear_bf16: bfloat16 only");
-  TORCH_CHECK(w.is_contiguous() && x.stride(1) == 1, "linear_bf16: contiguous rows");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(K % kStep == 0, "linear_bf16: K must be a multiple of 32");
-  TORCH_CHECK(M >= 1, "linear_bf16: at least one row");
-  torch::Tensor b32;
-  if (bias.has_value()) b32 = bias->to(at::kFloat).contiguous();
-  const float* bp = bias.has_value() ? b32.data_ptr<float>() : nullptr;
-  auto out = torch::empty({M, N}, x.options());
-  auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
-  auto* op = out.data_ptr<c10::BFloat16>();
-  const int64_t ldx = x.stride(0);
+template void gemv_rows<float>(int64_t, const float*, const float*, const float*, float*, int64_t, int64_t, int64_t,
+                               int64_t, int64_t);
+template void gemv_rows<bf16>(int64_t, const bf16*, const bf16*, const float*, bf16*, int64_t, int64_t, int64_t,
+                              int64_t, int64_t);
+
+namespace {
+
+template <typename T>
+void linear_typed(const torch::Tensor& x, const torch::Tensor& w, const float* bias, torch::Tensor& out) {
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), ldx = x.stride(0);
+  const T *xp = x.data_ptr<T>(), *wp = w.data_ptr<T>();
+  T* op = out.data_ptr<T>();
   // Up to 8 rows share one pass over the weights; more rows take further passes, 8 at a time.
   for (int64_t m0 = 0; m0 < M; m0 += 8) {
     const int64_t rows = std::min<int64_t>(M - m0, 8);
     at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-      gemv_rows(rows, xp + m0 * ldx, wp, bp, op + m0 * N, K, ldx, N, begin, end);
+      gemv_rows(rows, xp + m0 * ldx, wp, bias, op + m0 * N, K, ldx, N, begin, end);
     });
   }
+}
+
+}  // namespace
+
+torch::Tensor linear_small(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear_small: x [M, K], w [N, K]");
+  TORCH_CHECK(x.scalar_type() == w.scalar_type() &&
+              (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "linear_small: x and w both float32 or both bfloat16");
+  TORCH_CHECK(w.is_contiguous() && x.stride(1) == 1, "linear_small: contiguous rows");
+  TORCH_CHECK(x.size(1) % kStep == 0, "linear_small: K must be a multiple of 32");
+  TORCH_CHECK(x.size(0) >= 1, "linear_small: at least one row");
+  torch::Tensor b32;
+  if (bias.has_value()) b32 = bias->to(at::kFloat).contiguous();
+  const float* bp = bias.has_value() ? b32.data_ptr<float>() : nullptr;
+  auto out = torch::empty({x.size(0), w.size(0)}, x.options());
+  if (x.scalar_type() == at::kBFloat16) linear_typed<bf16>(x, w, bp, out);
+  else linear_typed<float>(x, w, bp, out);
   return out;
 }
 

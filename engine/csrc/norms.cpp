@@ -5,16 +5,32 @@ namespace peregrine {
 
 template <typename T>
 void add_rms_norm_row(T* hr, const T* dr, const T* weight, T* out, int64_t hidden, float eps) {
-  float sumsq = 0.f;
-  for (int64_t i = 0; i < hidden; ++i) {
+  constexpr int64_t W = Vec::W;
+  Vec sumsq = Vec::zero();
+  int64_t i = 0;
+  for (; i + W <= hidden; i += W) {
+    Vec v = Vec::load(hr + i);
+    if (dr) {
+      v = round_to<T>(v + Vec::load(dr + i));
+      v.store(hr + i);
+    }
+    sumsq = fmadd(v, v, sumsq);
+  }
+  float tail = 0.f;
+  for (; i < hidden; ++i) {
     if (dr) hr[i] = static_cast<T>(static_cast<float>(hr[i]) + static_cast<float>(dr[i]));
     const float v = static_cast<float>(hr[i]);
-    sumsq += v * v;
+    tail += v * v;
   }
-  const float inv = 1.f / std::sqrt(sumsq / static_cast<float>(hidden) + eps);
-  for (int64_t i = 0; i < hidden; ++i) {
-    const T normed = static_cast<T>(static_cast<float>(hr[i]) * inv);  // rounded to the model dtype, then
-    out[i] = static_cast<T>(static_cast<float>(weight[i]) * static_cast<float>(normed));  // scaled
+  const float inv = 1.f / std::sqrt((sumsq.sum() + tail) / static_cast<float>(hidden) + eps);
+  const Vec vinv = Vec::set1(inv);
+  for (i = 0; i + W <= hidden; i += W) {
+    const Vec normed = round_to<T>(Vec::load(hr + i) * vinv);  // rounded to the model dtype, then scaled
+    (Vec::load(weight + i) * normed).store(out + i);
+  }
+  for (; i < hidden; ++i) {
+    const T normed = static_cast<T>(static_cast<float>(hr[i]) * inv);
+    out[i] = static_cast<T>(static_cast<float>(weight[i]) * static_cast<float>(normed));
   }
 }
 

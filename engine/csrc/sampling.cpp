@@ -9,21 +9,21 @@ namespace peregrine {
 torch::Tensor argmax_rows(const torch::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) > 0,
               "argmax_rows: float32 [rows, n > 0], contiguous");
+  constexpr int64_t W = Vec::W;
   const int64_t R = x.size(0), N = x.size(1);
   auto out = torch::empty({R}, x.options().dtype(at::kLong));
   int64_t* o = out.data_ptr<int64_t>();
   for (int64_t r = 0; r < R; ++r) {
     const float* row = x.data_ptr<float>() + r * N;
-    __m512 best = _mm512_set1_ps(-INFINITY);
-    __mmask16 nan = 0;
+    Vec best = Vec::set1(-INFINITY);
+    bool has_nan = false;
     int64_t i = 0;
-    for (; i + 16 <= N; i += 16) {
-      const __m512 v = _mm512_loadu_ps(row + i);
-      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-      best = _mm512_max_ps(best, v);
+    for (; i + W <= N; i += W) {
+      const Vec v = Vec::load(row + i);
+      has_nan |= v.any_nan();
+      best = max(best, v);
     }
-    float m = _mm512_reduce_max_ps(best);
-    bool has_nan = nan != 0;
+    float m = best.max();
     for (; i < N; ++i) {
       has_nan |= std::isnan(row[i]);
       m = std::max(m, row[i]);
@@ -32,13 +32,11 @@ torch::Tensor argmax_rows(const torch::Tensor& x) {
     if (has_nan) {
       while (!std::isnan(row[at])) ++at;
     } else {
-      const __m512 target = _mm512_set1_ps(m);
+      const Vec target = Vec::set1(m);
       int64_t j = 0;
-      for (; j + 16 <= N; j += 16) {
-        const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(row + j), target, _CMP_EQ_OQ);
-        if (hit) break;
-      }
-      while (row[j] != m) ++j;  // within the 16 that hit, or the tail
+      for (; j + W <= N; j += W)
+        if (Vec::load(row + j).any_eq(target)) break;
+      while (row[j] != m) ++j;  // within the W that hit, or the tail
       at = j;
     }
     o[r] = at;

@@ -1,7 +1,8 @@
-"""engine.cpu_kernels: the AVX512-BF16 small-batch linear, its dispatch, and its fallback.
+"""engine.cpu_kernels: the kernels on the best path this CPU has (AVX-512, else AVX2), their dispatch, and their
+fallback. tests/engine/test_cpu_kernels_paths.py runs every path the CPU has, in float32 and bfloat16.
 
 The kernel tests compile the real extension (cached under the user's Peregrine cache, like the server does) and
-skip, with the reason, on a CPU without AVX512-BF16 or a machine without a C++ compiler."""
+skip, with the reason, on a CPU without AVX2 (or NEON) or a machine without a C++ compiler."""
 
 from __future__ import annotations
 
@@ -44,11 +45,11 @@ def _case(m: int, k: int, n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Te
 def test_kernel_matches_a_float32_reference(kernel: Any, m: int, k: int, n: int) -> None:
     x, w, b = _case(m, k, n)
     ref = x.float() @ w.float().T + b.float()
-    got = kernel.linear_bf16(x, w, b)
+    got = kernel.linear_small(x, w, b)
     assert got.dtype == torch.bfloat16 and got.shape == (m, n)
     # float32 accumulation, one bf16 rounding at the end: within bf16's half-ulp of the exact result
     assert torch.allclose(got.float(), ref, rtol=2**-8, atol=1e-3), (got.float() - ref).abs().max()
-    no_bias = kernel.linear_bf16(x, w, None).float()
+    no_bias = kernel.linear_small(x, w, None).float()
     assert torch.allclose(no_bias, x.float() @ w.float().T, rtol=2**-8, atol=1e-3)
     # and as close to torch's own bf16 linear as two bf16 roundings allow
     assert torch.allclose(got.float(), F.linear(x, w, b).float(), rtol=2**-7, atol=2e-3)
@@ -59,19 +60,19 @@ def test_each_row_is_independent_of_its_batch_mates(kernel: Any) -> None:
     """A sequence's logits must not depend on who else is decoding: bitwise, for every batch size (up to 8 rows
     share a pass over the weights, more take several)."""
     x, w, b = _case(11, 576, 1000, seed=3)
-    alone = torch.cat([kernel.linear_bf16(x[i : i + 1], w, b) for i in range(11)])
+    alone = torch.cat([kernel.linear_small(x[i : i + 1], w, b) for i in range(11)])
     for m in range(2, 12):
-        assert torch.equal(kernel.linear_bf16(x[:m], w, b), alone[:m])
-    assert torch.equal(kernel.linear_bf16(x.flip(0), w, b), alone.flip(0))
+        assert torch.equal(kernel.linear_small(x[:m], w, b), alone[:m])
+    assert torch.equal(kernel.linear_small(x.flip(0), w, b), alone.flip(0))
 
 
 @needs_kernel
 def test_kernel_rejects_what_it_cannot_compute(kernel: Any) -> None:
     x, w, _ = _case(1, 48, 8)  # K not a multiple of 32
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        kernel.linear_bf16(x, w, None)
-    with pytest.raises(RuntimeError, match="bfloat16 only"):
-        kernel.linear_bf16(x[:1].float(), w.float(), None)
+        kernel.linear_small(x, w, None)
+    with pytest.raises(RuntimeError, match="both float32 or both bfloat16"):
+        kernel.linear_small(x[:2, :32].float(), w[:, :32], None)
 
 
 @needs_kernel
@@ -79,7 +80,7 @@ def test_linear_for_sends_small_bf16_batches_to_the_kernel_and_the_rest_to_torch
     linear = cpu_kernels.linear_for(torch.device("cpu"), torch.bfloat16)
     assert linear is not F.linear
     x, w, b = _case(cpu_kernels.MAX_ROWS + 1, 576, 96)
-    assert torch.equal(linear(x[:2], w, b), kernel.linear_bf16(x[:2], w, b))
+    assert torch.equal(linear(x[:2], w, b), kernel.linear_small(x[:2], w, b))
     assert torch.equal(linear(x, w, b), F.linear(x, w, b))  # too many rows: oneDNN
     odd = _case(1, 48, 8)
     assert torch.equal(linear(odd[0], odd[1], None), F.linear(odd[0], odd[1]))  # K % 32 != 0
@@ -88,7 +89,7 @@ def test_linear_for_sends_small_bf16_batches_to_the_kernel_and_the_rest_to_torch
 
 def test_linear_for_keeps_torch_where_the_kernel_does_not_apply() -> None:
     cpu = torch.device("cpu")
-    assert cpu_kernels.linear_for(cpu, torch.float32) is F.linear
+    assert cpu_kernels.linear_for(cpu, torch.float16) is F.linear
     assert cpu_kernels.linear_for(cpu, torch.bfloat16, enabled=False) is F.linear
     assert cpu_kernels.linear_for(torch.device("meta"), torch.bfloat16) is F.linear
 
@@ -223,9 +224,9 @@ def test_fused_add_rms_norm_matches_the_torch_ops(kernel: Any, dtype: torch.dtyp
         assert (got == ref).float().mean() > 0.95
 
 
-def test_add_rms_norm_for_keeps_torch_for_float32_and_when_off() -> None:
+def test_add_rms_norm_for_keeps_torch_for_other_dtypes_and_when_off() -> None:
     cpu = torch.device("cpu")
-    assert cpu_kernels.add_rms_norm_for(cpu, torch.float32) is cpu_kernels.add_rms_norm_torch
+    assert cpu_kernels.add_rms_norm_for(cpu, torch.float16) is cpu_kernels.add_rms_norm_torch
     assert cpu_kernels.add_rms_norm_for(cpu, torch.bfloat16, enabled=False) is cpu_kernels.add_rms_norm_torch
 
 
@@ -312,9 +313,9 @@ def test_the_decoder_declines_shapes_it_cannot_take_and_the_op_by_op_pass_runs(
     assert engine.runner._forward._decoder is None
 
 
-def test_no_decoder_for_float32_other_devices_or_when_off() -> None:
+def test_no_decoder_for_float16_other_devices_or_when_off() -> None:
     cpu = torch.device("cpu")
-    assert cpu_kernels.llama_decoder_for(cpu, torch.float32) is None
+    assert cpu_kernels.llama_decoder_for(cpu, torch.float16) is None
     assert cpu_kernels.llama_decoder_for(cpu, torch.bfloat16, enabled=False) is None
     assert cpu_kernels.llama_decoder_for(torch.device("meta"), torch.bfloat16) is None
 
@@ -350,7 +351,7 @@ def test_decoder_step_refuses_token_ids_out_of_range() -> None:
     none = torch.empty(0)
     layers = [[w.input_norm, w.qkv, none, w.o, none, w.post_norm, w.gate_up, none, w.down, none, k, v]
               for w in fast.layers]
-    decoder = _MODULE.LlamaDecoder(model.model.embed_tokens.weight, layers, model.model.norm.weight,
+    decoder = _MODULE.LlamaDecoder_bfloat16(model.model.embed_tokens.weight, layers, model.model.norm.weight,
                                    model.lm_head.weight, none, 4, 2, 32, 1e-5, 16, 32**-0.5, False)
     rows, cos, sin = fast.decoder_rope(torch.tensor([0]))
     ok = decoder.step(torch.tensor([5]), rows, cos, sin, torch.tensor([0]), torch.tensor([[0]]), torch.tensor([1]))

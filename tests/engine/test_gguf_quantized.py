@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from engine import quant_kernels
-from models import gguf_weights
 from engine.quant import QuantLinear, resident_bytes
 from engine.types import SamplingParams
+from models import gguf_weights
 from tests.quant_blocks import FORMATS, llama_cpp_order, write_tiny_gguf
 from tests.support import SMOLLM2_GGUF, Loaded, chat_ids, make_engine, run_all, smollm2_dir, tokens_of
 
@@ -81,9 +81,9 @@ def test_q_k_rows_unpermuted_like_transformers() -> None:
 @pytest.fixture(scope="module")
 def bundled() -> tuple[Loaded, Loaded, Path]:
     """SmolLM2 served quantized, and the float32 model dequantized from the same file (the dense path)."""
-    from models.loader import load_model
     from config import DEFAULT_CACHE_DIR
     from engine.types import EngineConfig
+    from models.loader import load_model
 
     folder = smollm2_dir()
     if folder is None:

@@ -99,7 +99,7 @@ def test_prompt_logprobs_out_of_range_are_refused(tiny: Any, engine_factory: Any
     assert info.value.param == "prompt_logprobs"
 
 
-@pytest.mark.skipif(cpu_kernels.unsupported_reason() is not None, reason="no AVX512-BF16 CPU kernels here")
+@pytest.mark.skipif(cpu_kernels.unsupported_reason() is not None, reason="no CPU kernels here")
 def test_smollm2_bf16_prompt_logprobs_through_the_cpu_kernels(smollm2: Any, engine_factory: Any) -> None:
     """bf16 on CPU: prefill chunks op by op with the small-batch kernel, and (budget 2, a decode running
     beside) one-token prompt chunks through the one-call decode kernel. bf16 keeps 8 bits of mantissa, so

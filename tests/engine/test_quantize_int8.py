@@ -9,10 +9,10 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from models import preflight
-from models.loader import load_model
 from engine.quant import QuantLinear, quantize_q8_0, resident_bytes
 from engine.types import EngineConfig
+from models import preflight
+from models.loader import load_model
 from tests.quant_blocks import write_tiny_gguf
 
 

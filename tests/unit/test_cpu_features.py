@@ -56,14 +56,18 @@ def test_flags_are_read_from_cpuinfo(tmp_path: Path) -> None:
 
 
 def test_kernels_follow_a_lowered_ceiling(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With AVX-512 hidden, the kernel pickers hand out torch's ops even after the kernels loaded once."""
+    """With every level hidden (`none`), the kernel pickers hand out torch's ops even after the kernels loaded once;
+    with AVX-512 hidden they pick the AVX2 build."""
     import torch
     import torch.nn.functional as F
 
     from engine import cpu_kernels
 
     monkeypatch.setenv(cpu_features.ENV, "avx2")
+    assert cpu_kernels.build_level() == ("avx2" if cpu_features.detected_level() != "none" else None)
+    monkeypatch.setenv(cpu_features.ENV, "none")
     cpu = torch.device("cpu")
+    assert cpu_kernels.build_level() is None
     assert cpu_kernels.load() is None
     assert cpu_kernels.linear_for(cpu, torch.bfloat16) is F.linear
     assert cpu_kernels.llama_decoder_for(cpu, torch.bfloat16) is None

@@ -1,0 +1,60 @@
+"""The kernel set a backend hands the engine: one `Kernels` object, chosen once, passed once.
+
+The forward pass (`engine.llama_fast`, `engine.attention`) and the sampler call these five things and nothing
+device-specific. The defaults are torch's own ops, which run everywhere; `engine.cpu_kernels.kernels_for` swaps
+in Peregrine's CPU kernels where they load (`engine.backends.CpuBackend.kernels`). Each kernel takes exactly what
+the torch default takes and gives its answers within the bounds its tests state; a kernel that cannot take a
+given input (a shape, a dtype) passes it on to the torch op itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# linear(x [rows, in], weight [out, in], bias [out] | None) -> [rows, out]
+Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+# paged_decode_attention(q [B, H, D], k_cache, v_cache [slots, KVH, D], block_tables [B, blocks], lengths [B],
+# block_size, scale) -> [B, H, D]
+DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float],
+                           torch.Tensor]
+# add_rms_norm(h, delta | None, weight, eps): h += delta in place, returns RMSNorm(h) * weight
+AddRMSNorm = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, float], torch.Tensor]
+# argmax(logits [rows, vocab]) -> [rows], torch.argmax's answers
+Argmax = Callable[[torch.Tensor], torch.Tensor]
+# decoder(embed, layers, final_norm, head, head_bias, heads, kv_heads, head_dim, eps, block_size, scale) -> an
+# object whose step(ids, rope_rows, cos, sin, slots, block_tables, lengths) gives float32 logits
+DecoderFactory = Callable[..., object]
+
+
+def add_rms_norm_torch(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """h += delta (in place, when given); returns transformers' LlamaRMSNorm of h: float32 statistics, scaled in
+    h's dtype."""
+    if delta is not None:
+        h.add_(delta)
+    x32 = h.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(h.dtype)
+
+
+def argmax_torch(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
+
+
+@dataclass(frozen=True, slots=True)
+class Kernels:
+    """What the engine computes with. `decode_attention` None: gather the context and run a masked SDPA;
+    `decoder` None: decode steps run op by op."""
+
+    linear: Linear = F.linear
+    decode_attention: DecodeAttention | None = None
+    add_rms_norm: AddRMSNorm = add_rms_norm_torch
+    argmax: Argmax = argmax_torch
+    decoder: DecoderFactory | None = None
+    path: str = "torch"  # which kernels: "torch", or the CPU build's ISA ("avx2", "avx512", "amx", "neon")
+
+
+TORCH = Kernels()

@@ -1,0 +1,228 @@
+"""Every CPU kernel on every ISA path this CPU has, in float32 and bfloat16, against torch's reference.
+
+The paths are the builds of `engine.cpu_kernels` (`engine/csrc/vec.h` picks the vector backend from the
+compiler flags): "avx512" (AVX-512 with the BF16 dot products; AMX inside it where the CPU has it) and "avx2"
+(AVX2 + FMA + F16C). An AVX-512 machine runs both, so the AVX2 path is checked on every CI machine; a path the CPU
+lacks is skipped with the reason. The bounds:
+
+- linear: float32 within 1e-4 of a float64 reference (unit-scale outputs, K <= 1536); bfloat16 within bf16's
+  half-ulp (one rounding at the end of a float32 sum);
+- attention: float32 1e-5, bfloat16 1e-2 of SDPA over the gathered context (float32 softmax);
+- add + RMSNorm: float32 1e-6 relative, bfloat16 one bf16 ulp;
+- argmax: torch.argmax's answers exactly (first maximum, NaN largest);
+- decoder: each decode step's logits within 1e-4 (float32) of the op-by-op forward with torch's ops;
+
+and on every path a row's result is bitwise the same whatever its batch mates are.
+"""
+
+from __future__ import annotations
+
+import platform
+from typing import Any
+
+import pytest
+import torch
+
+from engine import cpu_features, cpu_kernels
+from engine.types import SamplingParams
+from tests.support import chat_ids, run_all, tokens_of
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _path_reason(level: str) -> str | None:
+    """Why this machine cannot run `level`'s build, or None."""
+    if cpu_kernels.unsupported_reason() is not None and cpu_kernels.build_level() is not None:
+        return str(cpu_kernels.unsupported_reason())  # no compiler
+    detected = cpu_features.detected_level()
+    if level == "neon":
+        return None if platform.machine() in ("aarch64", "arm64") else "not an aarch64 CPU"
+    if cpu_features.LEVELS.index(detected) < cpu_features.LEVELS.index(level):
+        return f"this CPU has no {level} (it has: {detected})"
+    return None
+
+
+PATHS = [pytest.param(level, marks=pytest.mark.skipif(_path_reason(level) is not None,
+                                                      reason=f"{level} path: {_path_reason(level)}"))
+         for level in ("avx512", "avx2", "neon")]  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=PATHS)
+def path(request: pytest.FixtureRequest) -> tuple[str, Any]:
+    module = cpu_kernels.load(level=request.param)
+    assert module is not None, f"the {request.param} build must load where the CPU has it"
+    assert module.isa() == request.param
+    return request.param, module
+
+
+def _linear_case(m: int, k: int, n: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
+    return x, w, torch.randn(n, generator=g).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 576, 960), (3, 64, 7), (8, 1536, 100), (13, 128, 33)])
+def test_linear_matches_a_float64_reference(path: tuple[str, Any], dtype: torch.dtype, m: int, k: int,
+                                            n: int) -> None:
+    _, module = path
+    x, w, b = _linear_case(m, k, n, dtype)
+    ref = x.double() @ w.double().T + b.double()
+    got = module.linear_small(x, w, b)
+    assert got.dtype == dtype and got.shape == (m, n)
+    if dtype == torch.float32:
+        assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-4), (got.double() - ref).abs().max()
+    else:
+        assert torch.allclose(got.double(), ref, rtol=2**-8, atol=1e-3), (got.double() - ref).abs().max()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_rows_do_not_depend_on_their_batch_mates(path: tuple[str, Any], dtype: torch.dtype) -> None:
+    _, module = path
+    x, w, b = _linear_case(11, 576, 200, dtype, seed=3)
+    alone = torch.cat([module.linear_small(x[i : i + 1], w, b) for i in range(11)])
+    for m in (2, 5, 8, 11):
+        assert torch.equal(module.linear_small(x[:m], w, b), alone[:m])
+    assert torch.equal(module.linear_small(x.flip(0), w, b), alone.flip(0))
+
+
+def _paged(dtype: torch.dtype, lengths: list[int], heads: int, kv_heads: int, dim: int, block_size: int = 4) -> dict:
+    g = torch.Generator().manual_seed(sum(lengths) + dim)
+    need = [-(-n // block_size) for n in lengths]
+    ids = torch.randperm(sum(need), generator=g)
+    tables = torch.zeros(len(lengths), max(need), dtype=torch.long)
+    start = 0
+    for i, n in enumerate(need):
+        tables[i, :n] = ids[start : start + n]
+        start += n
+    k = torch.randn(sum(need) * block_size, kv_heads, dim, generator=g).to(dtype)
+    v = torch.randn_like(k, dtype=torch.float32).to(dtype)
+    q = torch.randn(len(lengths), heads, dim, generator=g).to(dtype)
+    ref = []
+    for i, n in enumerate(lengths):
+        pos = torch.arange(n)
+        rows = tables[i, pos // block_size] * block_size + pos % block_size
+        keys, values = k[rows].float().transpose(0, 1), v[rows].float().transpose(0, 1)
+        ref.append(torch.nn.functional.scaled_dot_product_attention(q[i].float()[:, None], keys, values,
+                                                                    enable_gqa=True)[:, 0])
+    return {"args": (q, k, v, tables, torch.tensor(lengths), block_size, dim**-0.5), "ref": torch.stack(ref)}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("dim", "kv_heads", "group"), [(32, 2, 3), (64, 1, 5), (128, 2, 2), (96, 1, 2)])
+def test_paged_decode_attention_matches_sdpa(path: tuple[str, Any], dtype: torch.dtype, dim: int, kv_heads: int,
+                                             group: int) -> None:
+    _, module = path
+    case = _paged(dtype, [1, 9, 64, 130], kv_heads * group, kv_heads, dim)
+    got = module.paged_decode_attention(*case["args"])
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert got.dtype == dtype and torch.allclose(got.float(), case["ref"], atol=tol, rtol=tol)
+    q, k, v, tables, lengths, block_size, scale = case["args"]
+    alone = module.paged_decode_attention(q[2:3], k, v, tables[2:3], lengths[2:3], block_size, scale)
+    assert torch.equal(alone, got[2:3])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_matches_the_torch_ops(path: tuple[str, Any], dtype: torch.dtype) -> None:
+    _, module = path
+    g = torch.Generator().manual_seed(5)
+    h = (torch.randn(5, 580, generator=g) * 3).to(dtype)  # 580: a tail past the last full vector
+    delta, weight = torch.randn(5, 580, generator=g).to(dtype), torch.rand(580, generator=g).to(dtype)
+    h_ref = h.clone()
+    ref = cpu_kernels.add_rms_norm_torch(h_ref, delta.clone(), weight, 1e-5)
+    got = module.add_rms_norm_(h, delta, weight, 1e-5)
+    assert torch.equal(h, h_ref)  # the residual add rounds like torch's
+    rtol = 2**-7 if dtype == torch.bfloat16 else 1e-6
+    assert torch.allclose(got.float(), ref.float(), rtol=rtol, atol=1e-6)
+    assert torch.equal(module.add_rms_norm_(h[3:4].clone(), None, weight, 1e-5),
+                       module.add_rms_norm_(h.clone(), None, weight, 1e-5)[3:4])
+
+
+def test_argmax_rows_gives_torch_argmax_answers(path: tuple[str, Any]) -> None:
+    _, module = path
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 7, 8, 9, 17, 49157):
+        x = torch.randn(3, n, generator=g)
+        assert torch.equal(module.argmax_rows(x), x.argmax(-1)), n
+    x = torch.zeros(3, 40)
+    x[0, [7, 20]] = 3.0
+    x[1, 30], x[1, 33], x[1, 2] = float("nan"), float("nan"), float("inf")
+    x[2] = float("-inf")
+    assert module.argmax_rows(x).tolist() == x.argmax(-1).tolist() == [7, 30, 0]
+
+
+def _random_llama(dtype: torch.dtype) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(7)
+    config = LlamaConfig(vocab_size=400, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=False, initializer_range=0.1)
+    return LlamaForCausalLM(config).to(dtype).eval()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_one_call_decoder_matches_the_op_by_op_forward(path: tuple[str, Any], dtype: torch.dtype,
+                                                       byte_level_tokenizer: Any, engine_factory: Any) -> None:
+    """Every decode step of a batched greedy run is computed op by op with torch's ops and by this path's decoder
+    from the same cache; a row's decoder logits do not change when it decodes alone."""
+    from tests.support import Loaded
+
+    _, module = path
+    engine = engine_factory(Loaded(_random_llama(dtype), byte_level_tokenizer, 512), kv_cache_bytes=8 << 20,
+                            block_size=4, cpu_kernels=False)
+    fast = engine.runner._forward
+    cls = getattr(module, f"LlamaDecoder_{str(dtype).removeprefix('torch.')}")
+
+    def factory(*args: object) -> object:
+        return cls(*args, False)
+
+    errors: list[float] = []
+
+    def both(input_ids: torch.Tensor, positions: torch.Tensor, meta: Any, rows: torch.Tensor) -> torch.Tensor:
+        fast._decoder_factory = None
+        reference = fast(input_ids, positions, meta, rows).float()
+        if meta.prefills:
+            return reference
+        fast._decoder_factory = factory
+        got = fast(input_ids, positions, meta, rows)
+        alone = fast.decoder(meta.kv_cache).step(input_ids[:1], *fast.decoder_rope(positions[:1]),
+                                                 meta.slot_mapping[:1], meta.decode_block_tables[:1],
+                                                 meta.decode_lengths[:1])
+        assert torch.equal(alone[0], got[(rows == 0).nonzero()[0, 0]]), "a row changed with its batch mates"
+        errors.append(float((got - reference).abs().max() / reference.abs().max()))
+        return got
+
+    engine.runner._forward = both
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    run_all(engine, {f"r{i}": (list(range(3 + 5 * i, 10 + 9 * i)), params) for i in range(3)})
+    assert len(errors) >= 4
+    assert max(errors) <= (1e-4 if dtype == torch.float32 else 0.02), errors
+
+
+def test_the_avx2_path_is_what_a_capped_engine_uses(monkeypatch: pytest.MonkeyPatch, tiny: Any,
+                                                    engine_factory: Any) -> None:
+    """PEREGRINE_CPU_ISA=avx2 on any x86 CPU with AVX2 gives the engine the AVX2 build's kernels."""
+    if _path_reason("avx2") is not None:
+        pytest.skip(f"avx2 path: {_path_reason('avx2')}")
+    monkeypatch.setenv(cpu_features.ENV, "avx2")
+    engine = engine_factory(tiny)
+    assert engine.kernels.path == "avx2" and engine.runner.decode_attention is not None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(cpu_kernels.unsupported_reason() is not None, reason=f"{cpu_kernels.unsupported_reason()}")
+def test_bundled_model_float32_greedy_is_the_same_with_kernels_on_and_off(smollm2_fp32: Any,
+                                                                         engine_factory: Any) -> None:
+    tok = smollm2_fp32.tokenizer
+    prompts = [chat_ids(tok, q) for q in ("What is the capital of France?", "Name three colors.")]
+    answers = {}
+    for enabled in (True, False):
+        engine = engine_factory(smollm2_fp32, kv_cache_bytes=32 << 20, max_num_batched_tokens=256,
+                                cpu_kernels=enabled)
+        assert (engine.kernels.path == "torch") is not enabled
+        outs = run_all(engine, {f"r{i}": (p, SamplingParams(temperature=0.0, max_tokens=12))
+                                for i, p in enumerate(prompts)})
+        answers[enabled] = [tokens_of(outs[f"r{i}"]) for i in range(len(prompts))]
+    assert answers[True] == answers[False], [tok.decode(a) for a in answers[True] + answers[False]]
