@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import cpu_features
-from engine.extension_build import build_extension
+from engine.extension_build import build_extension, build_key, level_flags
 from engine.kernels import (
     AddRMSNorm,
     Argmax,
@@ -67,7 +67,7 @@ LINEAR_ROWS: dict[tuple[str, torch.dtype], int] = {
     ("neon", torch.bfloat16): MAX_ROWS, ("neon", torch.float32): MAX_ROWS,
 }
 
-_loaded: dict[tuple[str, Path], ModuleType | None] = {}
+_loaded: dict[tuple[str, str], ModuleType | None] = {}  # (level, build key) -> module, None: failed
 _said: set[str | None] = set()  # paths and reasons logged already: each once
 
 
@@ -112,9 +112,12 @@ def load(cache_dir: Path | None = None, level: str | None = None) -> ModuleType 
     if level is None or reason is not None:
         return _off(reason)
     cache = cache_dir or default_cache_dir()
-    if (level, cache) in _loaded:
-        return _loaded[(level, cache)] or _off(f"the {level} build failed earlier")
     sources = sorted(p for p in CSRC.glob("*.cpp") if not p.name.startswith("quant"))  # quant*: quant_kernels.py
+    # One module per level and source set in a process, wherever it was built: pybind11 refuses to register the
+    # same classes twice, so another cache folder reuses the module already loaded.
+    key = (level, build_key(sources, level_flags(level)))
+    if key in _loaded:
+        return _loaded[key] or _off(f"the {level} build failed earlier")
     module = None
     try:
         module = build_extension(NAME, sources, level, cache)
@@ -123,7 +126,7 @@ def load(cache_dir: Path | None = None, level: str | None = None) -> ModuleType 
     except Exception as exc:  # a failed build must never stop the server: torch's ops still work
         text = str(exc).strip()
         reason = f"build failed: {text.splitlines()[-1] if text else type(exc).__name__}"
-    _loaded[(level, cache)] = module
+    _loaded[key] = module
     return module if module is not None else _off(reason)
 
 

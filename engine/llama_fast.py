@@ -134,7 +134,8 @@ class LlamaFastForward:
     def __init__(self, model: nn.Module, kernels: Kernels = TORCH) -> None:
         config = model.config
         self.model = model
-        self.linear = quant_aware(kernels.linear)  # F.linear or engine.cpu_kernels' small-batch kernel; quantized
+        # F.linear or engine.cpu_kernels' small-batch kernel; with quantized weights, wrapped to route those to theirs
+        self.linear = quant_aware(kernels.linear) if is_quantized(model) else kernels.linear
         self.add_norm = kernels.add_rms_norm  # residual add + RMSNorm: torch ops, or engine.cpu_kernels' fused one
         self.hidden = config.hidden_size
         self.heads = config.num_attention_heads
