@@ -79,7 +79,8 @@ def test_kernel_rejects_what_it_cannot_compute(kernel: Any) -> None:
 def test_linear_for_sends_small_bf16_batches_to_the_kernel_and_the_rest_to_torch(kernel: Any) -> None:
     linear = cpu_kernels.linear_for(torch.device("cpu"), torch.bfloat16)
     assert linear is not F.linear
-    x, w, b = _case(cpu_kernels.MAX_ROWS + 1, 576, 96)
+    _, last = cpu_kernels.LINEAR_ROWS[(cpu_kernels.build_level(), torch.bfloat16)]
+    x, w, b = _case(last + 1, 576, 96)
     assert torch.equal(linear(x[:2], w, b), kernel.linear_small(x[:2], w, b))
     assert torch.equal(linear(x, w, b), F.linear(x, w, b))  # too many rows: oneDNN
     odd = _case(1, 48, 8)
