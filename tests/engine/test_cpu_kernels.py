@@ -102,6 +102,7 @@ def test_a_failed_build_falls_back_to_torch_with_the_reason(tmp_path: Path, monk
     broken.mkdir()
     (broken / "bindings.cpp").write_text("#include <torch/extension.h>\nthis is not C++;\n")
     monkeypatch.setattr(cpu_kernels, "CSRC", broken)
+    monkeypatch.setattr(cpu_kernels, "NAME", "broken_kernels")  # torch's builder versions modules by name
     with caplog.at_level(logging.WARNING, logger="engine.cpu_kernels"):
         linear = cpu_kernels.linear_for(torch.device("cpu"), torch.bfloat16, cache_dir=tmp_path / "cache")
     assert linear is F.linear
@@ -117,6 +118,7 @@ def test_a_build_left_locked_by_a_killed_builder_does_not_hang(tmp_path: Path, m
     broken.mkdir()
     (broken / "bindings.cpp").write_text("#include <torch/extension.h>\nthis is not C++;\n")
     monkeypatch.setattr(cpu_kernels, "CSRC", broken)
+    monkeypatch.setattr(cpu_kernels, "NAME", "broken_kernels")  # torch's builder versions modules by name
     cache = tmp_path / "cache"
     first = cpu_kernels.linear_for(torch.device("cpu"), torch.bfloat16, cache_dir=cache)  # makes the build folder
     (build_dir,) = (cache / "kernels").iterdir()
