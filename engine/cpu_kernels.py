@@ -59,12 +59,13 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")  # a shared header, the vector layer and one file per kernel family
 NAME = "peregrine_cpu_kernels"
 MAX_ROWS = 8  # bf16, AVX512-BF16: 2.3x F.linear at 1 row, 1.3x at 4, even at 8, slower beyond (oneDNN's AMX GEMM)
-# The rows per call below which each dtype's linear goes to the kernel, per build level (measured, README "CPU
-# kernels"); 0: never (torch's op is as fast or faster there).
-LINEAR_ROWS: dict[tuple[str, torch.dtype], int] = {
-    ("avx512", torch.bfloat16): MAX_ROWS, ("avx512", torch.float32): MAX_ROWS,
-    ("avx2", torch.bfloat16): MAX_ROWS, ("avx2", torch.float32): MAX_ROWS,
-    ("neon", torch.bfloat16): MAX_ROWS, ("neon", torch.float32): MAX_ROWS,
+# The rows per call (first, last) that each dtype's linear sends to the kernel, per build level; torch's op for the
+# rest. Measured (README "CPU kernels"): on the AVX2 EPYC, torch's float32 and bf16 linear at one row (MKL's
+# gemv) beat the kernel (0.3-0.9x), which wins from 4 rows to 16 (1.5-3.9x).
+LINEAR_ROWS: dict[tuple[str, torch.dtype], tuple[int, int]] = {
+    ("avx512", torch.bfloat16): (1, MAX_ROWS), ("avx512", torch.float32): (1, MAX_ROWS),
+    ("avx2", torch.bfloat16): (2, 16), ("avx2", torch.float32): (2, 16),
+    ("neon", torch.bfloat16): (1, MAX_ROWS), ("neon", torch.float32): (1, MAX_ROWS),
 }
 
 _loaded: dict[tuple[str, str], ModuleType | None] = {}  # (level, build key) -> module, None: failed
@@ -152,16 +153,16 @@ def _for(device: torch.device, enabled: bool, cache_dir: Path | None,
 
 def linear_for(device: torch.device, dtype: torch.dtype, enabled: bool = True,
                cache_dir: Path | None = None) -> Linear:
-    """The linear the forward pass should call: the kernel for small CPU batches (up to `LINEAR_ROWS` rows for the
-    dtype and build) when it loads, else F.linear."""
+    """The linear the forward pass should call: the kernel for small CPU batches (`LINEAR_ROWS` for the dtype and
+    build) when it loads, else F.linear."""
     module = _for(device, enabled, cache_dir, dtype)
-    rows = LINEAR_ROWS.get((build_level() or "", dtype), 0) if module is not None else 0
-    if module is None or rows == 0:
+    first, last = LINEAR_ROWS.get((build_level() or "", dtype), (0, 0)) if module is not None else (0, 0)
+    if module is None or last == 0:
         return F.linear
     kernel = module.linear_small
 
     def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if (x.dim() == 2 and 0 < x.shape[0] <= rows and x.shape[1] % 32 == 0 and x.stride(1) == 1
+        if (x.dim() == 2 and first <= x.shape[0] <= last and x.shape[1] % 32 == 0 and x.stride(1) == 1
                 and x.dtype == weight.dtype and weight.is_contiguous()):
             return kernel(x, weight, bias)
         return F.linear(x, weight, bias)

@@ -44,8 +44,11 @@ def check(zig_python: str, sources: list[Path]) -> list[tuple[Path, str]]:
         (Path(stub) / "neon_probe.cpp").write_text(NEON_PROBE)
         for source in [Path(stub) / "neon_probe.cpp", *sources]:
             done = subprocess.run(command(zig_python, source, Path(stub)), capture_output=True, text=True)
-            if done.returncode != 0:
-                failures.append((source, done.stderr[-4000:]))
+            # zig reports "failed to rename ... .o" after a clean -fsyntax-only run (it has no object to cache):
+            # only the compiler's own errors count
+            errors = [line for line in done.stderr.splitlines() if "error" in line and "failed to rename" not in line]
+            if done.returncode != 0 and errors:
+                failures.append((source, "\n".join(errors)[-4000:]))
     return failures
 
 
