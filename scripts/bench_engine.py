@@ -116,6 +116,8 @@ def main() -> None:
     parser.add_argument("--batch1-repeats", type=int, default=3,
                         help="lone requests timed for batch-1 decode (the best is reported, all are listed)")
     parser.add_argument("--cache-dir", default=str(DEFAULT_CACHE_DIR))
+    parser.add_argument("--weight-format", default="auto", choices=("auto", "quantized", "dense"),
+                        help="the GGUF's weights kept quantized or converted to dense (Peregrine's --weight-format)")
     parser.add_argument("--cpu-kernels", action=argparse.BooleanOptionalAction, default=True,
                         help="Peregrine's CPU kernels (engine.cpu_kernels); --no-cpu-kernels: torch's own ops")
     args = parser.parse_args()
@@ -131,6 +133,7 @@ def main() -> None:
         max_model_len=args.prompt_len + args.output_len + 16,
         cache_dir=args.cache_dir,
         cpu_kernels=args.cpu_kernels,
+        weight_format=args.weight_format,
     )
     loaded = load_model(cfg)
     engine = LLMEngine(loaded.model, loaded.tokenizer, cfg, loaded.device, loaded.dtype, loaded.max_model_len)
