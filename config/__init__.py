@@ -18,11 +18,7 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import ByteSize, Field, SecretStr, field_validator
-from pydantic_settings import (
-    BaseSettings,
-    PydanticBaseSettingsSource,
-    SettingsConfigDict,
-)
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 from typing_extensions import TypeAliasType
 
 from config.loading import (  # re-exported: `from config import load_settings` and friends
@@ -399,10 +395,4 @@ class Settings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (
-            init_settings,
-            env_settings,
-            dotenv_settings,
-            ConventionalEnvSource(settings_cls),
-            file_secret_settings,
-        )
+        return init_settings, env_settings, dotenv_settings, ConventionalEnvSource(settings_cls), file_secret_settings

@@ -269,7 +269,7 @@ def test_chat_page_route_is_open_and_relative(server: str) -> None:
     """No browser needed: `/` is HTML with a <base> and relative asset URLs, and needs no credentials."""
     r = httpx.get(f"{server}/", timeout=30)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
-    assert '<base href="/">' in r.text and 'src="ui/chat.js"' in r.text
+    assert '<base href="/">' in r.text and 'src="ui/render.js"' in r.text and 'src="ui/chat.js"' in r.text
     assert "http" not in r.text.split("<body>")[0].replace('name="viewport"', "")  # nothing from a CDN
-    for asset in ("ui/chat.js", "ui/chat.css"):
+    for asset in ("ui/render.js", "ui/chat.js", "ui/chat.css"):
         assert httpx.get(f"{server}/{asset}", timeout=30).status_code == 200
