@@ -23,6 +23,7 @@ from typing_extensions import TypeAliasType
 
 from config.loading import (  # re-exported: `from config import load_settings` and friends
     CONVENTIONAL_ENV,
+    DEFAULT_CACHE_DIR,
     ENV_FILE,
     ENV_PREFIX,
     PROG,
@@ -32,11 +33,13 @@ from config.loading import (  # re-exported: `from config import load_settings` 
     parse_duration,
     repeated_model_flags,
     settings_or_exit,
+    tool_cache_dir,
 )
 
 __all__ = [  # with what config/loading.py contributes
     "CONVENTIONAL_ENV", "DEFAULT_CACHE_DIR", "ENV_FILE", "ENV_PREFIX", "PROG", "ConfigError", "ConventionalEnvSource",
     "Settings", "device_kind", "load_settings", "parse_duration", "repeated_model_flags", "settings_or_exit",
+    "tool_cache_dir",
 ]  # fmt: skip
 
 
@@ -46,7 +49,6 @@ Size = TypeAliasType("Size", ByteSize)
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 
-DEFAULT_CACHE_DIR = Path("~/.cache/peregrine")  # the one default; callers of the engine pass it on
 _DEVICE_RE = re.compile(r"^(auto|cpu|tt|cuda(:\d+)?)$")
 
 
@@ -91,7 +93,7 @@ class Settings(BaseSettings):
     )
     cache_dir: Path = Field(
         DEFAULT_CACHE_DIR,
-        description="Where converted models (GGUF dequantized to safetensors) are cached.",
+        description="Where GGUF metadata and dense conversions and the compiled CPU kernels are cached.",
     )
     trust_remote_code: bool = Field(False, description="Allow model code from the Hub repository to run.")
     embedding_model: str = Field(

@@ -10,6 +10,7 @@ import os
 import re
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
@@ -20,6 +21,13 @@ if TYPE_CHECKING:
     from config import Settings
 
 ENV_PREFIX = "PEREGRINE_"
+DEFAULT_CACHE_DIR = Path("~/.cache/peregrine")  # the one default; callers of the engine pass it on
+
+
+def tool_cache_dir() -> Path:
+    """The cache dir for code that runs without Settings (setup.sh's kernel build, scripts, tests):
+    PEREGRINE_CACHE_DIR as Settings reads it, else DEFAULT_CACHE_DIR. The server passes Settings.cache_dir."""
+    return Path(os.environ.get(f"{ENV_PREFIX}CACHE_DIR") or DEFAULT_CACHE_DIR).expanduser()
 ENV_FILE = ".env"
 PROG = "main.py"
 

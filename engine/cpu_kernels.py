@@ -33,7 +33,6 @@ kernels").
 from __future__ import annotations
 
 import logging
-import os
 import platform
 from pathlib import Path
 from types import ModuleType
@@ -73,7 +72,11 @@ _said: set[str | None] = set()  # paths and reasons logged already: each once
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("PEREGRINE_CACHE_DIR", Path.home() / ".cache" / "peregrine"))
+    """Where kernels build when the caller names no cache dir (the engine always passes EngineConfig.cache_dir):
+    config's, the one default (config imports nothing of Peregrine's, so this adds no cycle)."""
+    from config import tool_cache_dir
+
+    return tool_cache_dir()
 
 
 def build_level() -> str | None:

@@ -78,17 +78,18 @@ def _huge_page_buffer(nbytes: int) -> object:
 
 
 def _stream_read() -> object | None:
-    """The hand-written read, compiled once into ~/.cache/peregrine/bandwidth/<hash> (None, said, when it cannot
+    """The hand-written read, compiled once into <cache dir>/bandwidth/<hash> (None, said, when it cannot
     be built here: the torch reads still run)."""
     import hashlib
-    import os
 
     import torch
     from torch.utils.cpp_extension import load
 
     source = Path(__file__).with_name("csrc") / "stream_read.cpp"
     key = hashlib.sha256(source.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("PEREGRINE_CACHE_DIR", Path.home() / ".cache" / "peregrine"))
+    from config import tool_cache_dir
+
+    cache = tool_cache_dir()
     build_dir = cache / "bandwidth" / key
     build_dir.mkdir(parents=True, exist_ok=True)
     try:

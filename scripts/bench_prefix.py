@@ -244,7 +244,9 @@ def has_figures(row: dict[str, Any]) -> bool:
 
 def default_tokenizer() -> Path:
     """The bundled model's tokenizer: Peregrine's converted GGUF folder when present, else a dense copy."""
-    found = sorted(Path("~/.cache/peregrine/gguf").expanduser().glob("SmolLM2-135M-Instruct*/tokenizer.json"))
+    from config import tool_cache_dir
+
+    found = sorted((tool_cache_dir() / "gguf").glob("SmolLM2-135M-Instruct*/tokenizer.json"))
     return found[0] if found else peers.ensure_dense_model(peers.bundled_gguf())
 
 
