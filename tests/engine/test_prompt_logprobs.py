@@ -104,8 +104,9 @@ def test_smollm2_bf16_prompt_logprobs_through_the_cpu_kernels(smollm2: Any, engi
     """bf16 on CPU: prefill chunks op by op with the small-batch kernel, and (budget 2, a decode running
     beside) one-token prompt chunks through the one-call decode kernel. bf16 keeps 8 bits of mantissa, so
     logits near 20 are only resolved to ~0.1 and transformers' own bf16 pass rounds differently: measured
-    here, mean |diff| 0.05-0.09 nats, max 0.27. The bounds (mean 0.15, max 0.5) catch a wrong row or a
-    wrong position (errors of nats) while allowing that rounding."""
+    on AVX512-BF16, mean |diff| 0.05-0.09 nats, max 0.27; on the AVX2 path (bf16 widened to float32 in
+    registers, rounded back between ops), mean 0.10, max 0.54. The bounds (mean 0.15, max 0.8) catch a wrong
+    row or a wrong position (errors of nats) while allowing that rounding."""
     tok = smollm2.tokenizer
     prompt = tok.encode(TEXT)
     ref = reference(smollm2, prompt)
@@ -117,5 +118,5 @@ def test_smollm2_bf16_prompt_logprobs_through_the_cpu_kernels(smollm2: Any, engi
         entries = run_all(engine, requests)["p"][0].prompt_logprobs
         assert entries[0] is None and [e.token_id for e in entries[1:]] == prompt[1:]
         diff = (torch.tensor([e.logprob for e in entries[1:]]) - expected).abs()
-        assert diff.mean() < 0.15 and diff.max() < 0.5, (budget, diff.mean(), diff.max())
+        assert diff.mean() < 0.15 and diff.max() < 0.8, (budget, diff.mean(), diff.max())
         assert all(len(e.top) == 2 and e.top[0].logprob >= e.logprob - 1e-6 for e in entries[1:])
