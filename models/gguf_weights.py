@@ -76,6 +76,7 @@ def metadata_folder(gguf_path: Path, cache_dir: Path) -> Path:
 
     target = cache_dir / "gguf" / f"{gguf_path.stem}-{gguf_fingerprint(gguf_path)}-quantized"
     if _ready(target):
+        log.info("GGUF %s: using the cached metadata %s (weights stay in the file)", gguf_path.name, target)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     log.info("GGUF %s: caching its config and tokenizer once in %s (weights stay in the file)", gguf_path.name,
