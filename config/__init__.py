@@ -123,9 +123,9 @@ class Settings(BaseSettings):
     )
     cpu_kernels: bool = Field(
         True,
-        description="Peregrine's CPU kernels for bfloat16 on CPU: Llama-family decode steps as one call (matmuls "
-        "on AMX or AVX512-BF16), small-batch linear, paged decode attention, fused add + RMSNorm (compiled "
-        "once into cache_dir/kernels; off or unavailable: torch's ops).",
+        description="Peregrine's CPU kernels (AVX-512, AVX2 + FMA or NEON; float32 and bfloat16): Llama-family "
+        "decode steps as one call (matmuls on AMX where the CPU has it), small-batch linear, paged decode "
+        "attention, fused add + RMSNorm (compiled once into cache_dir/kernels; off or unavailable: torch's ops).",
     )
     cpu_isa: Literal["auto", "amx", "avx512", "avx2", "none"] = Field(
         "auto",
