@@ -145,12 +145,15 @@ def main() -> None:
         seconds, _ = engine_run(engine, prompts[:c], args.output_len)
         rows.append(Row("peregrine", c, c * args.output_len, seconds))
     decodes = [engine_run(engine, prompts[:1], args.output_len)[1] for _ in range(args.batch1_repeats)]
-    hf_row, hf_decode = hf_rows(loaded.model, prompts[: args.hf_requests], args.output_len)
+    hf_row, hf_decode = (
+        hf_rows(loaded.model, prompts[: args.hf_requests], args.output_len) if args.hf_requests > 0 else (None, None)
+    )
     report(rows, hf_row, decodes, hf_decode, args, str(loaded.dtype).removeprefix("torch."))
 
 
 def report(
-    rows: list[Row], hf: Row, decodes: list[float], hf_decode: float, args: argparse.Namespace, dtype: str
+    rows: list[Row], hf: Row | None, decodes: list[float], hf_decode: float | None, args: argparse.Namespace,
+    dtype: str,
 ) -> None:
     decode_1 = max(decodes)  # the best lone request, as scripts/bandwidth.py takes the best of its repeats
     print(
@@ -159,11 +162,14 @@ def report(
         f"cpu kernels {'on' if args.cpu_kernels else 'off'}"
     )
     print(f"{'engine':<26}{'concurrent':>11}{'output tok/s':>14}{'vs HF seq':>11}")
-    for row in [hf, *rows]:
-        print(f"{row.name:<26}{row.concurrency:>11}{row.tok_s:>14.1f}{row.tok_s / hf.tok_s:>10.2f}x")
+    def vs_hf(value: float, base: float | None) -> str:
+        return f"{value / base:>10.2f}x" if base else f"{'-':>11}"
+
+    for row in [hf, *rows] if hf else rows:
+        print(f"{row.name:<26}{row.concurrency:>11}{row.tok_s:>14.1f}{vs_hf(row.tok_s, hf and hf.tok_s)}")
     print(
-        f"{'batch-1 decode tok/s':<26}{'':>11}{decode_1:>14.1f}{decode_1 / hf_decode:>10.2f}x"
-        f"   (HF generate: {hf_decode:.1f}; best of {len(decodes)}: "
+        f"{'batch-1 decode tok/s':<26}{'':>11}{decode_1:>14.1f}{vs_hf(decode_1, hf_decode)}"
+        f"   (HF generate: {f'{hf_decode:.1f}' if hf_decode else 'not run'}; best of {len(decodes)}: "
         f"{' / '.join(f'{d:.1f}' for d in decodes)})"
     )
     print(
@@ -178,10 +184,10 @@ def report(
                 "output_len": args.output_len,
                 "batch1_decode_tok_s": round(decode_1, 2),
                 "batch1_decode_tok_s_runs": [round(d, 2) for d in decodes],
-                "hf_batch1_decode_tok_s": round(hf_decode, 2),
-                "hf_sequential_output_tok_s": round(hf.tok_s, 2),
+                "hf_batch1_decode_tok_s": round(hf_decode, 2) if hf_decode else None,
+                "hf_sequential_output_tok_s": round(hf.tok_s, 2) if hf else None,
                 "output_tok_s": {str(r.concurrency): round(r.tok_s, 2) for r in rows},
-                "speedup_vs_hf_sequential": {str(r.concurrency): round(r.tok_s / hf.tok_s, 2) for r in rows},
+                "speedup_vs_hf_sequential": {str(r.concurrency): round(r.tok_s / hf.tok_s, 2) for r in rows} if hf else None,
             }
         )
     )
