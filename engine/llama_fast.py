@@ -26,7 +26,7 @@ from torch import nn
 from engine.attention import AttentionMetadata, attend
 from engine.kernels import TORCH, Kernels, Linear
 from engine.kv_cache import KVCache
-from engine.quant import QuantLinear, QuantWeight, concat, is_quantized
+from engine.quant import QuantEmbedding, QuantLinear, QuantWeight, concat, is_quantized
 
 log = logging.getLogger(__name__)
 
@@ -146,9 +146,6 @@ class LlamaFastForward:
         inner = model.model
         self.layers = [self._layer(layer) for layer in inner.layers[: config.num_hidden_layers]]
         decoder = kernels.decoder  # engine.cpu_kernels.llama_decoder_for: None unless on CPU
-        if decoder is not None and is_quantized(model):
-            log.info("one-call decode step off: the weights are quantized (op-by-op steps on the quantized kernels)")
-            decoder = None
         self._decoder_factory = decoder
         self._decoder: tuple[KVCache, object] | None = None  # built on the first decode-only step
         rope_type = str(getattr(inner.rotary_emb, "rope_type", "default"))
@@ -163,14 +160,18 @@ class LlamaFastForward:
             return None
         if self._decoder is None or self._decoder[0] is not kv_cache:
             none = torch.empty(0)
-            layers = [[w.input_norm, w.qkv, _or(w.qkv_bias, none), w.o, _or(w.o_bias, none), w.post_norm, w.gate_up,
-                       _or(w.gate_up_bias, none), w.down, _or(w.down_bias, none), kv_cache.k[i], kv_cache.v[i]]
-                      for i, w in enumerate(self.layers)]
+            layers = [[w.input_norm, w.post_norm, kv_cache.k[i], kv_cache.v[i]] for i, w in enumerate(self.layers)]
             head = self.model.lm_head
+            matmuls = [(weight, bias) for w in self.layers
+                       for weight, bias in ((w.qkv, w.qkv_bias), (w.o, w.o_bias), (w.gate_up, w.gate_up_bias),
+                                            (w.down, w.down_bias))] + [(weight_of(head), head.bias)]
+            parts = [_parts(weight) for weight, _ in matmuls]
+            embed = self.model.model.embed_tokens
+            embed_weight, embed_type = _parts(embed.qweight if isinstance(embed, QuantEmbedding) else embed.weight)
             try:
-                built = self._decoder_factory(self.model.model.embed_tokens.weight, layers,
-                                              self.model.model.norm.weight, head.weight,
-                                              _or(head.bias, none), self.heads, self.kv_heads, self.head_dim,
+                built = self._decoder_factory(embed_weight[0], embed_type[0], layers, [p[0] for p in parts],
+                                              [p[1] for p in parts], [_or(bias, none) for _, bias in matmuls],
+                                              self.model.model.norm.weight, self.heads, self.kv_heads, self.head_dim,
                                               self.eps, kv_cache.block_size, self.scaling)
             except RuntimeError as exc:  # a shape or dtype the kernel does not take: keep the op-by-op pass
                 log.info("one-call decode step off: %s", str(exc).splitlines()[0])
@@ -183,7 +184,7 @@ class LlamaFastForward:
         """The decoder's RoPE inputs: each token's row of (cos, sin) tables. Static RoPE: rows of a table of every
         position so far (the same values the rotary module gives, computed once). Else this step's own rows."""
         rotary = self.model.model.rotary_emb
-        probe = torch.empty(0, dtype=self.model.model.embed_tokens.weight.dtype, device=positions.device)
+        probe = torch.empty(0, dtype=self.model.model.norm.weight.dtype, device=positions.device)  # the model dtype
         if not self._static_rope:
             cos, sin = rotary(probe, positions[None])
             return torch.arange(positions.shape[0], device=positions.device), cos[0], sin[0]
@@ -240,6 +241,13 @@ class LlamaFastForward:
     def _mlp(self, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
         return self.linear(F.silu(gate) * up, w.down, w.down_bias)
+
+
+def _parts(weight: Weight) -> tuple[list[torch.Tensor], list[int]]:
+    """The decoder's view of a weight: its pieces (dense tensors or quantized blocks) and their ggml types (0: dense)."""
+    pieces = weight if isinstance(weight, list) else [weight]
+    return ([p.blocks if isinstance(p, QuantWeight) else p for p in pieces],
+            [p.qtype if isinstance(p, QuantWeight) else 0 for p in pieces])
 
 
 def _or(tensor: torch.Tensor | None, default: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "h += delta; RMSNorm(h), Llama rounding", release());
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache", release());
   m.def("linear_small", &linear_small, "x[M, K] @ w[N, K]^T (+ bias), float32 or bfloat16, a few rows", release());
+  m.def("qlinear", &qlinear, "x[M, K] @ W^T, W GGUF blocks [N, bytes] of a ggml type; int8 dot products, float32 out",
+        py::arg("x"), py::arg("w"), py::arg("type"), py::arg("bias") = py::none(), release());
   m.def("amx_available", &amx_available, "this build and CPU have AMX-BF16 and Linux lets the process use it");
   m.def("argmax_rows", &argmax_rows, "each row's first index of its largest value (NaN largest)", release());
   bind_decoder(m);

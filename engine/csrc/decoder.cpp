@@ -12,6 +12,7 @@
 // LlamaDecoder_float32 and LlamaDecoder_bfloat16; the rounding to T follows engine/llama_fast.py op for op (RoPE,
 // SiLU * up, norms, matmul outputs).
 #include "attention.h"
+#include "qdot.h"
 
 #include <omp.h>
 #include <sched.h>
@@ -24,34 +25,61 @@
 namespace peregrine {
 namespace {
 
+namespace q = peregrine_quant;
+
 struct Scratch {
   AmxScratch amx;
   AttnScratch attn;
+  q::QScratch quant;
+};
+
+// One block of a matmul's output rows: dense weights in the model dtype ([rows, K], contiguous), or GGUF blocks
+// kept quantized (uint8 [rows, bytes], `qtype` the ggml type). A fused projection whose pieces come in different
+// formats (Q4_K_M files mix Q4_K and Q6_K) is several parts.
+struct Part {
+  torch::Tensor weight;
+  int qtype = 0;
+  int64_t n0 = 0, rows = 0;
 };
 
 struct Linear {
-  torch::Tensor weight, bias;  // bias kept in float32, undefined when absent
+  std::vector<Part> parts;
+  torch::Tensor bias;  // float32, undefined when absent
   const uint16_t* packed = nullptr;  // the AMX layout (pack_weight), in the decoder's packed buffer
   int64_t N = 0, K = 0;
+  bool dense() const { return parts.size() == 1 && parts[0].qtype == 0; }
 };
 
 // out[:M, n_begin:n_end] = x[:M] @ w[n_begin:n_end]^T (+ bias). n_begin and n_end are multiples of 16; with AMX
-// (bf16 only) n_begin is a multiple of 32 and n_end one too or N.
+// (bf16 only) n_begin is a multiple of 32 and n_end one too or N. Quantized parts multiply the rows quantized to
+// int8 (qdot.h), once per call.
 template <typename T>
 void linear_rows(const Linear& L, const T* x, int64_t ldx, int64_t M, T* out, int64_t ldo, int64_t n_begin,
                  int64_t n_end, bool amx, Scratch& s) {
   const float* bias = L.bias.defined() ? L.bias.data_ptr<float>() : nullptr;
   if (n_begin >= n_end) return;
   if constexpr (std::is_same_v<T, bf16>) {
-    if (amx) {
+    if (amx && L.packed) {
       amx_rows(L.packed, L.N, L.K, bias, reinterpret_cast<const uint16_t*>(x), ldx, M, out, ldo, n_begin, n_end,
                s.amx);
       return;
     }
   }
-  const T* w = L.weight.data_ptr<T>();
-  for (int64_t m0 = 0; m0 < M; m0 += 8)
-    gemv_rows(std::min<int64_t>(M - m0, 8), x + m0 * ldx, w, bias, out + m0 * ldo, L.K, ldx, ldo, n_begin, n_end);
+  q::QRows qx{};
+  for (const Part& p : L.parts) {
+    const int64_t b = std::max(n_begin, p.n0) - p.n0, e = std::min(n_end, p.n0 + p.rows) - p.n0;
+    if (b >= e) continue;
+    const float* pb = bias ? bias + p.n0 : nullptr;
+    if (p.qtype) {
+      if (!qx.q) qx = q::quantize_rows(x, ldx, M, L.K, s.quant);
+      q::qlinear_rows(p.qtype, p.weight.data_ptr<uint8_t>(), p.weight.stride(0), qx, M, pb, out + p.n0, ldo, b, e,
+                      s.quant);
+      continue;
+    }
+    const T* w = p.weight.data_ptr<T>();
+    for (int64_t m0 = 0; m0 < M; m0 += 8)
+      gemv_rows(std::min<int64_t>(M - m0, 8), x + m0 * ldx, w, pb, out + m0 * ldo + p.n0, L.K, ldx, ldo, b, e);
+  }
 }
 
 // One allocation for all packed weights, in the order a step reads them, on transparent huge pages where the
@@ -127,16 +155,32 @@ struct DecoderLayer {
 template <typename T>
 constexpr at::ScalarType kType = std::is_same_v<T, float> ? at::kFloat : at::kBFloat16;
 
+// A matmul from its parts (each dense in T or GGUF blocks of `types[i]`), stacked along the output rows.
 template <typename T>
-Linear make_linear(const torch::Tensor& w, const torch::Tensor& bias) {
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == kType<T>,
-              "LlamaDecoder: weights contiguous [N, K] in the model dtype");
-  TORCH_CHECK(w.size(0) % 16 == 0 && w.size(1) % 32 == 0, "LlamaDecoder: weight rows % 16, columns % 32");
+Linear make_linear(const std::vector<torch::Tensor>& ws, const std::vector<int64_t>& types, const torch::Tensor& bias) {
+  TORCH_CHECK(!ws.empty() && ws.size() == types.size(), "LlamaDecoder: each linear's parts, one type each");
   Linear L;
-  L.weight = w;
-  L.N = w.size(0);
-  L.K = w.size(1);
+  for (size_t i = 0; i < ws.size(); ++i) {
+    const torch::Tensor& w = ws[i];
+    TORCH_CHECK(w.dim() == 2 && w.stride(1) == 1, "LlamaDecoder: weights [N, K] with contiguous rows");
+    Part p{w, static_cast<int>(types[i]), L.N, w.size(0)};
+    int64_t K = w.size(1);
+    if (p.qtype == 0) {
+      TORCH_CHECK(w.is_contiguous() && w.scalar_type() == kType<T>, "LlamaDecoder: dense weights in the model dtype");
+    } else {
+      TORCH_CHECK(q::supported(p.qtype), "LlamaDecoder: unsupported GGUF quantization type ", p.qtype);
+      const q::Layout lay = q::layout_of(p.qtype);
+      TORCH_CHECK(w.scalar_type() == at::kByte && w.size(1) % lay.bytes == 0, "LlamaDecoder: uint8 rows of blocks");
+      K = w.size(1) / lay.bytes * lay.elems;
+    }
+    TORCH_CHECK(i == 0 || K == L.K, "LlamaDecoder: a linear's parts differ in K");
+    L.K = K;
+    L.N += p.rows;
+    L.parts.push_back(std::move(p));
+  }
+  TORCH_CHECK(L.N % 16 == 0 && L.K % 32 == 0, "LlamaDecoder: weight rows % 16, columns % 32");
   if (bias.defined() && bias.numel()) L.bias = bias.to(at::kFloat).contiguous();
+  TORCH_CHECK(!L.bias.defined() || L.bias.numel() == L.N, "LlamaDecoder: a bias per output row");
   return L;
 }
 
@@ -145,33 +189,41 @@ Linear make_linear(const torch::Tensor& w, const torch::Tensor& bias) {
 template <typename T>
 class LlamaDecoder {
  public:
-  // layers: per layer [input_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, gate_up_bias, down, down_bias,
-  // k_cache, v_cache]; an absent bias is an empty tensor. qkv rows: q heads, then k heads, then v heads.
-  LlamaDecoder(const torch::Tensor& embed, const std::vector<std::vector<torch::Tensor>>& layers,
-               const torch::Tensor& final_norm, const torch::Tensor& head, const torch::Tensor& head_bias,
-               int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, int64_t block_size, double scale, bool amx)
-      : embed_(embed), final_norm_(final_norm), heads_(heads), kv_heads_(kv_heads), dim_(head_dim), eps_(eps),
-        block_size_(block_size), scale_(scale), amx_(amx) {
+  // embed: [vocab, hidden] in T, or GGUF blocks of `embed_qtype` (uint8 [vocab, bytes]). layers: per layer
+  // [input_norm, post_norm, k_cache, v_cache]. weights: per matmul (qkv, o, gate_up, down of each layer, then the LM
+  // head) its parts, `qtypes` their types (0: dense in T) and `biases` one per matmul (empty when absent). qkv rows:
+  // q heads, then k heads, then v heads. AMX (bf16) takes the dense matmuls when every one is a single dense part.
+  LlamaDecoder(const torch::Tensor& embed, int64_t embed_qtype, const std::vector<std::vector<torch::Tensor>>& layers,
+               const std::vector<std::vector<torch::Tensor>>& weights, const std::vector<std::vector<int64_t>>& qtypes,
+               const std::vector<torch::Tensor>& biases, const torch::Tensor& final_norm, int64_t heads,
+               int64_t kv_heads, int64_t head_dim, double eps, int64_t block_size, double scale, bool amx)
+      : embed_(embed), embed_qtype_(static_cast<int>(embed_qtype)), final_norm_(final_norm), heads_(heads),
+        kv_heads_(kv_heads), dim_(head_dim), eps_(eps), block_size_(block_size), scale_(scale), amx_(amx) {
     TORCH_CHECK(!amx || (amx_available() && std::is_same_v<T, bf16>), "LlamaDecoder: AMX is not available");
     TORCH_CHECK(head_dim % 32 == 0 && head_dim <= 512 && heads % kv_heads == 0, "LlamaDecoder: head_dim % 32, GQA");
-    head_ = make_linear<T>(head, head_bias);
+    const size_t n = layers.size();
+    TORCH_CHECK(weights.size() == 4 * n + 1 && qtypes.size() == weights.size() && biases.size() == weights.size(),
+                "LlamaDecoder: 4 matmuls per layer and the LM head, each with its types and bias");
+    auto linear = [&](size_t i) { return make_linear<T>(weights[i], qtypes[i], biases[i]); };
+    head_ = linear(4 * n);
     hidden_ = head_.K;
-    for (const auto& t : layers) {
-      TORCH_CHECK(t.size() == 12, "LlamaDecoder: 12 tensors per layer");
+    for (size_t i = 0; i < n; ++i) {
+      const auto& t = layers[i];
+      TORCH_CHECK(t.size() == 4, "LlamaDecoder: input_norm, post_norm, k_cache, v_cache per layer");
       DecoderLayer l;
       l.input_norm = t[0];
-      l.qkv = make_linear<T>(t[1], t[2]);
-      l.o = make_linear<T>(t[3], t[4]);
-      l.post_norm = t[5];
-      l.gate_up = make_linear<T>(t[6], t[7]);
-      l.down = make_linear<T>(t[8], t[9]);
-      l.k_cache = t[10];
-      l.v_cache = t[11];
+      l.post_norm = t[1];
+      l.k_cache = t[2];
+      l.v_cache = t[3];
+      l.qkv = linear(4 * i);
+      l.o = linear(4 * i + 1);
+      l.gate_up = linear(4 * i + 2);
+      l.down = linear(4 * i + 3);
       TORCH_CHECK(l.qkv.N == (heads + 2 * kv_heads) * head_dim && l.qkv.K == hidden_ && l.o.N == hidden_ &&
                   l.o.K == heads * head_dim && l.gate_up.K == hidden_ && l.down.N == hidden_ &&
                   l.gate_up.N == 2 * l.down.K && l.down.K % 16 == 0, "LlamaDecoder: inconsistent shapes");
-      for (const auto* n : {&l.input_norm, &l.post_norm})
-        TORCH_CHECK(n->scalar_type() == kType<T> && n->is_contiguous() && n->numel() == hidden_,
+      for (const auto* nw : {&l.input_norm, &l.post_norm})
+        TORCH_CHECK(nw->scalar_type() == kType<T> && nw->is_contiguous() && nw->numel() == hidden_,
                     "LlamaDecoder: norm weights [hidden] in the model dtype");
       for (const auto* c : {&l.k_cache, &l.v_cache})
         TORCH_CHECK(c->scalar_type() == kType<T> && c->is_contiguous() && c->dim() == 3 &&
@@ -179,8 +231,19 @@ class LlamaDecoder {
       layers_.push_back(std::move(l));
     }
     TORCH_CHECK(final_norm.scalar_type() == kType<T> && final_norm.numel() == hidden_, "LlamaDecoder: final norm");
-    TORCH_CHECK(embed.scalar_type() == kType<T> && embed.is_contiguous() && embed.dim() == 2 &&
-                embed.size(1) == hidden_, "LlamaDecoder: embeddings [vocab, hidden] in the model dtype");
+    TORCH_CHECK(embed.dim() == 2 && embed.stride(1) == 1, "LlamaDecoder: embeddings [vocab, hidden]");
+    if (embed_qtype_) {
+      TORCH_CHECK(q::supported(embed_qtype_) && embed.scalar_type() == at::kByte &&
+                  hidden_ % q::layout_of(embed_qtype_).elems == 0 &&
+                  embed.size(1) == hidden_ / q::layout_of(embed_qtype_).elems * q::layout_of(embed_qtype_).bytes,
+                  "LlamaDecoder: quantized embeddings [vocab, hidden / block * bytes] uint8");
+    } else {
+      TORCH_CHECK(embed.scalar_type() == kType<T> && embed.is_contiguous() && embed.size(1) == hidden_,
+                  "LlamaDecoder: embeddings [vocab, hidden] in the model dtype");
+    }
+    for (const auto& l : layers_)
+      for (const Linear* L : {&l.qkv, &l.o, &l.gate_up, &l.down}) amx_ = amx_ && L->dense();
+    amx_ = amx_ && head_.dense();
     if (amx_) pack_all();
   }
 
@@ -204,10 +267,18 @@ class LlamaDecoder {
       TORCH_CHECK(tokp[m] >= 0 && tokp[m] < embed_.size(0) && ropep[m] >= 0 && ropep[m] < cs.size(0),
                   "LlamaDecoder.step: token id or RoPE row out of range");
     const int64_t QKV = (H + 2 * KVH) * D, I = layers_.empty() ? 0 : layers_[0].down.K, V = head_.N;
-    auto opts = embed_.options();
+    auto opts = final_norm_.options();  // T (the embeddings may be uint8 blocks)
     auto h = torch::empty({B, hid}, opts);  // the residual stream, from the embeddings
-    for (int64_t m = 0; m < B; ++m)
-      std::copy_n(embed_.data_ptr<T>() + tokp[m] * hid, hid, h.data_ptr<T>() + m * hid);
+    if (embed_qtype_) {  // the looked-up rows dequantized, rounded to T
+      std::vector<float> row(hid);
+      for (int64_t m = 0; m < B; ++m) {
+        q::dequant_row(embed_qtype_, embed_.data_ptr<uint8_t>() + tokp[m] * embed_.stride(0), hid, row.data());
+        std::copy_n(row.data(), hid, h.data_ptr<T>() + m * hid);
+      }
+    } else {
+      for (int64_t m = 0; m < B; ++m)
+        std::copy_n(embed_.data_ptr<T>() + tokp[m] * hid, hid, h.data_ptr<T>() + m * hid);
+    }
     auto x = torch::empty({B, hid}, opts), delta = torch::empty({B, hid}, opts), qkv = torch::empty({B, QKV}, opts);
     auto q = torch::empty({B, H, D}, opts), attn = torch::empty({B, H * D}, opts);
     auto gu = torch::empty({B, 2 * I}, opts), act = torch::empty({B, I}, opts);
@@ -299,7 +370,7 @@ class LlamaDecoder {
     packed_ = std::make_unique<PackedBuffer>(elements);
     uint16_t* at = packed_->data;
     for (Linear* L : all) {
-      pack_weight(reinterpret_cast<const uint16_t*>(L->weight.data_ptr()), L->N, L->K, at);
+      pack_weight(reinterpret_cast<const uint16_t*>(L->parts[0].weight.data_ptr()), L->N, L->K, at);
       L->packed = at;
       at += L->N * L->K;
     }
@@ -307,6 +378,7 @@ class LlamaDecoder {
 
   std::unique_ptr<PackedBuffer> packed_;
   torch::Tensor embed_;
+  int embed_qtype_;
   std::vector<DecoderLayer> layers_;
   torch::Tensor final_norm_;
   Linear head_;
@@ -323,9 +395,10 @@ template <typename T>
 void bind_one(pybind11::module_& m, const char* name) {
   using release = py::call_guard<py::gil_scoped_release>;
   py::class_<LlamaDecoder<T>>(m, name)
-      .def(py::init<const torch::Tensor&, const std::vector<std::vector<torch::Tensor>>&, const torch::Tensor&,
-                    const torch::Tensor&, const torch::Tensor&, int64_t, int64_t, int64_t, double, int64_t, double,
-                    bool>())
+      .def(py::init<const torch::Tensor&, int64_t, const std::vector<std::vector<torch::Tensor>>&,
+                    const std::vector<std::vector<torch::Tensor>>&, const std::vector<std::vector<int64_t>>&,
+                    const std::vector<torch::Tensor>&, const torch::Tensor&, int64_t, int64_t, int64_t, double,
+                    int64_t, double, bool>())
       .def("step", &LlamaDecoder<T>::step,
            "one decode step: step(ids, rope_rows, cos, sin, slots, block_tables, lengths) -> float32 logits [B, vocab]",
            release());

@@ -31,6 +31,10 @@ void gemv_rows(int64_t rows, const T* x, const T* w, const float* bias, T* out, 
                int64_t n_begin, int64_t n_end);
 torch::Tensor linear_small(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias);
 
+// --- qlinear.cpp: x @ W^T for W kept quantized (GGUF blocks), int8 dot products (qdot.h); float32 out ---
+torch::Tensor qlinear(const torch::Tensor& x, const torch::Tensor& w, int64_t type,
+                      const c10::optional<torch::Tensor>& bias);
+
 // --- norms.cpp ---
 // One row: hr += dr (when given); out = weight * to_T(hr * rsqrt(mean(hr^2) + eps)), statistics in float32.
 template <typename T>

@@ -353,10 +353,11 @@ def test_decoder_step_refuses_token_ids_out_of_range() -> None:
     v = torch.zeros_like(k)
     fast = LlamaFastForward(model)
     none = torch.empty(0)
-    layers = [[w.input_norm, w.qkv, none, w.o, none, w.post_norm, w.gate_up, none, w.down, none, k, v]
-              for w in fast.layers]
-    decoder = _MODULE.LlamaDecoder_bfloat16(model.model.embed_tokens.weight, layers, model.model.norm.weight,
-                                   model.lm_head.weight, none, 4, 2, 32, 1e-5, 16, 32**-0.5, False)
+    layers = [[w.input_norm, w.post_norm, k, v] for w in fast.layers]
+    weights = [[m] for w in fast.layers for m in (w.qkv, w.o, w.gate_up, w.down)] + [[model.lm_head.weight]]
+    decoder = _MODULE.LlamaDecoder_bfloat16(model.model.embed_tokens.weight, 0, layers, weights,
+                                            [[0]] * len(weights), [none] * len(weights), model.model.norm.weight,
+                                            4, 2, 32, 1e-5, 16, 32**-0.5, False)
     rows, cos, sin = fast.decoder_rope(torch.tensor([0]))
     ok = decoder.step(torch.tensor([5]), rows, cos, sin, torch.tensor([0]), torch.tensor([[0]]), torch.tensor([1]))
     assert ok.dtype == torch.float32 and ok.shape == (1, 256) and torch.isfinite(ok).all()

@@ -1,0 +1,124 @@
+"""The int8 matmuls on GGUF weights kept quantized (`engine/csrc/qdot.h`: `qlinear`, and the one-call decoder over
+quantized weights), on every ISA path this CPU has (the AVX2 body also runs inside the AVX-512 build; a path the
+CPU lacks is skipped with the reason). Weights are real GGUF blocks (tests/quant_blocks.py).
+
+Stated bounds:
+- against the exact product of the dequantized weights and the activations as quantized to int8 (blocks of 32,
+  d = max|x| / 127, as llama.cpp's Q8_0/Q8_1): 1e-5 of the output range (only float32 summation order differs);
+- against float activations (what activation quantization costs): 2e-2 of the output range (measured 3e-3 to
+  8e-3 on these shapes);
+- a row's result is bitwise the same whatever its batch mates are (1 row or 16);
+- the decoder over quantized weights against the op-by-op pass over the same weights (float32 activations):
+  each decode step's logits within 5e-2 of their range (int8 activations in every matmul of 2 layers, measured
+  ~1e-2), and greedy tokens the same on at least 2 of 3 sequences.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from engine import cpu_kernels
+from engine.types import SamplingParams
+from models import gguf_weights
+from tests.engine.test_cpu_kernels_paths import PATHS
+from tests.quant_blocks import FORMATS, dequantize, make_blocks, write_tiny_gguf
+from tests.support import Loaded, run_all, tokens_of
+
+TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
+
+
+@pytest.fixture(scope="module", params=PATHS)
+def module(request: pytest.FixtureRequest) -> Any:
+    built = cpu_kernels.load(level=request.param)
+    assert built is not None and built.isa() == request.param
+    return built
+
+
+def int8_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernels see it: blocks of 32 rounded to int8 steps of d = max|x| / 127 (q = round(x * (127 / max|x|)),
+    ties to even, the kernels' own float operations)."""
+    blocks = x.float().reshape(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inverse = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, 0.0)  # not 127 / amax: 127 * (1 / amax)
+    return (torch.round(blocks * inverse) * (amax / 127)).reshape(x.shape)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_qlinear_matches_the_dequantized_product(module: Any, fmt: str) -> None:
+    rng = np.random.default_rng(3)
+    k = 512 if fmt in ("Q4_K", "Q6_K") else 576
+    blocks = make_blocks(fmt, 48, k, rng)
+    w = torch.from_numpy(dequantize(blocks, fmt)).double()
+    g = torch.Generator().manual_seed(1)
+    x, bias = torch.randn(16, k, generator=g), torch.randn(48, generator=g)
+    x[3] = 0.0  # an all-zero row: scale 0, no division by zero
+    got = module.qlinear(x, torch.from_numpy(blocks), TYPES[fmt], bias)
+    assert got.dtype == torch.float32 and got.shape == (16, 48)
+    exact = int8_activations(x).double() @ w.T + bias.double()
+    span = float(exact.abs().max())
+    assert float((got.double() - exact).abs().max()) <= 1e-5 * span
+    floats = x.double() @ w.T + bias.double()
+    assert float((got.double() - floats).abs().max()) <= 2e-2 * span
+    for row in (0, 3, 15):  # alone, a row gives the same bits as in the batch of 16
+        assert torch.equal(module.qlinear(x[row : row + 1], torch.from_numpy(blocks), TYPES[fmt], bias)[0], got[row])
+    halves = module.qlinear(x.bfloat16(), torch.from_numpy(blocks), TYPES[fmt], None)  # bfloat16 activations
+    want = int8_activations(x.bfloat16()).double() @ w.T
+    assert float((halves.double() - want).abs().max()) <= 1e-5 * span
+
+
+def test_qlinear_refuses_what_it_cannot_take(module: Any) -> None:
+    blocks = torch.from_numpy(make_blocks("Q8_0", 16, 64, np.random.default_rng(0)))
+    with pytest.raises(RuntimeError, match="unsupported GGUF quantization type"):
+        module.qlinear(torch.randn(1, 64), blocks, 99)
+    with pytest.raises(RuntimeError, match="uint8 blocks"):
+        module.qlinear(torch.randn(1, 96), blocks, 8)  # rows hold 64 values, not 96
+
+
+@pytest.mark.parametrize("formats", [{"*": "Q4_1", "token_embd": "Q8_0"},
+                                     {"*": "Q4_K", "attn_v": "Q6_K", "ffn_down": "Q6_K", "token_embd": "Q4_0"}],
+                         ids=["q4_1", "q4_k_m-like"])
+def test_decoder_on_quantized_weights_matches_the_op_by_op_pass(module: Any, formats: dict[str, str],
+                                                                tmp_path: Path, byte_level_tokenizer: Any,
+                                                                engine_factory: Any) -> None:
+    """Every decode step of a batched greedy run, computed op by op (float32 activations, the weights dequantized
+    in L1) and by the decoder (int8 activations); a row decoding alone gets the same bits as in the batch. The
+    Q4_K_M-like mix makes q/k/v and the MLP matmuls of two formats each: the decoder takes them as parts."""
+    vocab = len(byte_level_tokenizer)
+    write_tiny_gguf(tmp_path, formats, vocab=vocab + (-vocab) % 32)
+    model = gguf_weights.load(tmp_path / "tiny.gguf", tmp_path, torch.float32)
+    engine = engine_factory(Loaded(model, byte_level_tokenizer, 128), kv_cache_bytes=8 << 20, block_size=4,
+                            cpu_kernels=False, model_impl="llama")
+    fast = engine.runner._forward
+    factory = lambda *args: module.LlamaDecoder_float32(*args, False)  # noqa: E731
+    errors: list[float] = []
+    tokens: dict[str, list[list[int]]] = {"decoder": [], "reference": []}
+
+    def both(input_ids: torch.Tensor, positions: torch.Tensor, meta: Any, rows: torch.Tensor) -> torch.Tensor:
+        fast._decoder_factory = None
+        reference = fast(input_ids, positions, meta, rows).float()
+        if meta.prefills:
+            return reference
+        fast._decoder_factory = factory
+        got = fast(input_ids, positions, meta, rows)
+        assert fast._decoder is not None, "the decoder must take quantized weights"
+        alone = fast.decoder(meta.kv_cache).step(input_ids[:1], *fast.decoder_rope(positions[:1]),
+                                                 meta.slot_mapping[:1], meta.decode_block_tables[:1],
+                                                 meta.decode_lengths[:1])
+        assert torch.equal(alone[0], got[(rows == 0).nonzero()[0, 0]]), "a row changed with its batch mates"
+        errors.append(float((got - reference).abs().max() / reference.abs().max()))
+        tokens["decoder"].append(got.argmax(-1).tolist())
+        tokens["reference"].append(reference.argmax(-1).tolist())
+        return reference  # both runs continue from the same tokens
+
+    engine.runner._forward = both
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    run_all(engine, {f"r{i}": (list(range(3 + 5 * i, 10 + 9 * i)), params) for i in range(3)})
+    assert len(errors) >= 4
+    assert max(errors) <= 5e-2, errors
+    picks = list(zip(sum(tokens["decoder"], []), sum(tokens["reference"], []), strict=True))
+    assert sum(a == b for a, b in picks) >= 0.8 * len(picks), picks
