@@ -50,12 +50,14 @@ def test_tiny_gguf_logits_match_dequantized_reference(fmt: str, tmp_path: Path) 
 
 def test_mixed_formats_run_unfused_in_the_engine(tmp_path: Path, byte_level_tokenizer: object) -> None:
     """A Q4_K_M-like mix (Q6_K v and down, Q4_K elsewhere, Q8_0 embedding): the fast path fuses q/k/v only when one
-    format; greedy tokens through the engine equal transformers' generate on the dequantized reference."""
+    format; greedy tokens through the op-by-op engine (float32 activations) equal transformers' generate on the
+    dequantized reference. The one-call decoder quantizes activations to int8, so it is held to bounds instead
+    (tests/engine/test_qdot.py, with this same mix)."""
     vocab = len(byte_level_tokenizer)
     dense = write_tiny_gguf(tmp_path, {"*": "Q4_K", "attn_v": "Q6_K", "ffn_down": "Q6_K", "token_embd": "Q8_0"},
                             vocab=vocab + (-vocab) % 32)
     model = gguf_weights.load(tmp_path / "tiny.gguf", tmp_path, torch.float32)
-    engine = make_engine(Loaded(model, byte_level_tokenizer, 128), model_impl="llama")
+    engine = make_engine(Loaded(model, byte_level_tokenizer, 128), model_impl="llama", cpu_kernels=False)
     prompt = [5, 60, 61, 62, 63, 64]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     ours = tokens_of(run_all(engine, {"a": (prompt, params)})["a"])
