@@ -95,12 +95,19 @@ def test_linear_for_keeps_torch_where_the_kernel_does_not_apply() -> None:
     assert cpu_kernels.linear_for(torch.device("meta"), torch.bfloat16) is F.linear
 
 
+def broken_sources(root: Path) -> Path:
+    """A csrc folder whose one source fails to compile at once (without torch's headers, which take the compiler
+    half a minute to read): the failure goes through the same build code as the real kernels."""
+    broken = root / "csrc"
+    broken.mkdir()
+    (broken / "bindings.cpp").write_text("this is not C++;\n")
+    return broken
+
+
 @needs_kernel
 def test_a_failed_build_falls_back_to_torch_with_the_reason(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                             caplog: pytest.LogCaptureFixture) -> None:
-    broken = tmp_path / "csrc"
-    broken.mkdir()
-    (broken / "bindings.cpp").write_text("#include <torch/extension.h>\nthis is not C++;\n")
+    broken = broken_sources(tmp_path)
     monkeypatch.setattr(cpu_kernels, "CSRC", broken)
     monkeypatch.setattr(cpu_kernels, "NAME", "broken_kernels")  # torch's builder versions modules by name
     with caplog.at_level(logging.WARNING, logger="engine.cpu_kernels"):
@@ -114,9 +121,7 @@ def test_a_build_left_locked_by_a_killed_builder_does_not_hang(tmp_path: Path, m
                                                               caplog: pytest.LogCaptureFixture) -> None:
     """torch's `lock` file, left in the build folder by a builder killed midway, is cleared instead of waited on
     forever (the build here fails at once: the source is broken)."""
-    broken = tmp_path / "csrc"
-    broken.mkdir()
-    (broken / "bindings.cpp").write_text("#include <torch/extension.h>\nthis is not C++;\n")
+    broken = broken_sources(tmp_path)
     monkeypatch.setattr(cpu_kernels, "CSRC", broken)
     monkeypatch.setattr(cpu_kernels, "NAME", "broken_kernels")  # torch's builder versions modules by name
     cache = tmp_path / "cache"
