@@ -22,12 +22,12 @@ family, `bindings.cpp`), for the decode steps torch's general kernels serve badl
 
 The sources are compiled once per ISA level (`engine.extension_build.build_extension`: "avx512" with the AMX
 flags, "avx2", "neon") with torch's extension builder on first use (a C++ compiler is needed; about a minute on
-a quiet machine) and cached under `<cache>/kernels/`, keyed by the sources, their path, the flags and torch's
-version, so later starts load it in milliseconds. `build_level()` picks the best level the CPU has under the
-PEREGRINE_CPU_ISA ceiling, and the path taken is logged once. When no level applies, no compiler is found, or
-the build fails, `load()` logs why once and the engine keeps torch's ops. Which kernels serve which dtype on
-which level is measured (`LINEAR_ROWS`, `DECODER_DTYPES`, `ADD_NORM_DTYPES`; the figures are in README "CPU
-kernels").
+a quiet machine) and cached under `<cache>/kernels/`, keyed by the sources' bytes, the flags and torch's version
+(not their path: another clone loads the same build), so later starts load it in milliseconds. `build_level()`
+picks the best level the CPU has under the PEREGRINE_CPU_ISA ceiling, and the path taken is logged once. When no
+level applies, no compiler is found, or the build fails, `load()` logs why once and the engine keeps torch's ops.
+Which kernels serve which dtype on which level is measured (`LINEAR_ROWS`, `DECODER_DTYPES`, `ADD_NORM_DTYPES`;
+the figures are in README "CPU kernels").
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")  # a shared header, the vector layer and one file per kernel family
 NAME = "peregrine_cpu_kernels"
+LEVELS = ("avx512", "avx2", "neon")  # the builds there are (extension_build.LEVEL_FLAGS); build_level() picks
 MAX_ROWS = 8  # bf16, AVX512-BF16: 2.3x F.linear at 1 row, 1.3x at 4, even at 8, slower beyond (oneDNN's AMX GEMM)
 # The rows per call (first, last) that each dtype's linear sends to the kernel, per build level; torch's op for the
 # rest. Measured (README "CPU kernels"): on the AVX2 EPYC, torch's float32 and bf16 linear at one row (MKL's
@@ -113,6 +114,8 @@ def load(cache_dir: Path | None = None, level: str | None = None) -> ModuleType 
     cannot run it (logged once). The path taken is logged once per process."""
     level = level or build_level()  # the ceiling can change between calls (tests); each level is its own build
     reason = unsupported_reason() if level is None or level == build_level() else None
+    if level is not None and level not in LEVELS:  # extension_build's "none": not a build of these kernels
+        reason = f"no {level} build (the kernels are built for {', '.join(LEVELS)})"
     if level is None or reason is not None:
         return _off(reason)
     cache = cache_dir or default_cache_dir()

@@ -1,11 +1,13 @@
 """Building Peregrine's C++ extensions: one compiled module per ISA level, cached, and one guard around each build.
 
-`build_extension(name, sources, level)` compiles `sources` with torch's extension builder
+`build_extension(name, sources, level, cache_dir)` compiles `sources` with torch's extension builder
 (`torch.utils.cpp_extension.load`) and the flags of `level` (`LEVEL_FLAGS`), into
-`<cache>/kernels/<name>-<level>-<key>/`, where the key hashes the torch version, the flags and every source and
-header next to them (and their paths), so a later start with the same sources loads the module in milliseconds.
-Each level gets its own module name (`<name>_<level>`), so one process can hold two levels (tests run the AVX2
-path on AVX-512 machines).
+`<cache>/kernels/<name>_<level>-<key>/`, where the key hashes the torch version, the flags and the bytes of every
+source and of the headers beside them, and nothing else. torch's builder rebuilds a folder when it sees its
+sources at another path, so the sources and headers are first copied into the build folder (`src/`) and built
+from there: a clone, a worktree or an installed copy with the same sources loads the module another one built,
+in milliseconds. Each level gets its own module name (`<name>_<level>`), so one process can hold two levels
+(tests run the AVX2 path on AVX-512 machines).
 
 torch's builder serialises builds of one folder with a `lock` file it creates and deletes; a builder killed
 mid-build (a server stopped while it compiled, a test timed out) leaves that file behind, and every later start
@@ -18,6 +20,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import logging
+import os
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -31,11 +34,13 @@ log = logging.getLogger(__name__)
 TORCH_LOCK = "lock"  # torch.utils.file_baton's file in the build directory
 
 # The compiler flags of each ISA level the kernels are built for (engine.cpu_features names the x86 levels; NEON
-# is part of every aarch64 CPU, so it needs no flag).
+# is part of every aarch64 CPU, so it needs no flag). "none" is the compiler's baseline, for code that has a
+# portable path (the quantized-weight kernels); which levels a module is built for is its caller's choice.
 LEVEL_FLAGS: dict[str, list[str]] = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "neon": [],
+    "none": [],
 }
 BASE_FLAGS = ["-O3", "-fopenmp"]
 
@@ -63,21 +68,41 @@ def level_flags(level: str) -> list[str]:
     return [*BASE_FLAGS, *LEVEL_FLAGS[level]]
 
 
-def build_key(sources: Sequence[Path], flags: Sequence[str]) -> str:
-    """What the build depends on: torch's version, the flags, and each source and header beside them (path and
-    bytes; torch's builder rebuilds when the same build folder sees another source path)."""
-    digest = hashlib.sha256(torch.__version__.encode() + " ".join(flags).encode())
+def build_inputs(sources: Sequence[Path]) -> list[Path]:
+    """What a build reads: the sources and every header in their folders."""
     folders = {Path(s).parent for s in sources}
     headers = [h for folder in sorted(folders) for h in sorted(folder.glob("*.h"))]
-    for path in sorted({*map(Path, sources), *headers}):
-        digest.update(str(path.resolve()).encode() + path.read_bytes())
+    return sorted({*map(Path, sources), *headers})
+
+
+def build_key(sources: Sequence[Path], flags: Sequence[str]) -> str:
+    """What the build depends on: torch's version, the flags, and the name and bytes of each source and header
+    beside them; not where they are (the build reads copies, `build_extension`)."""
+    digest = hashlib.sha256(torch.__version__.encode() + " ".join(flags).encode())
+    for path in build_inputs(sources):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:16]
 
 
-def build_extension(name: str, sources: Sequence[Path], level: str, cache_dir: Path) -> ModuleType:
-    """The module `<name>_<level>` compiled from `sources` with `level`'s flags, built once into `cache_dir/kernels`
-    and loaded from there afterwards. Raises what the build raises (the caller decides what a failure means)."""
-    flags = level_flags(level)
+def stage_sources(sources: Sequence[Path], folder: Path) -> list[Path]:
+    """Copies of `sources` and their headers in `folder` (made once: the folder is keyed by their bytes, and an
+    unchanged file keeps its time stamp, so ninja keeps the objects built from it); the copied sources' paths."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for path in build_inputs(sources):
+        copy = folder / path.name
+        if not copy.exists() or copy.read_bytes() != path.read_bytes():
+            partial = copy.with_name(f".{copy.name}.{os.getpid()}")
+            partial.write_bytes(path.read_bytes())
+            partial.replace(copy)  # a copy is whole or absent, even when its writer is killed
+    return [folder / Path(s).name for s in sources]
+
+
+def build_extension(name: str, sources: Sequence[Path], level: str, cache_dir: Path,
+                    extra_flags: Sequence[str] = ()) -> ModuleType:
+    """The module `<name>_<level>` compiled from `sources` with `level`'s flags (and `extra_flags`), built once
+    into `cache_dir/kernels` and loaded from there afterwards, wherever the sources live. Raises what the build
+    raises (the caller decides what a failure means)."""
+    flags = [*level_flags(level), *extra_flags]
     module_name = f"{name}_{level}"
     build_dir = cache_dir / "kernels" / f"{module_name}-{build_key(sources, flags)}"
     build_dir.mkdir(parents=True, exist_ok=True)
@@ -87,7 +112,8 @@ def build_extension(name: str, sources: Sequence[Path], level: str, cache_dir: P
     from torch.utils.cpp_extension import load
 
     with exclusive_build(build_dir):
-        module = load(name=module_name, sources=[str(p) for p in sources], extra_cflags=flags,
+        staged = stage_sources(sources, build_dir / "src")
+        module = load(name=module_name, sources=[str(p) for p in staged], extra_cflags=flags,
                       extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
     log.debug("%s (%s) ready in %.1f s", name, level, time.perf_counter() - started)
     return module

@@ -7,34 +7,29 @@ extension, compiled once per ISA level from one source.
 
 Variants: `avx512` (-mavx512f/bw/vl), `avx2` (-mavx2 -mfma -mf16c) and `none` (the compiler's baseline, so it
 builds on any CPU). The one used is the highest this CPU has under `PEREGRINE_CPU_ISA` (engine/cpu_features.py);
-tests load each variant the CPU can run. Each build is cached under `<cache>/quant-kernels/<variant>-<key>/`,
-keyed by the sources, torch's version and the flags, and guarded by `extension_build.exclusive_build`.
+tests load each variant the CPU can run. Each is built like the CPU kernels, by `extension_build.build_extension`
+(the variant is its ISA level), and cached under `<cache>/kernels/peregrine_quant_<variant>-<key>/`, keyed by the
+sources' bytes, torch's version and the flags.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from pathlib import Path
 from types import ModuleType
 
-import torch
-
 from engine import cpu_features
 from engine.cpu_kernels import default_cache_dir
-from engine.extension_build import exclusive_build
+from engine.extension_build import build_extension
 
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("quant.cpp",)
-HEADERS = ("quant.h",)
-FLAGS = {  # per variant, on top of -O3 -fopenmp
-    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c"],
-    "avx2": ["-mavx2", "-mfma", "-mf16c"],
-    "none": [],
-}
+NAME = "peregrine_quant"
+SOURCES = ("quant.cpp",)  # and quant.h beside it
+# On top of the level's flags (extension_build.LEVEL_FLAGS): the AVX-512 build uses AVX2's FMA and F16C too.
+EXTRA_FLAGS = {"avx512": ["-mavx2", "-mfma", "-mf16c"]}
 _loaded: dict[str, ModuleType | None] = {}
 _said: set[str] = set()
 
@@ -58,34 +53,17 @@ def runnable_variants() -> list[str]:
     return found
 
 
-def build_key(name: str) -> str:
-    digest = hashlib.sha256(f"{torch.__version__} {' '.join(FLAGS[name])}".encode())
-    for file in (*SOURCES, *HEADERS):
-        path = CSRC / file
-        digest.update(str(path.resolve()).encode() + path.read_bytes())
-    return digest.hexdigest()[:16]
-
-
 def load(name: str | None = None, cache_dir: Path | None = None) -> ModuleType | None:
     """The compiled module of a variant (default: this CPU's), built on first use; None when it cannot build
     (logged once): callers then dequantize and use torch's matmul."""
     name = variant() if name is None else name
     if name in _loaded:  # per process: the sources do not change under a running server
         return _loaded[name]
-    key = build_key(name)
-    build_dir = (cache_dir or default_cache_dir()) / "quant-kernels" / f"{name}-{key}"
-    module_name = f"peregrine_quant_{name}"
     started = time.perf_counter()
-    if not (build_dir / f"{module_name}.so").exists():
-        log.info("compiling Peregrine's quantized-weight kernels (%s) into %s, once", name, build_dir)
     module = None
     try:
-        from torch.utils.cpp_extension import load as build
-
-        with exclusive_build(build_dir):
-            module = build(name=module_name, sources=[str(CSRC / s) for s in SOURCES],
-                           extra_cflags=["-O3", "-fopenmp", *FLAGS[name]], extra_ldflags=["-fopenmp"],
-                           build_directory=str(build_dir), verbose=False)
+        module = build_extension(NAME, [CSRC / s for s in SOURCES], name, cache_dir or default_cache_dir(),
+                                 EXTRA_FLAGS.get(name, ()))
         log.info("quantized-weight kernels (%s) ready in %.1f s", name, time.perf_counter() - started)
     except Exception as exc:  # a failed build must not stop the server: dequantize + torch still works
         reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__

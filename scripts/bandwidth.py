@@ -78,23 +78,14 @@ def _huge_page_buffer(nbytes: int) -> object:
 
 
 def _stream_read() -> object | None:
-    """The hand-written read, compiled once into <cache dir>/bandwidth/<hash> (None, said, when it cannot
-    be built here: the torch reads still run)."""
-    import hashlib
-
-    import torch
-    from torch.utils.cpp_extension import load
+    """The hand-written read, compiled once into <cache dir>/kernels/ by the engine's builder (keyed by the source's
+    bytes, so every checkout shares it; None, said, when it cannot be built here: the torch reads still run)."""
+    from config import tool_cache_dir
+    from engine.extension_build import build_extension
 
     source = Path(__file__).with_name("csrc") / "stream_read.cpp"
-    key = hashlib.sha256(source.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
-    from config import tool_cache_dir
-
-    cache = tool_cache_dir()
-    build_dir = cache / "bandwidth" / key
-    build_dir.mkdir(parents=True, exist_ok=True)
     try:
-        return load(name="peregrine_stream_read", sources=[str(source)], extra_cflags=["-O3", "-march=native"],
-                    build_directory=str(build_dir), verbose=False)
+        return build_extension("peregrine_stream_read", [source], "none", tool_cache_dir(), ["-march=native"])
     except Exception as exc:  # no compiler, an odd CPU: the torch reads are still worth printing
         print(f"stream_read not built ({str(exc).strip().splitlines()[-1] if str(exc).strip() else exc}); "
               "torch's reads only")

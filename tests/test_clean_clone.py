@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from config import tool_cache_dir
 from tests.support import free_port, wait_http_ok
 
 REPO = Path(__file__).resolve().parents[1]
@@ -180,10 +181,18 @@ def test_ci_runs_exactly_the_readme_test_command() -> None:
 
 
 def offline_env(venv: Path) -> dict[str, str]:
-    """No network: Hub offline mode, and every proxy variable pointing at a port where nothing listens."""
+    """No network: Hub offline mode, and every proxy variable pointing at a port where nothing listens.
+
+    The clone shares this test run's cache dir (`config.tool_cache_dir()`, where setup.sh and the kernel tests
+    build the CPU and quantized-weight kernels), as a newcomer's clone shares their user cache: builds are keyed
+    by the sources' bytes, not their path, so the clone loads those builds instead of compiling them again
+    (minutes on 2 cores; compiling on first use is what tests/engine/test_cpu_kernels.py and
+    test_extension_build.py prove). What this test proves does not depend on it: the clone serves, offline, and
+    its second start reuses the GGUF metadata in that cache (written by its first start, or by an earlier one)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PEREGRINE_") and k != "HF_TOKEN"}
     dead = "http://127.0.0.1:9"
     env |= {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PEREGRINE_VENV": str(venv),
+            "PEREGRINE_CACHE_DIR": str(tool_cache_dir()),
             "HTTP_PROXY": dead, "HTTPS_PROXY": dead, "ALL_PROXY": dead, "http_proxy": dead, "https_proxy": dead,
             "NO_PROXY": "", "no_proxy": ""}  # fmt: skip
     return env

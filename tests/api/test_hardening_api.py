@@ -24,6 +24,7 @@ KEYS = ("sk-peregrine-test-one", "sk-peregrine-test-two")
 SECRET = "issue-5-test-secret-0123456789abcdef-0123456789abcdef"
 BURST = 40
 MAX_BODY = 65536
+REQUEST_TIMEOUT_S = 10  # the slow-upload test waits it out; every generation here is 1-2 tokens of the tiny model
 HI = [{"role": "user", "content": "hi"}]
 OPEN_PATHS = {"/health", "/health/engine", "/health/ready", "/ready", "/v1/health", "/"}  # "/": the chat page
 
@@ -34,7 +35,7 @@ def auth_server(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Ite
         tiny_model_dir.path, tmp_path_factory.mktemp("auth-server"),
         "--api-keys", ",".join(KEYS), "--jwt-secret", SECRET,
         "--rate-limit-per-s", "0.001", "--rate-limit-burst", str(BURST),
-        "--max-body-bytes", str(MAX_BODY), "--request-timeout", "30",
+        "--max-body-bytes", str(MAX_BODY), "--request-timeout", str(REQUEST_TIMEOUT_S),
     )  # fmt: skip
     try:
         server.wait_ready()
@@ -185,7 +186,7 @@ def test_bad_bodies_are_400_with_a_clear_message(auth_server: TinyServer) -> Non
 def test_slow_upload_times_out_with_408(auth_server: TinyServer) -> None:
     body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 1}).encode()
     held = HeldUpload(auth_server.port, "/v1/completions", body, {"Authorization": f"Bearer {KEYS[0]}"})
-    status, payload = held.read()  # never finish the body: the server gives up after request_timeout (30 s)
+    status, payload = held.read()  # never finish the body: the server gives up after REQUEST_TIMEOUT_S
     assert status == 408
     assert json.loads(payload)["error"]["code"] == "request_timeout"
     stats = wait_until(

@@ -95,14 +95,23 @@ def test_linear_for_keeps_torch_where_the_kernel_does_not_apply() -> None:
     assert cpu_kernels.linear_for(torch.device("meta"), torch.bfloat16) is F.linear
 
 
+def use_broken_sources(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernels' sources become one file that fails to compile at once (without torch's headers, which take the
+    compiler half a minute to read), built through the same code as the real kernels, by a process that has
+    built and logged nothing yet (builds are keyed by content: another test's broken source is the same build)."""
+    broken = root / "csrc"
+    broken.mkdir()
+    (broken / "bindings.cpp").write_text("this is not C++;\n")
+    monkeypatch.setattr(cpu_kernels, "CSRC", broken)
+    monkeypatch.setattr(cpu_kernels, "NAME", "broken_kernels")  # torch's builder versions modules by name
+    monkeypatch.setattr(cpu_kernels, "_loaded", {})
+    monkeypatch.setattr(cpu_kernels, "_said", set())
+
+
 @needs_kernel
 def test_a_failed_build_falls_back_to_torch_with_the_reason(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                             caplog: pytest.LogCaptureFixture) -> None:
-    broken = tmp_path / "csrc"
-    broken.mkdir()
-    (broken / "bindings.cpp").write_text("#include <torch/extension.h>\nthis is not C++;\n")
-    monkeypatch.setattr(cpu_kernels, "CSRC", broken)
-    monkeypatch.setattr(cpu_kernels, "NAME", "broken_kernels")  # torch's builder versions modules by name
+    use_broken_sources(tmp_path, monkeypatch)
     with caplog.at_level(logging.WARNING, logger="engine.cpu_kernels"):
         linear = cpu_kernels.linear_for(torch.device("cpu"), torch.bfloat16, cache_dir=tmp_path / "cache")
     assert linear is F.linear
@@ -114,11 +123,7 @@ def test_a_build_left_locked_by_a_killed_builder_does_not_hang(tmp_path: Path, m
                                                               caplog: pytest.LogCaptureFixture) -> None:
     """torch's `lock` file, left in the build folder by a builder killed midway, is cleared instead of waited on
     forever (the build here fails at once: the source is broken)."""
-    broken = tmp_path / "csrc"
-    broken.mkdir()
-    (broken / "bindings.cpp").write_text("#include <torch/extension.h>\nthis is not C++;\n")
-    monkeypatch.setattr(cpu_kernels, "CSRC", broken)
-    monkeypatch.setattr(cpu_kernels, "NAME", "broken_kernels")  # torch's builder versions modules by name
+    use_broken_sources(tmp_path, monkeypatch)
     cache = tmp_path / "cache"
     first = cpu_kernels.linear_for(torch.device("cpu"), torch.bfloat16, cache_dir=cache)  # makes the build folder
     (build_dir,) = (cache / "kernels").iterdir()

@@ -1,8 +1,10 @@
 """Build and cache the third-party virtual environments the interop tests run in.
 
 Each environment is keyed by its Python version and requirement set, built once from the package registry
-with the ordinary `pip`, and kept under `<repo>/.cache/interop-venvs/<name>-<key>/` (gitignored), so a rerun
-reuses it. A build that fails leaves no half-made venv behind (it is built in a temporary folder and renamed).
+with the ordinary `pip`, and kept under `<cache>/interop-venvs/<name>-<key>/` (`<cache>`: Peregrine's cache dir,
+`config.tool_cache_dir()`, ~/.cache/peregrine by default; `PEREGRINE_INTEROP_VENVS` names another folder), so a
+rerun reuses it, from any checkout (CI runs in a fresh clone, which would otherwise build all four again, minutes
+of pip on 2 cores). A build that fails leaves no half-made venv behind (it is built in a temporary folder and renamed).
 
 Run as a script to build them ahead of the tests: `python -m tests.interop.venvs [name ...]`.
 """
@@ -18,8 +20,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-CACHE = Path(os.environ.get("PEREGRINE_INTEROP_VENVS") or REPO / ".cache" / "interop-venvs")
+from config import tool_cache_dir
+
+CACHE = Path(os.environ.get("PEREGRINE_INTEROP_VENVS") or tool_cache_dir() / "interop-venvs")
 PYENV_ROOT = Path(os.environ.get("PYENV_ROOT", str(Path.home() / ".pyenv")))
 
 
