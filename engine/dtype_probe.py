@@ -158,8 +158,8 @@ def quiet(names: Iterable[str]) -> Iterator[None]:
 
 
 def fill(engine: LLMEngine, rows: int, plan: ProbePlan) -> None:
-    """`rows` greedy sequences, their prompts computed (untimed: with one-token prompts, a decode-shaped step that
-    also builds the one-call decoder) and one decode step in (the warm-up)."""
+    """`rows` greedy sequences, their prompts computed, untimed: with one-token prompts that is one decode-shaped
+    step (the warm-up: it also builds the one-call decoder); longer prompts get a decode step after their prefill."""
     params = SamplingParams(temperature=0.0, max_tokens=plan.steps * plan.repeats + 2, ignore_eos=True)
     vocab = engine.vocab_size
     for row in range(rows):
@@ -169,7 +169,8 @@ def fill(engine: LLMEngine, rows: int, plan: ProbePlan) -> None:
         if not engine.scheduler.waiting and not any(seq.is_prefill for seq in engine.scheduler.running):
             break
         engine.step()
-    engine.step()
+    if plan.prompt_tokens > 1:
+        engine.step()
     if len(engine.scheduler.running) != rows:  # the KV cache above is sized for every row: a bug if not
         raise RuntimeError(f"dtype probe: {len(engine.scheduler.running)} of {rows} rows decoding")
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.dtype_probe import BF16_MARGIN, ProbePlan, Timing, figures, measure
+from engine.dtype_probe import BF16_MARGIN, ProbePlan, Timing, bfloat16_copy, figures, measure
 from engine.quant import QuantEmbedding, QuantLinear
 from engine.types import EngineConfig
 
@@ -49,8 +49,10 @@ def choose(model: nn.Module, tokenizer: Any, cfg: EngineConfig, device: torch.de
     plan = plan or ProbePlan.for_config(cfg)
     start = time.perf_counter()
     models, dtypes = {QUANTIZED: model}, {QUANTIZED: dtype}
-    for d in dense:
-        models[dense_name(d)], dtypes[dense_name(d)] = densify(model, d), d
+    for d in dense:  # bfloat16 beside float32: a cast of the float32 copy (dequantizing twice costs more)
+        f32 = models.get(dense_name(torch.float32))
+        copied = bfloat16_copy(f32) if d is torch.bfloat16 and f32 is not None else densify(model, d)
+        models[dense_name(d)], dtypes[dense_name(d)] = copied, d
     timings = measure(models, tokenizer, cfg, device, max_model_len, plan, dtypes)
     name, reason = pick(timings, plan.rows[-1])
     log.info("weight format auto: %s, timed in %.1f s (%s)", name, time.perf_counter() - start, reason)

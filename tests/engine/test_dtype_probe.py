@@ -94,10 +94,11 @@ def test_the_probe_runs_decode_steps_of_the_loaded_model_in_both_dtypes(
                               tiny.max_model_len, SMALL)
     assert {(t.name, t.rows) for t in got} == {(d, r) for d in models for r in SMALL.rows}
     assert all(t.steps == SMALL.steps * SMALL.repeats and t.step_s > 0 and t.tok_s > 0 for t in got)
-    # per row count and dtype: one step computing the prompts, one warm-up decode step, then the timed ones; a token per row each
-    per_dtype = sum(2 + SMALL.steps * SMALL.repeats for _ in SMALL.rows)
+    # per row count and dtype: one step computing the one-token prompts (a decode step: the warm-up), then the timed
+    # ones; a token per row each
+    per_dtype = sum(1 + SMALL.steps * SMALL.repeats for _ in SMALL.rows)
     assert count.steps == {torch.float32: per_dtype, torch.bfloat16: per_dtype}
-    tokens = sum(rows * (2 + SMALL.steps * SMALL.repeats) for rows in SMALL.rows)
+    tokens = sum(rows * (1 + SMALL.steps * SMALL.repeats) for rows in SMALL.rows)
     assert count.tokens == {torch.float32: tokens, torch.bfloat16: tokens}
 
 
@@ -108,7 +109,7 @@ def test_windows_stop_once_the_figures_are_clearly_apart(tiny: Any, monkeypatch:
     got = dtype_probe.measure(models, tiny.tokenizer, probe_cfg("in-memory"), torch.device("cpu"),
                               tiny.max_model_len, plan)
     assert all(t.steps == plan.steps for t in got)
-    assert count.steps == dict.fromkeys((torch.float32, torch.bfloat16), len(plan.rows) * (2 + plan.steps))
+    assert count.steps == dict.fromkeys((torch.float32, torch.bfloat16), len(plan.rows) * (1 + plan.steps))
 
 
 def test_choose_serves_the_dtype_with_the_better_measured_throughput(
@@ -148,7 +149,7 @@ def test_load_model_with_dtype_auto_times_and_serves_the_choice(
     count = StepCount(monkeypatch)
     with caplog.at_level(logging.INFO):  # engine.* and models.loader
         loaded = loader.load_model(probe_cfg(tiny_model_dir.path, dtype="auto", max_num_seqs=4))
-    assert count.steps.keys() == {torch.float32, torch.bfloat16} and min(count.steps.values()) >= 2 * 3
+    assert count.steps.keys() == {torch.float32, torch.bfloat16} and min(count.steps.values()) >= 2 * 2
     assert loaded.dtype in (torch.float32, torch.bfloat16)
     assert all(p.dtype is loaded.dtype for p in loaded.model.parameters())
     name = str(loaded.dtype).removeprefix("torch.")
