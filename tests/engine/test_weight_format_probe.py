@@ -165,3 +165,24 @@ def test_dense_is_tried_only_where_it_fits_in_ram(gguf_cfg: Any, monkeypatch: py
     monkeypatch.setattr(preflight, "measure_resources", lambda dirs: preflight.Resources(ram_free=both))
     loader.load_model(gguf_cfg(dtype="float32"))  # an explicit dtype: one dense candidate, in it
     assert tried == [(torch.float32,)]
+
+
+def test_main_preflights_the_dense_copies_only_with_weight_format_auto(
+    tiny_gguf: tuple[Path, dict[str, Any]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import main
+    from config import load_settings
+
+    folder, _ = tiny_gguf
+    monkeypatch.chdir(tmp_path)  # no .env
+    for fmt in ("auto", "quantized"):
+        settings = load_settings(["--model", str(folder / "tiny.gguf"), "--device", "cpu", "--dtype", "auto",
+                                  "--weight-format", fmt, "--embedding-model", "none", "--cache-dir", str(tmp_path)])
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="peregrine"):
+            main.prepare(settings)
+        [line] = [r.message for r in caplog.records if r.message.startswith("preflight: needs") and "in RAM" in r.message]
+        assert line.startswith("preflight: needs") and "quantized (GGUF tensors)" in line
+        copies = "dense float32 copy timed by --weight-format auto + " in line and "dense bfloat16 copy" in line
+        assert copies == (fmt == "auto"), line
