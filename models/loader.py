@@ -63,7 +63,7 @@ def load_model(cfg: EngineConfig) -> LoadedModel:
     start, asked = time.perf_counter(), dtype
     loaded = load_quantized_gguf(cfg, device, dtype) if serves_quantized_gguf(cfg, device) else None
     if loaded is not None:
-        model, tokenizer, dtype, folder = loaded
+        (model, tokenizer, dtype, folder), loaded = loaded, None  # the model only: a dense one may replace it
         if cfg.weight_format == "auto":  # `--dtype auto` (placement's None) gives float32 and bfloat16 candidates
             model, dtype = fastest_format(model, tokenizer, cfg, device, dtype, auto_dtype=asked is None)
     else:
