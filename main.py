@@ -124,11 +124,14 @@ def run_preflight(settings: Settings, source: Any, plan: Any, device: str, dtype
     from models.loader import gguf_cache_folder, is_converted
 
     download_dir = settings.download_dir or default_download_dir()
+    dense: tuple[str, ...] = ()
     try:
         if source.kind == "gguf":
             quantized = settings.weight_format != "dense" and device == "cpu"  # kept as the file holds them
             cached = quantized or is_converted(gguf_cache_folder(source.path, settings.cache_dir))
             footprint = preflight.gguf_footprint(source.path, cached=cached, quantized=quantized)
+            if quantized and settings.weight_format == "auto":  # dense copies timed beside it, where they fit
+                dense = ("float32", "bfloat16") if dtype == "auto" else (dtype,)
         elif source.kind == "folder":
             footprint = preflight.folder_footprint(source.path)
         else:
@@ -144,7 +147,7 @@ def run_preflight(settings: Settings, source: Any, plan: Any, device: str, dtype
         footprint, resources, dtype=dtype, on_cuda=gpu is not None, device_label=device,
         download_dir=str(download_dir), cache_dir=str(settings.cache_dir),
         max_model_len=settings.max_model_len, kv_cache_bytes=settings.kv_cache_bytes,
-        packed_copy=preflight.packed_copy_kept(device, settings.cpu_kernels),
+        packed_copy=preflight.packed_copy_kept(device, settings.cpu_kernels), dense=dense,
     )  # fmt: skip
     for need in needs:
         log.info("preflight: %s", need.message)

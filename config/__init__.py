@@ -137,9 +137,9 @@ class Settings(BaseSettings):
     weight_format: Literal["auto", "quantized", "dense"] = Field(
         "auto",
         description="How a GGUF model's weights are held. quantized: as the file stores them (Q8_0, Q4_0, Q4_1, "
-        "Q4_K, Q6_K; about the file's size in RAM, nothing converted on disk), multiplied by Peregrine's kernels "
-        "(CPU, Llama-block models). dense: converted once to float32 safetensors in cache_dir and served in "
-        "--dtype. auto: quantized on CPU when the file allows it, else dense.",
+        "Q4_K, Q6_K; about the file's size in RAM), on Peregrine's kernels (CPU, Llama-block models). dense: "
+        "converted once to float32 in cache_dir, served in --dtype. auto: on CPU quantized, timed on decode steps "
+        "against dense copies made in memory where they fit in RAM, a dense one kept only when >= 1.2x faster.",
     )
     quantize: Literal["none", "int8"] = Field(
         "none",

@@ -11,8 +11,9 @@ concurrency. float32 is exact, so bfloat16 must beat it by `BF16_MARGIN`.
 The weights are loaded once in float32; the bfloat16 candidate is a cast copy, and the loser is dropped, so the
 peak is both copies (plus the packed copy AMX decode keeps): `models.preflight.auto_cpu_dtypes` is that
 arithmetic, used by the preflight before anything loads and by the loader to decide whether float32 is tried.
-The probe is short (a few decode steps at a short context, fewer when the answer is clear early): a few seconds for
-a 135M model, most of them in the slower dtype's steps at the configured concurrency.
+The probe is short: one-token prompts (so the first step is already a decode step: no prefill, whose per-sequence
+attention calls cost more than the decode steps timed), a few decode steps, fewer when the answer is clear early.
+The same machinery times `--weight-format auto` (engine/weight_format_probe.py).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class ProbePlan:
     one dtype is several times slower its steps are what the probe would spend its time on."""
 
     rows: tuple[int, ...]  # (1, the configured concurrency)
-    prompt_tokens: int = 4  # a short context: decode cost is the weights, not the attention
+    prompt_tokens: int = 1  # one-token prompts: the first step is already a decode step (no prefill to pay for)
     steps: int = 1
     repeats: int = 3
     settle: float = 1.5
@@ -60,7 +61,7 @@ class ProbePlan:
 class Timing:
     """The best window of one dtype at one row count."""
 
-    dtype: str
+    name: str  # the candidate: "float32", "bfloat16", or a weight format ("quantized", "dense float32")
     rows: int
     step_s: float  # seconds per decode step, best window
     steps: int  # decode steps timed, all windows
@@ -87,13 +88,18 @@ def pick(timings: Iterable[Timing], rows: int, margin: float = BF16_MARGIN) -> t
     """bfloat16 when its throughput at `rows` is at least `margin` times float32's, else float32; with the
     figures of every timing in the reason."""
     timings = list(timings)
-    at = {t.dtype: t.tok_s for t in timings if t.rows == rows}
-    figures = ", ".join(f"{t.dtype} {t.tok_s:.1f} tok/s at {_rows(t.rows)} ({t.steps} step{'s' if t.steps > 1 else ''})"
-                        for t in sorted(timings, key=lambda t: (t.rows, t.dtype != "float32")))
-    steps = f"decode steps of the loaded model, best window of each: {figures}"
+    at = {t.name: t.tok_s for t in timings if t.rows == rows}
+    steps = f"decode steps of the loaded model, best window of each: {figures(timings, first='float32')}"
     verdict = "" if at["bfloat16"] >= at["float32"] * margin else " not"
     return ("float32" if verdict else "bfloat16"), (
         f"{steps}; bfloat16 is{verdict} >= {margin:.2f}x float32 at {_rows(rows)}")
+
+
+def figures(timings: Iterable[Timing], first: str) -> str:
+    """Every timing as "name 12.3 ms/step = 81.3 tok/s at 16 rows (3 steps)", by row count, `first` first."""
+    ordered = sorted(timings, key=lambda t: (t.rows, t.name != first))
+    return ", ".join(f"{t.name} {t.step_s * 1e3:.1f} ms/step = {t.tok_s:.1f} tok/s at {_rows(t.rows)} "
+                     f"({t.steps} step{'s' if t.steps > 1 else ''})" for t in ordered)
 
 
 def _rows(rows: int) -> str:
@@ -101,9 +107,11 @@ def _rows(rows: int) -> str:
 
 
 def measure(models: dict[str, torch.nn.Module], tokenizer: Any, cfg: EngineConfig, device: torch.device,
-            max_model_len: int, plan: ProbePlan) -> list[Timing]:
-    """Decode steps through a small `LLMEngine` per dtype (the serving code path, its own small KV cache)."""
-    engines = {name: probe_engine(m, tokenizer, cfg, device, getattr(torch, name), max_model_len, plan)
+            max_model_len: int, plan: ProbePlan, dtypes: dict[str, torch.dtype] | None = None) -> list[Timing]:
+    """Decode steps through a small `LLMEngine` per candidate (the serving code path, its own small KV cache).
+    Each candidate runs in `dtypes[name]`, by default the dtype its name spells ("float32", "bfloat16")."""
+    dtypes = dtypes or {name: getattr(torch, name) for name in models}
+    engines = {name: probe_engine(m, tokenizer, cfg, device, dtypes[name], max_model_len, plan)
                for name, m in models.items()}
     timings = []
     for rows in plan.rows:
@@ -150,7 +158,8 @@ def quiet(names: Iterable[str]) -> Iterator[None]:
 
 
 def fill(engine: LLMEngine, rows: int, plan: ProbePlan) -> None:
-    """`rows` greedy sequences, prefilled (untimed) and one decode step in (the warm-up)."""
+    """`rows` greedy sequences, their prompts computed, untimed: with one-token prompts that is one decode-shaped
+    step (the warm-up: it also builds the one-call decoder); longer prompts get a decode step after their prefill."""
     params = SamplingParams(temperature=0.0, max_tokens=plan.steps * plan.repeats + 2, ignore_eos=True)
     vocab = engine.vocab_size
     for row in range(rows):
@@ -160,7 +169,8 @@ def fill(engine: LLMEngine, rows: int, plan: ProbePlan) -> None:
         if not engine.scheduler.waiting and not any(seq.is_prefill for seq in engine.scheduler.running):
             break
         engine.step()
-    engine.step()
+    if plan.prompt_tokens > 1:
+        engine.step()
     if len(engine.scheduler.running) != rows:  # the KV cache above is sized for every row: a bug if not
         raise RuntimeError(f"dtype probe: {len(engine.scheduler.running)} of {rows} rows decoding")
 

@@ -60,10 +60,12 @@ def load_model(cfg: EngineConfig) -> LoadedModel:
     cache); eval, no grad. The one place the dtype is decided: `--dtype auto` on the CPU loads float32 and times
     decode steps in each candidate (engine/dtype_probe.py); the returned `dtype` is the one served."""
     device, dtype = placement(cfg.device, cfg.dtype)
-    start = time.perf_counter()
+    start, asked = time.perf_counter(), dtype
     loaded = load_quantized_gguf(cfg, device, dtype) if serves_quantized_gguf(cfg, device) else None
     if loaded is not None:
-        model, tokenizer, dtype, folder = loaded
+        (model, tokenizer, dtype, folder), loaded = loaded, None  # the model only: a dense one may replace it
+        if cfg.weight_format == "auto":  # `--dtype auto` (placement's None) gives float32 and bfloat16 candidates
+            model, dtype = fastest_format(model, tokenizer, cfg, device, dtype, auto_dtype=asked is None)
     else:
         folder = model_folder(cfg)
         tokenizer = load_tokenizer(folder, cfg.trust_remote_code)
@@ -106,8 +108,37 @@ def load_fastest(folder: Path, tokenizer: Any, cfg: EngineConfig, device: torch.
     return chosen
 
 
+def fastest_format(model: Any, tokenizer: Any, cfg: EngineConfig, device: torch.device, dtype: torch.dtype,
+                   auto_dtype: bool) -> tuple[Any, torch.dtype]:
+    """`--weight-format auto`, a GGUF loaded quantized: dense copies built in memory (float32 and bfloat16 with
+    `--dtype auto`, else the dtype asked for) and timed against it (engine/weight_format_probe.py), those whose
+    probe peak fits in the free RAM (the preflight's arithmetic); with none, the quantized model as it is."""
+    from engine import weight_format_probe
+
+    candidates = ("float32", "bfloat16") if auto_dtype else (str(dtype).removeprefix("torch."),)
+    path = Path(cfg.model_path) / str(cfg.gguf_file)
+    dense, why = preflight.auto_weight_formats(
+        preflight.gguf_footprint(path, cached=True, quantized=True), preflight.measure_resources([]).ram_free,
+        candidates, max_model_len=cfg.max_model_len, kv_cache_bytes=cfg.kv_cache_bytes,
+        packed_copy=preflight.packed_copy_kept(str(device), cfg.cpu_kernels),
+    )  # fmt: skip
+    if not dense:
+        log.info("weight format auto: quantized (%s)", why)
+        return model, dtype
+    if why:
+        log.info("weight format auto: %s", why)
+    chosen = weight_format_probe.choose(model, tokenizer, cfg, device, dtype,
+                                        context_length(model.config, cfg.max_model_len),
+                                        [getattr(torch, d) for d in dense])  # fmt: skip
+    del model
+    gc.collect()  # the candidates not kept and the probe's engines
+    release_freed_memory()
+    return chosen
+
+
 def serves_quantized_gguf(cfg: EngineConfig, device: torch.device) -> bool:
-    """`--weight-format`: quantized (GGUF files only, CPU only), dense, or auto (quantized for a GGUF on CPU)."""
+    """`--weight-format`: quantized (GGUF files only, CPU only), dense, or auto (a GGUF on CPU loads quantized, then
+    `fastest_format` may serve a dense copy)."""
     if cfg.weight_format == "dense" or cfg.gguf_file is None:
         if cfg.weight_format == "quantized" and cfg.gguf_file is None and cfg.quantize is None:
             raise LoadError("--weight-format quantized needs a .gguf model (or --quantize int8 for safetensors)")

@@ -94,11 +94,12 @@ def kv_cache_need(
 
 def memory_need(
     fp: ModelFootprint, dtype: str, *, max_model_len: int | None, kv_cache_bytes: int | None,
-    packed_copy: bool = False,
+    packed_copy: bool = False, dense: tuple[str, ...] = (),
 ) -> tuple[int, str]:
     """Bytes for weights in `dtype` + KV cache (+ the one-call decode step's packed copy of the bfloat16 weights,
     which it keeps on CPUs with AMX), with the breakdown in words. dtype "auto" (CPU) is the peak of the
-    `--dtype auto` probe (engine/dtype_probe.py): float32 weights and KV cache + the bfloat16 copy timed beside them."""
+    `--dtype auto` probe (engine/dtype_probe.py): float32 weights and KV cache + the bfloat16 copy timed beside them.
+    `dense`: the dense copies `--weight-format auto` times beside quantized weights (engine/weight_format_probe.py)."""
     if fp.weight_bytes is not None and dtype == "auto":
         dtype = "float32"  # quantized weights: activations and KV cache in float32, no dtype probe
     stored = "float32" if dtype == "auto" else dtype
@@ -114,7 +115,10 @@ def memory_need(
     copy = bf16 if packed_copy and dtype in ("auto", "bfloat16") else 0
     copy_words = f" + {fmt_bytes(copy)} packed copy for AMX decode steps" if copy else ""
     held = f"in {stored}" if fp.weight_bytes is None else "quantized (GGUF tensors)"
-    return weights + kv + probe + copy, f"weights {fmt_bytes(weights)} {held} + {kv_words}{probe_words}{copy_words}"
+    timed = {d: fp.param_count * DTYPE_BYTES[d] + (bf16 if packed_copy and d == "bfloat16" else 0) for d in dense}
+    timed_words = "".join(f" + {fmt_bytes(n)} dense {d} copy timed by --weight-format auto" for d, n in timed.items())
+    return weights + kv + probe + copy + sum(timed.values()), (
+        f"weights {fmt_bytes(weights)} {held} + {kv_words}{probe_words}{copy_words}{timed_words}")
 
 
 def auto_cpu_dtypes(
@@ -130,6 +134,25 @@ def auto_cpu_dtypes(
     return ("bfloat16",), f"float32 not tried: timing it needs {fmt_bytes(need)} ({words}), {fmt_bytes(ram_free)} free"
 
 
+def auto_weight_formats(
+    fp: ModelFootprint, ram_free: int, dtypes: tuple[str, ...], *, max_model_len: int | None,
+    kv_cache_bytes: int | None, packed_copy: bool = False,
+) -> tuple[tuple[str, ...], str]:
+    """The dense dtypes `--weight-format auto` times beside a GGUF's quantized weights (of `dtypes`, the candidates),
+    and why any is left out. Rule: the probe's peak, quantized weights + KV cache + every dense copy tried (dequantized
+    in memory), must fit in the free RAM; while it does not, the biggest copy is dropped (float32 before bfloat16)."""
+    tried, words = tuple(dtypes), ""
+    while tried:
+        need, why = memory_need(fp, "float32", max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes,
+                                packed_copy=packed_copy, dense=tried)
+        if need <= ram_free:
+            break
+        words = words or f"timing it needs {fmt_bytes(need)} ({why}), {fmt_bytes(ram_free)} free"
+        tried = tuple(sorted(tried, key=DTYPE_BYTES.__getitem__)[:-1])
+    left = [d for d in dtypes if d not in tried]
+    return tried, f"dense {' and '.join(left)} not tried: {words}" if left else ""
+
+
 def check(
     fp: ModelFootprint,
     res: Resources,
@@ -142,15 +165,21 @@ def check(
     max_model_len: int | None = None,
     kv_cache_bytes: int | None = None,
     packed_copy: bool = False,
+    dense: tuple[str, ...] = (),
 ) -> list[Need]:
-    """Every need against what is free. The model fits when all are `ok`."""
+    """Every need against what is free. The model fits when all are `ok`. `dense`: a GGUF kept quantized whose
+    `--weight-format auto` would time these dense dtypes: counted only as far as they fit (`auto_weight_formats`)."""
     needs = list(_disk_needs(fp, res.disks, download_dir, cache_dir))
+    if dense and not on_cuda and fp.weight_bytes is not None:
+        dense, _ = auto_weight_formats(fp, res.ram_free, dense, max_model_len=max_model_len,
+                                       kv_cache_bytes=kv_cache_bytes, packed_copy=packed_copy)
     if dtype == "auto" and not on_cuda and fp.weight_bytes is None:
         dtypes, _ = auto_cpu_dtypes(fp, res.ram_free, max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes,
                                     packed_copy=packed_copy)
         dtype = "auto" if len(dtypes) > 1 else "bfloat16"
     total, words = memory_need(fp, dtype, max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes,
-                               packed_copy=packed_copy and not on_cuda)
+                               packed_copy=packed_copy and not on_cuda,
+                               dense=dense if not on_cuda and fp.weight_bytes is not None else ())
     if on_cuda and res.vram_free is not None:
         needs.append(Need(total, res.vram_free, f"in VRAM on {device_label}", words))
     elif not on_cuda:
@@ -251,19 +280,8 @@ def gguf_tensor_bytes(shape: tuple[int, ...], ggml_type: int) -> int:
 
 
 # GGUF metadata value types (GGUF v2/v3): scalar struct formats, 8 = string, 9 = array.
-_GGUF_SCALARS = {
-    0: "<B",
-    1: "<b",
-    2: "<H",
-    3: "<h",
-    4: "<I",
-    5: "<i",
-    6: "<f",
-    7: "<?",
-    10: "<Q",
-    11: "<q",
-    12: "<d",
-}
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
+                 12: "<d"}
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
 
 

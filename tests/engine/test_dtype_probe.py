@@ -22,7 +22,7 @@ from engine.types import EngineConfig
 from models import loader, preflight
 from tests.support import load_hf
 
-SMALL = ProbePlan(rows=(1, 4), prompt_tokens=6, steps=2, repeats=2, settle=math.inf)  # every window, always
+SMALL = ProbePlan(rows=(1, 4), steps=2, repeats=2, settle=math.inf)  # every window, always
 
 
 def timings(fp32_1: float, bf16_1: float, fp32_n: float, bf16_n: float, rows: int = 16) -> list[Timing]:
@@ -48,8 +48,9 @@ def test_the_configured_concurrency_decides_with_a_margin_for_float32() -> None:
 
 def test_the_reason_carries_every_figure() -> None:
     _, reason = dtype_probe.pick(timings(12.5, 17.25, 39.0, 17.5), rows=16)
-    for figure in ("float32 12.5 tok/s at 1 row (6 steps)", "bfloat16 17.2 tok/s at 1 row", "float32 39.0 tok/s at 16 rows",
-                   "bfloat16 17.5 tok/s at 16 rows (6 steps)", "bfloat16 is not >= 1.10x float32 at 16 rows"):
+    for figure in ("float32 80.0 ms/step = 12.5 tok/s at 1 row (6 steps)", "bfloat16 58.0 ms/step = 17.2 tok/s at 1 row",
+                   "float32 410.3 ms/step = 39.0 tok/s at 16 rows", "bfloat16 914.3 ms/step = 17.5 tok/s at 16 rows (6 steps)",
+                   "bfloat16 is not >= 1.10x float32 at 16 rows"):
         assert figure in reason, reason
 
 
@@ -91,12 +92,13 @@ def test_the_probe_runs_decode_steps_of_the_loaded_model_in_both_dtypes(
     models = {"float32": tiny.model, "bfloat16": dtype_probe.bfloat16_copy(tiny.model)}
     got = dtype_probe.measure(models, tiny.tokenizer, probe_cfg("in-memory"), torch.device("cpu"),
                               tiny.max_model_len, SMALL)
-    assert {(t.dtype, t.rows) for t in got} == {(d, r) for d in models for r in SMALL.rows}
+    assert {(t.name, t.rows) for t in got} == {(d, r) for d in models for r in SMALL.rows}
     assert all(t.steps == SMALL.steps * SMALL.repeats and t.step_s > 0 and t.tok_s > 0 for t in got)
-    # per row count and dtype: one prefill step, one warm-up decode step, then the timed ones; a token per row each
-    per_dtype = sum(2 + SMALL.steps * SMALL.repeats for _ in SMALL.rows)
+    # per row count and dtype: one step computing the one-token prompts (a decode step: the warm-up), then the timed
+    # ones; a token per row each
+    per_dtype = sum(1 + SMALL.steps * SMALL.repeats for _ in SMALL.rows)
     assert count.steps == {torch.float32: per_dtype, torch.bfloat16: per_dtype}
-    tokens = sum(rows * (2 + SMALL.steps * SMALL.repeats) for rows in SMALL.rows)
+    tokens = sum(rows * (1 + SMALL.steps * SMALL.repeats) for rows in SMALL.rows)
     assert count.tokens == {torch.float32: tokens, torch.bfloat16: tokens}
 
 
@@ -107,7 +109,7 @@ def test_windows_stop_once_the_figures_are_clearly_apart(tiny: Any, monkeypatch:
     got = dtype_probe.measure(models, tiny.tokenizer, probe_cfg("in-memory"), torch.device("cpu"),
                               tiny.max_model_len, plan)
     assert all(t.steps == plan.steps for t in got)
-    assert count.steps == dict.fromkeys((torch.float32, torch.bfloat16), len(plan.rows) * (2 + plan.steps))
+    assert count.steps == dict.fromkeys((torch.float32, torch.bfloat16), len(plan.rows) * (1 + plan.steps))
 
 
 def test_choose_serves_the_dtype_with_the_better_measured_throughput(
@@ -119,7 +121,7 @@ def test_choose_serves_the_dtype_with_the_better_measured_throughput(
     with caplog.at_level(logging.INFO, logger="engine.dtype_probe"):
         model, dtype = dtype_probe.choose(tiny.model, tiny.tokenizer, probe_cfg("in-memory"), torch.device("cpu"),
                                           tiny.max_model_len, SMALL)
-    at = {t.dtype: t.tok_s for t in measured if t.rows == SMALL.rows[-1]}
+    at = {t.name: t.tok_s for t in measured if t.rows == SMALL.rows[-1]}
     expected = torch.bfloat16 if at["bfloat16"] >= at["float32"] * dtype_probe.BF16_MARGIN else torch.float32
     assert dtype is expected and all(p.dtype is expected for p in model.parameters())
     assert (model is tiny.model) == (dtype is torch.float32)
@@ -147,7 +149,7 @@ def test_load_model_with_dtype_auto_times_and_serves_the_choice(
     count = StepCount(monkeypatch)
     with caplog.at_level(logging.INFO):  # engine.* and models.loader
         loaded = loader.load_model(probe_cfg(tiny_model_dir.path, dtype="auto", max_num_seqs=4))
-    assert count.steps.keys() == {torch.float32, torch.bfloat16} and min(count.steps.values()) >= 2 * 3
+    assert count.steps.keys() == {torch.float32, torch.bfloat16} and min(count.steps.values()) >= 2 * 2
     assert loaded.dtype in (torch.float32, torch.bfloat16)
     assert all(p.dtype is loaded.dtype for p in loaded.model.parameters())
     name = str(loaded.dtype).removeprefix("torch.")
@@ -202,7 +204,7 @@ def test_main_leaves_the_cpu_choice_to_the_loader_and_preflights_both_copies(
 @pytest.mark.slow
 def test_the_probe_on_smollm2(smollm2_fp32: Any) -> None:
     """The bundled 135M model, kept short: one window of one step per dtype and row count."""
-    plan = ProbePlan(rows=(1, 2), prompt_tokens=8, steps=1, repeats=1)
+    plan = ProbePlan(rows=(1, 2), steps=1, repeats=1)
     models = {"float32": smollm2_fp32.model, "bfloat16": dtype_probe.bfloat16_copy(smollm2_fp32.model)}
     got = dtype_probe.measure(models, smollm2_fp32.tokenizer, probe_cfg("in-memory"), torch.device("cpu"),
                               smollm2_fp32.max_model_len, plan)

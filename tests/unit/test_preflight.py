@@ -281,3 +281,30 @@ def test_cpu_has_amx_follows_the_isa_ceiling(tmp_path: Path, monkeypatch: pytest
     with_amx.write_text(f"flags\t\t: {AMX_FLAGS}\n")
     monkeypatch.setenv("PEREGRINE_CPU_ISA", "avx512")
     assert not preflight.cpu_has_amx(with_amx)  # the packed AMX copy is not counted when AMX is hidden
+
+
+# A 7.5B GGUF kept quantized (about 4.4 GB of Q4 blocks): --weight-format auto may time dense copies beside it.
+QUANT = ModelFootprint(param_count=7_500_000_000, kv_elems_per_token=2 * 32 * 8 * 128, context_len=8192,
+                       weight_bytes=4_400_000_000)
+
+
+def test_weight_format_auto_counts_the_dense_copies_it_times_only_where_they_fit() -> None:
+    room = {"max_model_len": None, "kv_cache_bytes": None}
+    quantized, _ = preflight.memory_need(QUANT, "float32", **room)  # 4.4 GB + KV cache 2.1 GB
+    both = quantized + 30 * GB + 15 * GB
+    assert preflight.auto_weight_formats(QUANT, both, ("float32", "bfloat16"), **room) == (("float32", "bfloat16"), "")
+    tried, why = preflight.auto_weight_formats(QUANT, both - 1, ("float32", "bfloat16"), **room)
+    assert tried == ("bfloat16",) and why.startswith("dense float32 not tried: timing it needs 51.5 GB (weights 4.4 GB")
+    tried, why = preflight.auto_weight_formats(QUANT, quantized + 15 * GB - 1, ("float32", "bfloat16"), **room)
+    assert tried == () and why.startswith("dense float32 and bfloat16 not tried")
+    assert preflight.auto_weight_formats(QUANT, quantized + 30 * GB, ("float32",), **room) == (("float32",), "")
+    # the preflight: the probe's peak when dense is tried; the quantized need alone (no refusal) when it is not
+    roomy = preflight.check(QUANT, Resources(ram_free=64 * GB), dtype="auto", on_cuda=False,
+                            dense=("float32", "bfloat16"))
+    tight = preflight.check(QUANT, Resources(ram_free=10 * GB), dtype="auto", on_cuda=False,
+                            dense=("float32", "bfloat16"))
+    assert roomy[0].ok and roomy[0].needed == both
+    assert roomy[0].breakdown.endswith("+ 30.0 GB dense float32 copy timed by --weight-format auto + 15.0 GB dense "
+                                       "bfloat16 copy timed by --weight-format auto")
+    assert tight[0].ok and tight[0].needed == quantized and "dense" not in tight[0].breakdown
+    assert preflight.check(QUANT, Resources(ram_free=64 * GB), dtype="auto", on_cuda=False)[0].needed == quantized

@@ -1,0 +1,188 @@
+"""--weight-format auto for a GGUF on the CPU: the quantized model timed against dense copies built in memory.
+
+Like tests/engine/test_dtype_probe.py, these check what was run and how the answer follows from the figures, never
+how fast anything is. The GGUF is a tiny Llama written by the `gguf` package (tests/quant_blocks.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from config import DEFAULT_CACHE_DIR
+from engine import weight_format_probe
+from engine.dtype_probe import BF16_MARGIN, ProbePlan, Timing
+from engine.quant import QuantEmbedding, QuantLinear, is_quantized
+from engine.types import EngineConfig
+from engine.weight_format_probe import DENSE_MARGIN, densify, pick
+from models import gguf_weights, loader, preflight
+from tests.quant_blocks import write_tiny_gguf
+
+FORMATS = {"*": "Q4_1", "ffn_down": "Q8_0", "attn_v": "Q4_K"}  # mixed: fused and unfused projections
+Q, F32, BF16 = "quantized", "dense float32", "dense bfloat16"
+
+
+def timings(rows: int = 16, **tok_s: tuple[float, float]) -> list[Timing]:
+    """Timings with these tok/s figures (at 1 row, at `rows`) per candidate: quantized=(10, 100), ..."""
+    names = {"quantized": Q, "f32": F32, "bf16": BF16}
+    return [Timing(names[k], r, r / v, 3) for k, (one, many) in tok_s.items() for r, v in ((1, one), (rows, many))]
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory, byte_level_tokenizer: Any) -> tuple[Path, dict[str, Any]]:
+    folder = tmp_path_factory.mktemp("tiny-gguf")
+    vocab = len(byte_level_tokenizer)
+    return folder, write_tiny_gguf(folder, FORMATS, vocab=vocab + (-vocab) % 32)
+
+
+def quantized(folder: Path) -> torch.nn.Module:
+    return gguf_weights.load(folder / "tiny.gguf", folder, torch.float32)
+
+
+# --- the rule ----------------------------------------------------------------------------------------------
+
+
+def test_quantized_is_kept_unless_dense_is_faster_by_the_margin() -> None:
+    assert pick(timings(quantized=(10, 100), f32=(12, 150)), rows=16)[0] == F32
+    assert pick(timings(quantized=(10, 100), f32=(30, 110)), rows=16)[0] == Q  # faster, not by the margin
+    assert pick(timings(quantized=(10, 100), f32=(9, 100 * DENSE_MARGIN * 1.01)), rows=16)[0] == F32
+    assert pick(timings(quantized=(10, 100), f32=(9, 100 * DENSE_MARGIN * 0.99)), rows=16)[0] == Q
+    assert pick(timings(quantized=(10, 100), f32=(30, 90)), rows=1)[0] == F32  # max_num_seqs 1: one row decides
+    assert pick(timings(quantized=(10, 100)), rows=16) == (Q, pick(timings(quantized=(10, 100)), rows=16)[1])
+    assert DENSE_MARGIN > 1.0
+
+
+def test_bfloat16_counts_as_the_dense_candidate_by_the_dtype_probes_rule() -> None:
+    # bfloat16 beats float32 by BF16_MARGIN: it is the dense candidate, and beats quantized by DENSE_MARGIN
+    assert pick(timings(quantized=(10, 100), f32=(10, 110), bf16=(10, 110 * BF16_MARGIN * 1.05)), rows=16)[0] == BF16
+    # bfloat16 faster than float32 but not by BF16_MARGIN: float32 is the dense candidate, and it is not fast enough
+    name, reason = pick(timings(quantized=(10, 100), f32=(10, 110), bf16=(10, 118)), rows=16)
+    assert name == Q and "dense bfloat16 is not >= 1.10x dense float32, dense float32 is not >= 1.20x quantized" \
+        in reason
+    assert pick(timings(quantized=(10, 100), bf16=(10, 130)), rows=16)[0] == BF16  # --dtype bfloat16: one candidate
+
+
+def test_the_reason_carries_every_figure() -> None:
+    _, reason = pick(timings(quantized=(20, 80), f32=(8, 40), bf16=(8, 16)), rows=16)
+    for figure in ("quantized 50.0 ms/step = 20.0 tok/s at 1 row (3 steps)", "dense float32 125.0 ms/step = 8.0 tok/s",
+                   "quantized 200.0 ms/step = 80.0 tok/s at 16 rows", "dense bfloat16 1000.0 ms/step = 16.0 tok/s at 16",
+                   "dense float32 is not >= 1.20x quantized at 16 rows"):
+        assert figure in reason, reason
+
+
+# --- the dense candidate -------------------------------------------------------------------------------------
+
+
+def test_densify_dequantizes_every_weight_and_keeps_the_logits(tiny_gguf: tuple[Path, dict[str, Any]]) -> None:
+    folder, reference = tiny_gguf
+    model = quantized(folder)
+    dense = densify(model, torch.float32)
+    assert not is_quantized(dense) and is_quantized(model)  # the quantized model is left as it is
+    assert dense.lm_head.weight is dense.model.embed_tokens.weight  # tied head: one dense copy
+    state = dict(dense.named_parameters())
+    for name, value in reference.items():  # dequantization is exact in float32
+        assert torch.equal(state[name], torch.from_numpy(value)), name
+    ids = torch.tensor([[3, 17, 250, 9, 44, 100, 301, 0]])
+    with torch.inference_mode():
+        got, want = dense(ids).logits, model(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))  # float32 sums' order
+    half = densify(model, torch.bfloat16)
+    assert {p.dtype for p in half.parameters()} == {torch.bfloat16} and half.config.dtype is torch.bfloat16
+    assert not any(isinstance(m, (QuantLinear, QuantEmbedding)) for m in half.modules())
+
+
+# --- through the loader ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def gguf_cfg(tiny_gguf: tuple[Path, dict[str, Any]], byte_level_tokenizer: Any,
+             monkeypatch: pytest.MonkeyPatch) -> Any:
+    """EngineConfig factory for the tiny GGUF, loaded quantized (its metadata folder is the test's own; the kernels
+    are the ones built once in the default cache)."""
+    folder, _ = tiny_gguf
+
+    def load(cfg: EngineConfig, device: torch.device, dtype: torch.dtype | None) -> tuple:
+        dtype = dtype or torch.float32
+        return gguf_weights.load(folder / "tiny.gguf", folder, dtype), byte_level_tokenizer, dtype, folder
+
+    monkeypatch.setattr(loader, "load_quantized_gguf", load)
+    return lambda **kw: EngineConfig(model_path=str(folder), model_name="tiny", gguf_file="tiny.gguf", device="cpu",
+                                     cache_dir=str(DEFAULT_CACHE_DIR), **{"dtype": "auto", "max_num_seqs": 4} | kw)
+
+
+def test_weight_format_auto_times_each_candidate_and_serves_the_choice(
+    gguf_cfg: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    plan = ProbePlan(rows=(1, 4), steps=1, repeats=2, settle=math.inf)
+    choose = weight_format_probe.choose
+    monkeypatch.setattr(weight_format_probe, "choose", lambda *a: choose(*a, plan=plan))
+    with caplog.at_level(logging.INFO):
+        loaded = loader.load_model(gguf_cfg())
+    [line] = [r.message for r in caplog.records if r.message.startswith("weight format auto:")]
+    name = re.match(r"weight format auto: (quantized|dense float32|dense bfloat16), timed in \d+\.\d s \(decode "
+                    r"steps of the loaded model", line)[1]
+    for candidate in (Q, F32, BF16):
+        assert len(re.findall(rf"{candidate} \d+\.\d ms/step = \d+\.\d tok/s at (1 row|4 rows) \(2 steps\)", line)) \
+            == 2, line
+    assert is_quantized(loaded.model) == (name == Q)
+    assert loaded.dtype is (torch.bfloat16 if name == BF16 else torch.float32)
+    assert re.search(rf"is( not)? >= {DENSE_MARGIN:.2f}x quantized at 4 rows\)$", line), line
+
+
+def test_explicit_weight_formats_time_nothing(gguf_cfg: Any, monkeypatch: pytest.MonkeyPatch,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(weight_format_probe, "choose", lambda *a, **k: pytest.fail("an explicit format was timed"))
+    with caplog.at_level(logging.INFO):
+        assert is_quantized(loader.load_model(gguf_cfg(weight_format="quantized")).model)
+    assert "weight format auto" not in caplog.text
+    assert not loader.serves_quantized_gguf(gguf_cfg(weight_format="dense"), torch.device("cpu"))  # converted
+
+
+def test_dense_is_tried_only_where_it_fits_in_ram(gguf_cfg: Any, monkeypatch: pytest.MonkeyPatch,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    tried: list[tuple[torch.dtype, ...]] = []
+    monkeypatch.setattr(weight_format_probe, "choose", lambda m, t, c, d, dt, n, dense: tried.append(tuple(dense))
+                        or (m, dt))  # fmt: skip
+    cfg = gguf_cfg()
+    fp = preflight.gguf_footprint(Path(cfg.model_path) / "tiny.gguf", cached=True, quantized=True)
+    room = dict(max_model_len=None, kv_cache_bytes=None, packed_copy=preflight.packed_copy_kept("cpu", True))
+    with_bf16, _ = preflight.memory_need(fp, "float32", dense=("bfloat16",), **room)
+    both, _ = preflight.memory_need(fp, "float32", dense=("float32", "bfloat16"), **room)
+    for ram in (both, both - 1, with_bf16 - 1):
+        monkeypatch.setattr(preflight, "measure_resources", lambda dirs, ram=ram: preflight.Resources(ram_free=ram))
+        with caplog.at_level(logging.INFO):
+            assert is_quantized(loader.load_model(cfg).model)
+    assert tried == [(torch.float32, torch.bfloat16), (torch.bfloat16,)]
+    assert "weight format auto: dense float32 not tried: timing it needs" in caplog.text
+    assert "weight format auto: quantized (dense float32 and bfloat16 not tried: timing it needs" in caplog.text
+    tried.clear()
+    monkeypatch.setattr(preflight, "measure_resources", lambda dirs: preflight.Resources(ram_free=both))
+    loader.load_model(gguf_cfg(dtype="float32"))  # an explicit dtype: one dense candidate, in it
+    assert tried == [(torch.float32,)]
+
+
+def test_main_preflights_the_dense_copies_only_with_weight_format_auto(
+    tiny_gguf: tuple[Path, dict[str, Any]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import main
+    from config import load_settings
+
+    folder, _ = tiny_gguf
+    monkeypatch.chdir(tmp_path)  # no .env
+    for fmt in ("auto", "quantized"):
+        settings = load_settings(["--model", str(folder / "tiny.gguf"), "--device", "cpu", "--dtype", "auto",
+                                  "--weight-format", fmt, "--embedding-model", "none", "--cache-dir", str(tmp_path)])
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="peregrine"):
+            main.prepare(settings)
+        [line] = [r.message for r in caplog.records if r.message.startswith("preflight: needs") and "in RAM" in r.message]
+        assert line.startswith("preflight: needs") and "quantized (GGUF tensors)" in line
+        copies = "dense float32 copy timed by --weight-format auto + " in line and "dense bfloat16 copy" in line
+        assert copies == (fmt == "auto"), line
