@@ -70,6 +70,15 @@ inline void put_scales(float* sc2, float lo, float hi) {
 }
 
 #if defined(__AVX2__)
+// a * b + c; fused where the build has FMA (the AVX2 build; the AVX-512 build's flags do not imply it).
+inline __m256 madd8(__m256 a, __m256 b, __m256 c) {
+#if defined(__FMA__)
+  return _mm256_fmadd_ps(a, b, c);
+#else
+  return _mm256_add_ps(_mm256_mul_ps(a, b), c);
+#endif
+}
+
 // 16 bytes of nibbles as 32 values: the low nibbles, then the high ones (ggml's Q4_0 / Q4_1 order).
 inline __m256i nibbles16(const uint8_t* p) {
   const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -209,7 +218,7 @@ inline float dot_row(const Unpacked& u, const int8_t* q, const float* d, const f
       scale = _mm256_set_m128(_mm_set1_ps(u.sc2[2 * g + 1] * d[g]), _mm_set1_ps(u.sc2[2 * g] * d[g]));
     else
       scale = _mm256_set1_ps(u.sc2[2 * g] * d[g]);
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc);
+    return madd8(_mm256_cvtepi32_ps(p), scale, acc);
   };
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
   int64_t g = 0;
@@ -241,7 +250,7 @@ inline float dot_row(const Unpacked& u, const int8_t* q, const float* d, const f
     int64_t g = 0;
 #if defined(__AVX2__)
     __m256 m = _mm256_setzero_ps();
-    for (; g + 8 <= blocks; g += 8) m = _mm256_fmadd_ps(_mm256_loadu_ps(u.mins + g), _mm256_loadu_ps(s + g), m);
+    for (; g + 8 <= blocks; g += 8) m = madd8(_mm256_loadu_ps(u.mins + g), _mm256_loadu_ps(s + g), m);
     const __m128 h = _mm_add_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
     const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
     total += _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
