@@ -8,9 +8,11 @@ its statistics in float32 exactly as transformers does (torch's `F.rms_norm` in 
 precision to change SmolLM2's answers), and the final norm and LM head only run on the rows that sample.
 Attention is the same paged attention as the generic path (`engine.attention.attend`). Chosen automatically when `supports(model)`.
 
-Decode-only steps in bfloat16 on CPU go further: `engine.cpu_kernels.LlamaDecoder` runs the whole step (all
-layers, the final norm and the LM head) in one kernel call, built on the first such step over the KV cache it
-writes to. Prefill and mixed steps, other dtypes and devices keep the op-by-op pass below.
+Decode-only steps on CPU go further: `engine.cpu_kernels`' LlamaDecoder runs the whole step (the embedding lookup,
+all layers, the final norm and the LM head) in one kernel call, built on the first such step over the KV cache it
+writes to, in float32 or bfloat16, over dense weights or GGUF weights kept quantized (each projection handed over
+as its parts: dense tensors or quantized blocks with their ggml type; int8 activations, `engine/csrc/qdot.h`).
+Prefill and mixed steps, other dtypes and devices keep the op-by-op pass below.
 """
 
 from __future__ import annotations
