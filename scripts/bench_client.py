@@ -163,7 +163,9 @@ async def run_load(
     Returns the results in request order and the run's duration (first send to last completion)."""
     limit = concurrency or len(requests)
     semaphore = asyncio.Semaphore(limit)
-    connector = aiohttp.TCPConnector(limit=limit + 4)
+    # A new connection per request, for every server alike: a pooled keep-alive connection that the server has
+    # closed meanwhile fails the next request ("Can not write request body", seen with llama-server).
+    connector = aiohttp.TCPConnector(force_close=True, limit=limit + 4)
     timeout = aiohttp.ClientTimeout(total=target.timeout_s, connect=30.0)
     # read_bufsize bounds one line: a final chunk carrying a whole text must still fit
     async with aiohttp.ClientSession(connector=connector, timeout=timeout, read_bufsize=2**20) as session:
