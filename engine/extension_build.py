@@ -5,8 +5,9 @@
 `<cache>/kernels/<name>_<level>-<key>/`, where the key hashes the torch version, the flags and the bytes of every
 source and of the headers beside them, and nothing else. torch's builder rebuilds a folder when it sees its
 sources at another path, so the sources and headers are first copied into the build folder (`src/`) and built
-from there: a clone, a worktree or an installed copy with the same sources loads the module another one built,
-in milliseconds. Each level gets its own module name (`<name>_<level>`), so one process can hold two levels
+from there. Once a build has finished (a marker file says so), later processes import the library directly,
+without torch's builder, whose ninja file names the venv's include folders: a clone, a worktree or an installed
+copy with the same sources and its own venv loads the module another one built, in milliseconds. Each level gets its own module name (`<name>_<level>`), so one process can hold two levels
 (tests run the AVX2 path on AVX-512 machines).
 
 torch's builder serialises builds of one folder with a `lock` file it creates and deletes; a builder killed
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import importlib.util
 import logging
 import os
 import time
@@ -32,6 +34,7 @@ import torch
 log = logging.getLogger(__name__)
 
 TORCH_LOCK = "lock"  # torch.utils.file_baton's file in the build directory
+BUILT = ".peregrine-built"  # written once the library is whole
 
 # The compiler flags of each ISA level the kernels are built for (engine.cpu_features names the x86 levels; NEON
 # is part of every aarch64 CPU, so it needs no flag). "none" is the compiler's baseline, for code that has a
@@ -107,13 +110,30 @@ def build_extension(name: str, sources: Sequence[Path], level: str, cache_dir: P
     build_dir = cache_dir / "kernels" / f"{module_name}-{build_key(sources, flags)}"
     build_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    if not (build_dir / f"{module_name}.so").exists():
-        log.info("compiling %s for %s into %s, once", name, level, build_dir)
-    from torch.utils.cpp_extension import load
-
+    library, built = build_dir / f"{module_name}.so", build_dir / BUILT
     with exclusive_build(build_dir):
-        staged = stage_sources(sources, build_dir / "src")
-        module = load(name=module_name, sources=[str(p) for p in staged], extra_cflags=flags,
-                      extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
+        if library.exists() and built.exists():
+            # Built before, from these very bytes and flags (the key says so): import it as it is. torch's builder
+            # would compare its ninja file, which names this venv's include folders, and so recompile in every
+            # fresh clone with its own venv.
+            module = import_library(module_name, library)
+        else:
+            log.info("compiling %s for %s into %s, once", name, level, build_dir)
+            from torch.utils.cpp_extension import load
+
+            staged = stage_sources(sources, build_dir / "src")
+            module = load(name=module_name, sources=[str(p) for p in staged], extra_cflags=flags,
+                          extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
+            built.touch()  # the library is whole: only now may a later process import it without the builder
     log.debug("%s (%s) ready in %.1f s", name, level, time.perf_counter() - started)
+    return module
+
+
+def import_library(module_name: str, library: Path) -> ModuleType:
+    """The compiled extension module at `library` (torch is imported first: the module links against it)."""
+    spec = importlib.util.spec_from_file_location(module_name, library)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {module_name} from {library}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
     return module

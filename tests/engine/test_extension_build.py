@@ -69,6 +69,29 @@ def test_another_checkout_loads_the_same_build(tmp_path: Path, caplog: pytest.Lo
     assert sorted(p.name for p in (build_dir / "src").iterdir()) == ["tiny.cpp", "tiny.h"]
 
 
+@pytest.mark.skipif(not has_compiler(), reason="no C++ compiler")
+def test_a_finished_build_is_imported_without_the_builder(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A fresh clone has its own venv, so torch's builder would find its ninja file naming other include folders
+    and compile again; a finished build is imported as it is. One without the marker (its builder was killed
+    midway, the library may be partial) is built again."""
+    cache = tmp_path / "cache"  # (another module name: torch renames a name it has built in this process)
+    extension_build.build_extension("peregrine_tiny_again", [checkout(tmp_path / "one")], "none", cache)
+    (build_dir,) = (cache / "kernels").iterdir()
+    library = build_dir / "peregrine_tiny_again_none.so"
+    built = library.stat().st_mtime_ns
+    for name in ("build.ninja", ".ninja_log"):  # what the builder would compare is gone
+        (build_dir / name).unlink()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="engine.extension_build"):
+        again = extension_build.build_extension("peregrine_tiny_again", [checkout(tmp_path / "two")], "none", cache)
+    assert again.answer() == 42 and "compiling" not in caplog.text and library.stat().st_mtime_ns == built
+    (build_dir / extension_build.BUILT).unlink()
+    with caplog.at_level(logging.INFO, logger="engine.extension_build"):
+        rebuilt = extension_build.build_extension("peregrine_tiny_again", [checkout(tmp_path / "three")], "none", cache)
+    assert rebuilt.answer() == 42 and "compiling peregrine_tiny_again for none" in caplog.text
+    assert (build_dir / extension_build.BUILT).exists()
+
+
 def test_the_none_level_is_no_build_of_the_cpu_kernels(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """"none" (the quantized-weight kernels' portable build) must not turn the CPU kernels on where the CPU has
     neither AVX2 nor NEON."""
