@@ -1,15 +1,21 @@
 // Integer dot products against GGUF weights kept quantized, the way llama.cpp's vec_dot kernels compute them: a
 // decode step's activations are quantized to int8 in blocks of 32 (one float scale each, as ggml's Q8_0/Q8_1),
-// each weight row is unpacked once into int8 values and per-16 float scales (L1-sized), and every activation row is
-// multiplied with it in int8 (AVX2: `vpmaddubsw` + `vpmaddwd`, 32 products an instruction), scaled and summed in
-// float32. Used by the one-call decoder (decoder.cpp) and bound as `qlinear` for tests.
+// and each weight row is multiplied with them in int8 (AVX2: `vpmaddubsw` + `vpmaddwd`, 32 products an
+// instruction), scaled and summed in float32. Used by the one-call decoder (decoder.cpp) and bound as `qlinear`.
+//
+// A row's scales and minimums are read into a small float array first; its weights are decoded in registers, 32 at
+// a time, and each decoded group is multiplied with up to four activation rows before the next is decoded (Q6_K,
+// whose decoding costs more, is decoded once into an L1 buffer when there are more than two rows). 4-bit weights
+// stay unsigned (Q4_0's offset of 8 becomes a minimum, as Q4_1's), so `vpmaddubsw` takes them as they are; signed
+// ones (Q8_0, Q6_K) go through the sign trick. The next rows are prefetched: one step streams every weight once.
 //
 // Each output element is the same instruction sequence in the same order whatever the number of rows, the thread
-// split or the tile position: results are batch invariant. The unpacking is written once, plainly (the compiler
-// vectorizes it for each build); the dot has an AVX2 body (also used by the AVX-512 build) and a portable one.
+// split or the tile position: results are batch invariant. Decoding has an AVX2 body (also used by the AVX-512
+// build) and a portable one, and so has the dot.
 #pragma once
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -54,21 +60,6 @@ inline void quantize_row(const T* x, int64_t K, int8_t* q, float* d, float* s) {
   }
 }
 
-// One weight row unpacked: int8 values (signed; Q4_1 and Q4_K's nibbles 0..15), per 32 values two float scales
-// (values 0-15 and 16-31: they differ for Q6_K only, which has a scale per 16) and, for formats with a minimum,
-// the term that multiplies the activation block's sum.
-struct Unpacked {
-  int8_t* w;    // [K]
-  float* sc2;   // [K / 32 * 2]
-  float* mins;  // [K / 32]
-  bool has_min;
-};
-
-inline void put_scales(float* sc2, float lo, float hi) {
-  sc2[0] = lo;
-  sc2[1] = hi;
-}
-
 #if defined(__AVX2__)
 // a * b + c; fused where the build has FMA (the AVX2 build; the AVX-512 build's flags do not imply it).
 inline __m256 madd8(__m256 a, __m256 b, __m256 c) {
@@ -86,181 +77,182 @@ inline __m256i nibbles16(const uint8_t* p) {
 }
 #endif
 
+inline constexpr bool is_signed(int T) { return T == kQ8_0 || T == kQ6_K; }
+inline constexpr bool has_min(int T) { return !is_signed(T); }
+// The most activation rows for which a row's weights are decoded in registers for each group of up to four rows;
+// past it they are decoded once into a buffer.
+inline constexpr int64_t fused_rows_max(int T) { return T == kQ6_K ? 2 : INT64_MAX; }
+
+// A block's float scales, two per 32 values (values 0-15 and 16-31: they differ for Q6_K only, which has a scale
+// per 16), and for unsigned formats the minimum that multiplies the activation group's sum.
 template <int T>
-inline void unpack_block(const uint8_t* b, int8_t* __restrict w, float* sc2, float* mins);
-
+inline void scales_block(const uint8_t* b, float* sc2, float* mins);
 template <>
-inline void unpack_block<kQ8_0>(const uint8_t* b, int8_t* __restrict w, float* sc2, float*) {
-  const float d = half_to_float(b);
-  std::memcpy(w, b + 2, 32);
-  put_scales(sc2, d, d);
+inline void scales_block<kQ8_0>(const uint8_t* b, float* sc2, float*) {
+  sc2[0] = sc2[1] = half_to_float(b);
 }
-
 template <>
-inline void unpack_block<kQ4_0>(const uint8_t* b, int8_t* __restrict w, float* sc2, float*) {
-#if defined(__AVX2__)
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(w), _mm256_sub_epi8(nibbles16(b + 2), _mm256_set1_epi8(8)));
-#else
-  uint8_t q[16];
-  std::memcpy(q, b + 2, 16);
-  for (int i = 0; i < 16; ++i) {
-    w[i] = static_cast<int8_t>((q[i] & 0xF) - 8);
-    w[i + 16] = static_cast<int8_t>((q[i] >> 4) - 8);
-  }
-#endif
+inline void scales_block<kQ4_0>(const uint8_t* b, float* sc2, float* mins) {  // d * (q - 8) = d * q - 8d
   const float d = half_to_float(b);
-  put_scales(sc2, d, d);
+  sc2[0] = sc2[1] = d;
+  mins[0] = -8.f * d;
 }
-
 template <>
-inline void unpack_block<kQ4_1>(const uint8_t* b, int8_t* __restrict w, float* sc2, float* mins) {
-#if defined(__AVX2__)
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(w), nibbles16(b + 4));
-#else
-  uint8_t q[16];
-  std::memcpy(q, b + 4, 16);
-  for (int i = 0; i < 16; ++i) {
-    w[i] = static_cast<int8_t>(q[i] & 0xF);
-    w[i + 16] = static_cast<int8_t>(q[i] >> 4);
-  }
-#endif
-  const float d = half_to_float(b);
-  put_scales(sc2, d, d);
+inline void scales_block<kQ4_1>(const uint8_t* b, float* sc2, float* mins) {
+  sc2[0] = sc2[1] = half_to_float(b);
   mins[0] = half_to_float(b + 2);
 }
-
 template <>
-inline void unpack_block<kQ4_K>(const uint8_t* b, int8_t* __restrict w, float* sc2, float* mins) {
+inline void scales_block<kQ4_K>(const uint8_t* b, float* sc2, float* mins) {
   const float d = half_to_float(b), dmin = half_to_float(b + 2);
-  uint8_t qs[128];
-  std::memcpy(qs, b + 16, 128);
-  for (int j = 0; j < 4; ++j) {  // 64 values: 32 low nibbles (sub-block 2j), then 32 high (2j + 1)
-#if defined(__AVX2__)
-    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j)), m4 = _mm256_set1_epi8(0xF);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + 64 * j), _mm256_and_si256(q, m4));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + 64 * j + 32), _mm256_and_si256(_mm256_srli_epi16(q, 4), m4));
-#else
-    for (int l = 0; l < 32; ++l) {
-      w[64 * j + l] = static_cast<int8_t>(qs[32 * j + l] & 0xF);
-      w[64 * j + 32 + l] = static_cast<int8_t>(qs[32 * j + l] >> 4);
-    }
-#endif
-    for (int h = 0; h < 2; ++h) {
-      uint8_t sc, mn;
-      scale_min_k4(2 * j + h, b + 4, &sc, &mn);
-      put_scales(sc2 + 2 * (2 * j + h), d * sc, d * sc);
-      mins[2 * j + h] = -dmin * mn;
-    }
+  for (int j = 0; j < 8; ++j) {
+    uint8_t sc, mn;
+    scale_min_k4(j, b + 4, &sc, &mn);
+    sc2[2 * j] = sc2[2 * j + 1] = d * sc;
+    mins[j] = -dmin * mn;
   }
 }
-
 template <>
-inline void unpack_block<kQ6_K>(const uint8_t* b, int8_t* __restrict w, float* sc2, float*) {
-  uint8_t raw[208];
-  std::memcpy(raw, b, 208);
+inline void scales_block<kQ6_K>(const uint8_t* b, float* sc2, float*) {  // 16 scales, one per 16 values, in order
   const float d = half_to_float(b + 208);
-  const int8_t* sc = reinterpret_cast<const int8_t*>(raw + 192);
-  for (int n = 0; n < 2; ++n) {  // 128 values: ql[64n .. 64n + 64), qh[32n .. 32n + 32)
-    const uint8_t *ql = raw + 64 * n, *qh = raw + 128 + 32 * n;
-    int8_t* y = w + 128 * n;
+  for (int i = 0; i < 16; ++i) sc2[i] = d * static_cast<float>(static_cast<int8_t>(b[192 + i]));
+}
+
+// The 32 weights of group j (values 32j .. 32j + 31) of block b: signed for Q8_0 and Q6_K, 0..15 otherwise.
 #if defined(__AVX2__)
-    const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql)),
-                  l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32)),
-                  h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh)), m4 = _mm256_set1_epi8(0xF),
-                  m2 = _mm256_set1_epi8(3), off = _mm256_set1_epi8(32);
-    auto six = [&](__m256i low, int shift) {  // low 4 bits | 2 bits of qh from `shift`, minus 32
-      const __m256i high = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, shift), m2), 4);
-      return _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(low, m4), high), off);
-    };
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), six(l0, 0));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + 32), six(l1, 2));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + 64), six(_mm256_srli_epi16(l0, 4), 4));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + 96), six(_mm256_srli_epi16(l1, 4), 6));
-#else
-    for (int l = 0; l < 32; ++l) {
-      y[l] = static_cast<int8_t>(((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32);
-      y[l + 32] = static_cast<int8_t>(((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32);
-      y[l + 64] = static_cast<int8_t>(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
-      y[l + 96] = static_cast<int8_t>(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
-    }
-#endif
-    for (int g = 0; g < 4; ++g)  // values 32g .. 32g + 32 of this half: scales sc[8n + 2g] and sc[8n + 2g + 1]
-      put_scales(sc2 + 2 * (4 * n + g), d * sc[8 * n + 2 * g], d * sc[8 * n + 2 * g + 1]);
-  }
-}
-
+using W32 = __m256i;
 template <int T>
-inline void unpack_row(const uint8_t* row, int64_t K, const Unpacked& u) {
-  constexpr Layout L = layout_of(T);
-  constexpr int subs = L.elems / kQK;
-  for (int64_t b = 0; b < K / L.elems; ++b)
-    unpack_block<T>(row + b * L.bytes, u.w + b * L.elems, u.sc2 + b * subs * 2, u.mins + b * subs);
+inline W32 weights32(const uint8_t* b, int j);
+template <>
+inline W32 weights32<kQ8_0>(const uint8_t* b, int) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
 }
+template <>
+inline W32 weights32<kQ4_0>(const uint8_t* b, int) { return nibbles16(b + 2); }
+template <>
+inline W32 weights32<kQ4_1>(const uint8_t* b, int) { return nibbles16(b + 4); }
+template <>
+inline W32 weights32<kQ4_K>(const uint8_t* b, int j) {  // 32 bytes per pair of groups: low nibbles, then high
+  const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * (j / 2)));
+  return _mm256_and_si256(j % 2 ? _mm256_srli_epi16(q, 4) : q, _mm256_set1_epi8(0xF));
+}
+template <>
+inline W32 weights32<kQ6_K>(const uint8_t* b, int j) {  // half n = j / 4, group g = j % 4 of it
+  const int n = j / 4, g = j % 4;
+  const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * n + 32 * (g % 2)));
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * n));
+  const __m256i low = _mm256_and_si256(g / 2 ? _mm256_srli_epi16(l, 4) : l, _mm256_set1_epi8(0xF));
+  const __m256i high = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * g), _mm256_set1_epi8(3)), 4);
+  return _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(32));
+}
+inline W32 load32(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline void store32(int8_t* p, W32 w) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), w); }
+#else
+struct W32 {
+  int8_t v[32];
+};
+template <int T>
+inline W32 weights32(const uint8_t* b, int j) {
+  W32 w;
+  for (int l = 0; l < 32; ++l) {
+    if constexpr (T == kQ8_0) {
+      w.v[l] = static_cast<int8_t>(b[2 + l]);
+    } else if constexpr (T == kQ4_0 || T == kQ4_1) {
+      const uint8_t q = b[(T == kQ4_0 ? 2 : 4) + l % 16];
+      w.v[l] = static_cast<int8_t>(l < 16 ? q & 0xF : q >> 4);
+    } else if constexpr (T == kQ4_K) {
+      const uint8_t q = b[16 + 32 * (j / 2) + l];
+      w.v[l] = static_cast<int8_t>(j % 2 ? q >> 4 : q & 0xF);
+    } else {  // Q6_K
+      const int n = j / 4, g = j % 4;
+      const uint8_t low = (b[64 * n + 32 * (g % 2) + l] >> (4 * (g / 2))) & 0xF, high = (b[128 + 32 * n + l] >> (2 * g)) & 3;
+      w.v[l] = static_cast<int8_t>((low | (high << 4)) - 32);
+    }
+  }
+  return w;
+}
+inline W32 load32(const int8_t* p) {
+  W32 w;
+  std::memcpy(w.v, p, 32);
+  return w;
+}
+inline void store32(int8_t* p, const W32& w) { std::memcpy(p, w.v, 32); }
+#endif
 
-inline constexpr bool has_min(int type) { return type == kQ4_1 || type == kQ4_K; }
+#if defined(__AVX2__)
+inline float hsum8(__m256 v) {
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
+}
+#endif
 
-// sum_k w[k] * x[k] for one unpacked weight row and one quantized activation row. Two accumulators (even and odd
-// blocks) keep two FMA chains in flight; the order of the sums is fixed.
-template <bool kTwoScales>
-inline float dot_row(const Unpacked& u, const int8_t* q, const float* d, const float* s, int64_t K) {
-  const int64_t blocks = K / kQK;
-  float total;
+// res[r] = sum_k w[k] * x[m0 + r][k] for r < R, one weight row given group by group by `wsrc(g)`, its scales and
+// minimums already in sc2 / mins. Two accumulators a row (even and odd groups) keep two FMA chains in flight; the
+// order of the sums is fixed, whatever R.
+template <int T, int R, typename Src>
+inline void dot_rows(const Src& wsrc, const float* sc2, const float* mins, const QRows& x, int64_t m0, float* res) {
+  const int64_t K = x.K, blocks = K / kQK;
 #if defined(__AVX2__)
   const __m256i ones = _mm256_set1_epi16(1);
-  auto block = [&](int64_t g, __m256 acc) {
-    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u.w + g * kQK));
-    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + g * kQK));
-    // |w| (unsigned) times a with w's sign: u8 x s8 pairs into int16 (at most 2 * 128 * 127, no saturation),
-    // then pairs of those into int32: lane i holds values 4i .. 4i + 3.
-    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w)), ones);
-    __m256 scale;
-    if constexpr (kTwoScales)
-      scale = _mm256_set_m128(_mm_set1_ps(u.sc2[2 * g + 1] * d[g]), _mm_set1_ps(u.sc2[2 * g] * d[g]));
-    else
-      scale = _mm256_set1_ps(u.sc2[2 * g] * d[g]);
-    return madd8(_mm256_cvtepi32_ps(p), scale, acc);
+  __m256 acc0[R], acc1[R];
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+  auto group = [&](int64_t g, __m256* acc) {
+    const __m256i w = wsrc(g), wu = is_signed(T) ? _mm256_sign_epi8(w, w) : w;  // |w| for the signed formats
+    for (int r = 0; r < R; ++r) {
+      const int64_t m = m0 + r;
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + m * K + g * kQK));
+      // unsigned w times a (with w's sign): u8 x s8 pairs into int16 (at most 2 * 128 * 127, no saturation),
+      // then pairs of those into int32: lane i holds values 4i .. 4i + 3.
+      const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wu, is_signed(T) ? _mm256_sign_epi8(a, w) : a), ones);
+      const float da = x.d[m * blocks + g];
+      const __m256 scale = T == kQ6_K ? _mm256_set_m128(_mm_set1_ps(sc2[2 * g + 1] * da), _mm_set1_ps(sc2[2 * g] * da))
+                                      : _mm256_set1_ps(sc2[2 * g] * da);
+      acc[r] = madd8(_mm256_cvtepi32_ps(p), scale, acc[r]);
+    }
   };
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
   int64_t g = 0;
   for (; g + 1 < blocks; g += 2) {
-    acc0 = block(g, acc0);
-    acc1 = block(g + 1, acc1);
+    group(g, acc0);
+    group(g + 1, acc1);
   }
-  if (g < blocks) acc0 = block(g, acc0);
-  const __m256 acc[2] = {acc0, acc1};
-  const __m256 both = _mm256_add_ps(acc[0], acc[1]);
-  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(both), _mm256_extractf128_ps(both, 1));
-  const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  total = _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
+  if (g < blocks) group(g, acc0);
+  for (int r = 0; r < R; ++r) res[r] = hsum8(_mm256_add_ps(acc0[r], acc1[r]));
 #else
-  float lanes[2][8] = {};
-  for (int64_t g = 0; g < blocks; ++g) {
-    const int8_t *w = u.w + g * kQK, *a = q + g * kQK;
-    for (int lane = 0; lane < 8; ++lane) {
-      int32_t p = 0;
-      for (int i = 0; i < 4; ++i) p += static_cast<int32_t>(w[4 * lane + i]) * a[4 * lane + i];
-      lanes[g & 1][lane] += static_cast<float>(p) * (u.sc2[2 * g + (kTwoScales && lane >= 4)] * d[g]);
+  for (int r = 0; r < R; ++r) {
+    const int64_t m = m0 + r;
+    float lanes[2][8] = {};
+    for (int64_t g = 0; g < blocks; ++g) {
+      const W32 w = wsrc(g);
+      const int8_t* a = x.q + m * K + g * kQK;
+      const float da = x.d[m * blocks + g], lo = sc2[2 * g] * da, hi = sc2[2 * g + (T == kQ6_K)] * da;
+      for (int lane = 0; lane < 8; ++lane) {
+        int32_t p = 0;
+        for (int i = 0; i < 4; ++i) p += static_cast<int32_t>(w.v[4 * lane + i]) * a[4 * lane + i];
+        lanes[g & 1][lane] += static_cast<float>(p) * (lane < 4 ? lo : hi);
+      }
+    }
+    float l[8];
+    for (int i = 0; i < 8; ++i) l[i] = lanes[0][i] + lanes[1][i];
+    res[r] = ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+  }
+#endif
+  if constexpr (has_min(T)) {  // + sum_g mins[g] * s[g], eight lanes at a time, the rest in order
+    for (int r = 0; r < R; ++r) {
+      const float* s = x.s + (m0 + r) * blocks;
+      int64_t g = 0;
+#if defined(__AVX2__)
+      __m256 acc = _mm256_setzero_ps();
+      for (; g + 8 <= blocks; g += 8) acc = madd8(_mm256_loadu_ps(mins + g), _mm256_loadu_ps(s + g), acc);
+      res[r] += hsum8(acc);
+#endif
+      for (; g < blocks; ++g) res[r] += mins[g] * s[g];
     }
   }
-  float l[8];
-  for (int i = 0; i < 8; ++i) l[i] = lanes[0][i] + lanes[1][i];
-  total = ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
-#endif
-  if (u.has_min) {  // sum_g mins[g] * s[g], eight lanes at a time, the rest in order
-    int64_t g = 0;
-#if defined(__AVX2__)
-    __m256 m = _mm256_setzero_ps();
-    for (; g + 8 <= blocks; g += 8) m = madd8(_mm256_loadu_ps(u.mins + g), _mm256_loadu_ps(s + g), m);
-    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    total += _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
-#endif
-    for (; g < blocks; ++g) total += u.mins[g] * s[g];
-  }
-  return total;
 }
 
-// Per-thread buffers: the activations quantized (rows x K) and one unpacked weight row.
+// Per-thread buffers: the activations quantized (rows x K), one row's scales and minimums, and (Q6_K with many
+// rows) its weights decoded.
 struct QScratch {
   std::vector<int8_t> q, w;
   std::vector<float> d, s, sc2, mins;
@@ -272,13 +264,12 @@ struct QScratch {
     }
     return {q.data(), d.data(), s.data(), K};
   }
-  Unpacked unpacked(int64_t K, bool with_min) {
+  void row_buffers(int64_t K) {
     if (static_cast<int64_t>(w.size()) < K) {
       w.resize(K);
       sc2.resize(K / kQK * 2);
       mins.resize(K / kQK);
     }
-    return {w.data(), sc2.data(), mins.data(), with_min};
   }
 };
 
@@ -293,13 +284,38 @@ inline QRows quantize_rows(const X* x, int64_t ldx, int64_t M, int64_t K, QScrat
 template <int T, typename O>
 void qlinear_range(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, const float* bias, O* out, int64_t ldo,
                    int64_t n_begin, int64_t n_end, QScratch& s) {
-  const int64_t K = x.K, kb = K / kQK;
-  const Unpacked u = s.unpacked(K, has_min(T));
+  constexpr Layout L = layout_of(T);
+  constexpr int subs = L.elems / kQK;
+  const int64_t K = x.K, nb = K / L.elems;
+  constexpr int64_t kAhead = 4;  // rows prefetched ahead of the one multiplied
+  s.row_buffers(K);
+  float *sc2 = s.sc2.data(), *mins = s.mins.data();
+  int8_t* decoded = s.w.data();
+  const bool fused = M <= fused_rows_max(T);
   for (int64_t n = n_begin; n < n_end; ++n) {
-    unpack_row<T>(w + n * ldw, K, u);
-    const float b = bias ? bias[n] : 0.f;
-    for (int64_t m = 0; m < M; ++m)
-      out[m * ldo + n] = static_cast<O>(dot_row<T == kQ6_K>(u, x.q + m * K, x.d + m * kb, x.s + m * kb, K) + b);
+    const uint8_t* row = w + n * ldw;
+    if (n + kAhead < n_end)
+      for (int64_t o = 0; o < ldw; o += 64) __builtin_prefetch(row + kAhead * ldw + o);
+    for (int64_t b = 0; b < nb; ++b) scales_block<T>(row + b * L.bytes, sc2 + 2 * subs * b, mins + subs * b);
+    const float bn = bias ? bias[n] : 0.f;
+    auto all_rows = [&](const auto& src) {  // groups of four rows, then two, then one
+      float res[4];
+      int64_t m = 0;
+      auto put = [&](int count) {
+        for (int r = 0; r < count; ++r) out[(m + r) * ldo + n] = static_cast<O>(res[r] + bn);
+        m += count;
+      };
+      while (m + 4 <= M) dot_rows<T, 4>(src, sc2, mins, x, m, res), put(4);
+      if (m + 2 <= M) dot_rows<T, 2>(src, sc2, mins, x, m, res), put(2);
+      if (m < M) dot_rows<T, 1>(src, sc2, mins, x, m, res), put(1);
+    };
+    if (fused) {
+      all_rows([&](int64_t g) { return weights32<T>(row + g / subs * L.bytes, static_cast<int>(g % subs)); });
+    } else {
+      for (int64_t g = 0; g < K / kQK; ++g)
+        store32(decoded + g * kQK, weights32<T>(row + g / subs * L.bytes, static_cast<int>(g % subs)));
+      all_rows([&](int64_t g) { return load32(decoded + g * kQK); });
+    }
   }
 }
 
