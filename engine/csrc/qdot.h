@@ -78,29 +78,50 @@ inline __m256i nibbles16(const uint8_t* p) {
 #endif
 
 inline constexpr bool is_signed(int T) { return T == kQ8_0 || T == kQ6_K; }
+// Formats with a scale per 32 values, whose scales the AVX2 dot reads from the block as it goes (elsewhere, and for
+// the K-quants, a row's scales are read into an array first).
+#if defined(__AVX2__)
+inline constexpr bool scales_inline(int T) { return layout_of(T).elems == 32; }
+#else
+inline constexpr bool scales_inline(int) { return false; }
+#endif
 inline constexpr bool has_min(int T) { return !is_signed(T); }
 // The most activation rows for which a row's weights are decoded in registers for each group of up to four rows;
 // past it they are decoded once into a buffer.
 inline constexpr int64_t fused_rows_max(int T) { return T == kQ6_K ? 2 : INT64_MAX; }
 
-// A block's float scales, two per 32 values (values 0-15 and 16-31: they differ for Q6_K only, which has a scale
-// per 16), and for unsigned formats the minimum that multiplies the activation group's sum.
+// A block's float scales, per 32 values one at sc2[0] (and for Q6_K, which has a scale per 16 values, two: values
+// 0-15 and 16-31), and for unsigned formats the minimum that multiplies the activation group's sum. The f16 pair
+// of Q4_1 (d, m) is converted by one instruction where the CPU has F16C.
 template <int T>
 inline void scales_block(const uint8_t* b, float* sc2, float* mins);
+#if defined(__F16C__)
+inline __m128 halves4(const uint8_t* b) {  // the two f16 at b (and two more), as float32
+  int32_t bits;
+  std::memcpy(&bits, b, 4);
+  return _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
+}
+#endif
 template <>
 inline void scales_block<kQ8_0>(const uint8_t* b, float* sc2, float*) {
-  sc2[0] = sc2[1] = half_to_float(b);
+  sc2[0] = half_to_float(b);
 }
 template <>
 inline void scales_block<kQ4_0>(const uint8_t* b, float* sc2, float* mins) {  // d * (q - 8) = d * q - 8d
   const float d = half_to_float(b);
-  sc2[0] = sc2[1] = d;
+  sc2[0] = d;
   mins[0] = -8.f * d;
 }
 template <>
 inline void scales_block<kQ4_1>(const uint8_t* b, float* sc2, float* mins) {
-  sc2[0] = sc2[1] = half_to_float(b);
+#if defined(__F16C__)
+  const __m128 dm = halves4(b);
+  _mm_store_ss(sc2, dm);
+  _mm_store_ss(mins, _mm_movehdup_ps(dm));
+#else
+  sc2[0] = half_to_float(b);
   mins[0] = half_to_float(b + 2);
+#endif
 }
 template <>
 inline void scales_block<kQ4_K>(const uint8_t* b, float* sc2, float* mins) {
@@ -191,7 +212,8 @@ inline float hsum8(__m256 v) {
 // minimums already in sc2 / mins. Two accumulators a row (even and odd groups) keep two FMA chains in flight; the
 // order of the sums is fixed, whatever R.
 template <int T, int R, typename Src>
-inline void dot_rows(const Src& wsrc, const float* sc2, const float* mins, const QRows& x, int64_t m0, float* res) {
+inline void dot_rows(const Src& wsrc, const uint8_t* row, const float* sc2, float* mins, const QRows& x, int64_t m0,
+                     float* res) {
   const int64_t K = x.K, blocks = K / kQK;
 #if defined(__AVX2__)
   const __m256i ones = _mm256_set1_epi16(1);
@@ -199,6 +221,12 @@ inline void dot_rows(const Src& wsrc, const float* sc2, const float* mins, const
   for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
   auto group = [&](int64_t g, __m256* acc) {
     const __m256i w = wsrc(g), wu = is_signed(T) ? _mm256_sign_epi8(w, w) : w;  // |w| for the signed formats
+    float sw = sc2[2 * g];
+    if constexpr (scales_inline(T)) {  // the block's scale here, its minimum into mins[g] for the sum below
+      float lo[2];
+      scales_block<T>(row + g * layout_of(T).bytes, lo, mins + g);
+      sw = lo[0];
+    }
     for (int r = 0; r < R; ++r) {
       const int64_t m = m0 + r;
       const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + m * K + g * kQK));
@@ -207,7 +235,7 @@ inline void dot_rows(const Src& wsrc, const float* sc2, const float* mins, const
       const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wu, is_signed(T) ? _mm256_sign_epi8(a, w) : a), ones);
       const float da = x.d[m * blocks + g];
       const __m256 scale = T == kQ6_K ? _mm256_set_m128(_mm_set1_ps(sc2[2 * g + 1] * da), _mm_set1_ps(sc2[2 * g] * da))
-                                      : _mm256_set1_ps(sc2[2 * g] * da);
+                                      : _mm256_set1_ps(sw * da);
       acc[r] = madd8(_mm256_cvtepi32_ps(p), scale, acc[r]);
     }
   };
@@ -296,7 +324,8 @@ void qlinear_range(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, con
     const uint8_t* row = w + n * ldw;
     if (n + kAhead < n_end)
       for (int64_t o = 0; o < ldw; o += 64) __builtin_prefetch(row + kAhead * ldw + o);
-    for (int64_t b = 0; b < nb; ++b) scales_block<T>(row + b * L.bytes, sc2 + 2 * subs * b, mins + subs * b);
+    if constexpr (!scales_inline(T))
+      for (int64_t b = 0; b < nb; ++b) scales_block<T>(row + b * L.bytes, sc2 + 2 * subs * b, mins + subs * b);
     const float bn = bias ? bias[n] : 0.f;
     auto all_rows = [&](const auto& src) {  // groups of four rows, then two, then one
       float res[4];
@@ -305,9 +334,9 @@ void qlinear_range(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, con
         for (int r = 0; r < count; ++r) out[(m + r) * ldo + n] = static_cast<O>(res[r] + bn);
         m += count;
       };
-      while (m + 4 <= M) dot_rows<T, 4>(src, sc2, mins, x, m, res), put(4);
-      if (m + 2 <= M) dot_rows<T, 2>(src, sc2, mins, x, m, res), put(2);
-      if (m < M) dot_rows<T, 1>(src, sc2, mins, x, m, res), put(1);
+      while (m + 4 <= M) dot_rows<T, 4>(src, row, sc2, mins, x, m, res), put(4);
+      if (m + 2 <= M) dot_rows<T, 2>(src, row, sc2, mins, x, m, res), put(2);
+      if (m < M) dot_rows<T, 1>(src, row, sc2, mins, x, m, res), put(1);
     };
     if (fused) {
       all_rows([&](int64_t g) { return weights32<T>(row + g / subs * L.bytes, static_cast<int>(g % subs)); });
