@@ -204,6 +204,55 @@ def run_all(engine: Any, requests: dict[str, tuple[list[int], Any]], max_steps: 
 
 
 
+@dataclass
+class DecodeStep:
+    """One decode step computed twice from the same KV cache: op by op (`reference`) and by the one-call decoder
+    (`got`); `alone` is the first row's decoder logits when it decodes by itself."""
+
+    reference: Any
+    got: Any
+    alone: Any
+    first_row: int  # where the first row of the step sits in `got`
+
+    @property
+    def batch_invariant(self) -> bool:
+        import torch
+
+        return bool(torch.equal(self.alone, self.got[self.first_row]))
+
+    @property
+    def error(self) -> float:
+        """The largest logit difference, relative to the reference's largest logit."""
+        return float((self.got.float() - self.reference.float()).abs().max() / self.reference.float().abs().max())
+
+
+def decoder_against_op_by_op(engine: Any, factory: Any, requests: dict[str, tuple[list[int], Any]],
+                             follow: str = "decoder") -> list[DecodeStep]:
+    """Run `requests` to the end computing every decode step op by op and with the decoder `factory` makes; the
+    run continues from the decoder's logits, or the reference's (`follow="reference"`, so that both see the same
+    tokens). Prefill steps run op by op."""
+    fast = engine.runner._forward
+    steps: list[DecodeStep] = []
+
+    def both(input_ids: Any, positions: Any, meta: Any, rows: Any) -> Any:
+        fast._decoder_factory = None  # the op-by-op pass writes the step's cache slots first
+        reference = fast(input_ids, positions, meta, rows)
+        if meta.prefills:
+            return reference
+        fast._decoder_factory = factory
+        got = fast(input_ids, positions, meta, rows)
+        assert fast._decoder is not None, "the decoder declined this model"
+        alone = fast.decoder(meta.kv_cache).step(input_ids[:1], *fast.decoder_rope(positions[:1]),
+                                                 meta.slot_mapping[:1], meta.decode_block_tables[:1],
+                                                 meta.decode_lengths[:1])
+        steps.append(DecodeStep(reference, got, alone[0], int((rows == 0).nonzero()[0, 0])))
+        return reference if follow == "reference" else got
+
+    engine.runner._forward = both
+    run_all(engine, requests)
+    return steps
+
+
 def tokens_of(outputs: list, index: int = 0) -> list[int]:
     return [t for o in outputs if o.index == index for t in o.token_ids]
 

@@ -270,38 +270,19 @@ def test_one_call_decode_step_matches_the_op_by_op_forward(byte_level_tokenizer:
     """Every decode step of a batched greedy run is computed twice, op by op and by the decoder, from the same
     cache: the logits agree within bf16 rounding (different summation orders), and the decoder's rows do not
     depend on their batch mates."""
-    from tests.support import Loaded
+    from tests.support import Loaded, decoder_against_op_by_op
 
     vocab = -(-len(byte_level_tokenizer) // 16) * 16
     loaded = Loaded(_decoder_model(model_type, vocab), byte_level_tokenizer, 512)
     engine = engine_factory(loaded, kv_cache_bytes=8 << 20, block_size=4)
-    fast = engine.runner._forward
     factory = cpu_kernels.llama_decoder_for(torch.device("cpu"), torch.bfloat16, amx=amx)
-    fast._decoder_factory = factory
-    compared: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-
-    def both(input_ids: torch.Tensor, positions: torch.Tensor, meta: Any, rows: torch.Tensor) -> torch.Tensor:
-        if meta.prefills:
-            return fast(input_ids, positions, meta, rows)
-        fast._decoder_factory = None  # the op-by-op pass, which writes the same cache slots first
-        reference = fast(input_ids, positions, meta, rows)
-        fast._decoder_factory = factory
-        got = fast(input_ids, positions, meta, rows)
-        alone = fast.decoder(meta.kv_cache).step(input_ids[:1], *fast.decoder_rope(positions[:1]),
-                                                 meta.slot_mapping[:1], meta.decode_block_tables[:1],
-                                                 meta.decode_lengths[:1])
-        compared.append((reference, got, alone[0] - got[(rows == 0).nonzero()[0, 0]]))
-        return got
-
-    engine.runner._forward = both
     prompts = {f"r{i}": (list(range(3 + 5 * i, 10 + 9 * i)), SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
                for i in range(3)}
-    run_all(engine, prompts)
-    assert fast._decoder is not None and sum(got.shape[0] == 3 for _, got, _ in compared) >= 4
-    for reference, got, alone_minus_batched in compared:
-        error = (got.float() - reference.float()).abs().max() / reference.float().abs().max()
-        assert error <= 0.02, error
-        assert not alone_minus_batched.any(), "a row's logits changed with its batch mates"
+    steps = decoder_against_op_by_op(engine, factory, prompts)
+    assert sum(step.got.shape[0] == 3 for step in steps) >= 4
+    for step in steps:
+        assert step.error <= 0.02, step.error
+        assert step.batch_invariant, "a row's logits changed with its batch mates"
 
 
 @needs_kernel

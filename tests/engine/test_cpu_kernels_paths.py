@@ -167,37 +167,21 @@ def test_one_call_decoder_matches_the_op_by_op_forward(path: tuple[str, Any], dt
                                                        byte_level_tokenizer: Any, engine_factory: Any) -> None:
     """Every decode step of a batched greedy run is computed op by op with torch's ops and by this path's decoder
     from the same cache; a row's decoder logits do not change when it decodes alone."""
-    from tests.support import Loaded
+    from tests.support import Loaded, decoder_against_op_by_op
 
     _, module = path
     engine = engine_factory(Loaded(_random_llama(dtype), byte_level_tokenizer, 512), kv_cache_bytes=8 << 20,
                             block_size=4, cpu_kernels=False)
-    fast = engine.runner._forward
     cls = getattr(module, f"LlamaDecoder_{str(dtype).removeprefix('torch.')}")
 
     def factory(*args: object) -> object:
         return cls(*args, False)
 
-    errors: list[float] = []
-
-    def both(input_ids: torch.Tensor, positions: torch.Tensor, meta: Any, rows: torch.Tensor) -> torch.Tensor:
-        fast._decoder_factory = None
-        reference = fast(input_ids, positions, meta, rows).float()
-        if meta.prefills:
-            return reference
-        fast._decoder_factory = factory
-        got = fast(input_ids, positions, meta, rows)
-        alone = fast.decoder(meta.kv_cache).step(input_ids[:1], *fast.decoder_rope(positions[:1]),
-                                                 meta.slot_mapping[:1], meta.decode_block_tables[:1],
-                                                 meta.decode_lengths[:1])
-        assert torch.equal(alone[0], got[(rows == 0).nonzero()[0, 0]]), "a row changed with its batch mates"
-        errors.append(float((got - reference).abs().max() / reference.abs().max()))
-        return got
-
-    engine.runner._forward = both
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
-    run_all(engine, {f"r{i}": (list(range(3 + 5 * i, 10 + 9 * i)), params) for i in range(3)})
-    assert len(errors) >= 4
+    steps = decoder_against_op_by_op(engine, factory, {f"r{i}": (list(range(3 + 5 * i, 10 + 9 * i)), params)
+                                                       for i in range(3)})
+    assert len(steps) >= 4 and all(step.batch_invariant for step in steps), "a row changed with its batch mates"
+    errors = [step.error for step in steps]
     assert max(errors) <= (1e-4 if dtype == torch.float32 else 0.02), errors
 
 

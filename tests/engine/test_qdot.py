@@ -27,7 +27,7 @@ from engine.types import SamplingParams
 from models import gguf_weights
 from tests.engine.test_cpu_kernels_paths import PATHS
 from tests.quant_blocks import FORMATS, dequantize, make_blocks, write_tiny_gguf
-from tests.support import Loaded, run_all, tokens_of
+from tests.support import Loaded, decoder_against_op_by_op
 
 TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
 
@@ -93,32 +93,13 @@ def test_decoder_on_quantized_weights_matches_the_op_by_op_pass(module: Any, for
     model = gguf_weights.load(tmp_path / "tiny.gguf", tmp_path, torch.float32)
     engine = engine_factory(Loaded(model, byte_level_tokenizer, 128), kv_cache_bytes=8 << 20, block_size=4,
                             cpu_kernels=False, model_impl="llama")
-    fast = engine.runner._forward
     factory = lambda *args: module.LlamaDecoder_float32(*args, False)  # noqa: E731
-    errors: list[float] = []
-    tokens: dict[str, list[list[int]]] = {"decoder": [], "reference": []}
-
-    def both(input_ids: torch.Tensor, positions: torch.Tensor, meta: Any, rows: torch.Tensor) -> torch.Tensor:
-        fast._decoder_factory = None
-        reference = fast(input_ids, positions, meta, rows).float()
-        if meta.prefills:
-            return reference
-        fast._decoder_factory = factory
-        got = fast(input_ids, positions, meta, rows)
-        assert fast._decoder is not None, "the decoder must take quantized weights"
-        alone = fast.decoder(meta.kv_cache).step(input_ids[:1], *fast.decoder_rope(positions[:1]),
-                                                 meta.slot_mapping[:1], meta.decode_block_tables[:1],
-                                                 meta.decode_lengths[:1])
-        assert torch.equal(alone[0], got[(rows == 0).nonzero()[0, 0]]), "a row changed with its batch mates"
-        errors.append(float((got - reference).abs().max() / reference.abs().max()))
-        tokens["decoder"].append(got.argmax(-1).tolist())
-        tokens["reference"].append(reference.argmax(-1).tolist())
-        return reference  # both runs continue from the same tokens
-
-    engine.runner._forward = both
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    run_all(engine, {f"r{i}": (list(range(3 + 5 * i, 10 + 9 * i)), params) for i in range(3)})
-    assert len(errors) >= 4
+    steps = decoder_against_op_by_op(engine, factory, {f"r{i}": (list(range(3 + 5 * i, 10 + 9 * i)), params)
+                                                       for i in range(3)}, follow="reference")
+    assert len(steps) >= 4 and all(step.batch_invariant for step in steps), "a row changed with its batch mates"
+    errors = [step.error for step in steps]
     assert max(errors) <= 5e-2, errors
-    picks = list(zip(sum(tokens["decoder"], []), sum(tokens["reference"], []), strict=True))
+    picks = [(a, b) for step in steps for a, b in zip(step.got.argmax(-1).tolist(),
+                                                      step.reference.argmax(-1).tolist(), strict=True)]
     assert sum(a == b for a, b in picks) >= 0.8 * len(picks), picks
