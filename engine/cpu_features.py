@@ -4,7 +4,8 @@ The kernels come in ISA levels, each a superset of the one before:
 
 - `avx2`: AVX2 + FMA + F16C, what nearly every x86-64 CPU of the last decade has (AMD Zen 1-3, Intel client
   CPUs, most cloud VMs);
-- `avx512`: AVX-512 F/BW/VL with the BF16 dot products (AMD Zen 4+, Intel Cooper Lake / Sapphire Rapids+);
+- `avx512`: AVX-512 F/BW/VL with the BF16 and VNNI dot products (AMD Zen 4+, Intel Cooper Lake / Sapphire
+  Rapids+: every CPU with AVX512-BF16 has VNNI);
 - `amx`: AMX-BF16 tiles on top of that (Intel Sapphire Rapids and later).
 
 `PEREGRINE_CPU_ISA` (set by the `--cpu-isa` flag, or in the environment like oneDNN's `ONEDNN_MAX_CPU_ISA`)
@@ -24,7 +25,7 @@ LEVELS = ("none", "avx2", "avx512", "amx")  # ascending: each level needs every 
 CHOICES = ("auto", *LEVELS)
 _NEEDS = {  # Linux's /proc/cpuinfo flag names
     "avx2": ("avx2", "fma", "f16c"),
-    "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
+    "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"),
     "amx": ("amx_tile", "amx_bf16"),
 }
 

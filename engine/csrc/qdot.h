@@ -11,7 +11,8 @@
 //
 // Each output element is the same instruction sequence in the same order whatever the number of rows, the thread
 // split or the tile position: results are batch invariant. Decoding has an AVX2 body (also used by the AVX-512
-// build) and a portable one, and so has the dot.
+// build, which multiplies with AVX-512 VNNI's `vpdpbusd`: the same integer sums) and a portable one, and so has the
+// dot.
 #pragma once
 
 #include <algorithm>
@@ -265,7 +266,12 @@ inline void dot_rows(const Src& wsrc, const uint8_t* row, const float* sc2, floa
       const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + m * K + g * kQK));
       // unsigned w times a (with w's sign): u8 x s8 pairs into int16 (at most 2 * 128 * 127, no saturation),
       // then pairs of those into int32: lane i holds values 4i .. 4i + 3.
-      const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wu, is_signed(T) ? _mm256_sign_epi8(a, w) : a), ones);
+      const __m256i as = is_signed(T) ? _mm256_sign_epi8(a, w) : a;
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+      const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wu, as);  // the same sums, in one instruction
+#else
+      const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wu, as), ones);
+#endif
       const float da = x.d[m * blocks + g];
       const __m256 scale = T == kQ6_K ? _mm256_set_m128(_mm_set1_ps(sc2[2 * g + 1] * da), _mm_set1_ps(sc2[2 * g] * da))
                                       : _mm256_set1_ps(sw * da);

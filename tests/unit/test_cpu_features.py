@@ -9,7 +9,7 @@ import pytest
 from engine import cpu_features
 
 AVX2 = frozenset({"avx", "avx2", "fma", "f16c"})
-AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
+AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"}
 AMX = AVX512 | {"amx_tile", "amx_bf16"}
 
 

@@ -264,7 +264,7 @@ def test_dtype_auto_is_checked_as_bfloat16_alone_when_float32_cannot_be_timed() 
     assert tight[0].ok and tight[0].breakdown == "weights 15.0 GB in bfloat16 + KV cache 1.1 GB for 8192 tokens"
 
 
-AMX_FLAGS = "fpu avx2 fma f16c avx512f avx512bw avx512vl avx512_bf16 amx_tile amx_bf16"
+AMX_FLAGS = "fpu avx2 fma f16c avx512f avx512bw avx512vl avx512_bf16 avx512_vnni amx_tile amx_bf16"
 
 
 def test_cpu_has_amx_reads_the_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
