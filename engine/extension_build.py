@@ -7,8 +7,9 @@ source and of the headers beside them, and nothing else. torch's builder rebuild
 sources at another path, so the sources and headers are first copied into the build folder (`src/`) and built
 from there. Once a build has finished (a marker file says so), later processes import the library directly,
 without torch's builder, whose ninja file names the venv's include folders: a clone, a worktree or an installed
-copy with the same sources and its own venv loads the module another one built, in milliseconds. Each level gets its own module name (`<name>_<level>`), so one process can hold two levels
-(tests run the AVX2 path on AVX-512 machines).
+copy with the same sources and its own venv loads the module another one built, in milliseconds. Each level gets
+its own module name (`<name>_<level>`), so one process can hold two levels (tests run the AVX2 path on AVX-512
+machines).
 
 torch's builder serialises builds of one folder with a `lock` file it creates and deletes; a builder killed
 mid-build (a server stopped while it compiled, a test timed out) leaves that file behind, and every later start
@@ -40,7 +41,8 @@ BUILT = ".peregrine-built"  # written once the library is whole
 # is part of every aarch64 CPU, so it needs no flag). "none" is the compiler's baseline, for code that has a
 # portable path (the quantized-weight kernels); which levels a module is built for is its caller's choice.
 LEVEL_FLAGS: dict[str, list[str]] = {
-    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16"],
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mamx-tile",
+               "-mamx-bf16"],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "neon": [],
     "none": [],

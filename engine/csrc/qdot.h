@@ -3,11 +3,12 @@
 // and each weight row is multiplied with them in int8 (AVX2: `vpmaddubsw` + `vpmaddwd`, 32 products an
 // instruction), scaled and summed in float32. Used by the one-call decoder (decoder.cpp) and bound as `qlinear`.
 //
-// A row's scales and minimums are read into a small float array first; its weights are decoded in registers, 32 at
-// a time, and each decoded group is multiplied with up to four activation rows before the next is decoded (Q6_K,
-// whose decoding costs more, is decoded once into an L1 buffer when there are more than two rows). 4-bit weights
-// stay unsigned (Q4_0's offset of 8 becomes a minimum, as Q4_1's), so `vpmaddubsw` takes them as they are; signed
-// ones (Q8_0, Q6_K) go through the sign trick. The next rows are prefetched: one step streams every weight once.
+// A row's weights are decoded in registers, 32 at a time, and each decoded group is multiplied with up to four
+// activation rows before the next is decoded (Q6_K, whose decoding costs more, is decoded once into an L1 buffer
+// when there are more than two rows). The AVX2 body reads a 32-value block's scale from the block as it goes; other
+// formats and builds read a row's scales into a small float array first. 4-bit weights stay unsigned (Q4_0's
+// offset of 8 becomes a minimum, as Q4_1's), so `vpmaddubsw` takes them as they are; signed ones (Q8_0, Q6_K) go
+// through the sign trick. The next rows are prefetched: one step streams every weight once.
 //
 // Each output element is the same instruction sequence in the same order whatever the number of rows, the thread
 // split or the tile position: results are batch invariant. Decoding has an AVX2 body (also used by the AVX-512
@@ -124,9 +125,9 @@ inline constexpr bool has_min(int T) { return !is_signed(T); }
 // past it they are decoded once into a buffer.
 inline constexpr int64_t fused_rows_max(int T) { return T == kQ6_K ? 2 : INT64_MAX; }
 
-// A block's float scales, per 32 values one at sc2[0] (and for Q6_K, which has a scale per 16 values, two: values
-// 0-15 and 16-31), and for unsigned formats the minimum that multiplies the activation group's sum. The f16 pair
-// of Q4_1 (d, m) is converted by one instruction where the CPU has F16C.
+// A block's float scales, per 32 values one at sc2[2g] (and for Q6_K, which has a scale per 16 values, a second
+// one at sc2[2g + 1]: values 0-15 and 16-31), and for unsigned formats the minimum that multiplies the activation
+// group's sum. The f16 pair of Q4_1 (d, m) is converted by one instruction where the CPU has F16C.
 template <int T>
 inline void scales_block(const uint8_t* b, float* sc2, float* mins);
 #if defined(__F16C__)
@@ -163,7 +164,7 @@ inline void scales_block<kQ4_K>(const uint8_t* b, float* sc2, float* mins) {
   for (int j = 0; j < 8; ++j) {
     uint8_t sc, mn;
     scale_min_k4(j, b + 4, &sc, &mn);
-    sc2[2 * j] = sc2[2 * j + 1] = d * sc;
+    sc2[2 * j] = d * sc;
     mins[j] = -dmin * mn;
   }
 }
@@ -220,7 +221,8 @@ inline W32 weights32(const uint8_t* b, int j) {
       w.v[l] = static_cast<int8_t>(j % 2 ? q >> 4 : q & 0xF);
     } else {  // Q6_K
       const int n = j / 4, g = j % 4;
-      const uint8_t low = (b[64 * n + 32 * (g % 2) + l] >> (4 * (g / 2))) & 0xF, high = (b[128 + 32 * n + l] >> (2 * g)) & 3;
+      const uint8_t low = (b[64 * n + 32 * (g % 2) + l] >> (4 * (g / 2))) & 0xF,
+                    high = (b[128 + 32 * n + l] >> (2 * g)) & 3;
       w.v[l] = static_cast<int8_t>((low | (high << 4)) - 32);
     }
   }
@@ -242,9 +244,10 @@ inline float hsum8(__m256 v) {
 }
 #endif
 
-// res[r] = sum_k w[k] * x[m0 + r][k] for r < R, one weight row given group by group by `wsrc(g)`, its scales and
-// minimums already in sc2 / mins. Two accumulators a row (even and odd groups) keep two FMA chains in flight; the
-// order of the sums is fixed, whatever R.
+// res[r] = sum_k w[k] * x[m0 + r][k] for r < R, one weight row (its blocks at `row`) given group by group by
+// `wsrc(g)`. Its scales and minimums are in sc2 / mins already, except where `scales_inline(T)`: then each group's
+// scale is read from its block here, and its minimum written to mins[g] for the sum at the end. Two accumulators a
+// row (even and odd groups) keep two FMA chains in flight; the order of the sums is fixed, whatever R.
 template <int T, int R, typename Src>
 inline void dot_rows(const Src& wsrc, const uint8_t* row, const float* sc2, float* mins, const QRows& x, int64_t m0,
                      float* res) {
@@ -255,12 +258,11 @@ inline void dot_rows(const Src& wsrc, const uint8_t* row, const float* sc2, floa
   for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
   auto group = [&](int64_t g, __m256* acc) {
     const __m256i w = wsrc(g), wu = is_signed(T) ? _mm256_sign_epi8(w, w) : w;  // |w| for the signed formats
-    float sw = sc2[2 * g];
-    if constexpr (scales_inline(T)) {  // the block's scale here, its minimum into mins[g] for the sum below
-      float lo[2];
-      scales_block<T>(row + g * layout_of(T).bytes, lo, mins + g);
-      sw = lo[0];
-    }
+    float sw;  // the group's (first) scale
+    if constexpr (scales_inline(T))
+      scales_block<T>(row + g * layout_of(T).bytes, &sw, mins + g);
+    else
+      sw = sc2[2 * g];
     for (int r = 0; r < R; ++r) {
       const int64_t m = m0 + r;
       const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + m * K + g * kQK));
@@ -273,7 +275,7 @@ inline void dot_rows(const Src& wsrc, const uint8_t* row, const float* sc2, floa
       const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wu, as), ones);
 #endif
       const float da = x.d[m * blocks + g];
-      const __m256 scale = T == kQ6_K ? _mm256_set_m128(_mm_set1_ps(sc2[2 * g + 1] * da), _mm_set1_ps(sc2[2 * g] * da))
+      const __m256 scale = T == kQ6_K ? _mm256_set_m128(_mm_set1_ps(sc2[2 * g + 1] * da), _mm_set1_ps(sw * da))
                                       : _mm256_set1_ps(sw * da);
       acc[r] = madd8(_mm256_cvtepi32_ps(p), scale, acc[r]);
     }
