@@ -8,6 +8,10 @@ modules that multiply by them.
 - `QuantLinear` / `QuantEmbedding`: drop-in modules for nn.Linear and nn.Embedding (the embedding dequantizes
   only the rows it looks up, so a tied LM head and embedding share one quantized copy).
 - `quantize_q8_0`: a dense matrix to Q8_0 blocks (per-32 float16 scale, int8 values), for `--quantize int8`.
+- `QuantWeight.repack` / `unpack`: Q4_0 and Q4_1 rows rearranged at load (quant.h: kQ4_0R / kQ4_1R; the same
+  bytes): the nibbles first, 32 bytes per pair of blocks (low nibbles: the first block's 32 values in order, high
+  nibbles: the second's), then the row's f16 scales, then its f16 minimums. The decode kernels then get 64 weights
+  per 32-byte load and 8 scales per conversion.
 """
 
 from __future__ import annotations
@@ -27,6 +31,11 @@ FORMATS: dict[int, tuple[str, int, int]] = {
     14: ("Q6_K", 256, 210),
 }
 Q8_0 = 8
+# Peregrine's row-packed Q4_0 / Q4_1 (ids past ggml's): id -> (name, weights per 64-value share of a row, its bytes)
+PACKED: dict[int, tuple[str, int, int]] = {1002: ("Q4_0", 64, 36), 1003: ("Q4_1", 64, 40)}
+PACKS = {2: 1002, 3: 1003}  # GGUF type -> its packed form
+UNPACKED = {packed: gguf for gguf, packed in PACKS.items()}
+LAYOUTS = {**FORMATS, **PACKED}
 PREFILL_TILE_ELEMS = 1 << 22  # float32 weights dequantized at a time for many-row matmuls (16 MiB)
 
 
@@ -34,7 +43,7 @@ class QuantWeight:
     """A [N, K] weight as rows of quantized blocks. `blocks` may be a view (a slice of a fused weight)."""
 
     def __init__(self, blocks: torch.Tensor, qtype: int, shape: tuple[int, int]) -> None:
-        name, per_block, block_bytes = FORMATS[qtype]
+        name, per_block, block_bytes = LAYOUTS[qtype]
         rows, cols = shape
         if cols % per_block or tuple(blocks.shape) != (rows, cols // per_block * block_bytes):
             raise ValueError(f"{name} blocks {tuple(blocks.shape)} do not hold a [{rows}, {cols}] matrix")
@@ -42,7 +51,8 @@ class QuantWeight:
 
     @property
     def type_name(self) -> str:
-        return FORMATS[self.qtype][0]
+        """The GGUF format's name (a repacked weight keeps its format's)."""
+        return LAYOUTS[self.qtype][0]
 
     @property
     def nbytes(self) -> int:
@@ -56,7 +66,8 @@ class QuantWeight:
             return kernels.dequantize(blocks, self.qtype, self.shape[1])
         from gguf import quants  # no compiler: gguf's numpy reference (slow, exact)
 
-        return torch.from_numpy(quants.dequantize(blocks.numpy(), self.qtype).astype(np.float32, copy=False))
+        plain = QuantWeight(blocks, self.qtype, (blocks.shape[0], self.shape[1])).unpack()
+        return torch.from_numpy(quants.dequantize(plain.blocks.numpy(), plain.qtype).astype(np.float32, copy=False))
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] @ W^T -> [..., N], in x's dtype."""
@@ -81,6 +92,35 @@ class QuantWeight:
 
     def slice_rows(self, start: int, end: int) -> QuantWeight:
         return QuantWeight(self.blocks[start:end], self.qtype, (end - start, self.shape[1]))
+
+    def repack(self) -> QuantWeight:
+        """Q4_0 / Q4_1 rows packed for the decode kernels (module docstring, quant.h: kQ4_0R / kQ4_1R); other formats,
+        and rows whose length is not a multiple of 64, as they are. The same bytes, the same values."""
+        packed_type = PACKS.get(self.qtype)
+        rows, cols = self.shape
+        if packed_type is None or cols % 64:
+            return self
+        head = 2 if self.qtype == 2 else 4  # d, or d and m (f16 each)
+        b = self.blocks.reshape(rows, cols // 32, 16 + head)
+        nibbles = b[..., head:].reshape(rows, cols // 64, 2, 16)
+        values = torch.cat([nibbles & 0xF, nibbles >> 4], dim=-1)  # [rows, pairs, 2, 32]: each group's values in order
+        packed = (values[:, :, 0] | (values[:, :, 1] << 4)).reshape(rows, cols // 2)
+        scales = b[..., :head].reshape(rows, cols // 32, head // 2, 2).transpose(1, 2).reshape(rows, -1)  # d..., m...
+        return QuantWeight(torch.cat([packed, scales], dim=1), packed_type, self.shape)
+
+    def unpack(self) -> QuantWeight:
+        """The GGUF blocks of a packed weight (`repack` undone); any other weight as it is."""
+        gguf = UNPACKED.get(self.qtype)
+        if gguf is None:
+            return self
+        rows, cols = self.shape
+        head = 2 if gguf == 2 else 4
+        packed = self.blocks[:, : cols // 2].reshape(rows, cols // 64, 32)
+        values = torch.stack([packed & 0xF, packed >> 4], dim=2)  # [rows, pairs, 2, 32]
+        nibbles = (values[..., :16] | (values[..., 16:] << 4)).reshape(rows, cols // 32, 16)
+        scales = self.blocks[:, cols // 2 :].reshape(rows, head // 2, cols // 32, 2).transpose(1, 2)
+        blocks = torch.cat([scales.reshape(rows, cols // 32, head), nibbles], dim=-1)
+        return QuantWeight(blocks.reshape(rows, -1), gguf, self.shape)
 
 
 def concat(weights: list[QuantWeight]) -> QuantWeight | None:
@@ -107,7 +147,8 @@ class QuantLinear(nn.Module):
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, {self.qweight.type_name}"
+        packed = " (row-packed)" if self.qweight.qtype in PACKED else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.qweight.type_name}{packed}"
 
 
 class QuantEmbedding(nn.Module):

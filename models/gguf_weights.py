@@ -9,7 +9,8 @@ weights (q, k, v, o, gate, up, down, the LM head and the token embedding) become
 
 llama.cpp's converter permutes the rows of Q and K of Llama models for its RoPE layout; transformers'
 GGUF loader un-permutes them (modeling_gguf_pytorch_utils.LlamaTensorProcessor), and so does `unpermute_rows`
-here, on whole rows of blocks. A model whose LM head is tied to its embedding keeps one quantized copy.
+here, on whole rows of blocks. A model whose LM head is tied to its embedding keeps one quantized copy. Q4_0 and
+Q4_1 rows are rearranged as they are read (`QuantWeight.repack`: the same bytes, laid out for the decode kernels).
 """
 
 from __future__ import annotations
@@ -167,9 +168,10 @@ def _tensor(t: object, dtype: torch.dtype, name: str, config: object, arch: str)
     if heads:
         order = unpermute_rows(value.shape[0], heads)
         if isinstance(value, QuantWeight):
-            return QuantWeight(value.blocks.index_select(0, order).contiguous(), value.qtype, value.shape)
-        return value.index_select(0, order).contiguous()
-    return value
+            value = QuantWeight(value.blocks.index_select(0, order).contiguous(), value.qtype, value.shape)
+        else:
+            value = value.index_select(0, order).contiguous()
+    return value.repack() if isinstance(value, QuantWeight) else value  # Q4_0 / Q4_1 row-packed for the kernels
 
 
 def _permuted_heads(name: str, config: object) -> int | None:

@@ -10,6 +10,10 @@
 // offset of 8 becomes a minimum, as Q4_1's), so `vpmaddubsw` takes them as they are; signed ones (Q8_0, Q6_K) go
 // through the sign trick. The next rows are prefetched: one step streams every weight once.
 //
+// Q4_0 and Q4_1 are packed by rows at load (quant.h: kQ4_0R / kQ4_1R): one 32-byte load gives 64 weights, and a
+// row's scales are converted eight at a time and multiplied with each activation row's in one pass, so the loop
+// over groups is loads, two shifts/masks and the int8 dot (`dot_packed`). Its sums are those of the file's layout.
+//
 // Each output element is the same instruction sequence in the same order whatever the number of rows, the thread
 // split or the tile position: results are batch invariant. Decoding has an AVX2 body (also used by the AVX-512
 // build, which multiplies with AVX-512 VNNI's `vpdpbusd`: the same integer sums) and a portable one, and so has the
@@ -237,12 +241,39 @@ inline void store32(int8_t* p, const W32& w) { std::memcpy(p, w.v, 32); }
 #endif
 
 #if defined(__AVX2__)
+// Unsigned weights times signed activations, 32 pairs: u8 x s8 pairs into int16 (at most 2 * 128 * 127, no
+// saturation), then pairs of those into int32; lane i holds values 4i .. 4i + 3.
+inline __m256i dot_u8s8(__m256i w, __m256i a) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, a);  // the same sums, in one instruction
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1));
+#endif
+}
+
 inline float hsum8(__m256 v) {
   const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
   return _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
 }
 #endif
+
+// res[r] += sum_g mins[g] * s[g] for activation row m0 + r (a weight row's per-group minimums times the activation
+// groups' sums), eight lanes at a time, the rest in order.
+template <int R>
+inline void add_mins(const float* mins, const QRows& x, int64_t m0, float* res) {
+  const int64_t blocks = x.K / kQK;
+  for (int r = 0; r < R; ++r) {
+    const float* s = x.s + (m0 + r) * blocks;
+    int64_t g = 0;
+#if defined(__AVX2__)
+    __m256 acc = _mm256_setzero_ps();
+    for (; g + 8 <= blocks; g += 8) acc = madd8(_mm256_loadu_ps(mins + g), _mm256_loadu_ps(s + g), acc);
+    res[r] += hsum8(acc);
+#endif
+    for (; g < blocks; ++g) res[r] += mins[g] * s[g];
+  }
+}
 
 // res[r] = sum_k w[k] * x[m0 + r][k] for r < R, one weight row (its blocks at `row`) given group by group by
 // `wsrc(g)`. Its scales and minimums are in sc2 / mins already, except where `scales_inline(T)`: then each group's
@@ -253,7 +284,6 @@ inline void dot_rows(const Src& wsrc, const uint8_t* row, const float* sc2, floa
                      float* res) {
   const int64_t K = x.K, blocks = K / kQK;
 #if defined(__AVX2__)
-  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc0[R], acc1[R];
   for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
   auto group = [&](int64_t g, __m256* acc) {
@@ -266,14 +296,7 @@ inline void dot_rows(const Src& wsrc, const uint8_t* row, const float* sc2, floa
     for (int r = 0; r < R; ++r) {
       const int64_t m = m0 + r;
       const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + m * K + g * kQK));
-      // unsigned w times a (with w's sign): u8 x s8 pairs into int16 (at most 2 * 128 * 127, no saturation),
-      // then pairs of those into int32: lane i holds values 4i .. 4i + 3.
-      const __m256i as = is_signed(T) ? _mm256_sign_epi8(a, w) : a;
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-      const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wu, as);  // the same sums, in one instruction
-#else
-      const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wu, as), ones);
-#endif
+      const __m256i p = dot_u8s8(wu, is_signed(T) ? _mm256_sign_epi8(a, w) : a);  // |w| times a with w's sign
       const float da = x.d[m * blocks + g];
       const __m256 scale = T == kQ6_K ? _mm256_set_m128(_mm_set1_ps(sc2[2 * g + 1] * da), _mm_set1_ps(sw * da))
                                       : _mm256_set1_ps(sw * da);
@@ -306,25 +329,14 @@ inline void dot_rows(const Src& wsrc, const uint8_t* row, const float* sc2, floa
     res[r] = ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
   }
 #endif
-  if constexpr (has_min(T)) {  // + sum_g mins[g] * s[g], eight lanes at a time, the rest in order
-    for (int r = 0; r < R; ++r) {
-      const float* s = x.s + (m0 + r) * blocks;
-      int64_t g = 0;
-#if defined(__AVX2__)
-      __m256 acc = _mm256_setzero_ps();
-      for (; g + 8 <= blocks; g += 8) acc = madd8(_mm256_loadu_ps(mins + g), _mm256_loadu_ps(s + g), acc);
-      res[r] += hsum8(acc);
-#endif
-      for (; g < blocks; ++g) res[r] += mins[g] * s[g];
-    }
-  }
+  if constexpr (has_min(T)) add_mins<R>(mins, x, m0, res);
 }
 
 // Per-thread buffers: the activations quantized (rows x K), one row's scales and minimums, and (Q6_K with many
 // rows) its weights decoded.
 struct QScratch {
   std::vector<int8_t> q, w;
-  std::vector<float> d, s, sc2, mins;
+  std::vector<float> d, s, sc2, mins, sc;
   QRows rows(int64_t M, int64_t K) {
     if (static_cast<int64_t>(q.size()) < M * K) {
       q.resize(M * K);
@@ -338,6 +350,7 @@ struct QScratch {
       w.resize(K);
       sc2.resize(K / kQK * 2);
       mins.resize(K / kQK);
+      sc.resize(K / kQK * 4);
     }
   }
 };
@@ -389,6 +402,100 @@ void qlinear_range(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, con
   }
 }
 
+// f16 values as float32, eight per conversion where the CPU has F16C.
+inline void halves_to_floats(const uint8_t* p, int64_t n, float* out) {
+  int64_t i = 0;
+#if defined(__F16C__) && defined(__AVX2__)
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * i))));
+#endif
+  for (; i < n; ++i) out[i] = half_to_float(p + 2 * i);
+}
+
+// Row-packed Q4_0 / Q4_1 (quant.h): res[r] = x[m0 + r] . row for r < R. `sc` holds each activation row's group
+// scales times the weight row's (`wd`), so a group's scale is one broadcast load; each 32-byte load of nibbles gives
+// two groups of weights, each multiplied with up to four activation rows. Two accumulators a row (the first and the
+// second group of each pair), the minimums `wm` added at the end: the same sums in the same order as dot_rows on the
+// file's blocks (bitwise its results), whatever R.
+template <int T, int R>
+inline void dot_packed(const uint8_t* row, const float* wm, const float* sc, const QRows& x, int64_t m0, float* res) {
+  const int64_t K = x.K, groups = K / kQK;
+#if defined(__AVX2__)
+  const __m256i low = _mm256_set1_epi8(0xF);
+  __m256 acc0[R], acc1[R];
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; g += 2) {
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * g));
+    const __m256i w0 = _mm256_and_si256(q, low), w1 = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
+    for (int r = 0; r < R; ++r) {
+      const int8_t* a = x.q + (m0 + r) * K + g * kQK;
+      const float* s = sc + r * groups + g;
+      const __m256i p0 = dot_u8s8(w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a)));
+      const __m256i p1 = dot_u8s8(w1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + kQK)));
+      acc0[r] = madd8(_mm256_cvtepi32_ps(p0), _mm256_broadcast_ss(s), acc0[r]);
+      acc1[r] = madd8(_mm256_cvtepi32_ps(p1), _mm256_broadcast_ss(s + 1), acc1[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) res[r] = hsum8(_mm256_add_ps(acc0[r], acc1[r]));
+#else
+  for (int r = 0; r < R; ++r) {
+    const int8_t* xq = x.q + (m0 + r) * K;
+    float lanes[2][8] = {};
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* q = row + 16 * (g & ~int64_t{1});
+      const int shift = g & 1 ? 4 : 0;
+      const float scale = sc[r * groups + g];
+      for (int lane = 0; lane < 8; ++lane) {
+        int32_t p = 0;
+        for (int i = 0; i < 4; ++i)
+          p += static_cast<int32_t>((q[4 * lane + i] >> shift) & 0xF) * xq[g * kQK + 4 * lane + i];
+        lanes[g & 1][lane] += static_cast<float>(p) * scale;
+      }
+    }
+    float l[8];
+    for (int i = 0; i < 8; ++i) l[i] = lanes[0][i] + lanes[1][i];
+    res[r] = ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+  }
+#endif
+  add_mins<R>(wm, x, m0, res);
+}
+
+template <int T, typename O>
+void qlinear_range_packed(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, const float* bias, O* out,
+                          int64_t ldo, int64_t n_begin, int64_t n_end, QScratch& s) {
+  const int64_t K = x.K, groups = K / kQK;
+  constexpr int64_t kAhead = 4;  // rows prefetched ahead of the one multiplied
+  s.row_buffers(K);
+  float *wd = s.sc2.data(), *wm = s.mins.data(), *sc = s.sc.data();
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    const uint8_t* row = w + n * ldw;
+    if (n + kAhead < n_end)
+      for (int64_t o = 0; o < ldw; o += 64) __builtin_prefetch(row + kAhead * ldw + o);
+    halves_to_floats(row + K / 2, groups, wd);
+    if constexpr (T == kQ4_1R) {
+      halves_to_floats(row + K / 2 + 2 * groups, groups, wm);
+    } else {
+      for (int64_t g = 0; g < groups; ++g) wm[g] = -8.f * wd[g];  // d * (q - 8) = d * q - 8d
+    }
+    const float bn = bias ? bias[n] : 0.f;
+    float res[4];
+    int64_t m = 0;
+    auto rows = [&](auto count) {
+      constexpr int C = decltype(count)::value;
+      for (int r = 0; r < C; ++r) {  // each activation row's group scales times the weight row's
+        const float* da = x.d + (m + r) * groups;
+        for (int64_t g = 0; g < groups; ++g) sc[r * groups + g] = wd[g] * da[g];
+      }
+      dot_packed<T, C>(row, wm, sc, x, m, res);
+      for (int r = 0; r < C; ++r) out[(m + r) * ldo + n] = static_cast<O>(res[r] + bn);
+      m += C;
+    };
+    while (m + 4 <= M) rows(std::integral_constant<int, 4>{});
+    if (m + 2 <= M) rows(std::integral_constant<int, 2>{});
+    if (m < M) rows(std::integral_constant<int, 1>{});
+  }
+}
+
 template <typename O>
 void qlinear_rows(int type, const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, const float* bias, O* out,
                   int64_t ldo, int64_t n_begin, int64_t n_end, QScratch& s) {
@@ -398,6 +505,8 @@ void qlinear_rows(int type, const uint8_t* w, int64_t ldw, const QRows& x, int64
     case kQ8_0: return qlinear_range<kQ8_0>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
     case kQ4_K: return qlinear_range<kQ4_K>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
     case kQ6_K: return qlinear_range<kQ6_K>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
+    case kQ4_0R: return qlinear_range_packed<kQ4_0R>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
+    case kQ4_1R: return qlinear_range_packed<kQ4_1R>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
     default: return;  // the callers check the type first (supported())
   }
 }
@@ -406,17 +515,15 @@ inline bool supported(int64_t type) { return layout_of(static_cast<int>(type)).e
 
 // One row of an embedding table kept quantized, as float32.
 inline void dequant_row(int type, const uint8_t* row, int64_t K, float* out) {
-  auto rows = [&](auto t) {
-    constexpr int F = decltype(t)::value;
-    constexpr Layout L = layout_of(F);
-    for (int64_t b = 0; b < K / L.elems; ++b) dequant_block<F>(row + b * L.bytes, out + b * L.elems);
-  };
+  auto rows = [&](auto t) { dequant_whole_row<decltype(t)::value>(row, K, out); };
   switch (type) {
     case kQ4_0: return rows(std::integral_constant<int, kQ4_0>{});
     case kQ4_1: return rows(std::integral_constant<int, kQ4_1>{});
     case kQ8_0: return rows(std::integral_constant<int, kQ8_0>{});
     case kQ4_K: return rows(std::integral_constant<int, kQ4_K>{});
     case kQ6_K: return rows(std::integral_constant<int, kQ6_K>{});
+    case kQ4_0R: return rows(std::integral_constant<int, kQ4_0R>{});
+    case kQ4_1R: return rows(std::integral_constant<int, kQ4_1R>{});
     default: return;
   }
 }

@@ -38,9 +38,7 @@ inline float hsum(vec v) {
 
 template <int T>
 void dequant_rows(const uint8_t* w, int64_t ldw, float* out, int64_t K, int64_t r_begin, int64_t r_end) {
-  constexpr Layout L = layout_of(T);
-  for (int64_t r = r_begin; r < r_end; ++r)
-    for (int64_t b = 0; b < K / L.elems; ++b) dequant_block<T>(w + r * ldw + b * L.bytes, out + r * K + b * L.elems);
+  for (int64_t r = r_begin; r < r_end; ++r) dequant_whole_row<T>(w + r * ldw, K, out + r * K);
 }
 
 // Output rows [n_begin, n_end): kTile weight rows at a time are dequantized into `tile` (float32, L1/L2-sized),
@@ -75,6 +73,8 @@ void dispatch(int64_t type, F&& f) {
     case kQ8_0: f(std::integral_constant<int, kQ8_0>{}); break;
     case kQ4_K: f(std::integral_constant<int, kQ4_K>{}); break;
     case kQ6_K: f(std::integral_constant<int, kQ6_K>{}); break;
+    case kQ4_0R: f(std::integral_constant<int, kQ4_0R>{}); break;
+    case kQ4_1R: f(std::integral_constant<int, kQ4_1R>{}); break;
     default: TORCH_CHECK(false, "unsupported GGUF quantization type ", type);
   }
 }

@@ -14,8 +14,16 @@
 
 namespace peregrine_quant {
 
-// ggml's type ids (ggml.h: enum ggml_type), as GGUF files store them.
-enum QType : int { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };
+// ggml's type ids (ggml.h: enum ggml_type), as GGUF files store them; and Peregrine's row-packed Q4_0 and Q4_1 (ids
+// past ggml's), made at load from the file's blocks (engine/quant.py: `QuantWeight.repack`). A row of K values
+// (K a multiple of 64) holds the same bytes as its GGUF blocks, rearranged:
+//   K / 2 bytes of nibbles, 32 bytes per pair of 32-value groups: the low nibbles are the first group's values in
+//   order, the high nibbles the second's (one 32-byte load gives 64 weights);
+//   then the K / 32 f16 scales d, then (Q4_1) the K / 32 f16 minimums m (eight converted by one instruction).
+// A value is d * (q - 8) (Q4_0) or d * q + m (Q4_1), as in the file.
+enum QType : int { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14, kQ4_0R = 1002, kQ4_1R = 1003 };
+
+constexpr bool row_packed(int type) { return type == kQ4_0R || type == kQ4_1R; }
 
 struct Layout {
   int elems;  // weights per block
@@ -29,6 +37,8 @@ constexpr Layout layout_of(int type) {
     case kQ8_0: return {32, 34};
     case kQ4_K: return {256, 144};
     case kQ6_K: return {256, 210};
+    case kQ4_0R: return {64, 36};  // row-packed: whole rows only; bytes per 64 values
+    case kQ4_1R: return {64, 40};
     default: return {0, 0};
   }
 }
@@ -143,6 +153,40 @@ inline void dequant_block<kQ6_K>(const uint8_t* b, float* __restrict y) {  // ql
         y[l + 96] = s4 * static_cast<float>(q4);
       }
     }
+  }
+}
+
+// A row-packed Q4_0 / Q4_1 row of K values as float32 (the same values as its GGUF blocks give).
+template <int T>
+inline void dequant_packed_row(const uint8_t* row, int64_t K, float* __restrict y) {
+  const int64_t groups = K / 32;
+  const uint8_t* scales = row + K / 2;
+  for (int64_t g = 0; g < groups; g += 2, y += 64) {
+    const float d0 = half_to_float(scales + 2 * g), d1 = half_to_float(scales + 2 * g + 2);
+    const float m0 = T == kQ4_1R ? half_to_float(scales + 2 * groups + 2 * g) : 0.f,
+                m1 = T == kQ4_1R ? half_to_float(scales + 2 * groups + 2 * g + 2) : 0.f;
+    uint8_t q[32];
+    std::memcpy(q, row + 16 * g, 32);
+    for (int i = 0; i < 32; ++i) {
+      if constexpr (T == kQ4_0R) {
+        y[i] = d0 * static_cast<float>((q[i] & 0xF) - 8);
+        y[i + 32] = d1 * static_cast<float>((q[i] >> 4) - 8);
+      } else {
+        y[i] = static_cast<float>(q[i] & 0xF) * d0 + m0;
+        y[i + 32] = static_cast<float>(q[i] >> 4) * d1 + m1;
+      }
+    }
+  }
+}
+
+// One row of K values of format T as float32.
+template <int T>
+inline void dequant_whole_row(const uint8_t* row, int64_t K, float* __restrict y) {
+  if constexpr (row_packed(T)) {
+    dequant_packed_row<T>(row, K, y);
+  } else {
+    constexpr Layout L = layout_of(T);
+    for (int64_t b = 0; b < K / L.elems; ++b) dequant_block<T>(row + b * L.bytes, y + b * L.elems);
   }
 }
 

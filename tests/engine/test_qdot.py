@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from engine import cpu_kernels
+from engine.quant import QuantWeight
 from engine.types import SamplingParams
 from models import gguf_weights
 from tests.engine.test_cpu_kernels_paths import PATHS
@@ -69,6 +70,19 @@ def test_qlinear_matches_the_dequantized_product(module: Any, fmt: str) -> None:
     halves = module.qlinear(x.bfloat16(), torch.from_numpy(blocks), TYPES[fmt], None)  # bfloat16 activations
     want = int8_activations(x.bfloat16()).double() @ w.T
     assert float((halves.double() - want).abs().max()) <= 1e-5 * span
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1"])
+def test_qlinear_on_row_packed_weights_is_bitwise_the_gguf_layout(module: Any, fmt: str) -> None:
+    """Q4_0 / Q4_1 rows packed for the kernels (as the loader keeps them) give the same bits as the file's blocks,
+    for every number of rows (the same sums in the same order: only the loads differ)."""
+    blocks = torch.from_numpy(make_blocks(fmt, 40, 576, np.random.default_rng(7)))
+    packed = QuantWeight(blocks, TYPES[fmt], (40, 576)).repack()
+    assert packed.qtype == TYPES[fmt] + 1000
+    x = torch.randn(16, 576, generator=torch.Generator().manual_seed(2))
+    for rows in (1, 2, 3, 5, 16):
+        want = module.qlinear(x[:rows], blocks, TYPES[fmt], None)
+        assert torch.equal(module.qlinear(x[:rows], packed.blocks, packed.qtype, None), want), rows
 
 
 def test_qlinear_refuses_what_it_cannot_take(module: Any) -> None:

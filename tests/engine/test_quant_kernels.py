@@ -92,3 +92,28 @@ def test_variant_follows_the_isa_ceiling(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv("PEREGRINE_CPU_ISA", "avx2")
     assert quant_kernels.variant() == ("avx2" if "avx2" in quant_kernels.runnable_variants() else "none")
     assert quant_kernels.variant("amx") == "avx512"
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1"])
+def test_row_packed_weights_hold_the_same_values(fmt: str, weights: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`QuantWeight.repack` (Q4_0 / Q4_1 rows packed for the kernels at load) keeps every bit: `unpack` gives the
+    file's blocks back; dequantizing and multiplying the packed rows, by every variant, gives exactly the file's
+    results, and so does gguf's numpy reference (no compiler). Rows of an odd number of blocks stay as they are."""
+    blocks, dense = weights[fmt]
+    plain = QuantWeight(blocks, TYPE_IDS[fmt], (40, 512))
+    packed = plain.repack()
+    assert packed.qtype == TYPE_IDS[fmt] + 1000 and packed.type_name == fmt and packed.nbytes == plain.nbytes
+    assert not torch.equal(packed.blocks, plain.blocks)  # rearranged, not copied
+    assert torch.equal(packed.unpack().blocks, blocks) and packed.unpack().qtype == plain.qtype
+    x = torch.randn(3, 512)
+    for variant in quant_kernels.runnable_variants():
+        module = quant_kernels.load(variant)
+        if module is not None:
+            dense_packed = module.dequantize(packed.blocks, packed.qtype, 512)
+            assert torch.equal(dense_packed, module.dequantize(blocks, plain.qtype, 512))
+            assert torch.equal(module.linear(x, packed.blocks, packed.qtype), module.linear(x, blocks, plain.qtype))
+    monkeypatch.setattr(quant_kernels, "load", lambda *a, **k: None)  # no compiler: gguf's reference, after unpack
+    assert torch.equal(packed.dequantize(), dense)
+    assert torch.equal(packed.dequantize(torch.tensor([3, 0])), dense[[3, 0]])
+    odd = QuantWeight(blocks[:, : 480 // 32 * (18 if fmt == "Q4_0" else 20)].contiguous(), TYPE_IDS[fmt], (40, 480))
+    assert odd.repack() is odd  # 15 blocks a row: not packed
