@@ -258,20 +258,37 @@ inline float hsum8(__m256 v) {
 }
 #endif
 
+#if defined(__AVX2__)
+// Lanes [0, n) of eight set (n <= 8): the mask of a last, partial chunk of eight groups.
+inline __m256i lanes_below(int64_t n) {
+  static const int32_t table[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(table + 8 - n));
+}
+// sum_g mins[g] * s[g] over g < n, eight lanes at a time (a partial last chunk read masked: nothing past n).
+inline float mins_dot(const float* mins, const float* s, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; g + 8 <= n; g += 8) acc = madd8(_mm256_loadu_ps(mins + g), _mm256_loadu_ps(s + g), acc);
+  if (g < n) {
+    const __m256i mask = lanes_below(n - g);
+    acc = madd8(_mm256_maskload_ps(mins + g, mask), _mm256_maskload_ps(s + g, mask), acc);
+  }
+  return hsum8(acc);
+}
+#endif
+
 // res[r] += sum_g mins[g] * s[g] for activation row m0 + r (a weight row's per-group minimums times the activation
-// groups' sums), eight lanes at a time, the rest in order.
+// groups' sums): eight lanes at a time with AVX2, in order elsewhere.
 template <int R>
 inline void add_mins(const float* mins, const QRows& x, int64_t m0, float* res) {
   const int64_t blocks = x.K / kQK;
   for (int r = 0; r < R; ++r) {
     const float* s = x.s + (m0 + r) * blocks;
-    int64_t g = 0;
 #if defined(__AVX2__)
-    __m256 acc = _mm256_setzero_ps();
-    for (; g + 8 <= blocks; g += 8) acc = madd8(_mm256_loadu_ps(mins + g), _mm256_loadu_ps(s + g), acc);
-    res[r] += hsum8(acc);
+    res[r] += mins_dot(mins, s, blocks);
+#else
+    for (int64_t g = 0; g < blocks; ++g) res[r] += mins[g] * s[g];
 #endif
-    for (; g < blocks; ++g) res[r] += mins[g] * s[g];
   }
 }
 
@@ -348,9 +365,9 @@ struct QScratch {
   void row_buffers(int64_t K) {
     if (static_cast<int64_t>(w.size()) < K) {
       w.resize(K);
-      sc2.resize(K / kQK * 2);
-      mins.resize(K / kQK);
-      sc.resize(K / kQK * 4);
+      sc2.resize(K / kQK * 2 + 8);  // (+ 8: the packed path's partial last chunk of 8 groups)
+      mins.resize(K / kQK + 8);
+      sc.resize((K / kQK + 8) * 4);
     }
   }
 };
@@ -402,14 +419,21 @@ void qlinear_range(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, con
   }
 }
 
-// f16 values as float32, eight per conversion where the CPU has F16C.
+// n f16 values (n even) as float32, eight per conversion where the CPU has F16C; `out` holds n rounded up to 8 (a
+// partial last chunk is read masked, and its lanes past n written as 0).
 inline void halves_to_floats(const uint8_t* p, int64_t n, float* out) {
   int64_t i = 0;
 #if defined(__F16C__) && defined(__AVX2__)
   for (; i + 8 <= n; i += 8)
     _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * i))));
-#endif
+  if (i < n) {  // pairs of halves: 32-bit lanes
+    const __m128i mask = _mm256_castsi256_si128(lanes_below((n - i) / 2));
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_maskload_epi32(reinterpret_cast<const int*>(p + 2 * i), mask)));
+  }
+#else
   for (; i < n; ++i) out[i] = half_to_float(p + 2 * i);
+  for (; i % 8; ++i) out[i] = 0.f;
+#endif
 }
 
 // Row-packed Q4_0 / Q4_1 (quant.h): res[r] = x[m0 + r] . row for r < R. `sc` holds each activation row's group
@@ -418,7 +442,8 @@ inline void halves_to_floats(const uint8_t* p, int64_t n, float* out) {
 // second group of each pair), the minimums `wm` added at the end: the same sums in the same order as dot_rows on the
 // file's blocks (bitwise its results), whatever R.
 template <int T, int R>
-inline void dot_packed(const uint8_t* row, const float* wm, const float* sc, const QRows& x, int64_t m0, float* res) {
+inline void dot_packed(const uint8_t* row, const float* wm, const float* sc, int64_t ldsc, const QRows& x, int64_t m0,
+                       float* res) {
   const int64_t K = x.K, groups = K / kQK;
 #if defined(__AVX2__)
   const __m256i low = _mm256_set1_epi8(0xF);
@@ -429,7 +454,7 @@ inline void dot_packed(const uint8_t* row, const float* wm, const float* sc, con
     const __m256i w0 = _mm256_and_si256(q, low), w1 = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
     for (int r = 0; r < R; ++r) {
       const int8_t* a = x.q + (m0 + r) * K + g * kQK;
-      const float* s = sc + r * groups + g;
+      const float* s = sc + r * ldsc + g;
       const __m256i p0 = dot_u8s8(w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a)));
       const __m256i p1 = dot_u8s8(w1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + kQK)));
       acc0[r] = madd8(_mm256_cvtepi32_ps(p0), _mm256_broadcast_ss(s), acc0[r]);
@@ -444,7 +469,7 @@ inline void dot_packed(const uint8_t* row, const float* wm, const float* sc, con
     for (int64_t g = 0; g < groups; ++g) {
       const uint8_t* q = row + 16 * (g & ~int64_t{1});
       const int shift = g & 1 ? 4 : 0;
-      const float scale = sc[r * groups + g];
+      const float scale = sc[r * ldsc + g];
       for (int lane = 0; lane < 8; ++lane) {
         int32_t p = 0;
         for (int i = 0; i < 4; ++i)
@@ -463,7 +488,7 @@ inline void dot_packed(const uint8_t* row, const float* wm, const float* sc, con
 template <int T, typename O>
 void qlinear_range_packed(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, const float* bias, O* out,
                           int64_t ldo, int64_t n_begin, int64_t n_end, QScratch& s) {
-  const int64_t K = x.K, groups = K / kQK;
+  const int64_t K = x.K, groups = K / kQK, gpad = (groups + 7) / 8 * 8;
   constexpr int64_t kAhead = 4;  // rows prefetched ahead of the one multiplied
   s.row_buffers(K);
   float *wd = s.sc2.data(), *wm = s.mins.data(), *sc = s.sc.data();
@@ -475,7 +500,7 @@ void qlinear_range_packed(const uint8_t* w, int64_t ldw, const QRows& x, int64_t
     if constexpr (T == kQ4_1R) {
       halves_to_floats(row + K / 2 + 2 * groups, groups, wm);
     } else {
-      for (int64_t g = 0; g < groups; ++g) wm[g] = -8.f * wd[g];  // d * (q - 8) = d * q - 8d
+      for (int64_t g = 0; g < gpad; ++g) wm[g] = -8.f * wd[g];  // d * (q - 8) = d * q - 8d
     }
     const float bn = bias ? bias[n] : 0.f;
     float res[4];
@@ -484,9 +509,18 @@ void qlinear_range_packed(const uint8_t* w, int64_t ldw, const QRows& x, int64_t
       constexpr int C = decltype(count)::value;
       for (int r = 0; r < C; ++r) {  // each activation row's group scales times the weight row's
         const float* da = x.d + (m + r) * groups;
-        for (int64_t g = 0; g < groups; ++g) sc[r * groups + g] = wd[g] * da[g];
+#if defined(__AVX2__)
+        int64_t g = 0;
+        for (; g + 8 <= groups; g += 8)
+          _mm256_storeu_ps(sc + r * gpad + g, _mm256_mul_ps(_mm256_loadu_ps(wd + g), _mm256_loadu_ps(da + g)));
+        if (g < groups)
+          _mm256_storeu_ps(sc + r * gpad + g, _mm256_mul_ps(_mm256_loadu_ps(wd + g),
+                                                            _mm256_maskload_ps(da + g, lanes_below(groups - g))));
+#else
+        for (int64_t g = 0; g < groups; ++g) sc[r * gpad + g] = wd[g] * da[g];
+#endif
       }
-      dot_packed<T, C>(row, wm, sc, x, m, res);
+      dot_packed<T, C>(row, wm, sc, gpad, x, m, res);
       for (int r = 0; r < C; ++r) out[(m + r) * ldo + n] = static_cast<O>(res[r] + bn);
       m += C;
     };
