@@ -4,8 +4,9 @@
 // instruction), scaled and summed in float32. Used by the one-call decoder (decoder.cpp) and bound as `qlinear`.
 //
 // A row's weights are decoded in registers, 32 at a time, and each decoded group is multiplied with up to four
-// activation rows before the next is decoded (Q6_K, whose decoding costs more, is decoded once into an L1 buffer
-// when there are more than two rows). The AVX2 body reads a 32-value block's scale from the block as it goes; other
+// activation rows before the next is decoded. The K-quants (Q4_K, Q6_K) are decoded once per row into an L1 buffer
+// instead, a block at a time with its groups unrolled (constant shifts, shared loads: 2.3x faster than decoding
+// them group by group in the dot, at one row). Q4_K's packed 6-bit scales are unpacked 8 at a time. The AVX2 body reads a 32-value block's scale from the block as it goes; other
 // formats and builds read a row's scales into a small float array first. 4-bit weights stay unsigned (Q4_0's
 // offset of 8 becomes a minimum, as Q4_1's), so `vpmaddubsw` takes them as they are; signed ones (Q8_0, Q6_K) go
 // through the sign trick. The next rows are prefetched: one step streams every weight once.
@@ -126,8 +127,8 @@ inline constexpr bool scales_inline(int) { return false; }
 #endif
 inline constexpr bool has_min(int T) { return !is_signed(T); }
 // The most activation rows for which a row's weights are decoded in registers for each group of up to four rows;
-// past it they are decoded once into a buffer.
-inline constexpr int64_t fused_rows_max(int T) { return T == kQ6_K ? 2 : INT64_MAX; }
+// past it (always, for the K-quants) they are decoded once into a buffer.
+inline constexpr int64_t fused_rows_max(int T) { return T == kQ6_K || T == kQ4_K ? 0 : INT64_MAX; }
 
 // A block's float scales, per 32 values one at sc2[2g] (and for Q6_K, which has a scale per 16 values, a second
 // one at sc2[2g + 1]: values 0-15 and 16-31), and for unsigned formats the minimum that multiplies the activation
@@ -165,12 +166,33 @@ inline void scales_block<kQ4_1>(const uint8_t* b, float* sc2, float* mins) {
 template <>
 inline void scales_block<kQ4_K>(const uint8_t* b, float* sc2, float* mins) {
   const float d = half_to_float(b), dmin = half_to_float(b + 2);
+#if defined(__AVX2__)
+  // The eight 6-bit scales and minimums unpacked at once into bytes (ggml's own trick: the same values as
+  // scale_min_k4), then converted and scaled eight lanes at a time; sc2 takes each scale twice (its even slots
+  // are the ones read).
+  uint32_t u[4];
+  std::memcpy(u, b + 4, 12);
+  constexpr uint32_t k6 = 0x3f3f3f3f, k4 = 0x0f0f0f0f, k2 = 0x03030303;
+  u[3] = ((u[2] >> 4) & k4) | (((u[1] >> 6) & k2) << 4);
+  const uint32_t mins_low = u[1] & k6;
+  u[1] = (u[2] & k4) | (((u[0] >> 6) & k2) << 4);
+  u[2] = mins_low;
+  u[0] &= k6;
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));  // scales 0-7, minimums 0-7
+  const __m256 sc = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)));
+  _mm256_storeu_ps(mins, _mm256_mul_ps(_mm256_set1_ps(-dmin),
+                                       _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)))));
+  const __m256 lo = _mm256_unpacklo_ps(sc, sc), hi = _mm256_unpackhi_ps(sc, sc);  // s0s0s1s1|s4s4s5s5, s2s2s3s3|..
+  _mm256_storeu_ps(sc2, _mm256_permute2f128_ps(lo, hi, 0x20));
+  _mm256_storeu_ps(sc2 + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+#else
   for (int j = 0; j < 8; ++j) {
     uint8_t sc, mn;
     scale_min_k4(j, b + 4, &sc, &mn);
     sc2[2 * j] = d * sc;
     mins[j] = -dmin * mn;
   }
+#endif
 }
 template <>
 inline void scales_block<kQ6_K>(const uint8_t* b, float* sc2, float*) {  // 16 scales, one per 16 values, in order
@@ -390,7 +412,7 @@ void qlinear_range(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, con
   s.row_buffers(K);
   float *sc2 = s.sc2.data(), *mins = s.mins.data();
   int8_t* decoded = s.w.data();
-  const bool fused = M <= fused_rows_max(T);
+  const bool fused = fused_rows_max(T) > 0 && M <= fused_rows_max(T);
   for (int64_t n = n_begin; n < n_end; ++n) {
     const uint8_t* row = w + n * ldw;
     if (n + kAhead < n_end)
@@ -412,8 +434,11 @@ void qlinear_range(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, con
     if (fused) {
       all_rows([&](int64_t g) { return weights32<T>(row + g / subs * L.bytes, static_cast<int>(g % subs)); });
     } else {
-      for (int64_t g = 0; g < K / kQK; ++g)
-        store32(decoded + g * kQK, weights32<T>(row + g / subs * L.bytes, static_cast<int>(g % subs)));
+      for (int64_t b = 0; b < nb; ++b) {  // block by block, its groups unrolled (constant shifts, loads shared)
+        const uint8_t* block = row + b * L.bytes;
+#pragma GCC unroll 8
+        for (int j = 0; j < subs; ++j) store32(decoded + (b * subs + j) * kQK, weights32<T>(block, j));
+      }
       all_rows([&](int64_t g) { return load32(decoded + g * kQK); });
     }
   }
