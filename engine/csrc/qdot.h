@@ -4,9 +4,9 @@
 // instruction), scaled and summed in float32. Used by the one-call decoder (decoder.cpp) and bound as `qlinear`.
 //
 // A row's weights are decoded in registers, 32 at a time, and each decoded group is multiplied with up to four
-// activation rows before the next is decoded. The K-quants (Q4_K, Q6_K) are decoded once per row into an L1 buffer
-// instead, a block at a time with its groups unrolled (constant shifts, shared loads: 2.3x faster than decoding
-// them group by group in the dot, at one row). Q4_K's packed 6-bit scales are unpacked 8 at a time. The AVX2 body reads a 32-value block's scale from the block as it goes; other
+// activation rows before the next is decoded. Q6_K is decoded once per row into an L1 buffer instead, a block at a
+// time with its groups unrolled (constant shifts, shared loads: 2.3x faster than decoding it group by group in
+// the dot, at one row). The AVX2 body reads a 32-value block's scale from the block as it goes; other
 // formats and builds read a row's scales into a small float array first. 4-bit weights stay unsigned (Q4_0's
 // offset of 8 becomes a minimum, as Q4_1's), so `vpmaddubsw` takes them as they are; signed ones (Q8_0, Q6_K) go
 // through the sign trick. The next rows are prefetched: one step streams every weight once.
@@ -14,6 +14,8 @@
 // Q4_0 and Q4_1 are packed by rows at load (quant.h: kQ4_0R / kQ4_1R): one 32-byte load gives 64 weights, and a
 // row's scales are converted eight at a time and multiplied with each activation row's in one pass, so the loop
 // over groups is loads, two shifts/masks and the int8 dot (`dot_packed`). Its sums are those of the file's layout.
+// Q4_K's nibbles are already laid out that way inside each block, so Q4_K rows go through the same loop as they
+// are in the file (its scales unpacked a block, 8 groups, at a time).
 //
 // Each output element is the same instruction sequence in the same order whatever the number of rows, the thread
 // split or the tile position: results are batch invariant. Decoding has an AVX2 body (also used by the AVX-512
@@ -127,8 +129,8 @@ inline constexpr bool scales_inline(int) { return false; }
 #endif
 inline constexpr bool has_min(int T) { return !is_signed(T); }
 // The most activation rows for which a row's weights are decoded in registers for each group of up to four rows;
-// past it (always, for the K-quants) they are decoded once into a buffer.
-inline constexpr int64_t fused_rows_max(int T) { return T == kQ6_K || T == kQ4_K ? 0 : INT64_MAX; }
+// past it (always, for Q6_K) they are decoded once into a buffer. (Q4_K goes through the packed path.)
+inline constexpr int64_t fused_rows_max(int T) { return T == kQ6_K ? 0 : INT64_MAX; }
 
 // A block's float scales, per 32 values one at sc2[2g] (and for Q6_K, which has a scale per 16 values, a second
 // one at sc2[2g + 1]: values 0-15 and 16-31), and for unsigned formats the minimum that multiplies the activation
@@ -161,6 +163,31 @@ inline void scales_block<kQ4_1>(const uint8_t* b, float* sc2, float* mins) {
 #else
   sc2[0] = half_to_float(b);
   mins[0] = half_to_float(b + 2);
+#endif
+}
+// Q4_K: a block's eight group scales d * sc and minimums -dmin * mn, contiguous (the packed path's layout).
+inline void scales8_q4k(const uint8_t* b, float* sc8, float* mins8) {
+  const float d = half_to_float(b), dmin = half_to_float(b + 2);
+#if defined(__AVX2__)
+  uint32_t u[4];  // the 6-bit scales and minimums unpacked into bytes at once (ggml's bit trick)
+  std::memcpy(u, b + 4, 12);
+  constexpr uint32_t k6 = 0x3f3f3f3f, k4 = 0x0f0f0f0f, k2 = 0x03030303;
+  u[3] = ((u[2] >> 4) & k4) | (((u[1] >> 6) & k2) << 4);
+  const uint32_t mins_low = u[1] & k6;
+  u[1] = (u[2] & k4) | (((u[0] >> 6) & k2) << 4);
+  u[2] = mins_low;
+  u[0] &= k6;
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));  // scales 0-7, minimums 0-7
+  _mm256_storeu_ps(sc8, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes))));
+  _mm256_storeu_ps(mins8, _mm256_mul_ps(_mm256_set1_ps(-dmin),
+                                        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)))));
+#else
+  for (int j = 0; j < 8; ++j) {
+    uint8_t sc, mn;
+    scale_min_k4(j, b + 4, &sc, &mn);
+    sc8[j] = d * sc;
+    mins8[j] = -dmin * mn;
+  }
 #endif
 }
 template <>
@@ -466,6 +493,14 @@ inline void halves_to_floats(const uint8_t* p, int64_t n, float* out) {
 // two groups of weights, each multiplied with up to four activation rows. Two accumulators a row (the first and the
 // second group of each pair), the minimums `wm` added at the end: the same sums in the same order as dot_rows on the
 // file's blocks (bitwise its results), whatever R.
+// Where the 32 bytes of nibbles of groups g, g + 1 (g even) are: in a packed row, one after the other; in a Q4_K
+// row, inside its 144-byte blocks (after each block's 16 bytes of scales), in the same order.
+template <int T>
+inline const uint8_t* nibbles_of(const uint8_t* row, int64_t g) {
+  if constexpr (T == kQ4_K) return row + g / 8 * 144 + 16 + 16 * (g % 8);
+  return row + 16 * g;
+}
+
 template <int T, int R>
 inline void dot_packed(const uint8_t* row, const float* wm, const float* sc, int64_t ldsc, const QRows& x, int64_t m0,
                        float* res) {
@@ -475,7 +510,7 @@ inline void dot_packed(const uint8_t* row, const float* wm, const float* sc, int
   __m256 acc0[R], acc1[R];
   for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; g += 2) {
-    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * g));
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles_of<T>(row, g)));
     const __m256i w0 = _mm256_and_si256(q, low), w1 = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
     for (int r = 0; r < R; ++r) {
       const int8_t* a = x.q + (m0 + r) * K + g * kQK;
@@ -492,7 +527,7 @@ inline void dot_packed(const uint8_t* row, const float* wm, const float* sc, int
     const int8_t* xq = x.q + (m0 + r) * K;
     float lanes[2][8] = {};
     for (int64_t g = 0; g < groups; ++g) {
-      const uint8_t* q = row + 16 * (g & ~int64_t{1});
+      const uint8_t* q = nibbles_of<T>(row, g & ~int64_t{1});
       const int shift = g & 1 ? 4 : 0;
       const float scale = sc[r * ldsc + g];
       for (int lane = 0; lane < 8; ++lane) {
@@ -521,10 +556,14 @@ void qlinear_range_packed(const uint8_t* w, int64_t ldw, const QRows& x, int64_t
     const uint8_t* row = w + n * ldw;
     if (n + kAhead < n_end)
       for (int64_t o = 0; o < ldw; o += 64) __builtin_prefetch(row + kAhead * ldw + o);
-    halves_to_floats(row + K / 2, groups, wd);
+    if constexpr (T == kQ4_K) {  // (Q4_K rows hold whole 8-group blocks: no partial chunk)
+      for (int64_t b = 0; b < groups / 8; ++b) scales8_q4k(row + b * 144, wd + 8 * b, wm + 8 * b);
+    } else {
+      halves_to_floats(row + K / 2, groups, wd);
+    }
     if constexpr (T == kQ4_1R) {
       halves_to_floats(row + K / 2 + 2 * groups, groups, wm);
-    } else {
+    } else if constexpr (T == kQ4_0R) {
       for (int64_t g = 0; g < gpad; ++g) wm[g] = -8.f * wd[g];  // d * (q - 8) = d * q - 8d
     }
     const float bn = bias ? bias[n] : 0.f;
@@ -562,7 +601,7 @@ void qlinear_rows(int type, const uint8_t* w, int64_t ldw, const QRows& x, int64
     case kQ4_0: return qlinear_range<kQ4_0>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
     case kQ4_1: return qlinear_range<kQ4_1>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
     case kQ8_0: return qlinear_range<kQ8_0>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
-    case kQ4_K: return qlinear_range<kQ4_K>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
+    case kQ4_K: return qlinear_range_packed<kQ4_K>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
     case kQ6_K: return qlinear_range<kQ6_K>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
     case kQ4_0R: return qlinear_range_packed<kQ4_0R>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
     case kQ4_1R: return qlinear_range_packed<kQ4_1R>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
