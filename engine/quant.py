@@ -1,5 +1,5 @@
-"""Weights kept quantized in RAM: GGUF blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) as the file stores them, and the
-modules that multiply by them.
+"""Weights kept quantized in RAM: GGUF blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K) as the file stores them,
+and the modules that multiply by them.
 
 - `QuantWeight`: one [N, K] matrix as uint8 rows of blocks (`blocks`, [N, bytes per row]) and its ggml type.
   `matmul(x)` runs Peregrine's kernel (engine/quant_kernels.py) for decode-size batches (<= 16 rows): the
@@ -26,6 +26,8 @@ from engine import quant_kernels
 FORMATS: dict[int, tuple[str, int, int]] = {
     2: ("Q4_0", 32, 18),
     3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24),
     8: ("Q8_0", 32, 34),
     12: ("Q4_K", 256, 144),
     14: ("Q6_K", 256, 210),

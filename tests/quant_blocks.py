@@ -11,7 +11,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from models import gguf_weights
 
-FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K")
 HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 256, 512, 4, 2, 2  # the tiny GGUF Llama (K-quants need rows of 256)
 
 

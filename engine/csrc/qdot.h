@@ -155,6 +155,23 @@ inline void scales_block<kQ4_0>(const uint8_t* b, float* sc2, float* mins) {  //
   mins[0] = -8.f * d;
 }
 template <>
+inline void scales_block<kQ5_0>(const uint8_t* b, float* sc2, float* mins) {  // d * (q - 16) = d * q - 16d
+  const float d = half_to_float(b);
+  sc2[0] = d;
+  mins[0] = -16.f * d;
+}
+template <>
+inline void scales_block<kQ5_1>(const uint8_t* b, float* sc2, float* mins) {
+#if defined(__F16C__)
+  const __m128 dm = halves4(b);
+  _mm_store_ss(sc2, dm);
+  _mm_store_ss(mins, _mm_movehdup_ps(dm));
+#else
+  sc2[0] = half_to_float(b);
+  mins[0] = half_to_float(b + 2);
+#endif
+}
+template <>
 inline void scales_block<kQ4_1>(const uint8_t* b, float* sc2, float* mins) {
 #if defined(__F16C__)
   const __m128 dm = halves4(b);
@@ -240,6 +257,19 @@ template <>
 inline W32 weights32<kQ4_0>(const uint8_t* b, int) { return nibbles16(b + 2); }
 template <>
 inline W32 weights32<kQ4_1>(const uint8_t* b, int) { return nibbles16(b + 4); }
+// 32 fifth bits (a little-endian word) as 0x10 in the bytes whose bit is set (ggml's bytes_from_bits_32).
+inline __m256i fifths32(const uint8_t* p) {
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(fifth_bits(p))),
+      _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0x0000000000000000));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
+                                        _mm256_set1_epi64x(-1));
+  return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+template <>
+inline W32 weights32<kQ5_0>(const uint8_t* b, int) { return _mm256_or_si256(nibbles16(b + 6), fifths32(b + 2)); }
+template <>
+inline W32 weights32<kQ5_1>(const uint8_t* b, int) { return _mm256_or_si256(nibbles16(b + 8), fifths32(b + 4)); }
 template <>
 inline W32 weights32<kQ4_K>(const uint8_t* b, int j) {  // 32 bytes per pair of groups: low nibbles, then high
   const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * (j / 2)));
@@ -269,6 +299,10 @@ inline W32 weights32(const uint8_t* b, int j) {
     } else if constexpr (T == kQ4_0 || T == kQ4_1) {
       const uint8_t q = b[(T == kQ4_0 ? 2 : 4) + l % 16];
       w.v[l] = static_cast<int8_t>(l < 16 ? q & 0xF : q >> 4);
+    } else if constexpr (T == kQ5_0 || T == kQ5_1) {
+      const uint8_t q = b[(T == kQ5_0 ? 6 : 8) + l % 16];
+      const uint32_t h = fifth_bits(b + (T == kQ5_0 ? 2 : 4));
+      w.v[l] = static_cast<int8_t>((l < 16 ? q & 0xF : q >> 4) | (((h >> l) & 1) << 4));
     } else if constexpr (T == kQ4_K) {
       const uint8_t q = b[16 + 32 * (j / 2) + l];
       w.v[l] = static_cast<int8_t>(j % 2 ? q >> 4 : q & 0xF);
@@ -600,6 +634,8 @@ void qlinear_rows(int type, const uint8_t* w, int64_t ldw, const QRows& x, int64
   switch (type) {
     case kQ4_0: return qlinear_range<kQ4_0>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
     case kQ4_1: return qlinear_range<kQ4_1>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
+    case kQ5_0: return qlinear_range<kQ5_0>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
+    case kQ5_1: return qlinear_range<kQ5_1>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
     case kQ8_0: return qlinear_range<kQ8_0>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
     case kQ4_K: return qlinear_range_packed<kQ4_K>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
     case kQ6_K: return qlinear_range<kQ6_K>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
@@ -617,6 +653,8 @@ inline void dequant_row(int type, const uint8_t* row, int64_t K, float* out) {
   switch (type) {
     case kQ4_0: return rows(std::integral_constant<int, kQ4_0>{});
     case kQ4_1: return rows(std::integral_constant<int, kQ4_1>{});
+    case kQ5_0: return rows(std::integral_constant<int, kQ5_0>{});
+    case kQ5_1: return rows(std::integral_constant<int, kQ5_1>{});
     case kQ8_0: return rows(std::integral_constant<int, kQ8_0>{});
     case kQ4_K: return rows(std::integral_constant<int, kQ4_K>{});
     case kQ6_K: return rows(std::integral_constant<int, kQ6_K>{});

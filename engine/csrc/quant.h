@@ -21,7 +21,9 @@ namespace peregrine_quant {
 //   order, the high nibbles the second's (one 32-byte load gives 64 weights);
 //   then the K / 32 f16 scales d, then (Q4_1) the K / 32 f16 minimums m (eight converted by one instruction).
 // A value is d * (q - 8) (Q4_0) or d * q + m (Q4_1), as in the file.
-enum QType : int { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14, kQ4_0R = 1002, kQ4_1R = 1003 };
+enum QType : int {
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14, kQ4_0R = 1002, kQ4_1R = 1003,
+};
 
 constexpr bool row_packed(int type) { return type == kQ4_0R || type == kQ4_1R; }
 
@@ -34,6 +36,8 @@ constexpr Layout layout_of(int type) {
   switch (type) {
     case kQ4_0: return {32, 18};
     case kQ4_1: return {32, 20};
+    case kQ5_0: return {32, 22};
+    case kQ5_1: return {32, 24};
     case kQ8_0: return {32, 34};
     case kQ4_K: return {256, 144};
     case kQ6_K: return {256, 210};
@@ -97,6 +101,38 @@ inline void dequant_block<kQ4_1>(const uint8_t* b, float* __restrict y) {  // f1
   for (int i = 0; i < 16; ++i) {
     y[i] = static_cast<float>(q[i] & 0xF) * d + m;
     y[i + 16] = static_cast<float>(q[i] >> 4) * d + m;
+  }
+}
+
+// Q5_0 / Q5_1: 16 bytes of nibbles as Q4_0's (low: values 0-15, high: 16-31) and a 32-bit word of fifth bits
+// (bit i: value i's); f16 d, then (Q5_1) f16 m, then the word, then the nibbles. d * (q - 16) or d * q + m.
+inline uint32_t fifth_bits(const uint8_t* p) {
+  uint32_t h;
+  std::memcpy(&h, p, 4);
+  return h;
+}
+
+template <>
+inline void dequant_block<kQ5_0>(const uint8_t* b, float* __restrict y) {
+  const float d = half_to_float(b);
+  const uint32_t h = fifth_bits(b + 2);
+  uint8_t q[16];
+  std::memcpy(q, b + 6, 16);
+  for (int i = 0; i < 16; ++i) {
+    y[i] = d * static_cast<float>(static_cast<int>((q[i] & 0xF) | (((h >> i) & 1) << 4)) - 16);
+    y[i + 16] = d * static_cast<float>(static_cast<int>((q[i] >> 4) | (((h >> (i + 16)) & 1) << 4)) - 16);
+  }
+}
+
+template <>
+inline void dequant_block<kQ5_1>(const uint8_t* b, float* __restrict y) {
+  const float d = half_to_float(b), m = half_to_float(b + 2);
+  const uint32_t h = fifth_bits(b + 4);
+  uint8_t q[16];
+  std::memcpy(q, b + 8, 16);
+  for (int i = 0; i < 16; ++i) {
+    y[i] = static_cast<float>((q[i] & 0xF) | (((h >> i) & 1) << 4)) * d + m;
+    y[i + 16] = static_cast<float>((q[i] >> 4) | (((h >> (i + 16)) & 1) << 4)) * d + m;
   }
 }
 

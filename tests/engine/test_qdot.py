@@ -30,7 +30,7 @@ from tests.engine.test_cpu_kernels_paths import PATHS
 from tests.quant_blocks import FORMATS, dequantize, make_blocks, write_tiny_gguf
 from tests.support import Loaded, decoder_against_op_by_op
 
-TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
+TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
 
 
 @pytest.fixture(scope="module", params=PATHS)
