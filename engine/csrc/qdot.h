@@ -121,7 +121,8 @@ inline __m256i nibbles16(const uint8_t* p) {
 
 inline constexpr bool is_signed(int T) { return T == kQ8_0 || T == kQ6_K; }
 // Formats with a scale per 32 values, whose scales the AVX2 dot reads from the block as it goes (elsewhere, and for
-// the K-quants, a row's scales are read into an array first).
+// Q6_K, a row's scales are read into an array first). Q4_0 / Q4_1 rows (packed) and Q4_K rows go through
+// `dot_packed` instead.
 #if defined(__AVX2__)
 inline constexpr bool scales_inline(int T) { return layout_of(T).elems == 32; }
 #else
@@ -129,7 +130,7 @@ inline constexpr bool scales_inline(int) { return false; }
 #endif
 inline constexpr bool has_min(int T) { return !is_signed(T); }
 // The most activation rows for which a row's weights are decoded in registers for each group of up to four rows;
-// past it (always, for Q6_K) they are decoded once into a buffer. (Q4_K goes through the packed path.)
+// past it (always, for Q6_K) they are decoded once into a buffer.
 inline constexpr int64_t fused_rows_max(int T) { return T == kQ6_K ? 0 : INT64_MAX; }
 
 // A block's float scales, per 32 values one at sc2[2g] (and for Q6_K, which has a scale per 16 values, a second
@@ -148,20 +149,14 @@ template <>
 inline void scales_block<kQ8_0>(const uint8_t* b, float* sc2, float*) {
   sc2[0] = half_to_float(b);
 }
-template <>
-inline void scales_block<kQ4_0>(const uint8_t* b, float* sc2, float* mins) {  // d * (q - 8) = d * q - 8d
+// f16 d with a fixed offset o (Q4_0: 8, Q5_0: 16): d * (q - o) = d * q - o * d.
+inline void scales_offset(const uint8_t* b, float offset, float* sc2, float* mins) {
   const float d = half_to_float(b);
   sc2[0] = d;
-  mins[0] = -8.f * d;
+  mins[0] = -offset * d;
 }
-template <>
-inline void scales_block<kQ5_0>(const uint8_t* b, float* sc2, float* mins) {  // d * (q - 16) = d * q - 16d
-  const float d = half_to_float(b);
-  sc2[0] = d;
-  mins[0] = -16.f * d;
-}
-template <>
-inline void scales_block<kQ5_1>(const uint8_t* b, float* sc2, float* mins) {
+// f16 d and m (Q4_1, Q5_1): d * q + m.
+inline void scales_dm(const uint8_t* b, float* sc2, float* mins) {
 #if defined(__F16C__)
   const __m128 dm = halves4(b);
   _mm_store_ss(sc2, dm);
@@ -172,16 +167,13 @@ inline void scales_block<kQ5_1>(const uint8_t* b, float* sc2, float* mins) {
 #endif
 }
 template <>
-inline void scales_block<kQ4_1>(const uint8_t* b, float* sc2, float* mins) {
-#if defined(__F16C__)
-  const __m128 dm = halves4(b);
-  _mm_store_ss(sc2, dm);
-  _mm_store_ss(mins, _mm_movehdup_ps(dm));
-#else
-  sc2[0] = half_to_float(b);
-  mins[0] = half_to_float(b + 2);
-#endif
-}
+inline void scales_block<kQ4_0>(const uint8_t* b, float* sc2, float* mins) { scales_offset(b, 8.f, sc2, mins); }
+template <>
+inline void scales_block<kQ5_0>(const uint8_t* b, float* sc2, float* mins) { scales_offset(b, 16.f, sc2, mins); }
+template <>
+inline void scales_block<kQ4_1>(const uint8_t* b, float* sc2, float* mins) { scales_dm(b, sc2, mins); }
+template <>
+inline void scales_block<kQ5_1>(const uint8_t* b, float* sc2, float* mins) { scales_dm(b, sc2, mins); }
 // Q4_K: a block's eight group scales d * sc and minimums -dmin * mn, contiguous (the packed path's layout).
 inline void scales8_q4k(const uint8_t* b, float* sc8, float* mins8) {
   const float d = half_to_float(b), dmin = half_to_float(b + 2);
@@ -204,37 +196,6 @@ inline void scales8_q4k(const uint8_t* b, float* sc8, float* mins8) {
     scale_min_k4(j, b + 4, &sc, &mn);
     sc8[j] = d * sc;
     mins8[j] = -dmin * mn;
-  }
-#endif
-}
-template <>
-inline void scales_block<kQ4_K>(const uint8_t* b, float* sc2, float* mins) {
-  const float d = half_to_float(b), dmin = half_to_float(b + 2);
-#if defined(__AVX2__)
-  // The eight 6-bit scales and minimums unpacked at once into bytes (ggml's own trick: the same values as
-  // scale_min_k4), then converted and scaled eight lanes at a time; sc2 takes each scale twice (its even slots
-  // are the ones read).
-  uint32_t u[4];
-  std::memcpy(u, b + 4, 12);
-  constexpr uint32_t k6 = 0x3f3f3f3f, k4 = 0x0f0f0f0f, k2 = 0x03030303;
-  u[3] = ((u[2] >> 4) & k4) | (((u[1] >> 6) & k2) << 4);
-  const uint32_t mins_low = u[1] & k6;
-  u[1] = (u[2] & k4) | (((u[0] >> 6) & k2) << 4);
-  u[2] = mins_low;
-  u[0] &= k6;
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));  // scales 0-7, minimums 0-7
-  const __m256 sc = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)));
-  _mm256_storeu_ps(mins, _mm256_mul_ps(_mm256_set1_ps(-dmin),
-                                       _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)))));
-  const __m256 lo = _mm256_unpacklo_ps(sc, sc), hi = _mm256_unpackhi_ps(sc, sc);  // s0s0s1s1|s4s4s5s5, s2s2s3s3|..
-  _mm256_storeu_ps(sc2, _mm256_permute2f128_ps(lo, hi, 0x20));
-  _mm256_storeu_ps(sc2 + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
-#else
-  for (int j = 0; j < 8; ++j) {
-    uint8_t sc, mn;
-    scale_min_k4(j, b + 4, &sc, &mn);
-    sc2[2 * j] = d * sc;
-    mins[j] = -dmin * mn;
   }
 #endif
 }
@@ -271,11 +232,6 @@ inline W32 weights32<kQ5_0>(const uint8_t* b, int) { return _mm256_or_si256(nibb
 template <>
 inline W32 weights32<kQ5_1>(const uint8_t* b, int) { return _mm256_or_si256(nibbles16(b + 8), fifths32(b + 4)); }
 template <>
-inline W32 weights32<kQ4_K>(const uint8_t* b, int j) {  // 32 bytes per pair of groups: low nibbles, then high
-  const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * (j / 2)));
-  return _mm256_and_si256(j % 2 ? _mm256_srli_epi16(q, 4) : q, _mm256_set1_epi8(0xF));
-}
-template <>
 inline W32 weights32<kQ6_K>(const uint8_t* b, int j) {  // half n = j / 4, group g = j % 4 of it
   const int n = j / 4, g = j % 4;
   const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * n + 32 * (g % 2)));
@@ -303,9 +259,6 @@ inline W32 weights32(const uint8_t* b, int j) {
       const uint8_t q = b[(T == kQ5_0 ? 6 : 8) + l % 16];
       const uint32_t h = fifth_bits(b + (T == kQ5_0 ? 2 : 4));
       w.v[l] = static_cast<int8_t>((l < 16 ? q & 0xF : q >> 4) | (((h >> l) & 1) << 4));
-    } else if constexpr (T == kQ4_K) {
-      const uint8_t q = b[16 + 32 * (j / 2) + l];
-      w.v[l] = static_cast<int8_t>(j % 2 ? q >> 4 : q & 0xF);
     } else {  // Q6_K
       const int n = j / 4, g = j % 4;
       const uint8_t low = (b[64 * n + 32 * (g % 2) + l] >> (4 * (g / 2))) & 0xF,
@@ -531,7 +484,7 @@ inline void halves_to_floats(const uint8_t* p, int64_t n, float* out) {
 // row, inside its 144-byte blocks (after each block's 16 bytes of scales), in the same order.
 template <int T>
 inline const uint8_t* nibbles_of(const uint8_t* row, int64_t g) {
-  if constexpr (T == kQ4_K) return row + g / 8 * 144 + 16 + 16 * (g % 8);
+  if constexpr (T == kQ4_K) return row + g / 8 * layout_of(kQ4_K).bytes + 16 + 16 * (g % 8);
   return row + 16 * g;
 }
 
@@ -591,7 +544,7 @@ void qlinear_range_packed(const uint8_t* w, int64_t ldw, const QRows& x, int64_t
     if (n + kAhead < n_end)
       for (int64_t o = 0; o < ldw; o += 64) __builtin_prefetch(row + kAhead * ldw + o);
     if constexpr (T == kQ4_K) {  // (Q4_K rows hold whole 8-group blocks: no partial chunk)
-      for (int64_t b = 0; b < groups / 8; ++b) scales8_q4k(row + b * 144, wd + 8 * b, wm + 8 * b);
+      for (int64_t b = 0; b < groups / 8; ++b) scales8_q4k(row + b * layout_of(kQ4_K).bytes, wd + 8 * b, wm + 8 * b);
     } else {
       halves_to_floats(row + K / 2, groups, wd);
     }
