@@ -41,8 +41,8 @@ BUILT = ".peregrine-built"  # written once the library is whole
 # is part of every aarch64 CPU, so it needs no flag). "none" is the compiler's baseline, for code that has a
 # portable path (the quantized-weight kernels); which levels a module is built for is its caller's choice.
 LEVEL_FLAGS: dict[str, list[str]] = {
-    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mamx-tile",
-               "-mamx-bf16"],
+    "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni",
+               "-mamx-tile", "-mamx-bf16"],  # (GCC's -mavx512f implies neither FMA nor F16C; the level has both)
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "neon": [],
     "none": [],

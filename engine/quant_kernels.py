@@ -5,7 +5,7 @@ extension, compiled once per ISA level from one source.
   block at a time into L1 (the way llama.cpp's vec_dot kernels read the weights once per step);
 - `dequantize(blocks, type, K)`: the rows as float32, for prefill GEMMs (torch's) and embedding lookups.
 
-Variants: `avx512` (-mavx512f/bw/vl), `avx2` (-mavx2 -mfma -mf16c) and `none` (the compiler's baseline, so it
+Variants: `avx512` (the level's flags: AVX2, FMA, F16C and AVX-512 F/BW/VL/BF16/VNNI), `avx2` (-mavx2 -mfma -mf16c) and `none` (the compiler's baseline, so it
 builds on any CPU). The one used is the highest this CPU has under `PEREGRINE_CPU_ISA` (engine/cpu_features.py);
 tests load each variant the CPU can run. Each is built like the CPU kernels, by `extension_build.build_extension`
 (the variant is its ISA level), and cached under `<cache>/kernels/peregrine_quant_<variant>-<key>/`, keyed by the
@@ -28,8 +28,6 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 NAME = "peregrine_quant"
 SOURCES = ("quant.cpp",)  # and quant.h beside it
-# On top of the level's flags (extension_build.LEVEL_FLAGS): the AVX-512 build uses AVX2's FMA and F16C too.
-EXTRA_FLAGS = {"avx512": ["-mavx2", "-mfma", "-mf16c"]}
 _loaded: dict[str, ModuleType | None] = {}
 _said: set[str] = set()
 
@@ -43,14 +41,10 @@ def variant(level: str | None = None) -> str:
 
 
 def runnable_variants() -> list[str]:
-    """The variants this CPU can run, ignoring the ceiling (tests run each)."""
-    flags = cpu_features.cpu_flags()
-    found = ["none"]
-    if all(f in flags for f in ("avx2", "fma", "f16c")):
-        found.append("avx2")
-        if all(f in flags for f in ("avx512f", "avx512bw", "avx512vl")):
-            found.append("avx512")
-    return found
+    """The variants this CPU can run, ignoring the ceiling (tests run each): those of the levels it has, every flag
+    of each (the avx512 build multiplies with VNNI, which an AVX-512 CPU such as Skylake-SP lacks)."""
+    detected = cpu_features.LEVELS.index(cpu_features.detected_level())
+    return list(dict.fromkeys(variant(level) for level in cpu_features.LEVELS[: detected + 1]))
 
 
 def load(name: str | None = None, cache_dir: Path | None = None) -> ModuleType | None:
@@ -62,8 +56,7 @@ def load(name: str | None = None, cache_dir: Path | None = None) -> ModuleType |
     started = time.perf_counter()
     module = None
     try:
-        module = build_extension(NAME, [CSRC / s for s in SOURCES], name, cache_dir or default_cache_dir(),
-                                 EXTRA_FLAGS.get(name, ()))
+        module = build_extension(NAME, [CSRC / s for s in SOURCES], name, cache_dir or default_cache_dir())
         log.info("quantized-weight kernels (%s) ready in %.1f s", name, time.perf_counter() - started)
     except Exception as exc:  # a failed build must not stop the server: dequantize + torch still works
         reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine import quant_kernels
+from engine import cpu_features, quant_kernels
 from engine.quant import QuantWeight
 from tests.quant_blocks import FORMATS, dequantize, make_blocks
 
@@ -92,6 +92,18 @@ def test_variant_follows_the_isa_ceiling(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv("PEREGRINE_CPU_ISA", "avx2")
     assert quant_kernels.variant() == ("avx2" if "avx2" in quant_kernels.runnable_variants() else "none")
     assert quant_kernels.variant("amx") == "avx512"
+
+
+def test_runnable_variants_need_every_flag_of_their_level(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The avx512 variant multiplies with VNNI: an AVX-512 CPU without it (Skylake-SP) runs only the others."""
+    skylake = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"})
+    for flags, expected in [(frozenset(), ["none"]), (frozenset({"avx2", "fma", "f16c"}), ["none", "avx2"]),
+                            (skylake, ["none", "avx2"]),
+                            (skylake | {"avx512_bf16", "avx512_vnni"}, ["none", "avx2", "avx512"]),
+                            (skylake | {"avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16"},
+                             ["none", "avx2", "avx512"])]:
+        monkeypatch.setattr(cpu_features, "cpu_flags", lambda flags=flags: flags)
+        assert quant_kernels.runnable_variants() == expected, sorted(flags)
 
 
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1"])
