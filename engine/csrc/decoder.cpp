@@ -307,7 +307,9 @@ namespace {
 template <typename T>
 void bind_one(pybind11::module_& m, const char* name) {
   using release = py::call_guard<py::gil_scoped_release>;
-  py::class_<LlamaDecoder<T>>(m, name)
+  // module_local: each ISA level's build is its own module with the same C++ type, and a process may load several
+  // (the tests load every level the CPU has); a global registration would refuse the second.
+  py::class_<LlamaDecoder<T>>(m, name, py::module_local())
       .def(py::init<const torch::Tensor&, int64_t, const std::vector<std::vector<torch::Tensor>>&,
                     const std::vector<std::vector<torch::Tensor>>&, const std::vector<std::vector<int64_t>>&,
                     const std::vector<torch::Tensor>&, const torch::Tensor&, int64_t, int64_t, int64_t, double,
