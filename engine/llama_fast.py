@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import huge_pages
 from engine.attention import AttentionMetadata, attend
 from engine.kernels import TORCH, Kernels, Linear
 from engine.kv_cache import KVCache
@@ -150,6 +151,7 @@ class LlamaFastForward:
         decoder = kernels.decoder  # engine.cpu_kernels.llama_decoder_for: None unless on CPU
         self._decoder_factory = decoder
         self._decoder: tuple[KVCache, object] | None = None  # built on the first decode-only step
+        self._gathered = False  # the step's weights moved onto huge pages (engine/huge_pages.py)
         rope_type = str(getattr(inner.rotary_emb, "rope_type", "default"))
         # RoPE that depends on the position alone (not "dynamic" scaling, not longrope's length switch) is looked up
         # in a table for the decoder instead of being recomputed each step.
@@ -168,6 +170,9 @@ class LlamaFastForward:
                        for weight, bias in ((w.qkv, w.qkv_bias), (w.o, w.o_bias), (w.gate_up, w.gate_up_bias),
                                             (w.down, w.down_bias))] + [(weight_of(head), head.bias)]
             parts = [_parts(weight) for weight, _ in matmuls]
+            if not self._gathered:  # once: the weights move, the tensors stay the same objects
+                self._gathered = True
+                huge_pages.gather([t for pieces, _ in parts for t in pieces], self._weight_tensors())
             embed = self.model.model.embed_tokens
             embed_weight, embed_type = _parts(embed.qweight if isinstance(embed, QuantEmbedding) else embed.weight)
             try:
@@ -181,6 +186,17 @@ class LlamaFastForward:
                 return None
             self._decoder = (kv_cache, built)
         return self._decoder[1]
+
+    def _weight_tensors(self) -> list[torch.Tensor]:
+        """Every tensor object that may view a weight: the model's parameters and buffers, the quantized modules'
+        blocks, the fused weights of each layer."""
+        found = [*self.model.parameters(), *self.model.buffers()]
+        found += [m.qweight.blocks for m in self.model.modules() if isinstance(m, QuantLinear | QuantEmbedding)]
+        for value in (getattr(w, f.name) for w in self.layers for f in fields(w)):
+            for piece in value if isinstance(value, list) else [value]:
+                if isinstance(piece, QuantWeight | torch.Tensor):
+                    found.append(piece.blocks if isinstance(piece, QuantWeight) else piece)
+        return found
 
     def decoder_rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The decoder's RoPE inputs: each token's row of (cos, sin) tables. Static RoPE: rows of a table of every

@@ -15,8 +15,6 @@ does not. Serving in bfloat16 casts from that copy at load time.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import gc
 import hashlib
 import json
@@ -33,6 +31,7 @@ import torch
 
 from engine import dtype_probe
 from engine.devices import placement
+from engine.huge_pages import release_freed_memory
 from engine.types import EngineConfig
 from models import preflight
 
@@ -218,12 +217,6 @@ def log_resident(model: Any) -> None:
     from engine.quant import resident_bytes
 
     log.info("weights resident: %s", preflight.fmt_bytes(resident_bytes(model)))
-
-
-def release_freed_memory() -> None:
-    """Hand the heap's freed pages back to the OS (glibc keeps them otherwise, and RSS stays at the probe's peak)."""
-    with contextlib.suppress(OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def model_folder(cfg: EngineConfig) -> Path:

@@ -1,0 +1,95 @@
+"""The decode step's weights moved into one buffer on transparent huge pages (engine/huge_pages.py): values, views
+and bases kept, storages in the order given, the buffer marked for huge pages; and in the engine, every matmul's
+weights in step order in that buffer, with the same greedy tokens as weights left where they were."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from engine import cpu_kernels, huge_pages, quant_kernels
+from engine.llama_fast import _parts
+from engine.types import SamplingParams
+from models import gguf_weights
+from tests.quant_blocks import write_tiny_gguf
+from tests.support import Loaded, run_all, tokens_of
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are Linux's")
+
+
+def _smaps_field(address: int, field: str) -> str | None:
+    """`field` of the /proc/self/smaps mapping that holds `address` (None where the kernel does not report it)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside and line.startswith(field + ":"):
+            return line.split(":", 1)[1].strip()
+    return None
+
+
+def test_gather_keeps_values_views_and_bases_in_one_marked_buffer() -> None:
+    a = torch.randn(100, 37)
+    b = torch.randint(0, 255, (40, 612), dtype=torch.uint8)
+    rows = b[10:20]  # a view of b
+    d = torch.randn(1_500_000).to(torch.bfloat16)  # 3 MB: the buffer spans a whole huge page
+    tail = d[5:]  # held only as a view: its base must move too
+    before = [t.clone() for t in (a, b, rows, d)]
+    moved = huge_pages.gather([a, b, tail], views=[rows])
+    assert moved == sum(-(-n // 64) * 64 for n in (100 * 37 * 4, 40 * 612, 3_000_000))
+    for t, old in zip((a, b, rows, d), before, strict=True):
+        assert torch.equal(t, old)
+    assert a.data_ptr() % huge_pages.HUGE_PAGE == 0
+    assert b.data_ptr() == a.data_ptr() + 14848 and d.data_ptr() == b.data_ptr() + 40 * 612 + 32  # in order
+    assert rows.data_ptr() == b.data_ptr() + 10 * 612 and tail.data_ptr() == d.data_ptr() + 5 * 2
+    assert tail._base is d  # the same objects, re-pointed
+    eligible = _smaps_field(a.data_ptr(), "THPeligible")
+    if eligible is not None:  # (reported since Linux 4.19)
+        assert eligible == "1", "the buffer is not marked for transparent huge pages"
+    b[10, 0] ^= 1  # still one storage: a write through the base shows in its view
+    assert rows[0, 0] == before[1][10, 0] ^ 1
+
+
+def test_gather_of_nothing_moves_nothing() -> None:
+    assert huge_pages.gather([], views=[torch.ones(3)]) == 0
+
+
+@pytest.mark.timeout(900)
+def test_engine_decode_weights_in_step_order_with_the_same_tokens(tmp_path: Path, byte_level_tokenizer: Any,
+                                                                  engine_factory: Any,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    if cpu_kernels.load() is None or quant_kernels.load() is None:
+        pytest.skip("no C++ compiler: no one-call decode step")
+    vocab = len(byte_level_tokenizer)
+    write_tiny_gguf(tmp_path, {"*": "Q4_1", "token_embd": "Q8_0"}, vocab=vocab + (-vocab) % 32)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    requests = {f"r{i}": (list(range(3 + 5 * i, 10 + 9 * i)), params) for i in range(3)}
+
+    def run() -> tuple[dict[str, list[int]], Any]:
+        model = gguf_weights.load(tmp_path / "tiny.gguf", tmp_path, torch.float32)
+        engine = engine_factory(Loaded(model, byte_level_tokenizer, 128), kv_cache_bytes=8 << 20, block_size=4,
+                                model_impl="llama")
+        outputs = run_all(engine, requests)
+        return {r: tokens_of(outputs[r]) for r in requests}, engine.runner._forward
+
+    tokens, fast = run()
+    assert fast._gathered, "the one-call decode step did not run"
+    layers = fast.layers
+    order = [t for w in layers for weight in (w.qkv, w.o, w.gate_up, w.down) for t in _parts(weight)[0]]
+    order += _parts(fast.model.lm_head.qweight)[0]
+    starts = [t.data_ptr() for t in order]
+    assert starts[0] % huge_pages.HUGE_PAGE == 0 and starts == sorted(starts) and len(set(starts)) == len(starts)
+    for t, following in zip(order, starts[1:], strict=False):
+        assert following - t.data_ptr() == -(-t.nbytes // 64) * 64  # back to back
+    q_proj = fast.model.model.layers[0].self_attn.q_proj
+    assert q_proj.qweight.blocks.data_ptr() == starts[0]  # the modules' own slices moved with the fused weight
+
+    monkeypatch.setattr(huge_pages, "gather", lambda tensors, views: 0)  # weights left where they were
+    unmoved, _ = run()
+    assert unmoved == tokens
