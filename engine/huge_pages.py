@@ -6,9 +6,11 @@ pages they do not (`scripts/bandwidth.py`: `read` against `read_thp`, e.g. 41 ag
 Zen 5). Linux gives huge pages to memory marked MADV_HUGEPAGE (the default `madvise` mode of
 /sys/kernel/mm/transparent_hugepage/enabled), which torch's allocator does not do.
 
-`gather(tensors, views)` copies the storages of `tensors`, in that order, into one such buffer and re-points every
-tensor object that views them (`tensors` and `views`: the model's parameters and buffers, the fused weights)
-storage by storage, so the old copy is freed as it goes (the peak is one storage more, not a second model).
+`gather(tensors, views)` copies what `tensors` read of their storages, in that order, into one such buffer and
+re-points every tensor object on those storages (`tensors` and `views`: the model's parameters and buffers, the
+fused weights) storage by storage, so the old copy is freed as it goes (the peak is one storage more, not a second
+model). Bytes no tensor reads are left behind: a GGUF file's buffer, whose fused weights were copied out of it, no
+longer stays resident for the few tensors still viewing it.
 """
 
 from __future__ import annotations
@@ -40,38 +42,61 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor | None:
     return whole[start : start + nbytes]
 
 
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes [start, end) of its storage that `t` reads."""
+    size = t.element_size()
+    last = t.storage_offset() + sum((n - 1) * stride for n, stride in zip(t.shape, t.stride(), strict=True))
+    return t.storage_offset() * size, (last + 1) * size if t.numel() else t.storage_offset() * size
+
+
 def gather(tensors: Sequence[torch.Tensor], views: Iterable[torch.Tensor]) -> int:
-    """Move the CPU storages of `tensors` into one huge-page buffer, in order; re-point each tensor of `tensors`
-    and `views` that uses one of them. Returns the bytes moved (0: nothing moved, the tensors are as they were)."""
-    slots: dict[int, tuple[torch.UntypedStorage, int]] = {}  # storage address -> (storage, offset in the buffer)
-    total = 0
+    """Move what `tensors` read of their CPU storages into one huge-page buffer, in their order, and re-point each
+    tensor of `tensors` and `views` on those storages. Only the spans some tensor reads are kept: bytes no tensor
+    reads (a file's buffer whose other tensors were copied when fused) are left behind and freed. Returns the
+    bytes moved (0: nothing moved, the tensors are as they were)."""
+    users: dict[int, dict[int, torch.Tensor]] = {}  # storage address -> the tensor objects on it
     for t in tensors:
-        storage = t.untyped_storage()
-        if t.device.type == "cpu" and storage.data_ptr() not in slots:
-            slots[storage.data_ptr()] = (storage, total)
-            total += -(-storage.nbytes() // ALIGN) * ALIGN
-    buffer = huge_page_buffer(total) if slots else None
-    if buffer is None:
-        return 0
-    users: dict[int, dict[int, torch.Tensor]] = {key: {} for key in slots}  # storage -> the tensor objects on it
+        if t.device.type == "cpu":
+            users.setdefault(t.untyped_storage().data_ptr(), {})
     for t in (*tensors, *views):
         while t is not None:  # a view's base (held where the garbage collector does not see it) moves too
             key = t.untyped_storage().data_ptr()
             if key in users:
                 users[key][id(t)] = t
             t = t._base
+    spans: dict[int, list[list[int]]] = {}  # storage -> its read spans merged, [start, end, slot]
+    for key, found in users.items():
+        merged: list[list[int]] = []
+        for start, end in sorted(_span(t) for t in found.values()):
+            start -= start % ALIGN  # a span keeps its cache-line offset, so every element stays aligned
+            if merged and start <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                merged.append([start, end, -1])
+        spans[key] = merged
+    total = 0
+    for t in (*tensors, *(t for found in users.values() for t in found.values())):  # step order, then the rest
+        if t.device.type != "cpu" or (key := t.untyped_storage().data_ptr()) not in spans:
+            continue
+        span = next(s for s in spans[key] if s[0] <= _span(t)[0] < max(s[1], s[0] + 1))
+        if span[2] < 0:
+            span[2], total = total, total + -(-(span[1] - span[0]) // ALIGN) * ALIGN
+    buffer = huge_page_buffer(total) if users else None
+    if buffer is None:
+        return 0
     target, base = buffer.untyped_storage(), buffer.storage_offset()
     with torch.no_grad():
-        for key in list(slots):
-            storage, offset = slots.pop(key)  # (the old storage goes once its last tensor is re-pointed)
-            old = torch.empty(0, dtype=torch.uint8).set_(storage)
-            buffer[offset : offset + storage.nbytes()].copy_(old)
+        for key in list(users):
+            found = users.pop(key)  # (the old storage goes once its last tensor is re-pointed)
+            old = torch.empty(0, dtype=torch.uint8).set_(next(iter(found.values())).untyped_storage())
+            for start, end, slot in spans[key]:
+                buffer[slot : slot + end - start].copy_(old[start:end])
             del old
-            for t in users.pop(key).values():
-                size = t.element_size()
-                assert (base + offset) % size == 0, "storages start on cache lines"
-                t.set_(target, (base + offset) // size + t.storage_offset(), t.size(), t.stride())
-            del storage
+            for t in found.values():
+                first = _span(t)[0]
+                start, _, slot = next(s for s in spans[key] if s[0] <= first < max(s[1], s[0] + 1))
+                t.set_(target, (base + slot + first - start) // t.element_size(), t.size(), t.stride())
+            del found
     release_freed_memory()  # the old copies were small heap blocks: glibc would keep them
     log.info("decode-step weights on transparent huge pages: %.1f MiB in one buffer", total / 2**20)
     return total

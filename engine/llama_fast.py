@@ -29,7 +29,7 @@ from engine import huge_pages
 from engine.attention import AttentionMetadata, attend
 from engine.kernels import TORCH, Kernels, Linear
 from engine.kv_cache import KVCache
-from engine.quant import QuantEmbedding, QuantLinear, QuantWeight, concat, is_quantized
+from engine.quant import QuantEmbedding, QuantLinear, QuantWeight, concat, is_quantized, stack_rows
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ def _fuse(linears: tuple[nn.Module, ...]) -> tuple[Weight, torch.Tensor | None]:
     has_bias = all(m.bias is not None for m in linears)
     bias = torch.cat([m.bias.detach() for m in linears]) if has_bias else None
     if all(type(m) is nn.Linear for m in linears):
-        weight: Weight = torch.cat([m.weight.detach() for m in linears])
+        weight: Weight = stack_rows([m.weight.detach() for m in linears])
     elif all(isinstance(m, QuantLinear) for m in linears):
         weight = concat([m.qweight for m in linears]) or [m.qweight for m in linears]
     else:

@@ -130,8 +130,24 @@ def concat(weights: list[QuantWeight]) -> QuantWeight | None:
     first = weights[0]
     if any(w.qtype != first.qtype or w.shape[1] != first.shape[1] for w in weights):
         return None
-    blocks = torch.cat([w.blocks for w in weights])
+    blocks = stack_rows([w.blocks for w in weights])
     return QuantWeight(blocks, first.qtype, (sum(w.shape[0] for w in weights), first.shape[1]))
+
+
+def stack_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat of 2-D row blocks, or, where they already lie back to back in one storage (fused before, by an
+    earlier forward over the same model), a tensor over those rows: no second copy."""
+    first = parts[0]
+    offset, adjacent = first.storage_offset(), True
+    for p in parts:
+        adjacent &= (p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() and p.is_contiguous()
+                     and p.dtype == first.dtype and p.shape[1:] == first.shape[1:] and p.storage_offset() == offset)
+        offset += p.numel()
+    if not adjacent or first.dim() != 2:
+        return torch.cat(parts)
+    rows = sum(p.shape[0] for p in parts)
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (rows, first.shape[1]),
+                                   first.stride())
 
 
 class QuantLinear(nn.Module):

@@ -56,6 +56,22 @@ def test_gather_keeps_values_views_and_bases_in_one_marked_buffer() -> None:
     assert rows[0, 0] == before[1][10, 0] ^ 1
 
 
+def test_gather_leaves_the_bytes_no_tensor_reads() -> None:
+    """Tensors viewing parts of a larger buffer (a GGUF file's, its other tensors copied out when fused) take only
+    their spans along, each at its cache-line offset, in the order given."""
+    storage = torch.arange(10_000, dtype=torch.int32).to(torch.uint8).untyped_storage()
+    first, second, column = (torch.empty(0, dtype=torch.uint8).set_(storage, offset, size, stride)  # no base tensor
+                             for offset, size, stride in [(0, (100,), (1,)), (5000, (100,), (1,)), (6003, (20,), (20,))])
+    del storage
+    moved = huge_pages.gather([second, first], views=[column])
+    assert moved == 128 + 128 + 448  # [4992, 5100), [0, 100), [5952, 6384): the 9,400 bytes between stay behind
+    assert torch.equal(first, torch.arange(100).to(torch.uint8))
+    assert torch.equal(second, torch.arange(5000, 5100).to(torch.uint8))
+    assert torch.equal(column, torch.arange(6003, 6400, 20).to(torch.uint8))
+    assert second.data_ptr() % huge_pages.HUGE_PAGE == 5000 % 64 and first.data_ptr() > second.data_ptr()
+    assert first.untyped_storage().data_ptr() == second.untyped_storage().data_ptr()  # one buffer now
+
+
 def test_gather_of_nothing_moves_nothing() -> None:
     assert huge_pages.gather([], views=[torch.ones(3)]) == 0
 
@@ -93,3 +109,23 @@ def test_engine_decode_weights_in_step_order_with_the_same_tokens(tmp_path: Path
     monkeypatch.setattr(huge_pages, "gather", lambda tensors, views: 0)  # weights left where they were
     unmoved, _ = run()
     assert unmoved == tokens
+
+
+def test_a_second_forward_reuses_the_fused_weights(tmp_path: Path, byte_level_tokenizer: Any) -> None:
+    """weight format auto builds a forward per probe, then the served one over the same model: q/k/v and gate/up,
+    fused by the first, already lie back to back, so later ones take them as they are instead of copying again
+    (a copy would leave the first's fused bytes resident, unread)."""
+    from engine.llama_fast import LlamaFastForward
+    from engine.quant import stack_rows
+
+    vocab = len(byte_level_tokenizer)
+    write_tiny_gguf(tmp_path, {"*": "Q4_1", "token_embd": "Q8_0"}, vocab=vocab + (-vocab) % 32)
+    model = gguf_weights.load(tmp_path / "tiny.gguf", tmp_path, torch.float32)
+    first, second = LlamaFastForward(model), LlamaFastForward(model)
+    for a, b in zip(first.layers, second.layers, strict=True):
+        assert b.qkv.blocks.data_ptr() == a.qkv.blocks.data_ptr() and torch.equal(b.qkv.blocks, a.qkv.blocks)
+        assert b.gate_up.blocks.data_ptr() == a.gate_up.blocks.data_ptr()
+    rows = torch.arange(12.0).reshape(6, 2)
+    apart = stack_rows([rows[4:], rows[:2]])  # not in order: a copy
+    assert apart.data_ptr() != rows.data_ptr() and torch.equal(apart, rows[[4, 5, 0, 1]])
+    assert stack_rows([rows[:2], rows[2:5]]).data_ptr() == rows.data_ptr()
