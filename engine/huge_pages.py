@@ -9,8 +9,8 @@ Zen 5). Linux gives huge pages to memory marked MADV_HUGEPAGE (the default `madv
 `gather(tensors, views)` copies what `tensors` read of their storages, in that order, into one such buffer and
 re-points every tensor object on those storages (`tensors` and `views`: the model's parameters and buffers, the
 fused weights) storage by storage, so the old copy is freed as it goes (the peak is one storage more, not a second
-model). Bytes no tensor reads are left behind: a GGUF file's buffer, whose fused weights were copied out of it, no
-longer stays resident for the few tensors still viewing it.
+model). Bytes no tensor reads are left behind, so a storage that only partly holds weights (tensors viewing
+slices of a larger buffer) does not bring its unread rest along.
 """
 
 from __future__ import annotations
@@ -49,11 +49,16 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     return t.storage_offset() * size, (last + 1) * size if t.numel() else t.storage_offset() * size
 
 
+def _holding(spans: list[list[int]], t: torch.Tensor) -> list[int]:
+    """The merged span [start, end, slot] of its storage that holds `t`'s first byte."""
+    first = _span(t)[0]
+    return next(s for s in spans if s[0] <= first < max(s[1], s[0] + 1))
+
+
 def gather(tensors: Sequence[torch.Tensor], views: Iterable[torch.Tensor]) -> int:
     """Move what `tensors` read of their CPU storages into one huge-page buffer, in their order, and re-point each
     tensor of `tensors` and `views` on those storages. Only the spans some tensor reads are kept: bytes no tensor
-    reads (a file's buffer whose other tensors were copied when fused) are left behind and freed. Returns the
-    bytes moved (0: nothing moved, the tensors are as they were)."""
+    reads are left behind and freed. Returns the bytes moved (0: nothing moved, the tensors are as they were)."""
     users: dict[int, dict[int, torch.Tensor]] = {}  # storage address -> the tensor objects on it
     for t in tensors:
         if t.device.type == "cpu":
@@ -78,7 +83,7 @@ def gather(tensors: Sequence[torch.Tensor], views: Iterable[torch.Tensor]) -> in
     for t in (*tensors, *(t for found in users.values() for t in found.values())):  # step order, then the rest
         if t.device.type != "cpu" or (key := t.untyped_storage().data_ptr()) not in spans:
             continue
-        span = next(s for s in spans[key] if s[0] <= _span(t)[0] < max(s[1], s[0] + 1))
+        span = _holding(spans[key], t)
         if span[2] < 0:
             span[2], total = total, total + -(-(span[1] - span[0]) // ALIGN) * ALIGN
     buffer = huge_page_buffer(total) if users else None
@@ -93,9 +98,8 @@ def gather(tensors: Sequence[torch.Tensor], views: Iterable[torch.Tensor]) -> in
                 buffer[slot : slot + end - start].copy_(old[start:end])
             del old
             for t in found.values():
-                first = _span(t)[0]
-                start, _, slot = next(s for s in spans[key] if s[0] <= first < max(s[1], s[0] + 1))
-                t.set_(target, (base + slot + first - start) // t.element_size(), t.size(), t.stride())
+                start, _, slot = _holding(spans[key], t)
+                t.set_(target, (base + slot + _span(t)[0] - start) // t.element_size(), t.size(), t.stride())
             del found
     release_freed_memory()  # the old copies were small heap blocks: glibc would keep them
     log.info("decode-step weights on transparent huge pages: %.1f MiB in one buffer", total / 2**20)

@@ -151,7 +151,8 @@ class LlamaFastForward:
         decoder = kernels.decoder  # engine.cpu_kernels.llama_decoder_for: None unless on CPU
         self._decoder_factory = decoder
         self._decoder: tuple[KVCache, object] | None = None  # built on the first decode-only step
-        self._gathered = False  # the step's weights moved onto huge pages (engine/huge_pages.py)
+        if decoder is not None:  # at start, not on the first request: the step's weights onto huge pages, in order
+            huge_pages.gather([t for weight, _ in self._matmuls() for t in _parts(weight)[0]], self._weight_tensors())
         rope_type = str(getattr(inner.rotary_emb, "rope_type", "default"))
         # RoPE that depends on the position alone (not "dynamic" scaling, not longrope's length switch) is looked up
         # in a table for the decoder instead of being recomputed each step.
@@ -165,14 +166,8 @@ class LlamaFastForward:
         if self._decoder is None or self._decoder[0] is not kv_cache:
             none = torch.empty(0)
             layers = [[w.input_norm, w.post_norm, kv_cache.k[i], kv_cache.v[i]] for i, w in enumerate(self.layers)]
-            head = self.model.lm_head
-            matmuls = [(weight, bias) for w in self.layers
-                       for weight, bias in ((w.qkv, w.qkv_bias), (w.o, w.o_bias), (w.gate_up, w.gate_up_bias),
-                                            (w.down, w.down_bias))] + [(weight_of(head), head.bias)]
+            matmuls = self._matmuls()
             parts = [_parts(weight) for weight, _ in matmuls]
-            if not self._gathered:  # once: the weights move, the tensors stay the same objects
-                self._gathered = True
-                huge_pages.gather([t for pieces, _ in parts for t in pieces], self._weight_tensors())
             embed = self.model.model.embed_tokens
             embed_weight, embed_type = _parts(embed.qweight if isinstance(embed, QuantEmbedding) else embed.weight)
             try:
@@ -186,6 +181,13 @@ class LlamaFastForward:
                 return None
             self._decoder = (kv_cache, built)
         return self._decoder[1]
+
+    def _matmuls(self) -> list[tuple[Weight, torch.Tensor | None]]:
+        """Every matmul's (weight, bias) in the order a decode step runs them, the LM head last."""
+        head = self.model.lm_head
+        return [(weight, bias) for w in self.layers
+                for weight, bias in ((w.qkv, w.qkv_bias), (w.o, w.o_bias), (w.gate_up, w.gate_up_bias),
+                                     (w.down, w.down_bias))] + [(weight_of(head), head.bias)]
 
     def _weight_tensors(self) -> list[torch.Tensor]:
         """Every tensor object that may view a weight: the model's parameters and buffers, the quantized modules'

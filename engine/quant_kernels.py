@@ -5,11 +5,11 @@ extension, compiled once per ISA level from one source.
   block at a time into L1 (the way llama.cpp's vec_dot kernels read the weights once per step);
 - `dequantize(blocks, type, K)`: the rows as float32, for prefill GEMMs (torch's) and embedding lookups.
 
-Variants: `avx512` (the level's flags: AVX2, FMA, F16C and AVX-512 F/BW/VL/BF16/VNNI), `avx2` (-mavx2 -mfma -mf16c) and `none` (the compiler's baseline, so it
-builds on any CPU). The one used is the highest this CPU has under `PEREGRINE_CPU_ISA` (engine/cpu_features.py);
-tests load each variant the CPU can run. Each is built like the CPU kernels, by `extension_build.build_extension`
-(the variant is its ISA level), and cached under `<cache>/kernels/peregrine_quant_<variant>-<key>/`, keyed by the
-sources' bytes, torch's version and the flags.
+Variants: `avx512` (the level's flags: AVX2, FMA, F16C and AVX-512 F/BW/VL/BF16/VNNI), `avx2` (-mavx2 -mfma
+-mf16c) and `none` (the compiler's baseline, so it builds on any CPU). The one used is the highest this CPU has
+under `PEREGRINE_CPU_ISA` (engine/cpu_features.py); tests load each variant the CPU can run. Each is built like
+the CPU kernels, by `extension_build.build_extension` (the variant is its ISA level), and cached under
+`<cache>/kernels/peregrine_quant_<variant>-<key>/`, keyed by the sources' bytes, torch's version and the flags.
 """
 
 from __future__ import annotations

@@ -418,7 +418,7 @@ inline QRows quantize_rows(const X* x, int64_t ldx, int64_t M, int64_t K, QScrat
 // How many rows ahead of the one multiplied are prefetched: 4, and with few activation rows (where a step streams
 // the weights as fast as memory gives them) at least kPrefetchBytes ahead, so short rows (a Q4_1 row of 576 weights
 // is 360 bytes) keep enough lines in flight to cover the memory's latency (decode step at one row on an AMD EPYC
-// Zen 5: faster in 6 of 7 alternating pairs, median 1.03x). With many rows a row takes long enough that 4 do.
+// Zen 5: faster in 8 of 10 alternating pairs, about 1.02-1.03x). With many rows a row takes long enough that 4 do.
 constexpr int64_t kPrefetchBytes = 4096;
 inline int64_t prefetch_rows(int64_t row_bytes, int64_t activation_rows) {
   return activation_rows > 4 ? 4 : std::max<int64_t>(4, (kPrefetchBytes + row_bytes - 1) / row_bytes);
@@ -431,15 +431,15 @@ void qlinear_range(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, con
   constexpr Layout L = layout_of(T);
   constexpr int subs = L.elems / kQK;
   const int64_t K = x.K, nb = K / L.elems;
-  const int64_t kAhead = prefetch_rows(ldw, M);
+  const int64_t ahead = prefetch_rows(ldw, M);
   s.row_buffers(K);
   float *sc2 = s.sc2.data(), *mins = s.mins.data();
   int8_t* decoded = s.w.data();
   const bool fused = fused_rows_max(T) > 0 && M <= fused_rows_max(T);
   for (int64_t n = n_begin; n < n_end; ++n) {
     const uint8_t* row = w + n * ldw;
-    if (n + kAhead < n_end)
-      for (int64_t o = 0; o < ldw; o += 64) __builtin_prefetch(row + kAhead * ldw + o);
+    if (n + ahead < n_end)
+      for (int64_t o = 0; o < ldw; o += 64) __builtin_prefetch(row + ahead * ldw + o);
     if constexpr (!scales_inline(T))
       for (int64_t b = 0; b < nb; ++b) scales_block<T>(row + b * L.bytes, sc2 + 2 * subs * b, mins + subs * b);
     const float bn = bias ? bias[n] : 0.f;
@@ -565,13 +565,13 @@ template <int T, typename O>
 void qlinear_range_packed(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, const float* bias, O* out,
                           int64_t ldo, int64_t n_begin, int64_t n_end, QScratch& s) {
   const int64_t K = x.K, groups = K / kQK, gpad = (groups + 7) / 8 * 8;
-  const int64_t kAhead = prefetch_rows(ldw, M);
+  const int64_t ahead = prefetch_rows(ldw, M);
   s.row_buffers(K);
   float *wd = s.sc2.data(), *wm = s.mins.data(), *sc = s.sc.data();
   for (int64_t n = n_begin; n < n_end; ++n) {
     const uint8_t* row = w + n * ldw;
-    if (n + kAhead < n_end)
-      for (int64_t o = 0; o < ldw; o += 64) __builtin_prefetch(row + kAhead * ldw + o);
+    if (n + ahead < n_end)
+      for (int64_t o = 0; o < ldw; o += 64) __builtin_prefetch(row + ahead * ldw + o);
     if constexpr (T == kQ4_K) {  // (Q4_K rows hold whole 8-group blocks: no partial chunk)
       for (int64_t b = 0; b < groups / 8; ++b) scales8_q4k(row + b * layout_of(kQ4_K).bytes, wd + 8 * b, wm + 8 * b);
     } else {
