@@ -174,6 +174,7 @@ def engine_config(settings: Settings, prepared: Prepared) -> Any:
         block_size=settings.block_size,
         kv_cache_memory_fraction=settings.kv_cache_memory_fraction,
         kv_cache_bytes=settings.kv_cache_bytes,
+        kv_cache_dtype=settings.kv_cache_dtype,
         cache_dir=str(settings.cache_dir),
         seed=settings.seed,
         trust_remote_code=settings.trust_remote_code,

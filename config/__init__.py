@@ -163,6 +163,12 @@ class Settings(BaseSettings):
     kv_cache_bytes: Size | None = Field(
         None, description="Explicit KV cache size, e.g. 2GiB or 512MB; overrides the fraction."
     )
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="KV cache element type. auto: the model dtype. float16 (what llama.cpp keeps by default): with "
+        "a float32 model, half the memory a token takes, so twice the tokens fit, and half the bytes a decode "
+        "step's attention reads; keys and values rounded to float16.",
+    )
     prefix_caching: bool = Field(
         True,
         description="Automatic prefix caching: reuse the KV cache of a prompt prefix computed before (system "

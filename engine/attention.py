@@ -22,6 +22,7 @@ from engine.kernels import DecodeAttention
 from engine.kv_cache import KVCache
 
 ATTN_IMPL = "peregrine_paged"
+KERNEL_Q = (torch.float32, torch.bfloat16)  # the decode kernel's q dtypes; its caches: q's dtype or float16
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,14 +88,14 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: 
 
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
             scaling: float | None) -> torch.Tensor:
-    if meta.decode_kernel is not None and q.dtype == k_cache.dtype:
+    if meta.decode_kernel is not None and q.dtype in KERNEL_Q and k_cache.dtype in (q.dtype, torch.float16):
         return meta.decode_kernel(q.contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_lengths,
                                   meta.kv_cache.block_size, q.shape[-1] ** -0.5 if scaling is None else scaling)
     keys = gather_blocks(k_cache, meta.decode_block_tables, meta.kv_cache.block_size).transpose(1, 2)
     values = gather_blocks(v_cache, meta.decode_block_tables, meta.kv_cache.block_size).transpose(1, 2)
     # keys, values: [batch, kv_heads, max_blocks * block_size, dim]
     out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scaling, enable_gqa=True
+        q.unsqueeze(2), keys.to(q.dtype), values.to(q.dtype), attn_mask=meta.decode_mask, scale=scaling, enable_gqa=True
     )  # [batch, heads, 1, dim]
     return out.squeeze(2)
 
@@ -108,8 +109,8 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, block_size: i
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              chunk: PrefillChunk, block_size: int, scaling: float | None) -> torch.Tensor:
     query = q.transpose(0, 1).unsqueeze(0)  # [1, heads, chunk, dim]
-    if chunk.context_blocks is None:
-        keys, values, mask = k, v.to(k.dtype), None
+    if chunk.context_blocks is None:  # this chunk's own keys and values, as the cache holds them (its dtype's rounding)
+        keys, values, mask = k.to(k_cache.dtype), v.to(k_cache.dtype), None
     else:
         end = chunk.start + chunk.length
         keys = gather_blocks(k_cache, chunk.context_blocks[None], block_size)[0, :end]  # [end, kv_heads, dim]

@@ -219,8 +219,8 @@ def _serves(table: dict[str, tuple[torch.dtype, ...]], dtype: torch.dtype) -> bo
 def llama_decoder_for(device: torch.device, dtype: torch.dtype, enabled: bool = True,
                       cache_dir: Path | None = None, amx: bool | None = None) -> DecoderFactory | None:
     """A builder of `LlamaDecoder_<dtype>(embed, layers, final_norm, head, head_bias, heads, kv_heads, head_dim,
-    eps, block_size, scale)` for float32 or bfloat16 on CPU when the kernels load and serve that dtype
-    (`DECODER_DTYPES`), else None. bf16 matmuls use AMX when the CPU has it (`amx`: None; the decoder then keeps a
+    eps, block_size, scale)` (`LlamaDecoder_<dtype>_kv_float16` where the caches are float16) for float32 or
+    bfloat16 on CPU when the kernels load and serve that dtype (`DECODER_DTYPES`), else None. bf16 matmuls use AMX when the CPU has it (`amx`: None; the decoder then keeps a
     packed copy of the weights) or as told (False: the vector rows of `linear_small` on the model's own weights)."""
     module = _for(device, enabled, cache_dir, dtype)
     if module is None or not _serves(DECODER_DTYPES, dtype):
@@ -230,10 +230,14 @@ def llama_decoder_for(device: torch.device, dtype: torch.dtype, enabled: bool = 
     amx = bool(module.amx_available()) and cpu_features.has("amx") if amx is None else amx
     log.info("decode steps: one kernel call per step, %s matmuls on %s", str(dtype).removeprefix("torch."),
              "AMX" if amx else module.isa())
-    cls = getattr(module, f"LlamaDecoder_{str(dtype).removeprefix('torch.')}")
+    name = f"LlamaDecoder_{str(dtype).removeprefix('torch.')}"
 
-    def build(*args: object) -> object:
-        return cls(*args, amx)
+    def build(embed: torch.Tensor, embed_type: int, layers: list[list[torch.Tensor]], *rest: object) -> object:
+        kv = layers[0][2].dtype if layers else dtype  # each layer: input_norm, post_norm, k_cache, v_cache
+        cls = getattr(module, name if kv == dtype else f"{name}_kv_{str(kv).removeprefix('torch.')}", None)
+        if cls is None:
+            raise RuntimeError(f"no one-call decode step for a {kv} KV cache with a {dtype} model")
+        return cls(embed, embed_type, layers, *rest, amx)
 
     return build
 

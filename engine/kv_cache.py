@@ -1,6 +1,7 @@
 """The KV cache: one K and one V tensor per layer, allocated once at start, split into paged blocks.
 
 Layout per layer: [(num_blocks + 1) * block_size, kv_heads, head_dim] where slot = block * block_size + offset.
+Elements in the model dtype, or as `--kv-cache-dtype` says (`kv_cache_dtype`; float16 halves a float32 model's cache).
 The extra last block is kept at zero and is where padded block tables point. The batched decode gathers whole
 blocks, so the masked-out tail of a sequence's last block is read too: a mask gives it weight 0, but 0 * NaN
 is NaN, so a block is zeroed the first time it is used (`ensure_zeroed`). Allocation uses `torch.empty`, so on
@@ -17,6 +18,16 @@ import torch
 log = logging.getLogger(__name__)
 
 ZERO_STEP_BLOCKS = 64
+KV_CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type for `--kv-cache-dtype name`: auto is the model dtype."""
+    if name == "auto":
+        return model_dtype
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown kv_cache_dtype {name!r}: use auto, {', '.join(KV_CACHE_DTYPES)}")
+    return KV_CACHE_DTYPES[name]
 
 
 @dataclass(frozen=True, slots=True)

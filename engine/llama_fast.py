@@ -182,6 +182,11 @@ class LlamaFastForward:
             self._decoder = (kv_cache, built)
         return self._decoder[1]
 
+    def decode_weight_bytes(self) -> int:
+        """Bytes of weights one decode step reads: every matmul's, the LM head's included (the embedding lookup reads
+        a row per token, not counted)."""
+        return sum(t.nbytes for weight, _ in self._matmuls() for t in _parts(weight)[0])
+
     def _matmuls(self) -> list[tuple[Weight, torch.Tensor | None]]:
         """Every matmul's (weight, bias) in the order a decode step runs them, the LM head last."""
         head = self.model.lm_head

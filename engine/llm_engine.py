@@ -17,7 +17,7 @@ import torch
 
 from engine import devices, grammar, prompt_logprobs
 from engine.block_manager import BlockManager
-from engine.kv_cache import KVCache, KVCacheSpec, plan_num_blocks
+from engine.kv_cache import KVCache, KVCacheSpec, kv_cache_dtype, plan_num_blocks
 from engine.model_runner import ModelRunner
 from engine.outputs import SequenceOutput
 from engine.sampler import Sampler
@@ -255,7 +255,7 @@ def eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> frozenset[int]:
 
 def _allocate_kv(model: torch.nn.Module, cfg: EngineConfig, free_bytes: int, dtype: torch.dtype,
                  device: torch.device, max_model_len: int) -> KVCache:
-    spec = KVCacheSpec.from_hf_config(model.config, dtype)
+    spec = KVCacheSpec.from_hf_config(model.config, kv_cache_dtype(cfg.kv_cache_dtype, dtype))
     started = time.perf_counter()
     num_blocks = plan_num_blocks(
         spec, cfg.block_size, free_bytes, cfg.kv_cache_memory_fraction, cfg.kv_cache_bytes,

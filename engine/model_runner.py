@@ -54,6 +54,11 @@ class ModelRunner:
         )
         log.info("forward pass: %s", self.impl)
 
+    @property
+    def forward(self) -> Forward:
+        """The forward pass `run` calls: LlamaFastForward for the Llama family, else the model's own."""
+        return self._forward
+
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> torch.Tensor:
         """Returns logits [num_sampling, vocab] (float32) for `out.sampling`, in that order, followed by the rows of

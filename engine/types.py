@@ -178,6 +178,7 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory_fraction: float = 0.5  # of the memory free after the model loads
     kv_cache_bytes: int | None = None  # explicit size; overrides the fraction
+    kv_cache_dtype: str = "auto"  # auto (the model dtype) | float32 | bfloat16 | float16
     cache_dir: str | None = None  # where converted GGUF models are cached (needed for GGUF; config.DEFAULT_CACHE_DIR)
     seed: int = 0
     trust_remote_code: bool = False

@@ -2,7 +2,9 @@
 
 Measures, in one run and on one loaded model object:
 - batch-1 decode tok/s (time between the first and the last generated token of a lone request; the best of
-  `--batch1-repeats` lone requests, all listed, as scripts/bandwidth.py takes the best of its repeats);
+  `--batch1-repeats` lone requests, all listed, as scripts/bandwidth.py takes the best of its repeats), the bytes
+  such a step reads (weights, and the KV cache at the request's mean context), and with `--bandwidth` (GB/s, from
+  scripts/bandwidth.py) the memory roofline and the share of it reached;
 - output tok/s with 1, 4, 16, 64 concurrent requests (128 prompt / 128 output tokens, ignore_eos, greedy);
 - transformers' `generate` on the same requests one after another (the sequential baseline), and its
   batch-1 decode tok/s.
@@ -27,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from config import DEFAULT_CACHE_DIR  # noqa: E402
+from engine.llama_fast import LlamaFastForward  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.types import EngineConfig, SamplingParams  # noqa: E402
 from models.loader import load_model  # noqa: E402
@@ -115,9 +118,13 @@ def main() -> None:
     parser.add_argument("--hf-requests", type=int, default=2, help="sequential HF requests to time")
     parser.add_argument("--batch1-repeats", type=int, default=3,
                         help="lone requests timed for batch-1 decode (the best is reported, all are listed)")
+    parser.add_argument("--bandwidth", type=float, metavar="GB/S",
+                        help="memory read bandwidth (scripts/bandwidth.py) for the batch-1 roofline figures")
     parser.add_argument("--cache-dir", default=str(DEFAULT_CACHE_DIR))
     parser.add_argument("--weight-format", default="auto", choices=("auto", "quantized", "dense"),
                         help="the GGUF's weights kept quantized or converted to dense (Peregrine's --weight-format)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                        help="the KV cache's element type (Peregrine's --kv-cache-dtype; auto: the model dtype)")
     parser.add_argument("--cpu-kernels", action=argparse.BooleanOptionalAction, default=True,
                         help="Peregrine's CPU kernels (engine.cpu_kernels); --no-cpu-kernels: torch's own ops")
     args = parser.parse_args()
@@ -134,6 +141,7 @@ def main() -> None:
         cache_dir=args.cache_dir,
         cpu_kernels=args.cpu_kernels,
         weight_format=args.weight_format,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     loaded = load_model(cfg)
     engine = LLMEngine(loaded.model, loaded.tokenizer, cfg, loaded.device, loaded.dtype, loaded.max_model_len)
@@ -148,14 +156,32 @@ def main() -> None:
     hf_row, hf_decode = (
         hf_rows(loaded.model, prompts[: args.hf_requests], args.output_len) if args.hf_requests > 0 else (None, None)
     )
-    report(rows, hf_row, decodes, hf_decode, args, str(loaded.dtype).removeprefix("torch."))
+    report(rows, hf_row, decodes, hf_decode, args, str(loaded.dtype).removeprefix("torch."), step_bytes(engine, args))
+
+
+def step_bytes(engine: LLMEngine, args: argparse.Namespace) -> dict[str, int] | None:
+    """What a batch-1 decode step reads from memory: the weights, and the KV cache at the lone request's mean
+    context (its steps see prompt_len + 1 .. prompt_len + output_len - 1 tokens). None off the Llama forward."""
+    forward = engine.runner.forward
+    if not isinstance(forward, LlamaFastForward):
+        return None
+    mean_context = args.prompt_len + args.output_len / 2
+    kv = round(engine.kv_cache.spec.bytes_per_token * mean_context)
+    return {"weights": forward.decode_weight_bytes(), "kv_at_mean_context": kv}
 
 
 def report(
     rows: list[Row], hf: Row | None, decodes: list[float], hf_decode: float | None, args: argparse.Namespace,
-    dtype: str,
+    dtype: str, read: dict[str, int] | None,
 ) -> None:
     decode_1 = max(decodes)  # the best lone request, as scripts/bandwidth.py takes the best of its repeats
+    roofline = None
+    if read and args.bandwidth:  # tok/s if every byte came at the measured bandwidth, and the share reached
+        weights, total = read["weights"], read["weights"] + read["kv_at_mean_context"]
+        roofline = {
+            name: {"tok_s": round(args.bandwidth * 1e9 / b, 1), "percent": round(100 * decode_1 * b / (args.bandwidth * 1e9), 1)}
+            for name, b in (("weights", weights), ("weights_and_kv", total))
+        }
     print(
         f"\nSmolLM2-135M ({dtype}, cpu, {torch.get_num_threads()} threads), "
         f"{args.prompt_len} prompt / {args.output_len} output tokens, greedy, ignore_eos, "
@@ -172,6 +198,13 @@ def report(
         f"   (HF generate: {f'{hf_decode:.1f}' if hf_decode else 'not run'}; best of {len(decodes)}: "
         f"{' / '.join(f'{d:.1f}' for d in decodes)})"
     )
+    if read:
+        print(f"a batch-1 step reads {read['weights'] / 1e6:.1f} MB of weights and {read['kv_at_mean_context'] / 1e6:.1f}"
+              f" MB of KV cache (at the mean context, {args.prompt_len + args.output_len / 2:.0f} tokens)")
+    if roofline:
+        print(f"roofline at {args.bandwidth} GB/s: weights {roofline['weights']['tok_s']} tok/s "
+              f"({roofline['weights']['percent']}% reached), weights + KV {roofline['weights_and_kv']['tok_s']} tok/s "
+              f"({roofline['weights_and_kv']['percent']}% reached)")
     print(
         json.dumps(
             {
@@ -184,6 +217,8 @@ def report(
                 "output_len": args.output_len,
                 "batch1_decode_tok_s": round(decode_1, 2),
                 "batch1_decode_tok_s_runs": [round(d, 2) for d in decodes],
+                "batch1_bytes_per_token": read,
+                "batch1_roofline": roofline,
                 "hf_batch1_decode_tok_s": round(hf_decode, 2) if hf_decode else None,
                 "hf_sequential_output_tok_s": round(hf.tok_s, 2) if hf else None,
                 "output_tok_s": {str(r.concurrency): round(r.tok_s, 2) for r in rows},

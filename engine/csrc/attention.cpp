@@ -45,15 +45,15 @@ __attribute__((always_inline)) inline void chunk_softmax(float* scores, float* p
 
 // The chunk's scores of one head against n <= kAttnChunk key rows (-inf past n), kPos positions at a time.
 // qv: the head's scaled query, CH vectors (CH known at compile time, or 0: `chunks` at run time).
-template <int CH, typename T>
-__attribute__((always_inline)) inline void head_scores(const Vec* qv, int64_t chunks, const T* const* k_rows,
+template <int CH, typename C>
+__attribute__((always_inline)) inline void head_scores(const Vec* qv, int64_t chunks, const C* const* k_rows,
                                                        int64_t n, float* scores) {
   const int64_t count = CH ? CH : chunks;
   for (int64_t o0 = 0; o0 < n; o0 += kPos) {
     const int64_t m = std::min<int64_t>(kPos, n - o0);
     Vec dots[kPos];
     for (int o = 0; o < kPos; ++o) {
-      const T* r = k_rows[o0 + std::min<int64_t>(o, m - 1)];  // past the end: the last row again, dropped below
+      const C* r = k_rows[o0 + std::min<int64_t>(o, m - 1)];  // past the end: the last row again, dropped below
       Vec dot = Vec::zero();
       for (int64_t c = 0; c < count; ++c) dot = fmadd(qv[c], Vec::load(r + c * Vec::W), dot);
       dots[o] = dot;
@@ -67,8 +67,8 @@ __attribute__((always_inline)) inline void head_scores(const Vec* qv, int64_t ch
 // One chunk for GP query heads of a GQA group (from g0), head_dim D known at compile time: the query vectors and
 // the V accumulators stay in registers (as far as there are registers). The arithmetic and its order are
 // attend_generic's, so both give the same bits.
-template <int D, int GP, typename T>
-void attend_heads(int64_t b, int64_t h0, int64_t chunk, const T* q, const T* const* k_rows, const T* const* v_rows,
+template <int D, int GP, typename T, typename C>
+void attend_heads(int64_t b, int64_t h0, int64_t chunk, const T* q, const C* const* k_rows, const C* const* v_rows,
                   int64_t n, int64_t heads, float scale, AttnPartials& partials) {
   constexpr int CH = D / Vec::W;
   Vec qv[GP][CH];
@@ -85,7 +85,7 @@ void attend_heads(int64_t b, int64_t h0, int64_t chunk, const T* q, const T* con
   for (int g = 0; g < GP; ++g)
     for (int c = 0; c < CH; ++c) acc[g][c] = Vec::zero();
   for (int64_t o = 0; o < n; ++o) {
-    const T* vp = v_rows[o];
+    const C* vp = v_rows[o];
     for (int c = 0; c < CH; ++c) {
       const Vec v = Vec::load(vp + c * Vec::W);
       for (int g = 0; g < GP; ++g) acc[g][c] = fmadd(Vec::set1(scores[g][o]), v, acc[g][c]);
@@ -96,17 +96,17 @@ void attend_heads(int64_t b, int64_t h0, int64_t chunk, const T* q, const T* con
 }
 
 // attend_heads for `count` (1..GP) heads: the instantiation with that many.
-template <int D, int GP, typename T>
-void attend_pass(int64_t count, int64_t b, int64_t h0, int64_t chunk, const T* q, const T* const* k_rows,
-                 const T* const* v_rows, int64_t n, int64_t heads, float scale, AttnPartials& partials) {
-  if (count == GP) attend_heads<D, GP, T>(b, h0, chunk, q, k_rows, v_rows, n, heads, scale, partials);
-  else if constexpr (GP > 1) attend_pass<D, GP - 1, T>(count, b, h0, chunk, q, k_rows, v_rows, n, heads, scale, partials);
+template <int D, int GP, typename T, typename C>
+void attend_pass(int64_t count, int64_t b, int64_t h0, int64_t chunk, const T* q, const C* const* k_rows,
+                 const C* const* v_rows, int64_t n, int64_t heads, float scale, AttnPartials& partials) {
+  if (count == GP) attend_heads<D, GP, T, C>(b, h0, chunk, q, k_rows, v_rows, n, heads, scale, partials);
+  else if constexpr (GP > 1) attend_pass<D, GP - 1, T, C>(count, b, h0, chunk, q, k_rows, v_rows, n, heads, scale, partials);
 }
 
 // Any head_dim (a multiple of 16): the same arithmetic as attend_heads, with the sizes known only at run time.
-template <typename T>
-void attend_generic(int64_t b, int64_t h0, int64_t group, int64_t chunk, const T* q, const T* const* k_rows,
-                    const T* const* v_rows, int64_t n, int64_t heads, int64_t dim, float scale, AttnPartials& partials,
+template <typename T, typename C>
+void attend_generic(int64_t b, int64_t h0, int64_t group, int64_t chunk, const T* q, const C* const* k_rows,
+                    const C* const* v_rows, int64_t n, int64_t heads, int64_t dim, float scale, AttnPartials& partials,
                     AttnScratch& s) {
   const int64_t chunks = dim / Vec::W;
   s.scores.assign(group * kAttnChunk, -INFINITY);
@@ -119,7 +119,7 @@ void attend_generic(int64_t b, int64_t h0, int64_t group, int64_t chunk, const T
     head_scores<0>(s.qv.data() + g * chunks, chunks, k_rows, n, s.scores.data() + g * kAttnChunk);
   for (int64_t g = 0; g < group; ++g) chunk_softmax(s.scores.data() + g * kAttnChunk, partials.at(b, h0 + g, chunk), dim);
   for (int64_t o = 0; o < n; ++o) {
-    const T* vp = v_rows[o];
+    const C* vp = v_rows[o];
     for (int64_t c = 0; c < chunks; ++c) {
       const Vec v = Vec::load(vp + c * Vec::W);
       for (int64_t g = 0; g < group; ++g)
@@ -140,15 +140,15 @@ constexpr int kHeadsPerPass = kRegFloats / D > 1 ? kRegFloats / D : 1;
 // Per query head of the item's GQA group: the chunk's scores (kPos positions at a time), softmax numerators,
 // weighted V sum. Head dims of 32, 64 and 128 take the register-resident attend_heads, a few heads at a time;
 // others the generic loop.
-template <typename T>
-void attend_chunk(const AttnItem& item, const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
+template <typename T, typename C>
+void attend_chunk(const AttnItem& item, const T* q, const C* k_cache, const C* v_cache, const int64_t* block_tables,
                   const int64_t* lengths, int64_t heads, int64_t kv_heads, int64_t dim, int64_t max_blocks,
                   int64_t block_size, float scale, AttnPartials& partials, AttnScratch& s) {
   const int64_t b = item.b, kvh = item.kvh, group = heads / kv_heads, h0 = kvh * group;
   const int64_t* table = block_tables + b * max_blocks;
   const int64_t p_begin = item.chunk * kAttnChunk, n = std::min(kAttnChunk, lengths[b] - p_begin);
-  const T* k_rows[kAttnChunk];
-  const T* v_rows[kAttnChunk];
+  const C* k_rows[kAttnChunk];
+  const C* v_rows[kAttnChunk];
   for (int64_t o = 0, block = p_begin / block_size, slot = p_begin % block_size; o < n; ++o) {  // no division per row
     const int64_t at = ((table[block] * block_size + slot) * kv_heads + kvh) * dim;
     k_rows[o] = k_cache + at;
@@ -156,7 +156,7 @@ void attend_chunk(const AttnItem& item, const T* q, const T* k_cache, const T* v
     if (++slot == block_size) slot = 0, ++block;
   }
   // The rows come from memory (a step's weight stream evicts them): ask for all of the chunk's rows up front.
-  const int64_t row_bytes = dim * static_cast<int64_t>(sizeof(T));
+  const int64_t row_bytes = dim * static_cast<int64_t>(sizeof(C));
   for (int64_t o = 0; o < n; ++o)
     for (int64_t l = 0; l < row_bytes; l += 64) {
       prefetch(reinterpret_cast<const char*>(k_rows[o]) + l);
@@ -165,7 +165,7 @@ void attend_chunk(const AttnItem& item, const T* q, const T* k_cache, const T* v
   auto passes = [&](auto d) {
     constexpr int D = decltype(d)::value, GP = kHeadsPerPass<D>;
     for (int64_t g0 = 0; g0 < group; g0 += GP)
-      attend_pass<D, GP, T>(std::min<int64_t>(GP, group - g0), b, h0 + g0, item.chunk, q, k_rows, v_rows, n, heads,
+      attend_pass<D, GP, T, C>(std::min<int64_t>(GP, group - g0), b, h0 + g0, item.chunk, q, k_rows, v_rows, n, heads,
                             scale, partials);
   };
   if (dim == 32) passes(std::integral_constant<int, 32>{});
@@ -192,19 +192,21 @@ void merge_chunks(int64_t b, int64_t h, const int64_t* lengths, T* out, int64_t 
   for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(acc[d] / total);
 }
 
-template void attend_chunk<float>(const AttnItem&, const float*, const float*, const float*, const int64_t*,
-                                  const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, float, AttnPartials&,
-                                  AttnScratch&);
-template void attend_chunk<bf16>(const AttnItem&, const bf16*, const bf16*, const bf16*, const int64_t*,
-                                 const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, float, AttnPartials&,
-                                 AttnScratch&);
+#define PEREGRINE_ATTEND_CHUNK(T, C)                                                                          \
+  template void attend_chunk<T, C>(const AttnItem&, const T*, const C*, const C*, const int64_t*, const int64_t*,  \
+                                   int64_t, int64_t, int64_t, int64_t, int64_t, float, AttnPartials&, AttnScratch&);
+PEREGRINE_ATTEND_CHUNK(float, float)
+PEREGRINE_ATTEND_CHUNK(bf16, bf16)
+PEREGRINE_ATTEND_CHUNK(float, f16)
+PEREGRINE_ATTEND_CHUNK(bf16, f16)
+#undef PEREGRINE_ATTEND_CHUNK
 template void merge_chunks<float>(int64_t, int64_t, const int64_t*, float*, int64_t, int64_t, AttnPartials&);
 template void merge_chunks<bf16>(int64_t, int64_t, const int64_t*, bf16*, int64_t, int64_t, AttnPartials&);
 
 namespace {
 
-template <typename T>
-void paged_decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
+template <typename T, typename C>
+void paged_decode(const T* q, const C* k_cache, const C* v_cache, const int64_t* block_tables,
                   const int64_t* lengths, T* out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
                   int64_t max_blocks, int64_t block_size, float scale) {
   const std::vector<AttnItem> items = attn_items(lengths, batch, kv_heads);
@@ -224,15 +226,17 @@ void paged_decode(const T* q, const T* k_cache, const T* v_cache, const int64_t*
 }  // namespace
 
 // Decode attention straight from the paged cache: one query token per sequence, no gather, no padding.
-// q [B, H, D]; k_cache, v_cache [slots, KVH, D]; block_tables [B, max_blocks] long; lengths [B] long (tokens
-// of context, this step's included). Softmax in float32. Returns [B, H, D] in q's dtype.
+// q [B, H, D]; k_cache, v_cache [slots, KVH, D] in q's dtype or float16 (a cache kept in half the bytes);
+// block_tables [B, max_blocks] long; lengths [B] long (tokens of context, this step's included). Softmax in float32.
+// Returns [B, H, D] in q's dtype.
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                                      const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                                      const torch::Tensor& lengths, int64_t block_size, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && q.is_contiguous() && k_cache.is_contiguous() &&
               v_cache.is_contiguous(), "paged_decode_attention: contiguous q [B, H, D], caches [slots, KVH, D]");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-              "paged_decode_attention: q and caches share a dtype");
+  const at::ScalarType qt = q.scalar_type(), ct = k_cache.scalar_type();
+  TORCH_CHECK((qt == at::kFloat || qt == at::kBFloat16) && (ct == qt || ct == at::kHalf) && v_cache.scalar_type() == ct,
+              "paged_decode_attention: q in float32 or bfloat16, both caches in q's dtype or float16");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(1);
   TORCH_CHECK(D % 16 == 0 && D <= 512 && k_cache.size(2) == D && H % KVH == 0,
               "paged_decode_attention: head dim % 16 and <= 512, GQA");
@@ -241,15 +245,16 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   TORCH_CHECK(tables.size(0) == B && lens.size(0) == B, "paged_decode_attention: one table and length per row");
   auto out = torch::empty_like(q);
   const float s = static_cast<float>(scale);
-  if (q.scalar_type() == at::kBFloat16) {
-    paged_decode(q.data_ptr<c10::BFloat16>(), k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(),
-                 tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<c10::BFloat16>(), B, H, KVH, D,
-                 tables.size(1), block_size, s);
-  } else {
-    TORCH_CHECK(q.scalar_type() == at::kFloat, "paged_decode_attention: float32 or bfloat16");
-    paged_decode(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), tables.data_ptr<int64_t>(),
-                 lens.data_ptr<int64_t>(), out.data_ptr<float>(), B, H, KVH, D, tables.size(1), block_size, s);
-  }
+  auto run = [&](auto* qp, auto* cache) {  // cache: a null pointer of the cache's element type
+    using T = std::remove_pointer_t<decltype(qp)>;
+    using C = std::remove_pointer_t<decltype(cache)>;
+    paged_decode(q.data_ptr<T>(), k_cache.data_ptr<C>(), v_cache.data_ptr<C>(), tables.data_ptr<int64_t>(),
+                 lens.data_ptr<int64_t>(), out.data_ptr<T>(), B, H, KVH, D, tables.size(1), block_size, s);
+  };
+  if (qt == at::kFloat) ct == at::kHalf ? run(static_cast<float*>(nullptr), static_cast<f16*>(nullptr))
+                                        : run(static_cast<float*>(nullptr), static_cast<float*>(nullptr));
+  else ct == at::kHalf ? run(static_cast<bf16*>(nullptr), static_cast<f16*>(nullptr))
+                       : run(static_cast<bf16*>(nullptr), static_cast<bf16*>(nullptr));
   return out;
 }
 

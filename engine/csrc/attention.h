@@ -47,8 +47,9 @@ struct AttnScratch {
 };
 
 // One work item: per query head of the item's GQA group, the chunk's scores, softmax numerators and weighted V sum.
-template <typename T>
-void attend_chunk(const AttnItem& item, const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
+// q in T (the model dtype), the caches in C: T, or float16 (a KV cache in half the bytes).
+template <typename T, typename C>
+void attend_chunk(const AttnItem& item, const T* q, const C* k_cache, const C* v_cache, const int64_t* block_tables,
                   const int64_t* lengths, int64_t heads, int64_t kv_heads, int64_t dim, int64_t max_blocks,
                   int64_t block_size, float scale, AttnPartials& partials, AttnScratch& s);
 

@@ -11,9 +11,11 @@
 // on the model's own weights (no copy). GGUF weights kept quantized are multiplied in int8 against the step's
 // activations quantized in blocks of 32 (qdot.h, as llama.cpp does), each weight row unpacked once per step for
 // every input row; a projection fused from pieces of different formats is a matmul of several parts
-// (decoder_linear.h), and a quantized embedding table is dequantized row by row at the lookup. The decoder is a template over the model dtype T (float or bf16), bound as
-// LlamaDecoder_float32 and LlamaDecoder_bfloat16; the rounding to T follows engine/llama_fast.py op for op (RoPE,
-// SiLU * up, norms, matmul outputs).
+// (decoder_linear.h), and a quantized embedding table is dequantized row by row at the lookup. The decoder is a
+// template over the model dtype T (float or bf16), bound as LlamaDecoder_float32 and LlamaDecoder_bfloat16, and over
+// the KV caches' element C: T, or float16 (`--kv-cache-dtype float16`, the _kv_float16 bindings: half the bytes a
+// step's attention reads). The rounding to T follows engine/llama_fast.py op for op (RoPE, SiLU * up, norms, matmul
+// outputs), and keys and values go to C as its `k.to(cache.dtype)` rounds them.
 #include "decoder_linear.h"
 
 #include <omp.h>
@@ -70,15 +72,16 @@ inline std::pair<int64_t, int64_t> share(int64_t items, int64_t align, int t, in
   return {units * t / threads * align, units * (t + 1) / threads * align};
 }
 
-// transformers' rotate-half RoPE in T: to_T(to_T(x * cos) + to_T(rotate_half(x) * sin)).
-template <typename T>
-inline void rope_head(const T* x, const T* cos, const T* sin, T* dst, int64_t dim) {
+// transformers' rotate-half RoPE in T: to_T(to_T(x * cos) + to_T(rotate_half(x) * sin)), stored as D (T, or a
+// float16 cache's element: then rounded once more, as the op-by-op pass's `k.to(cache.dtype)` does).
+template <typename T, typename S>
+inline void rope_head(const T* x, const T* cos, const T* sin, S* dst, int64_t dim) {
   const int64_t half = dim / 2;
   for (int64_t i = 0; i < dim; ++i) {
     const float rotated = i < half ? -static_cast<float>(x[i + half]) : static_cast<float>(x[i - half]);
     const T a = static_cast<T>(static_cast<float>(x[i]) * static_cast<float>(cos[i]));
     const T b = static_cast<T>(rotated * static_cast<float>(sin[i]));
-    dst[i] = static_cast<T>(static_cast<float>(a) + static_cast<float>(b));
+    dst[i] = static_cast<S>(static_cast<float>(static_cast<T>(static_cast<float>(a) + static_cast<float>(b))));
   }
 }
 
@@ -99,7 +102,7 @@ struct DecoderLayer {
 
 }  // namespace
 
-template <typename T>
+template <typename T, typename C = T>
 class LlamaDecoder {
  public:
   // embed: [vocab, hidden] in T, or GGUF blocks of `embed_qtype` (uint8 [vocab, bytes]). layers: per layer
@@ -139,8 +142,9 @@ class LlamaDecoder {
         TORCH_CHECK(nw->scalar_type() == kType<T> && nw->is_contiguous() && nw->numel() == hidden_,
                     "LlamaDecoder: norm weights [hidden] in the model dtype");
       for (const auto* c : {&l.k_cache, &l.v_cache})
-        TORCH_CHECK(c->scalar_type() == kType<T> && c->is_contiguous() && c->dim() == 3 &&
-                    c->size(1) == kv_heads && c->size(2) == head_dim, "LlamaDecoder: caches [slots, KVH, D] in the model dtype");
+        TORCH_CHECK(c->scalar_type() == kType<C> && c->is_contiguous() && c->dim() == 3 &&
+                    c->size(1) == kv_heads && c->size(2) == head_dim,
+                    "LlamaDecoder: caches [slots, KVH, D] in ", c10::toString(kType<C>));
       layers_.push_back(std::move(l));
     }
     TORCH_CHECK(final_norm.scalar_type() == kType<T> && final_norm.numel() == hidden_, "LlamaDecoder: final norm");
@@ -232,8 +236,8 @@ class LlamaDecoder {
       for (size_t li = 0; li < layers_.size(); ++li) {
         const DecoderLayer& l = layers_[li];
         rows(l.input_norm, li ? dp : nullptr);
-        auto* kc = l.k_cache.data_ptr<T>();
-        auto* vc = l.v_cache.data_ptr<T>();
+        auto* kc = l.k_cache.data_ptr<C>();
+        auto* vc = l.v_cache.data_ptr<C>();
         matmul(l.qkv, xp, qkvp);
         for (int64_t i = t; i < B * (H + 2 * KVH); i += nt) {  // RoPE on q and k; k and v into their cache slots
           const int64_t m = i / (H + 2 * KVH), head = i % (H + 2 * KVH);
@@ -241,7 +245,8 @@ class LlamaDecoder {
           const T *cp = cs0 + ropep[m] * D, *sp = sn0 + ropep[m] * D;
           if (head < H) rope_head(src, cp, sp, qp + (m * H + head) * D, D);
           else if (head < H + KVH) rope_head(src, cp, sp, kc + (slotp[m] * KVH + head - H) * D, D);
-          else std::copy(src, src + D, vc + (slotp[m] * KVH + head - H - KVH) * D);
+          else std::transform(src, src + D, vc + (slotp[m] * KVH + head - H - KVH) * D,
+                              [](T v) { return static_cast<C>(static_cast<float>(v)); });
         }
         barrier.wait();
         for (size_t i = t; i < items.size(); i += nt)
@@ -304,17 +309,17 @@ class LlamaDecoder {
 
 namespace {
 
-template <typename T>
+template <typename T, typename C>
 void bind_one(pybind11::module_& m, const char* name) {
   using release = py::call_guard<py::gil_scoped_release>;
   // module_local: each ISA level's build is its own module with the same C++ type, and a process may load several
   // (the tests load every level the CPU has); a global registration would refuse the second.
-  py::class_<LlamaDecoder<T>>(m, name, py::module_local())
+  py::class_<LlamaDecoder<T, C>>(m, name, py::module_local())
       .def(py::init<const torch::Tensor&, int64_t, const std::vector<std::vector<torch::Tensor>>&,
                     const std::vector<std::vector<torch::Tensor>>&, const std::vector<std::vector<int64_t>>&,
                     const std::vector<torch::Tensor>&, const torch::Tensor&, int64_t, int64_t, int64_t, double,
                     int64_t, double, bool>())
-      .def("step", &LlamaDecoder<T>::step,
+      .def("step", &LlamaDecoder<T, C>::step,
            "one decode step: step(ids, rope_rows, cos, sin, slots, block_tables, lengths) -> float32 logits [B, vocab]",
            release());
 }
@@ -322,8 +327,11 @@ void bind_one(pybind11::module_& m, const char* name) {
 }  // namespace
 
 void bind_decoder(pybind11::module_& m) {
-  bind_one<float>(m, "LlamaDecoder_float32");
-  bind_one<bf16>(m, "LlamaDecoder_bfloat16");
+  bind_one<float, float>(m, "LlamaDecoder_float32");
+  bind_one<bf16, bf16>(m, "LlamaDecoder_bfloat16");
+  // the KV cache in float16 (`--kv-cache-dtype float16`): half the bytes a step's attention reads
+  bind_one<float, f16>(m, "LlamaDecoder_float32_kv_float16");
+  bind_one<bf16, f16>(m, "LlamaDecoder_bfloat16_kv_float16");
 }
 
 }  // namespace peregrine

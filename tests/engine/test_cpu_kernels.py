@@ -206,6 +206,26 @@ def test_paged_decode_attention_matches_sdpa_over_the_gathered_context(
 
 
 @needs_kernel
+@pytest.mark.parametrize(("dim", "kv_heads", "group"), [(64, 3, 3), (128, 2, 1), (96, 2, 2)])
+def test_paged_decode_attention_over_a_float16_cache(kernel: Any, dim: int, kv_heads: int, group: int) -> None:
+    """`--kv-cache-dtype float16`: the kernel reads float16 caches exactly, so a float32 q gives the bits the
+    float32 kernel gives over the same values widened; a bfloat16 q matches SDPA within bf16 rounding."""
+    case = _paged_case(torch.float32, [1, 5, 17, 64, 130], heads=kv_heads * group, kv_heads=kv_heads, dim=dim)
+    k16, v16 = case["k"].half(), case["v"].half()
+    args = (case["tables"], case["lengths"], case["block_size"], dim**-0.5)
+    got = kernel.paged_decode_attention(case["q"], k16, v16, *args)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, kernel.paged_decode_attention(case["q"], k16.float(), v16.float(), *args))
+    assert (got - case["ref"]).abs().max() < 0.02  # the float16 rounding of k and v, against the float32 reference
+    q16 = case["q"].to(torch.bfloat16)
+    got_bf16 = kernel.paged_decode_attention(q16, k16, v16, *args)
+    widened = kernel.paged_decode_attention(q16.float(), k16.float(), v16.float(), *args)
+    assert got_bf16.dtype == torch.bfloat16 and torch.allclose(got_bf16.float(), widened, atol=1e-2, rtol=1e-2)
+    with pytest.raises(RuntimeError, match="float16"):  # a cache in neither q's dtype nor float16
+        kernel.paged_decode_attention(case["q"], k16.to(torch.bfloat16), v16.to(torch.bfloat16), *args)
+
+
+@needs_kernel
 def test_engines_on_cpu_use_the_decode_attention_kernel_unless_turned_off(tiny: Any, engine_factory: Any) -> None:
     assert engine_factory(tiny).runner.decode_attention is not None
     assert engine_factory(tiny, cpu_kernels=False).runner.decode_attention is None
@@ -282,6 +302,30 @@ def test_one_call_decode_step_matches_the_op_by_op_forward(byte_level_tokenizer:
     assert sum(step.got.shape[0] == 3 for step in steps) >= 4
     for step in steps:
         assert step.error <= 0.02, step.error
+        assert step.batch_invariant, "a row's logits changed with its batch mates"
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_call_decode_step_over_a_float16_kv_cache(byte_level_tokenizer: Any, engine_factory: Any,
+                                                      dtype: torch.dtype) -> None:
+    """`--kv-cache-dtype float16`: the decoder writes this step's keys and values into float16 caches and attends
+    over them as the op-by-op pass does (its `k.to(cache.dtype)`, then the decode attention kernel)."""
+    from tests.support import Loaded, decoder_against_op_by_op
+
+    vocab = -(-len(byte_level_tokenizer) // 16) * 16
+    loaded = Loaded(_decoder_model("llama", vocab).to(dtype), byte_level_tokenizer, 512)
+    engine = engine_factory(loaded, kv_cache_bytes=4 << 20, block_size=4, kv_cache_dtype="float16")
+    assert engine.kv_cache.k[0].dtype == torch.float16
+    factory = cpu_kernels.llama_decoder_for(torch.device("cpu"), dtype, amx=False)
+    prompts = {f"r{i}": (list(range(3 + 5 * i, 10 + 9 * i)), SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+               for i in range(3)}
+    fast = engine.runner._forward
+    steps = decoder_against_op_by_op(engine, factory, prompts)
+    assert type(fast._decoder[1]).__name__ == f"LlamaDecoder_{str(dtype).removeprefix('torch.')}_kv_float16"
+    assert sum(step.got.shape[0] == 3 for step in steps) >= 4
+    for step in steps:
+        assert step.error <= (1e-4 if dtype == torch.float32 else 0.02), step.error
         assert step.batch_invariant, "a row's logits changed with its batch mates"
 
 

@@ -129,3 +129,19 @@ def test_a_second_forward_reuses_the_fused_weights(tmp_path: Path, byte_level_to
     apart = stack_rows([rows[4:], rows[:2]])  # not in order: a copy
     assert apart.data_ptr() != rows.data_ptr() and torch.equal(apart, rows[[4, 5, 0, 1]])
     assert stack_rows([rows[:2], rows[2:5]]).data_ptr() == rows.data_ptr()
+
+
+def test_decode_weight_bytes_are_the_files_matmul_tensors(tmp_path: Path, byte_level_tokenizer: Any) -> None:
+    """What scripts/bench_engine.py's roofline divides the bandwidth by: a decode step reads every matmul's weights
+    as the file stores them (Q4_1 layers, the Q8_0 table as the tied LM head), not the norms or the embedding table."""
+    import gguf
+
+    from engine.llama_fast import LlamaFastForward
+
+    vocab = len(byte_level_tokenizer)
+    write_tiny_gguf(tmp_path, {"*": "Q4_1", "token_embd": "Q8_0"}, vocab=vocab + (-vocab) % 32)
+    tensors = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(tmp_path / "tiny.gguf").tensors}
+    matmuls = sum(n for name, n in tensors.items() if name.startswith("blk.") and "norm" not in name)
+    head = tensors.get("output.weight", tensors["token_embd.weight"])
+    model = gguf_weights.load(tmp_path / "tiny.gguf", tmp_path, torch.float32)
+    assert LlamaFastForward(model).decode_weight_bytes() == matmuls + head

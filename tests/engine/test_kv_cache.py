@@ -8,7 +8,9 @@ from typing import Any
 import pytest
 import torch
 
-from engine.kv_cache import KVCache, KVCacheSpec, plan_num_blocks
+from engine.kv_cache import KVCache, KVCacheSpec, kv_cache_dtype, plan_num_blocks
+from engine.types import SamplingParams
+from tests.support import run_all, tokens_of
 
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.bfloat16)  # 256 bytes / token
 
@@ -70,3 +72,21 @@ def test_decode_is_not_poisoned_by_unwritten_memory(tiny: Any, engine_factory: A
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     assert tokens_of(run_all(poisoned, {"p": (prompt, params)})["p"]) == tokens_of(
         run_all(clean, {"c": (prompt, params)})["c"])
+
+
+def test_kv_cache_dtype_auto_is_the_model_dtype_and_float16_holds_twice_the_tokens(tiny: Any,
+                                                                                   engine_factory: Any) -> None:
+    assert kv_cache_dtype("auto", torch.bfloat16) == torch.bfloat16
+    assert kv_cache_dtype("float16", torch.float32) == torch.float16
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        kv_cache_dtype("int8", torch.float32)
+    full = engine_factory(tiny, kv_cache_bytes=1 << 20)  # tiny is float32
+    half = engine_factory(tiny, kv_cache_bytes=1 << 20, kv_cache_dtype="float16")
+    assert full.kv_cache.k[0].dtype == torch.float32 and half.kv_cache.k[0].dtype == torch.float16
+    assert half.kv_cache.num_slots == 2 * full.kv_cache.num_slots
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    kernel = tokens_of(run_all(half, {"a": ([5, 6, 7], params)})["a"])  # tiny: op by op, the attention kernel
+    # torch's ops: SDPA over the gathered float16 blocks, widened to q's dtype
+    torch_ops = engine_factory(tiny, kv_cache_bytes=1 << 20, kv_cache_dtype="float16", cpu_kernels=False)
+    assert torch_ops.kv_cache.k[0].dtype == torch.float16
+    assert tokens_of(run_all(torch_ops, {"a": ([5, 6, 7], params)})["a"]) == kernel and len(kernel) == 6
