@@ -7,7 +7,8 @@ lacks is skipped with the reason. The bounds:
 
 - linear: float32 within 1e-4 of a float64 reference (unit-scale outputs, K <= 1536); bfloat16 within bf16's
   half-ulp (one rounding at the end of a float32 sum);
-- attention: float32 1e-5, bfloat16 1e-2 of SDPA over the gathered context (float32 softmax);
+- attention: float32 1e-5, bfloat16 1e-2 of SDPA over the gathered context (float32 softmax); over float16 caches
+  (`--kv-cache-dtype float16`), float32 q gives the bits of the same kernel over the caches widened to float32;
 - add + RMSNorm: float32 1e-6 relative, bfloat16 one bf16 ulp;
 - argmax: torch.argmax's answers exactly (first maximum, NaN largest);
 - decoder: each decode step's logits within 1e-4 (float32) of the op-by-op forward with torch's ops;
@@ -121,6 +122,24 @@ def test_paged_decode_attention_matches_sdpa(path: tuple[str, Any], dtype: torch
     q, k, v, tables, lengths, block_size, scale = case["args"]
     alone = module.paged_decode_attention(q[2:3], k, v, tables[2:3], lengths[2:3], block_size, scale)
     assert torch.equal(alone, got[2:3])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("dim", "kv_heads", "group"), [(64, 1, 5), (96, 1, 2)])
+def test_paged_decode_attention_over_float16_caches(path: tuple[str, Any], dtype: torch.dtype, dim: int,
+                                                    kv_heads: int, group: int) -> None:
+    """`--kv-cache-dtype float16` on this path: float16 caches are widened exactly, so the result is the kernel's
+    own over the widened caches (float32 q: bitwise; bfloat16 q: within bf16 rounding)."""
+    _, module = path
+    q, k, v, tables, lengths, block_size, scale = _paged(dtype, [1, 9, 64, 130], kv_heads * group, kv_heads, dim)["args"]
+    k16, v16 = k.half(), v.half()
+    got = module.paged_decode_attention(q, k16, v16, tables, lengths, block_size, scale)
+    widened = module.paged_decode_attention(q.float(), k16.float(), v16.float(), tables, lengths, block_size, scale)
+    assert got.dtype == dtype
+    if dtype == torch.float32:
+        assert torch.equal(got, widened)
+    else:
+        assert torch.allclose(got.float(), widened, atol=1e-2, rtol=1e-2)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
