@@ -127,21 +127,23 @@ def test_bundled_logits_and_greedy_match_float32_reference(bundled: tuple[Loaded
 
 def test_bundled_float16_kv_cache_against_float32(bundled: tuple[Loaded, Loaded, Path]) -> None:
     """`--kv-cache-dtype float16` on the quantized model (float32 activations), against its float32 cache, 8 prompts
-    x 24 greedy tokens. Measured (AMD EPYC Zen 5, AVX-512): 7 of 8 sequences identical (the other parts after 2
-    tokens), every first token identical, chosen-token logprobs within 0.05-0.25 over the shared prefixes.
-    Bounds: >= 6 of 8 identical, logprobs within 0.5."""
+    x 24 greedy tokens. The runs part only where the float32 run's top two are close; before, the chosen tokens'
+    logprobs differ little. Measured (AMD EPYC Zen 5, AVX-512): 4-7 of 8 sequences identical (which ones depends on
+    the kernels' summation order), every first token identical, logprob differences up to 0.25 over the shared
+    prefixes. Bounds: first tokens identical, logprobs within 0.5 over the shared prefixes, and where the runs part
+    the float32 run's top two within 0.5 and both runs' chosen logprobs within 0.5."""
     quantized, _, _ = bundled
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
     requests = {f"p{i}": (chat_ids(quantized.tokenizer, p), params) for i, p in enumerate(PROMPTS)}
     runs = {kv: run_all(make_engine(quantized, max_num_batched_tokens=512, kv_cache_dtype=kv), requests)
             for kv in ("float32", "float16")}
-    same, worst = 0, 0.0
+    worst = 0.0
     for r in requests:
-        full, half = (tokens_of(runs[kv][r]) for kv in ("float32", "float16"))
-        assert len(full) == len(half) == 24 and full[0] == half[0]
-        shared = next((i for i, (a, b) in enumerate(zip(full, half, strict=True)) if a != b), len(full))
-        same += shared == len(full)
-        logprobs = [[lp.logprob for o in runs[kv][r] for lp in o.logprobs] for kv in ("float32", "float16")]
-        worst = max(worst, *(abs(a - b) for a, b in zip(logprobs[0][:shared], logprobs[1][:shared], strict=True)))
-    assert same >= 6, f"greedy agreement {same}/8"
+        full, half = ([lp for o in runs[kv][r] for lp in o.logprobs] for kv in ("float32", "float16"))
+        assert len(full) == len(half) == 24 and full[0].token_id == half[0].token_id
+        shared = next((i for i, (a, b) in enumerate(zip(full, half, strict=True)) if a.token_id != b.token_id), 24)
+        worst = max(worst, *(abs(a.logprob - b.logprob) for a, b in zip(full[:shared], half[:shared], strict=True)))
+        if shared < 24:  # they part at a near tie of the float32 run, both choosing at about the same logprob
+            first, second = full[shared].top[:2]
+            assert first.logprob - second.logprob <= 0.5 and abs(first.logprob - half[shared].logprob) <= 0.5, r
     assert 0 < worst <= 0.5, f"logprob difference {worst:.3g}"

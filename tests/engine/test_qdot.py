@@ -73,13 +73,14 @@ def test_qlinear_matches_the_dequantized_product(module: Any, fmt: str) -> None:
 
 
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1"])
-def test_qlinear_on_row_packed_weights_is_bitwise_the_gguf_layout(module: Any, fmt: str) -> None:
+@pytest.mark.parametrize("k", [576, 1536])  # 18 groups (a last pair past the fours of groups), 48 (none)
+def test_qlinear_on_row_packed_weights_is_bitwise_the_gguf_layout(module: Any, fmt: str, k: int) -> None:
     """Q4_0 / Q4_1 rows packed for the kernels (as the loader keeps them) give the same bits as the file's blocks,
     for every number of rows (the same sums in the same order: only the loads differ)."""
-    blocks = torch.from_numpy(make_blocks(fmt, 40, 576, np.random.default_rng(7)))
-    packed = QuantWeight(blocks, TYPES[fmt], (40, 576)).repack()
+    blocks = torch.from_numpy(make_blocks(fmt, 40, k, np.random.default_rng(7)))
+    packed = QuantWeight(blocks, TYPES[fmt], (40, k)).repack()
     assert packed.qtype == TYPES[fmt] + 1000
-    x = torch.randn(16, 576, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(16, k, generator=torch.Generator().manual_seed(2))
     for rows in (1, 2, 3, 5, 16):
         want = module.qlinear(x[:rows], blocks, TYPES[fmt], None)
         assert torch.equal(module.qlinear(x[:rows], packed.blocks, packed.qtype, None), want), rows
