@@ -129,9 +129,10 @@ def test_bundled_float16_kv_cache_against_float32(bundled: tuple[Loaded, Loaded,
     """`--kv-cache-dtype float16` on the quantized model (float32 activations), against its float32 cache, 8 prompts
     x 24 greedy tokens. The runs part only where the float32 run's top two are close; before, the chosen tokens'
     logprobs differ little. Measured (AMD EPYC Zen 5, AVX-512): 4-7 of 8 sequences identical (which ones depends on
-    the kernels' summation order), every first token identical, logprob differences up to 0.25 over the shared
-    prefixes. Bounds: first tokens identical, logprobs within 0.5 over the shared prefixes, and where the runs part
-    the float32 run's top two within 0.5 and both runs' chosen logprobs within 0.5."""
+    the kernels' summation order), every first token identical, logprob differences up to 0.26 over the shared
+    prefixes, the float32 run's top two 0.04-0.33 apart where they part. Bounds: logprobs within 0.5 over the shared
+    prefixes; where the runs part (the first token included), the float32 run's top two within 0.5 and both runs'
+    chosen logprobs within 0.5."""
     quantized, _, _ = bundled
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
     requests = {f"p{i}": (chat_ids(quantized.tokenizer, p), params) for i, p in enumerate(PROMPTS)}
@@ -140,7 +141,7 @@ def test_bundled_float16_kv_cache_against_float32(bundled: tuple[Loaded, Loaded,
     worst = 0.0
     for r in requests:
         full, half = ([lp for o in runs[kv][r] for lp in o.logprobs] for kv in ("float32", "float16"))
-        assert len(full) == len(half) == 24 and full[0].token_id == half[0].token_id
+        assert len(full) == len(half) == 24
         shared = next((i for i, (a, b) in enumerate(zip(full, half, strict=True)) if a.token_id != b.token_id), 24)
         worst = max(worst, *(abs(a.logprob - b.logprob) for a, b in zip(full[:shared], half[:shared], strict=True)))
         if shared < 24:  # they part at a near tie of the float32 run, both choosing at about the same logprob
