@@ -148,6 +148,7 @@ def run_preflight(settings: Settings, source: Any, plan: Any, device: str, dtype
         download_dir=str(download_dir), cache_dir=str(settings.cache_dir),
         max_model_len=settings.max_model_len, kv_cache_bytes=settings.kv_cache_bytes,
         packed_copy=preflight.packed_copy_kept(device, settings.cpu_kernels), dense=dense,
+        kv_dtype=settings.kv_cache_dtype,
     )  # fmt: skip
     for need in needs:
         log.info("preflight: %s", need.message)

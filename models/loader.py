@@ -94,7 +94,7 @@ def load_fastest(folder: Path, tokenizer: Any, cfg: EngineConfig, device: torch.
     dtypes, why = preflight.auto_cpu_dtypes(
         preflight.folder_footprint(folder), preflight.measure_resources([]).ram_free,
         max_model_len=cfg.max_model_len, kv_cache_bytes=cfg.kv_cache_bytes,
-        packed_copy=preflight.packed_copy_kept(str(device), cfg.cpu_kernels),
+        packed_copy=preflight.packed_copy_kept(str(device), cfg.cpu_kernels), kv_dtype=cfg.kv_cache_dtype,
     )  # fmt: skip
     if len(dtypes) == 1:
         log.info("dtype auto: bfloat16 (%s)", why)
@@ -119,7 +119,7 @@ def fastest_format(model: Any, tokenizer: Any, cfg: EngineConfig, device: torch.
     dense, why = preflight.auto_weight_formats(
         preflight.gguf_footprint(path, cached=True, quantized=True), preflight.measure_resources([]).ram_free,
         candidates, max_model_len=cfg.max_model_len, kv_cache_bytes=cfg.kv_cache_bytes,
-        packed_copy=preflight.packed_copy_kept(str(device), cfg.cpu_kernels),
+        packed_copy=preflight.packed_copy_kept(str(device), cfg.cpu_kernels), kv_dtype=cfg.kv_cache_dtype,
     )  # fmt: skip
     if not dense:
         log.info("weight format auto: quantized (%s)", why)

@@ -94,21 +94,23 @@ def kv_cache_need(
 
 def memory_need(
     fp: ModelFootprint, dtype: str, *, max_model_len: int | None, kv_cache_bytes: int | None,
-    packed_copy: bool = False, dense: tuple[str, ...] = (),
+    packed_copy: bool = False, dense: tuple[str, ...] = (), kv_dtype: str = "auto",
 ) -> tuple[int, str]:
     """Bytes for weights in `dtype` + KV cache (+ the one-call decode step's packed copy of the bfloat16 weights,
     which it keeps on CPUs with AMX), with the breakdown in words. dtype "auto" (CPU) is the peak of the
     `--dtype auto` probe (engine/dtype_probe.py): float32 weights and KV cache + the bfloat16 copy timed beside them.
-    `dense`: the dense copies `--weight-format auto` times beside quantized weights (engine/weight_format_probe.py)."""
+    `dense`: the dense copies `--weight-format auto` times beside quantized weights (engine/weight_format_probe.py).
+    `kv_dtype`: `--kv-cache-dtype` (auto: the KV cache in the weights' dtype)."""
     if fp.weight_bytes is not None and dtype == "auto":
         dtype = "float32"  # quantized weights: activations and KV cache in float32, no dtype probe
     stored = "float32" if dtype == "auto" else dtype
     weights = fp.param_count * DTYPE_BYTES[stored] if fp.weight_bytes is None else fp.weight_bytes
-    kv = kv_cache_need(fp, DTYPE_BYTES[stored], max_model_len, kv_cache_bytes)
+    kv_stored = stored if kv_dtype == "auto" else kv_dtype
+    kv = kv_cache_need(fp, DTYPE_BYTES[kv_stored], max_model_len, kv_cache_bytes)
     tokens = max_model_len or fp.context_len
     kv_words = f"KV cache {fmt_bytes(kv)}" + (
         "" if kv_cache_bytes and kv_cache_bytes >= kv else f" for {tokens} tokens"
-    )
+    ) + ("" if kv_stored == stored else f" in {kv_stored}")
     bf16 = fp.param_count * DTYPE_BYTES["bfloat16"]
     probe = bf16 if dtype == "auto" else 0
     probe_words = f" + {fmt_bytes(probe)} bfloat16 copy timed by --dtype auto" if probe else ""
@@ -123,12 +125,12 @@ def memory_need(
 
 def auto_cpu_dtypes(
     fp: ModelFootprint, ram_free: int, *, max_model_len: int | None, kv_cache_bytes: int | None,
-    packed_copy: bool = False,
+    packed_copy: bool = False, kv_dtype: str = "auto",
 ) -> tuple[tuple[str, ...], str]:
     """The dtypes `--dtype auto` times on the CPU, and why float32 is left out when it is: both when the probe's
     peak (`memory_need(fp, "auto")`) fits in the free RAM, else bfloat16 alone."""
     need, words = memory_need(fp, "auto", max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes,
-                              packed_copy=packed_copy)
+                              packed_copy=packed_copy, kv_dtype=kv_dtype)
     if need <= ram_free:
         return ("float32", "bfloat16"), ""
     return ("bfloat16",), f"float32 not tried: timing it needs {fmt_bytes(need)} ({words}), {fmt_bytes(ram_free)} free"
@@ -136,7 +138,7 @@ def auto_cpu_dtypes(
 
 def auto_weight_formats(
     fp: ModelFootprint, ram_free: int, dtypes: tuple[str, ...], *, max_model_len: int | None,
-    kv_cache_bytes: int | None, packed_copy: bool = False,
+    kv_cache_bytes: int | None, packed_copy: bool = False, kv_dtype: str = "auto",
 ) -> tuple[tuple[str, ...], str]:
     """The dense dtypes `--weight-format auto` times beside a GGUF's quantized weights (of `dtypes`, the candidates),
     and why any is left out. Rule: the probe's peak, quantized weights + KV cache + every dense copy tried (dequantized
@@ -144,7 +146,7 @@ def auto_weight_formats(
     tried, words = tuple(dtypes), ""
     while tried:
         need, why = memory_need(fp, "float32", max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes,
-                                packed_copy=packed_copy, dense=tried)
+                                packed_copy=packed_copy, dense=tried, kv_dtype=kv_dtype)
         if need <= ram_free:
             break
         words = words or f"timing it needs {fmt_bytes(need)} ({why}), {fmt_bytes(ram_free)} free"
@@ -166,20 +168,21 @@ def check(
     kv_cache_bytes: int | None = None,
     packed_copy: bool = False,
     dense: tuple[str, ...] = (),
+    kv_dtype: str = "auto",
 ) -> list[Need]:
     """Every need against what is free. The model fits when all are `ok`. `dense`: a GGUF kept quantized whose
     `--weight-format auto` would time these dense dtypes: counted only as far as they fit (`auto_weight_formats`)."""
     needs = list(_disk_needs(fp, res.disks, download_dir, cache_dir))
     if dense and not on_cuda and fp.weight_bytes is not None:
         dense, _ = auto_weight_formats(fp, res.ram_free, dense, max_model_len=max_model_len,
-                                       kv_cache_bytes=kv_cache_bytes, packed_copy=packed_copy)
+                                       kv_cache_bytes=kv_cache_bytes, packed_copy=packed_copy, kv_dtype=kv_dtype)
     if dtype == "auto" and not on_cuda and fp.weight_bytes is None:
         dtypes, _ = auto_cpu_dtypes(fp, res.ram_free, max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes,
-                                    packed_copy=packed_copy)
+                                    packed_copy=packed_copy, kv_dtype=kv_dtype)
         dtype = "auto" if len(dtypes) > 1 else "bfloat16"
     total, words = memory_need(fp, dtype, max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes,
                                packed_copy=packed_copy and not on_cuda,
-                               dense=dense if not on_cuda and fp.weight_bytes is not None else ())
+                               dense=dense if not on_cuda and fp.weight_bytes is not None else (), kv_dtype=kv_dtype)
     if on_cuda and res.vram_free is not None:
         needs.append(Need(total, res.vram_free, f"in VRAM on {device_label}", words))
     elif not on_cuda:

@@ -43,6 +43,18 @@ def test_memory_need_counts_weights_in_the_serving_dtype() -> None:
     assert words == "weights 15.0 GB in bfloat16 + KV cache 1.1 GB for 8192 tokens"
 
 
+def test_memory_need_counts_the_kv_cache_in_kv_cache_dtype() -> None:
+    fp32, words = preflight.memory_need(BIG, "float32", max_model_len=None, kv_cache_bytes=None, kv_dtype="float16")
+    assert fp32 == 30 * GB + 131072 * 8192  # float32 weights, a float16 cache: half the float32 cache's bytes
+    assert words == "weights 30.0 GB in float32 + KV cache 1.1 GB for 8192 tokens in float16"
+    same, _ = preflight.memory_need(BIG, "bfloat16", max_model_len=None, kv_cache_bytes=None, kv_dtype="auto")
+    assert same == 15 * GB + 131072 * 8192
+    # what --kv-cache-dtype float16 changes in the verdict: 31.1 GB fits where the float32 cache's 32.1 GB does not
+    res = Resources(ram_free=int(31.5 * GB))
+    assert not preflight.check(BIG, res, dtype="float32", on_cuda=False)[0].ok
+    assert preflight.check(BIG, res, dtype="float32", on_cuda=False, kv_dtype="float16")[0].ok
+
+
 def test_refuses_with_the_arithmetic_when_ram_is_short() -> None:
     res = Resources(ram_free=int(9.8 * GB))
     needs = preflight.check(BIG, res, dtype="bfloat16", on_cuda=False)
