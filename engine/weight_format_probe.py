@@ -11,7 +11,10 @@ gives one dense candidate in that dtype. They are timed with the dtype probe's m
 
 The rule (`pick`): of the dense candidates, bfloat16 counts when it beats float32 by `BF16_MARGIN` (the dtype
 probe's rule); that dense candidate is served when its throughput at the configured concurrency is at least
-`DENSE_MARGIN` times the quantized one's, else the quantized model is. Dense candidates are only built when the
+`DENSE_MARGIN` times the quantized one's and a lone request decodes no slower on it (its one-row figure at least
+the quantized one's: serving more streams must not cost the single user), else the quantized model is. (On an AMD
+EPYC Zen 5, dense bfloat16 was 1.19-1.2x quantized at 16 rows and 0.49x at one: before this condition, starts of the
+same server picked one or the other.) Dense candidates are only built when the
 probe's peak (quantized weights, KV cache and every dense copy at once) fits in the free RAM:
 `models.preflight.auto_weight_formats`, also used by the preflight.
 """
@@ -61,9 +64,11 @@ def choose(model: nn.Module, tokenizer: Any, cfg: EngineConfig, device: torch.de
 
 def pick(timings: Iterable[Timing], rows: int, margin: float = DENSE_MARGIN) -> tuple[str, str]:
     """The candidate served (`QUANTIZED` or a `dense_name`) and why, with every figure: the dense candidate (bfloat16
-    when >= BF16_MARGIN x float32, else float32) when its throughput at `rows` is >= `margin` x quantized's."""
+    when >= BF16_MARGIN x float32, else float32) when its throughput at `rows` is >= `margin` x quantized's and a
+    lone request decodes no slower on it (at one row, where timed)."""
     timings = list(timings)
     at = {t.name: t.tok_s for t in timings if t.rows == rows}
+    alone = {t.name: t.tok_s for t in timings if t.rows == 1}
     f32, bf16 = dense_name(torch.float32), dense_name(torch.bfloat16)
     dense = f32 if f32 in at else None
     words = ""
@@ -78,9 +83,12 @@ def pick(timings: Iterable[Timing], rows: int, margin: float = DENSE_MARGIN) -> 
     if dense is None:
         return QUANTIZED, steps
     wins = at[dense] >= at[QUANTIZED] * margin
-    return (dense if wins else QUANTIZED), (
-        f"{steps}; {words}{dense} is{'' if wins else ' not'} >= {margin:.2f}x quantized at {rows} "
-        f"row{'s' if rows > 1 else ''}")
+    plural = "s" if rows > 1 else ""
+    why = f"{steps}; {words}{dense} is{'' if wins else ' not'} >= {margin:.2f}x quantized at {rows} row{plural}"
+    if wins and rows > 1 and dense in alone and QUANTIZED in alone and alone[dense] < alone[QUANTIZED]:
+        ratio = alone[dense] / alone[QUANTIZED]
+        return QUANTIZED, f"{why}, but a lone request would decode slower on it ({ratio:.2f}x quantized at 1 row)"
+    return (dense if wins else QUANTIZED), why
 
 
 def densify(model: nn.Module, dtype: torch.dtype) -> nn.Module:
