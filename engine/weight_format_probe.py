@@ -11,8 +11,9 @@ gives one dense candidate in that dtype. They are timed with the dtype probe's m
 
 The rule (`pick`): of the dense candidates, bfloat16 counts when it beats float32 by `BF16_MARGIN` (the dtype
 probe's rule); that dense candidate is served when its throughput at the configured concurrency is at least
-`DENSE_MARGIN` times the quantized one's and a lone request decodes no slower on it (its one-row figure at least
-the quantized one's: serving more streams must not cost the single user), else the quantized model is. (On an AMD
+`DENSE_MARGIN` times the quantized one's and a lone request decodes about as fast on it (its one-row figure at
+least `LONE_MARGIN` times the quantized one's: serving more streams must not cost the single user), else the
+quantized model is. (On an AMD
 EPYC Zen 5, dense bfloat16 was 1.19-1.2x quantized at 16 rows and 0.49x at one: before this condition, starts of the
 same server picked one or the other.) Dense candidates are only built when the
 probe's peak (quantized weights, KV cache and every dense copy at once) fits in the free RAM:
@@ -37,6 +38,7 @@ from engine.types import EngineConfig
 log = logging.getLogger(__name__)
 
 DENSE_MARGIN = 1.2  # quantized keeps the RAM small: a dense copy is served only when >= 20% faster
+LONE_MARGIN = 0.9  # ... and when a lone request decodes at >= 90% of quantized's speed on it (one row: timing noise)
 QUANTIZED = "quantized"
 
 
@@ -65,7 +67,7 @@ def choose(model: nn.Module, tokenizer: Any, cfg: EngineConfig, device: torch.de
 def pick(timings: Iterable[Timing], rows: int, margin: float = DENSE_MARGIN) -> tuple[str, str]:
     """The candidate served (`QUANTIZED` or a `dense_name`) and why, with every figure: the dense candidate (bfloat16
     when >= BF16_MARGIN x float32, else float32) when its throughput at `rows` is >= `margin` x quantized's and a
-    lone request decodes no slower on it (at one row, where timed)."""
+    lone request decodes on it at >= LONE_MARGIN x quantized's speed (at one row, where timed)."""
     timings = list(timings)
     at = {t.name: t.tok_s for t in timings if t.rows == rows}
     alone = {t.name: t.tok_s for t in timings if t.rows == 1}
@@ -85,7 +87,7 @@ def pick(timings: Iterable[Timing], rows: int, margin: float = DENSE_MARGIN) -> 
     wins = at[dense] >= at[QUANTIZED] * margin
     plural = "s" if rows > 1 else ""
     why = f"{steps}; {words}{dense} is{'' if wins else ' not'} >= {margin:.2f}x quantized at {rows} row{plural}"
-    if wins and rows > 1 and dense in alone and QUANTIZED in alone and alone[dense] < alone[QUANTIZED]:
+    if wins and rows > 1 and dense in alone and QUANTIZED in alone and alone[dense] < alone[QUANTIZED] * LONE_MARGIN:
         ratio = alone[dense] / alone[QUANTIZED]
         return QUANTIZED, f"{why}, but a lone request would decode slower on it ({ratio:.2f}x quantized at 1 row)"
     return (dense if wins else QUANTIZED), why
