@@ -164,6 +164,7 @@ class ModelRegistry:
     # --- loading ---------------------------------------------------------------------------------------
 
     async def _wait_loaded(self, slot: ModelSlot) -> None:
+        self._refuse_if_never_fits(slot)  # at once: not after --model-load-wait, nor behind another model's load
         if slot.loading is None or slot.loading.done():
             slot.loading = asyncio.ensure_future(self._load(slot))
             slot.loading.add_done_callback(_retrieve)
@@ -207,8 +208,7 @@ class ModelRegistry:
     def _used_bytes(self) -> int:
         return sum(s.spec.need_bytes for s in self.slots.values() if s.state in ("loaded", "loading"))
 
-    async def _make_room(self, slot: ModelSlot) -> None:
-        """Unload idle models, longest idle first, until `slot` fits the budget and the model count."""
+    def _refuse_if_never_fits(self, slot: ModelSlot) -> None:
         need = slot.spec.need_bytes
         if need > self.budget_bytes:
             raise ModelMemoryError(
@@ -216,6 +216,11 @@ class ModelRegistry:
                 f"whole memory budget of {fmt_bytes(self.budget_bytes)} (--models-memory-budget): it cannot be "
                 "loaded.", code="model_too_large",
             )  # fmt: skip
+
+    async def _make_room(self, slot: ModelSlot) -> None:
+        """Unload idle models, longest idle first, until `slot` fits the budget and the model count."""
+        self._refuse_if_never_fits(slot)
+        need = slot.spec.need_bytes
         idle = sorted((s for s in self.loaded() if s is not slot and not s.busy), key=lambda s: s.last_used)
         while not self._fits(need) and idle:
             victim = idle.pop(0)

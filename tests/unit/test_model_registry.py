@@ -198,6 +198,22 @@ async def test_budget_refusals_say_why() -> None:
     assert reg.slots["b"].state == "unloaded" and reg.slots["b"].leases == 0
 
 
+async def test_a_model_that_can_never_fit_is_refused_at_once_even_behind_another_load() -> None:
+    """The refusal does not wait for the load lock, nor for --model-load-wait (the multi-model API test runs with
+    0.001 s, where a busy machine made it answer model_loading instead)."""
+    reg, loader, _ = registry(spec("a", 600), spec("huge", 5000), budget_mb=1000, load_wait_s=0.001)
+    loader.gate = threading.Event()
+    with pytest.raises(RetryLaterError):
+        await reg.acquire("a")  # its load holds the lock until the gate opens
+    assert reg.slots["a"].state == "loading"
+    with pytest.raises(ModelMemoryError) as err:
+        await reg.acquire("huge")
+    assert err.value.code == "model_too_large" and reg.slots["huge"].loading is None
+    assert reg.slots["huge"].state == "unloaded" and reg.slots["huge"].leases == 0
+    loader.gate.set()
+    await asyncio.wait_for(reg.slots["a"].loading, 30)
+
+
 async def test_a_failed_load_is_reported_and_retried_next_time() -> None:
     reg, loader, _ = registry(spec("a", 100))
     loader.fail.add("a")
