@@ -46,14 +46,14 @@ def model_spec(entry: ModelEntry, prepared: Prepared) -> Any:
 
     settings = entry.settings
     footprint = local_footprint(prepared.model_path, settings)
-    widest = "float32" if prepared.dtype == "auto" else prepared.dtype  # auto may keep float32
-    kv_dtype = widest if settings.kv_cache_dtype == "auto" else settings.kv_cache_dtype
+    kv_dtype = preflight.kv_cache_stored(prepared.dtype, settings.kv_cache_dtype)  # dtype auto may keep float32
     kv = int(settings.kv_cache_bytes or preflight.kv_cache_need(
         footprint, preflight.DTYPE_BYTES[kv_dtype], settings.max_model_len, None))  # fmt: skip
     settings = settings.model_copy(update={"kv_cache_bytes": kv})
     need, words = preflight.memory_need(
         footprint, prepared.dtype, max_model_len=settings.max_model_len, kv_cache_bytes=kv,
-        packed_copy=preflight.packed_copy_kept(prepared.device, settings.cpu_kernels), kv_dtype=settings.kv_cache_dtype,
+        packed_copy=preflight.packed_copy_kept(prepared.device, settings.cpu_kernels),
+        kv_dtype=settings.kv_cache_dtype,
     )  # fmt: skip
     return ModelSpec(
         name=entry.name, config=engine_config(settings, prepared), need_bytes=need, need_words=words,

@@ -139,7 +139,8 @@ class Settings(BaseSettings):
         description="How a GGUF model's weights are held. quantized: as the file stores them (Q8_0, Q4_0, Q4_1, "
         "Q4_K, Q6_K; about the file's size in RAM), on Peregrine's kernels (CPU, Llama-block models). dense: "
         "converted once to float32 in cache_dir, served in --dtype. auto: on CPU quantized, timed on decode steps "
-        "against dense copies made in memory where they fit in RAM, a dense one kept only when >= 1.2x faster at the configured concurrency and >= 0.9x at one row.",
+        "against dense copies made in memory where they fit in RAM, a dense one kept only when >= 1.2x faster at "
+        "the configured concurrency and >= 0.9x at one row.",
     )
     quantize: Literal["none", "int8"] = Field(
         "none",

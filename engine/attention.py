@@ -94,8 +94,9 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta:
     keys = gather_blocks(k_cache, meta.decode_block_tables, meta.kv_cache.block_size).transpose(1, 2)
     values = gather_blocks(v_cache, meta.decode_block_tables, meta.kv_cache.block_size).transpose(1, 2)
     # keys, values: [batch, kv_heads, max_blocks * block_size, dim]
-    out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), keys.to(q.dtype), values.to(q.dtype), attn_mask=meta.decode_mask, scale=scaling, enable_gqa=True
+    out = F.scaled_dot_product_attention(  # caches in another dtype (--kv-cache-dtype): widened to q's
+        q.unsqueeze(2), keys.to(q.dtype), values.to(q.dtype), attn_mask=meta.decode_mask, scale=scaling,
+        enable_gqa=True,
     )  # [batch, heads, 1, dim]
     return out.squeeze(2)
 
@@ -109,7 +110,7 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, block_size: i
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              chunk: PrefillChunk, block_size: int, scaling: float | None) -> torch.Tensor:
     query = q.transpose(0, 1).unsqueeze(0)  # [1, heads, chunk, dim]
-    if chunk.context_blocks is None:  # this chunk's own keys and values, as the cache holds them (its dtype's rounding)
+    if chunk.context_blocks is None:  # this chunk's own keys and values, rounded as the cache holds them
         keys, values, mask = k.to(k_cache.dtype), v.to(k_cache.dtype), None
     else:
         end = chunk.start + chunk.length

@@ -220,8 +220,9 @@ def llama_decoder_for(device: torch.device, dtype: torch.dtype, enabled: bool = 
                       cache_dir: Path | None = None, amx: bool | None = None) -> DecoderFactory | None:
     """A builder of `LlamaDecoder_<dtype>(embed, layers, final_norm, head, head_bias, heads, kv_heads, head_dim,
     eps, block_size, scale)` (`LlamaDecoder_<dtype>_kv_float16` where the caches are float16) for float32 or
-    bfloat16 on CPU when the kernels load and serve that dtype (`DECODER_DTYPES`), else None. bf16 matmuls use AMX when the CPU has it (`amx`: None; the decoder then keeps a
-    packed copy of the weights) or as told (False: the vector rows of `linear_small` on the model's own weights)."""
+    bfloat16 on CPU when the kernels load and serve that dtype (`DECODER_DTYPES`), else None. bf16 matmuls use AMX
+    when the CPU has it (`amx`: None; the decoder then keeps a packed copy of the weights) or as told (False: the
+    vector rows of `linear_small` on the model's own weights)."""
     module = _for(device, enabled, cache_dir, dtype)
     if module is None or not _serves(DECODER_DTYPES, dtype):
         return None

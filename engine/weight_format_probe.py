@@ -13,10 +13,9 @@ The rule (`pick`): of the dense candidates, bfloat16 counts when it beats float3
 probe's rule); that dense candidate is served when its throughput at the configured concurrency is at least
 `DENSE_MARGIN` times the quantized one's and a lone request decodes about as fast on it (its one-row figure at
 least `LONE_MARGIN` times the quantized one's: serving more streams must not cost the single user), else the
-quantized model is. (On an AMD
-EPYC Zen 5, dense bfloat16 was 1.19-1.2x quantized at 16 rows and 0.49x at one: before this condition, starts of the
-same server picked one or the other.) Dense candidates are only built when the
-probe's peak (quantized weights, KV cache and every dense copy at once) fits in the free RAM:
+quantized model is. (On an AMD EPYC Zen 5, dense bfloat16 was 1.19-1.2x quantized at 16 rows and 0.49x at one:
+before this condition, starts of the same server picked one or the other.) Dense candidates are only built when
+the probe's peak (quantized weights, KV cache and every dense copy at once) fits in the free RAM:
 `models.preflight.auto_weight_formats`, also used by the preflight.
 """
 
@@ -87,7 +86,7 @@ def pick(timings: Iterable[Timing], rows: int, margin: float = DENSE_MARGIN) -> 
     wins = at[dense] >= at[QUANTIZED] * margin
     plural = "s" if rows > 1 else ""
     why = f"{steps}; {words}{dense} is{'' if wins else ' not'} >= {margin:.2f}x quantized at {rows} row{plural}"
-    if wins and rows > 1 and dense in alone and QUANTIZED in alone and alone[dense] < alone[QUANTIZED] * LONE_MARGIN:
+    if wins and dense in alone and QUANTIZED in alone and alone[dense] < alone[QUANTIZED] * LONE_MARGIN:
         ratio = alone[dense] / alone[QUANTIZED]
         return QUANTIZED, f"{why}, but a lone request would decode slower on it ({ratio:.2f}x quantized at 1 row)"
     return (dense if wins else QUANTIZED), why

@@ -92,6 +92,13 @@ def kv_cache_need(
     return max(minimum, kv_cache_bytes or 0)
 
 
+def kv_cache_stored(dtype: str, kv_dtype: str) -> str:
+    """The KV cache's dtype for weights served in `dtype` ("auto": float32, the widest the probes keep) and
+    `--kv-cache-dtype kv_dtype` (auto: the weights' dtype)."""
+    stored = "float32" if dtype == "auto" else dtype
+    return stored if kv_dtype == "auto" else kv_dtype
+
+
 def memory_need(
     fp: ModelFootprint, dtype: str, *, max_model_len: int | None, kv_cache_bytes: int | None,
     packed_copy: bool = False, dense: tuple[str, ...] = (), kv_dtype: str = "auto",
@@ -105,7 +112,7 @@ def memory_need(
         dtype = "float32"  # quantized weights: activations and KV cache in float32, no dtype probe
     stored = "float32" if dtype == "auto" else dtype
     weights = fp.param_count * DTYPE_BYTES[stored] if fp.weight_bytes is None else fp.weight_bytes
-    kv_stored = stored if kv_dtype == "auto" else kv_dtype
+    kv_stored = kv_cache_stored(stored, kv_dtype)
     kv = kv_cache_need(fp, DTYPE_BYTES[kv_stored], max_model_len, kv_cache_bytes)
     tokens = max_model_len or fp.context_len
     kv_words = f"KV cache {fmt_bytes(kv)}" + (

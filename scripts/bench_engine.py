@@ -159,14 +159,18 @@ def main() -> None:
     report(rows, hf_row, decodes, hf_decode, args, str(loaded.dtype).removeprefix("torch."), step_bytes(engine, args))
 
 
+def mean_context(args: argparse.Namespace) -> float:
+    """The lone request's mean context over its decode steps (prompt_len + 1 .. prompt_len + output_len - 1)."""
+    return args.prompt_len + args.output_len / 2
+
+
 def step_bytes(engine: LLMEngine, args: argparse.Namespace) -> dict[str, int] | None:
     """What a batch-1 decode step reads from memory: the weights, and the KV cache at the lone request's mean
-    context (its steps see prompt_len + 1 .. prompt_len + output_len - 1 tokens). None off the Llama forward."""
+    context. None off the Llama forward."""
     forward = engine.runner.forward
     if not isinstance(forward, LlamaFastForward):
         return None
-    mean_context = args.prompt_len + args.output_len / 2
-    kv = round(engine.kv_cache.spec.bytes_per_token * mean_context)
+    kv = round(engine.kv_cache.spec.bytes_per_token * mean_context(args))
     return {"weights": forward.decode_weight_bytes(), "kv_at_mean_context": kv}
 
 
@@ -178,10 +182,9 @@ def report(
     roofline = None
     if read and args.bandwidth:  # tok/s if every byte came at the measured bandwidth, and the share reached
         weights, total = read["weights"], read["weights"] + read["kv_at_mean_context"]
-        roofline = {
-            name: {"tok_s": round(args.bandwidth * 1e9 / b, 1), "percent": round(100 * decode_1 * b / (args.bandwidth * 1e9), 1)}
-            for name, b in (("weights", weights), ("weights_and_kv", total))
-        }
+        bandwidth = args.bandwidth * 1e9
+        roofline = {name: {"tok_s": round(bandwidth / b, 1), "percent": round(100 * decode_1 * b / bandwidth, 1)}
+                    for name, b in (("weights", weights), ("weights_and_kv", total))}
     print(
         f"\nSmolLM2-135M ({dtype}, cpu, {torch.get_num_threads()} threads), "
         f"{args.prompt_len} prompt / {args.output_len} output tokens, greedy, ignore_eos, "
@@ -199,8 +202,9 @@ def report(
         f"{' / '.join(f'{d:.1f}' for d in decodes)})"
     )
     if read:
-        print(f"a batch-1 step reads {read['weights'] / 1e6:.1f} MB of weights and {read['kv_at_mean_context'] / 1e6:.1f}"
-              f" MB of KV cache (at the mean context, {args.prompt_len + args.output_len / 2:.0f} tokens)")
+        print(f"a batch-1 step reads {read['weights'] / 1e6:.1f} MB of weights and "
+              f"{read['kv_at_mean_context'] / 1e6:.1f} MB of KV cache (at the mean context, {mean_context(args):.0f} "
+              "tokens)")
     if roofline:
         print(f"roofline at {args.bandwidth} GB/s: weights {roofline['weights']['tok_s']} tok/s "
               f"({roofline['weights']['percent']}% reached), weights + KV {roofline['weights_and_kv']['tok_s']} tok/s "

@@ -100,7 +100,8 @@ template <int D, int GP, typename T, typename C>
 void attend_pass(int64_t count, int64_t b, int64_t h0, int64_t chunk, const T* q, const C* const* k_rows,
                  const C* const* v_rows, int64_t n, int64_t heads, float scale, AttnPartials& partials) {
   if (count == GP) attend_heads<D, GP, T, C>(b, h0, chunk, q, k_rows, v_rows, n, heads, scale, partials);
-  else if constexpr (GP > 1) attend_pass<D, GP - 1, T, C>(count, b, h0, chunk, q, k_rows, v_rows, n, heads, scale, partials);
+  else if constexpr (GP > 1)
+    attend_pass<D, GP - 1, T, C>(count, b, h0, chunk, q, k_rows, v_rows, n, heads, scale, partials);
 }
 
 // Any head_dim (a multiple of 16): the same arithmetic as attend_heads, with the sizes known only at run time.
@@ -165,8 +166,8 @@ void attend_chunk(const AttnItem& item, const T* q, const C* k_cache, const C* v
   auto passes = [&](auto d) {
     constexpr int D = decltype(d)::value, GP = kHeadsPerPass<D>;
     for (int64_t g0 = 0; g0 < group; g0 += GP)
-      attend_pass<D, GP, T, C>(std::min<int64_t>(GP, group - g0), b, h0 + g0, item.chunk, q, k_rows, v_rows, n, heads,
-                            scale, partials);
+      attend_pass<D, GP, T, C>(std::min<int64_t>(GP, group - g0), b, h0 + g0, item.chunk, q, k_rows, v_rows, n,
+                               heads, scale, partials);
   };
   if (dim == 32) passes(std::integral_constant<int, 32>{});
   else if (dim == 64) passes(std::integral_constant<int, 64>{});
@@ -245,16 +246,14 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   TORCH_CHECK(tables.size(0) == B && lens.size(0) == B, "paged_decode_attention: one table and length per row");
   auto out = torch::empty_like(q);
   const float s = static_cast<float>(scale);
-  auto run = [&](auto* qp, auto* cache) {  // cache: a null pointer of the cache's element type
-    using T = std::remove_pointer_t<decltype(qp)>;
-    using C = std::remove_pointer_t<decltype(cache)>;
+  auto run = [&](auto q_elem, auto cache_elem) {  // the element types, as values
+    using T = decltype(q_elem);
+    using C = decltype(cache_elem);
     paged_decode(q.data_ptr<T>(), k_cache.data_ptr<C>(), v_cache.data_ptr<C>(), tables.data_ptr<int64_t>(),
                  lens.data_ptr<int64_t>(), out.data_ptr<T>(), B, H, KVH, D, tables.size(1), block_size, s);
   };
-  if (qt == at::kFloat) ct == at::kHalf ? run(static_cast<float*>(nullptr), static_cast<f16*>(nullptr))
-                                        : run(static_cast<float*>(nullptr), static_cast<float*>(nullptr));
-  else ct == at::kHalf ? run(static_cast<bf16*>(nullptr), static_cast<f16*>(nullptr))
-                       : run(static_cast<bf16*>(nullptr), static_cast<bf16*>(nullptr));
+  if (qt == at::kFloat) ct == at::kHalf ? run(float{}, f16{}) : run(float{}, float{});
+  else ct == at::kHalf ? run(bf16{}, f16{}) : run(bf16{}, bf16{});
   return out;
 }
 

@@ -72,7 +72,7 @@ inline std::pair<int64_t, int64_t> share(int64_t items, int64_t align, int t, in
   return {units * t / threads * align, units * (t + 1) / threads * align};
 }
 
-// transformers' rotate-half RoPE in T: to_T(to_T(x * cos) + to_T(rotate_half(x) * sin)), stored as D (T, or a
+// transformers' rotate-half RoPE in T: to_T(to_T(x * cos) + to_T(rotate_half(x) * sin)), stored as S (T, or a
 // float16 cache's element: then rounded once more, as the op-by-op pass's `k.to(cache.dtype)` does).
 template <typename T, typename S>
 inline void rope_head(const T* x, const T* cos, const T* sin, S* dst, int64_t dim) {

@@ -59,7 +59,9 @@ struct Vec {
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))};  // bf16: float's top half
   }
-  static Vec load(const f16* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
+  static Vec load(const f16* p) {
+    return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
+  }
   void store(float* p) const { _mm512_storeu_ps(p, v); }
   void store(bf16* p) const {
     const __m512i u = _mm512_castps_si512(v);
@@ -96,7 +98,9 @@ struct Vec {
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16))};
   }
-  static Vec load(const f16* p) { return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))}; }
+  static Vec load(const f16* p) {
+    return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
+  }
   void store(float* p) const { _mm256_storeu_ps(p, v); }
   void store(bf16* p) const {
     const __m256i u = _mm256_castps_si256(v);
@@ -146,7 +150,9 @@ struct Vec {
   static Vec load(const bf16* p) {
     return {vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(reinterpret_cast<const uint16_t*>(p)), 16))};
   }
-  static Vec load(const f16* p) { return {vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(reinterpret_cast<const uint16_t*>(p))))}; }
+  static Vec load(const f16* p) {
+    return {vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(reinterpret_cast<const uint16_t*>(p))))};
+  }
   void store(float* p) const { vst1q_f32(p, v); }
   void store(bf16* p) const {
     const uint32x4_t u = vreinterpretq_u32_f32(v);
