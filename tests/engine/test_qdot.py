@@ -53,20 +53,21 @@ def int8_activations(x: torch.Tensor) -> torch.Tensor:
 def test_qlinear_matches_the_dequantized_product(module: Any, fmt: str) -> None:
     rng = np.random.default_rng(3)
     k = 512 if fmt in ("Q4_K", "Q6_K") else 576
-    blocks = make_blocks(fmt, 48, k, rng)
+    blocks = make_blocks(fmt, 45, k, rng)  # (45: weight rows past fours of them)
     w = torch.from_numpy(dequantize(blocks, fmt)).double()
     g = torch.Generator().manual_seed(1)
-    x, bias = torch.randn(16, k, generator=g), torch.randn(48, generator=g)
+    x, bias = torch.randn(16, k, generator=g), torch.randn(45, generator=g)
     x[3] = 0.0  # an all-zero row: scale 0, no division by zero
     got = module.qlinear(x, torch.from_numpy(blocks), TYPES[fmt], bias)
-    assert got.dtype == torch.float32 and got.shape == (16, 48)
+    assert got.dtype == torch.float32 and got.shape == (16, 45)
     exact = int8_activations(x).double() @ w.T + bias.double()
     span = float(exact.abs().max())
     assert float((got.double() - exact).abs().max()) <= 1e-5 * span
     floats = x.double() @ w.T + bias.double()
     assert float((got.double() - floats).abs().max()) <= 2e-2 * span
-    for row in (0, 3, 15):  # alone, a row gives the same bits as in the batch of 16
+    for row in (0, 3, 15):  # alone (and in threes), a row gives the same bits as in the batch of 16
         assert torch.equal(module.qlinear(x[row : row + 1], torch.from_numpy(blocks), TYPES[fmt], bias)[0], got[row])
+    assert torch.equal(module.qlinear(x[4:7], torch.from_numpy(blocks), TYPES[fmt], bias), got[4:7])
     halves = module.qlinear(x.bfloat16(), torch.from_numpy(blocks), TYPES[fmt], None)  # bfloat16 activations
     want = int8_activations(x.bfloat16()).double() @ w.T
     assert float((halves.double() - want).abs().max()) <= 1e-5 * span
@@ -76,9 +77,10 @@ def test_qlinear_matches_the_dequantized_product(module: Any, fmt: str) -> None:
 @pytest.mark.parametrize("k", [576, 1536])  # 18 groups (a last pair past the fours of groups), 48 (none)
 def test_qlinear_on_row_packed_weights_is_bitwise_the_gguf_layout(module: Any, fmt: str, k: int) -> None:
     """Q4_0 / Q4_1 rows packed for the kernels (as the loader keeps them) give the same bits as the file's blocks,
-    for every number of rows (the same sums in the same order: only the loads differ)."""
-    blocks = torch.from_numpy(make_blocks(fmt, 40, k, np.random.default_rng(7)))
-    packed = QuantWeight(blocks, TYPES[fmt], (40, k)).repack()
+    for every number of rows (the same sums in the same order: only the loads differ), on the few-rows path (1-3
+    activation rows: four weight rows at a time, scales in registers) and the general one."""
+    blocks = torch.from_numpy(make_blocks(fmt, 43, k, np.random.default_rng(7)))  # (43: rows past fours of rows)
+    packed = QuantWeight(blocks, TYPES[fmt], (43, k)).repack()
     assert packed.qtype == TYPES[fmt] + 1000
     x = torch.randn(16, k, generator=torch.Generator().manual_seed(2))
     for rows in (1, 2, 3, 5, 16):
