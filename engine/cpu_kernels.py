@@ -39,7 +39,6 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
-import torch.nn.functional as F
 
 from engine import cpu_features
 from engine.extension_build import build_extension, build_key, level_flags
@@ -52,6 +51,7 @@ from engine.kernels import (
     Linear,
     add_rms_norm_torch,
     argmax_torch,
+    linear_torch,
 )
 
 log = logging.getLogger(__name__)
@@ -161,18 +161,18 @@ def _for(device: torch.device, enabled: bool, cache_dir: Path | None,
 def linear_for(device: torch.device, dtype: torch.dtype, enabled: bool = True,
                cache_dir: Path | None = None) -> Linear:
     """The linear the forward pass should call: the kernel for small CPU batches (`LINEAR_ROWS` for the dtype and
-    build) when it loads, else F.linear."""
+    build) when it loads, else torch's (`engine.kernels.linear_torch`: float32 through oneDNN)."""
     module = _for(device, enabled, cache_dir, dtype)
     first, last = LINEAR_ROWS.get((build_level() or "", dtype), (0, 0)) if module is not None else (0, 0)
     if module is None or last == 0:
-        return F.linear
+        return linear_torch
     kernel = module.linear_small
 
     def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if (x.dim() == 2 and first <= x.shape[0] <= last and x.shape[1] % 32 == 0 and x.stride(1) == 1
                 and x.dtype == weight.dtype and weight.is_contiguous()):
             return kernel(x, weight, bias)
-        return F.linear(x, weight, bias)
+        return linear_torch(x, weight, bias)
 
     return linear
 

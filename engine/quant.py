@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from engine import quant_kernels
+from engine.kernels import linear_torch
 
 # ggml type id -> (name, weights per block, bytes per block)
 FORMATS: dict[int, tuple[str, int, int]] = {
@@ -86,10 +87,10 @@ class QuantWeight:
         rows, k = self.shape
         step = max(1, PREFILL_TILE_ELEMS // k)
         if step >= rows:
-            return flat @ self.dequantize().T
+            return linear_torch(flat, self.dequantize())
         out = flat.new_empty(flat.shape[0], rows)
         for start in range(0, rows, step):
-            out[:, start : start + step] = flat @ self.slice_rows(start, min(rows, start + step)).dequantize().T
+            out[:, start : start + step] = linear_torch(flat, self.slice_rows(start, min(rows, start + step)).dequantize())
         return out
 
     def slice_rows(self, start: int, end: int) -> QuantWeight:

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from engine import cpu_kernels
+from engine import kernels as kernels_module
+from engine.kernels import ONEDNN_FLOAT32, linear_torch
 from engine.types import SamplingParams
 from tests.support import chat_ids, run_all, tokens_of
 
@@ -90,9 +92,36 @@ def test_linear_for_sends_small_bf16_batches_to_the_kernel_and_the_rest_to_torch
 
 def test_linear_for_keeps_torch_where_the_kernel_does_not_apply() -> None:
     cpu = torch.device("cpu")
-    assert cpu_kernels.linear_for(cpu, torch.float16) is F.linear
-    assert cpu_kernels.linear_for(cpu, torch.bfloat16, enabled=False) is F.linear
-    assert cpu_kernels.linear_for(torch.device("meta"), torch.bfloat16) is F.linear
+    assert cpu_kernels.linear_for(cpu, torch.float16) is linear_torch
+    assert cpu_kernels.linear_for(cpu, torch.bfloat16, enabled=False) is linear_torch
+    assert cpu_kernels.linear_for(torch.device("meta"), torch.bfloat16) is linear_torch
+
+
+@pytest.mark.skipif(not ONEDNN_FLOAT32, reason="this torch has no oneDNN float32 linear")
+def test_torch_linear_runs_float32_on_onednn_within_float32_rounding(monkeypatch: pytest.MonkeyPatch) -> None:
+    """linear_torch sends float32 CPU matmuls to oneDNN (not MKL, which runs AVX2 code on AMD CPUs); the results are
+    F.linear's within float32 rounding, with and without bias, for 2-D and 3-D inputs; other dtypes are F.linear's
+    own, and an empty input is passed on."""
+    calls: list[tuple[int, ...]] = []
+    onednn = torch.ops.mkldnn._linear_pointwise
+
+    def counted(x: torch.Tensor, *rest: object) -> torch.Tensor:
+        calls.append(tuple(x.shape))
+        return onednn(x, *rest)
+
+    monkeypatch.setattr(kernels_module, "_onednn_linear", counted)
+    g = torch.Generator().manual_seed(5)
+    w, b = torch.randn(96, 576, generator=g), torch.randn(96, generator=g)
+    for x in (torch.randn(130, 576, generator=g), torch.randn(2, 7, 576, generator=g), torch.randn(1, 576, generator=g)):
+        for bias in (None, b):
+            got, want = linear_torch(x, w, bias), F.linear(x.double(), w.double(), None if bias is None else bias.double())
+            assert got.dtype == torch.float32 and got.shape == want.shape
+            assert float((got.double() - want).abs().max()) <= 1e-5 * float(want.abs().max())
+    assert len(calls) == 6
+    halves = torch.randn(4, 576, generator=g).bfloat16()
+    assert torch.equal(linear_torch(halves, w.bfloat16(), None), F.linear(halves, w.bfloat16()))
+    assert linear_torch(torch.empty(0, 576), w, b).shape == (0, 96)
+    assert len(calls) == 6
 
 
 def use_broken_sources(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -114,7 +143,7 @@ def test_a_failed_build_falls_back_to_torch_with_the_reason(tmp_path: Path, monk
     use_broken_sources(tmp_path, monkeypatch)
     with caplog.at_level(logging.WARNING, logger="engine.cpu_kernels"):
         linear = cpu_kernels.linear_for(torch.device("cpu"), torch.bfloat16, cache_dir=tmp_path / "cache")
-    assert linear is F.linear
+    assert linear is linear_torch
     assert "CPU kernels off (build failed" in caplog.text
 
 
@@ -132,7 +161,7 @@ def test_a_build_left_locked_by_a_killed_builder_does_not_hang(tmp_path: Path, m
         del cpu_kernels._loaded[key]
     with caplog.at_level(logging.WARNING):
         again = cpu_kernels.linear_for(torch.device("cpu"), torch.bfloat16, cache_dir=cache)
-    assert first is again is F.linear
+    assert first is again is linear_torch
     assert "left by a build that was stopped midway" in caplog.text and not (build_dir / "lock").exists()
 
 
@@ -147,7 +176,7 @@ def test_smollm2_bf16_engine_with_and_without_the_kernel_agrees(smollm2: Any, en
     answers = {}
     for enabled in (True, False):
         engine = engine_factory(smollm2, kv_cache_bytes=32 << 20, max_num_batched_tokens=256, cpu_kernels=enabled)
-        assert (engine.runner._forward.linear is F.linear) is not enabled
+        assert (engine.runner._forward.linear is linear_torch) is not enabled
         outs = run_all(engine, {f"r{i}": (p, SamplingParams(temperature=0.0, max_tokens=8)) for i, p in enumerate(prompts)})
         assert (engine.runner._forward._decoder is not None) is enabled  # decode steps ran as one kernel call
         answers[enabled] = [tokens_of(outs[f"r{i}"]) for i in range(len(prompts))]
