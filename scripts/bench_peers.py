@@ -8,8 +8,9 @@
 | `llamacpp`        | llama.cpp's `llama-server` binary                   | continuous batching over `-np` slots |
 | `llamacpp-python` | llama-cpp-python's `python -m llama_cpp.server`     | none: requests run one at a time    |
 
-Both llama.cpp peers run with llama.cpp's "extra buffer types" off (`--no-repack`), because the AMX kernels
-that `-DGGML_NATIVE=ON` compiles on this CPU crash in `llama_decode` (see `bench_llama_cpp_server.py`).
+On a CPU with AMX, `llama-server` runs with llama.cpp's "extra buffer types" off (`--no-repack`), because the AMX
+kernels that `-DGGML_NATIVE=ON` compiles there crash in `llama_decode`; elsewhere it runs with llama.cpp's defaults.
+llama-cpp-python's server always starts through `bench_llama_cpp_server.py`, which turns them off.
 
 All serve the bundled SmolLM2-135M-Instruct: Peregrine and the llama.cpp servers read its GGUF file,
 `transformers serve` a dense folder converted from the same GGUF once (cached under `.cache/bench-models/`,
