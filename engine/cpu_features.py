@@ -44,6 +44,20 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
     return frozenset()
 
 
+@cache
+def cpu_vendor(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The x86 vendor string Linux reports ("AuthenticAMD", "GenuineIntel"); "" elsewhere."""
+    try:
+        text = cpuinfo.read_text(errors="replace")
+    except OSError:
+        return ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "vendor_id":
+            return value.strip()
+    return ""
+
+
 def detected_level(flags: frozenset[str] | None = None) -> str:
     """The highest level whose flags this CPU has (every lower level's flags included)."""
     flags = cpu_flags() if flags is None else flags

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine import cpu_features
+
 # linear(x [rows, in], weight [out, in], bias [out] | None) -> [rows, out]
 Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 # paged_decode_attention(q [B, H, D], k_cache, v_cache [slots, KVH, D] (q's dtype or float16), block_tables
@@ -43,17 +45,23 @@ def _onednn_float32() -> Callable[..., torch.Tensor] | None:
         return None
 
 
-_onednn_linear = _onednn_float32()
-ONEDNN_FLOAT32 = _onednn_linear is not None
+def float32_linear_for(vendor: str) -> Callable[..., torch.Tensor] | None:
+    """oneDNN's float32 linear on AMD CPUs, where MKL (torch's float32 matmul) runs its AVX2 code; None elsewhere:
+    on Intel CPUs MKL runs its best code, and other CPUs are unmeasured."""
+    return _onednn_float32() if vendor == "AuthenticAMD" else None
+
+
+_onednn_linear = float32_linear_for(cpu_features.cpu_vendor())
 
 
 def linear_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, with float32 on CPU through oneDNN rather than MKL. torch's float32 matmul calls MKL, which runs
-    its AVX2 code on AMD CPUs; oneDNN uses the CPU's best ISA. Prefill-size GEMMs on an AMD EPYC Zen 5 (AVX-512, two
-    cores): 460-500 against 200-230 GFLOPS (130 x 576 x 1536 up to 1024^3); with oneDNN held to AVX2 (as on a Zen 3)
-    still 1.1x. The same float32 products; the summation order is oneDNN's."""
-    if (_onednn_linear is not None and x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu"
-            and x.dim() >= 2 and x.numel() > 0 and weight.dim() == 2 and (bias is None or bias.dtype == torch.float32)):
+    """F.linear, with float32 on AMD CPUs through oneDNN rather than MKL: torch's float32 matmul calls MKL, which
+    runs its AVX2 code there, where oneDNN uses the CPU's best ISA. Prefill-size GEMMs on an AMD EPYC Zen 5
+    (AVX-512, two cores): 460-500 against 200-230 GFLOPS (130 x 576 x 1536 up to 1024^3); with oneDNN held to AVX2
+    (as on a Zen 3) still 1.1x. The same float32 products; the summation order is oneDNN's."""
+    if (_onednn_linear is not None and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and x.device.type == "cpu" and x.dim() >= 2 and x.numel() > 0 and weight.dim() == 2
+            and (bias is None or bias.dtype == torch.float32)):
         return _onednn_linear(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 

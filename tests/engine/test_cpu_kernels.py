@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from engine import cpu_kernels
 from engine import kernels as kernels_module
-from engine.kernels import ONEDNN_FLOAT32, linear_torch
+from engine.kernels import float32_linear_for, linear_torch
 from engine.types import SamplingParams
 from tests.support import chat_ids, run_all, tokens_of
 
@@ -97,13 +97,16 @@ def test_linear_for_keeps_torch_where_the_kernel_does_not_apply() -> None:
     assert cpu_kernels.linear_for(torch.device("meta"), torch.bfloat16) is linear_torch
 
 
-@pytest.mark.skipif(not ONEDNN_FLOAT32, reason="this torch has no oneDNN float32 linear")
+@pytest.mark.skipif(float32_linear_for("AuthenticAMD") is None, reason="this torch has no oneDNN float32 linear")
 def test_torch_linear_runs_float32_on_onednn_within_float32_rounding(monkeypatch: pytest.MonkeyPatch) -> None:
-    """linear_torch sends float32 CPU matmuls to oneDNN (not MKL, which runs AVX2 code on AMD CPUs); the results are
-    F.linear's within float32 rounding, with and without bias, for 2-D and 3-D inputs; other dtypes are F.linear's
-    own, and an empty input is passed on."""
+    """On AMD CPUs linear_torch sends float32 CPU matmuls to oneDNN (not MKL, which runs AVX2 code there; on other
+    CPUs torch's own F.linear: here the oneDNN path is set whatever the CPU); the results are F.linear's within
+    float32 rounding, with and without bias, for 2-D and 3-D inputs; other dtypes are F.linear's own, and an empty
+    input is passed on."""
+    assert float32_linear_for("GenuineIntel") is None and float32_linear_for("") is None
     calls: list[tuple[int, ...]] = []
-    onednn = torch.ops.mkldnn._linear_pointwise
+    onednn = float32_linear_for("AuthenticAMD")
+    assert onednn is not None
 
     def counted(x: torch.Tensor, *rest: object) -> torch.Tensor:
         calls.append(tuple(x.shape))

@@ -72,3 +72,14 @@ def test_kernels_follow_a_lowered_ceiling(monkeypatch: pytest.MonkeyPatch) -> No
     assert cpu_kernels.linear_for(cpu, torch.bfloat16) is linear_torch
     assert cpu_kernels.llama_decoder_for(cpu, torch.bfloat16) is None
     assert cpu_kernels.argmax_for(cpu) is cpu_kernels.argmax_torch
+
+
+def test_cpu_vendor_reads_the_vendor_id(tmp_path: Path) -> None:
+    """The vendor as /proc/cpuinfo names it (x86), "" where it names none (aarch64) or there is no such file."""
+    amd = tmp_path / "amd"
+    amd.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nflags\t\t: fpu avx2\n")
+    arm = tmp_path / "arm"
+    arm.write_text("processor\t: 0\nFeatures\t: fp asimd\nCPU implementer\t: 0x41\n")
+    assert cpu_features.cpu_vendor(amd) == "AuthenticAMD"
+    assert cpu_features.cpu_vendor(arm) == ""
+    assert cpu_features.cpu_vendor(tmp_path / "missing") == ""
