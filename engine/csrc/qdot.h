@@ -612,7 +612,9 @@ inline void scales8_regs(const uint8_t* row, int64_t K, int64_t groups, int64_t 
 
 // dot_packed<T, 1> for N weight rows (`ldw` bytes apart) at once, with their scales and minimums converted in
 // registers, eight groups at a time, instead of through the scratch arrays: for each, the same products and sums
-// in the same order (bitwise dot_packed's result).
+// in the same order (bitwise dot_packed's result). The AVX2 body broadcasts a group's scale from a small stack copy
+// of the eight (a load, where a register permute competes with the dot's shuffles: 13.0-13.6 against 14.1-14.9 ns
+// a row at K = 576, AMD EPYC Zen 5, AVX2 build).
 template <int T, int N>
 inline void dot_packed_one(const uint8_t* row0, int64_t ldw, const QRows& x, int64_t m, float* res) {
   const int64_t K = x.K, groups = K / kQK;
@@ -643,17 +645,16 @@ inline void dot_packed_one(const uint8_t* row0, int64_t ldw, const QRows& x, int
   const __m256i low = _mm256_set1_epi8(0xF);
   __m256 acc[N][2];
   for (int i = 0; i < N; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-  auto pair = [&](int64_t g, int p, const __m256* s8) {
+  alignas(32) float s8buf[N][8];
+  auto pair = [&](int64_t g, int p, const __m256*) {
     const int8_t* a = xq + g * kQK;
     const __m256i a0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a)),
                   a1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + kQK));
     for (int i = 0; i < N; ++i) {
       const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles_of<T>(row0 + i * ldw, g)));
       const __m256i w0 = _mm256_and_si256(q, low), w1 = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
-      acc[i][0] = madd8(_mm256_cvtepi32_ps(dot_u8s8(w0, a0)), _mm256_permutevar8x32_ps(s8[i], _mm256_set1_epi32(2 * p)),
-                        acc[i][0]);
-      acc[i][1] = madd8(_mm256_cvtepi32_ps(dot_u8s8(w1, a1)),
-                        _mm256_permutevar8x32_ps(s8[i], _mm256_set1_epi32(2 * p + 1)), acc[i][1]);
+      acc[i][0] = madd8(_mm256_cvtepi32_ps(dot_u8s8(w0, a0)), _mm256_broadcast_ss(&s8buf[i][2 * p]), acc[i][0]);
+      acc[i][1] = madd8(_mm256_cvtepi32_ps(dot_u8s8(w1, a1)), _mm256_broadcast_ss(&s8buf[i][2 * p + 1]), acc[i][1]);
     }
   };
   using S8 = __m256;
@@ -667,6 +668,9 @@ inline void dot_packed_one(const uint8_t* row0, int64_t ldw, const QRows& x, int
       scales8_regs<T>(row0 + i * ldw, K, groups, g, n, wd, wm);
       macc[i] = madd8(wm, sa, macc[i]);
       s8[i] = widen(_mm256_mul_ps(wd, da));
+#if !(defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__FMA__))
+      _mm256_store_ps(s8buf[i], s8[i]);
+#endif
     }
     if (n == 8) {
       pair(g, 0, s8), pair(g + 2, 1, s8), pair(g + 4, 2, s8), pair(g + 6, 3, s8);
@@ -694,8 +698,8 @@ inline void dot_packed_one(const uint8_t* row0, int64_t ldw, const QRows& x, int
 // With fewer than kFewRows activation rows: kWeightRows weight rows at a time, their scales in registers
 // (dot_packed_one), for each activation row in turn; the rows past the last whole kWeightRows one at a time. One
 // thread, one activation row, L2-resident packed Q4_1 rows (scripts/bench_qdot.py), AMD EPYC Zen 5: 10.8-11.4
-// against 16.5-17.3 ns a row at K = 576 and 19.8-20.3 against 28.7-29.4 at K = 1536 (AVX-512 build), 14.1-14.3
-// against 16.7-17.0 at K = 576 (AVX2 build); at two activation rows 21.6 against 30 ns a weight row, at three 32
+// against 16.5-17.3 ns a row at K = 576 and 19.8-20.3 against 28.7-29.4 at K = 1536 (AVX-512 build), 13.0-13.6
+// against 15.9-17.3 at K = 576 (AVX2 build); at two activation rows 21.6 against 30 ns a weight row, at three 32
 // against 43. From four rows on, dot_packed's groups of four activation rows are as fast (41-42 ns at four).
 constexpr int kWeightRows = 4, kFewRows = 4;
 
