@@ -30,32 +30,31 @@ _NEEDS = {  # Linux's /proc/cpuinfo flag names
 }
 
 
-@cache
-def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
-    """The CPU's feature flags as Linux reports them (empty where there is no /proc/cpuinfo)."""
+def _cpuinfo_field(cpuinfo: Path, keys: tuple[str, ...]) -> str | None:
+    """The value of the first /proc/cpuinfo line whose key is one of `keys`; None where there is none or no file."""
     try:
         text = cpuinfo.read_text(errors="replace")
     except OSError:
-        return frozenset()
+        return None
     for line in text.splitlines():
         key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):  # x86 / aarch64
-            return frozenset(value.split())
-    return frozenset()
+        if key.strip() in keys:
+            return value
+    return None
+
+
+@cache
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The CPU's feature flags as Linux reports them (empty where there is no /proc/cpuinfo)."""
+    value = _cpuinfo_field(cpuinfo, ("flags", "Features"))  # x86 / aarch64
+    return frozenset() if value is None else frozenset(value.split())
 
 
 @cache
 def cpu_vendor(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     """The x86 vendor string Linux reports ("AuthenticAMD", "GenuineIntel"); "" elsewhere."""
-    try:
-        text = cpuinfo.read_text(errors="replace")
-    except OSError:
-        return ""
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "vendor_id":
-            return value.strip()
-    return ""
+    value = _cpuinfo_field(cpuinfo, ("vendor_id",))
+    return "" if value is None else value.strip()
 
 
 def detected_level(flags: frozenset[str] | None = None) -> str:

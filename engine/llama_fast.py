@@ -137,7 +137,8 @@ class LlamaFastForward:
     def __init__(self, model: nn.Module, kernels: Kernels = TORCH) -> None:
         config = model.config
         self.model = model
-        # torch's linear (float32 on oneDNN) or engine.cpu_kernels' small-batch kernel; with quantized weights, wrapped to route those to theirs
+        # torch's linear (engine.kernels.linear_torch) or engine.cpu_kernels' small-batch kernel; with quantized
+        # weights, wrapped to route those to theirs
         self.linear = quant_aware(kernels.linear) if is_quantized(model) else kernels.linear
         self.add_norm = kernels.add_rms_norm  # residual add + RMSNorm: torch ops, or engine.cpu_kernels' fused one
         self.hidden = config.hidden_size

@@ -90,7 +90,8 @@ class QuantWeight:
             return linear_torch(flat, self.dequantize())
         out = flat.new_empty(flat.shape[0], rows)
         for start in range(0, rows, step):
-            out[:, start : start + step] = linear_torch(flat, self.slice_rows(start, min(rows, start + step)).dequantize())
+            tile = self.slice_rows(start, min(rows, start + step)).dequantize()
+            out[:, start : start + step] = linear_torch(flat, tile)
         return out
 
     def slice_rows(self, start: int, end: int) -> QuantWeight:

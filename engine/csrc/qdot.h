@@ -500,6 +500,22 @@ inline void halves_to_floats(const uint8_t* p, int64_t n, float* out) {
 #endif
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__FMA__)
+// The 64 weights of groups g, g + 1 from their 32 bytes of nibbles at p: g's in the low 256 bits, g + 1's above.
+inline __m512i nibbles64(const uint8_t* p) {
+  const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1),
+                          _mm512_set1_epi8(0xF));
+}
+// A row's two 512-bit accumulators summed as dot_rows sums its four: (acc0 + acc2) in the low half and
+// (acc1 + acc3) in the high one, then the halves, then across lanes.
+inline float hsum_pairs(__m512 a, __m512 b) {
+  const __m512 sum = _mm512_add_ps(a, b);
+  return hsum8(_mm256_add_ps(_mm512_castps512_ps256(sum),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sum), 1))));
+}
+#endif
+
 // Row-packed Q4_0 / Q4_1 (quant.h): res[r] = x[m0 + r] . row for r < R. `sc` holds each activation row's group
 // scales times the weight row's (`wd`), so a group's scale is one broadcast load; each 32-byte load of nibbles gives
 // two groups of weights, each multiplied with up to four activation rows. kAccs accumulators a row (group g into
@@ -522,13 +538,11 @@ inline void dot_packed(const uint8_t* row, const float* wm, const float* sc, int
   // and one FMA a pair and activation row, pairs taken in turn by two accumulators (two FMA chains, where one's
   // latency bounds a row at one activation row). Lane for lane the same sums as dot_rows' four (kAccs) on this
   // build: acc[0] holds its acc0 and acc1, acc[1] its acc2 and acc3.
-  const __m512i low = _mm512_set1_epi8(0xF);
   const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
   __m512 acc[2][R];
   for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = _mm512_setzero_ps();
   auto pair = [&](int64_t g, __m512* acc) {
-    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles_of<T>(row, g)));
-    const __m512i w = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1), low);
+    const __m512i w = nibbles64(nibbles_of<T>(row, g));
     for (int r = 0; r < R; ++r) {
       const __m512i a = _mm512_loadu_si512(x.q + (m0 + r) * K + g * kQK);
       const __m128 s2 = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(sc + r * ldsc + g)));
@@ -542,11 +556,7 @@ inline void dot_packed(const uint8_t* row, const float* wm, const float* sc, int
     pair(g + 2, acc[1]);
   }
   if (g < groups) pair(g, acc[0]);
-  for (int r = 0; r < R; ++r) {
-    const __m512 sum = _mm512_add_ps(acc[0][r], acc[1][r]);  // (acc0 + acc2) low, (acc1 + acc3) high
-    res[r] = hsum8(_mm256_add_ps(_mm512_castps512_ps256(sum),
-                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sum), 1))));
-  }
+  for (int r = 0; r < R; ++r) res[r] = hsum_pairs(acc[0][r], acc[1][r]);
 #elif defined(__AVX2__)
   const __m256i low = _mm256_set1_epi8(0xF);
   __m256 acc0[R], acc1[R];
@@ -622,60 +632,53 @@ inline void dot_packed_one(const uint8_t* row0, int64_t ldw, const QRows& x, int
   const float *xd = x.d + m * groups, *xs = x.s + m * groups;
   __m256 macc[N];
   for (int i = 0; i < N; ++i) macc[i] = _mm256_setzero_ps();
+  // set_scales(i, s): keep weight row i's eight group scales (times the activation's) for pair(g, p), which
+  // multiplies groups g, g + 1 (the chunk's pair p) into each row's accumulators.
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__FMA__)
-  const __m512i low = _mm512_set1_epi8(0xF);
-  __m512 acc[N][2];
+  __m512 acc[N][2], s8[N];
   for (int i = 0; i < N; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-  auto pair = [&](int64_t g, int p, const __m512* s8) {  // groups g, g + 1: the chunk's pair p
+  auto set_scales = [&](int i, __m256 s) { s8[i] = _mm512_castps256_ps512(s); };
+  auto pair = [&](int64_t g, int p) {
     const __m512i a = _mm512_loadu_si512(xq + g * kQK);
     const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(2 * p)),
                                            _mm256_set1_epi32(2 * p + 1), 1);
     for (int i = 0; i < N; ++i) {
-      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles_of<T>(row0 + i * ldw, g)));
-      const __m512i w =
-          _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1), low);
+      const __m512i w = nibbles64(nibbles_of<T>(row0 + i * ldw, g));
       const __m512 scale = _mm512_permutexvar_ps(idx, s8[i]);
       acc[i][p & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w, a)), scale,
                                       acc[i][p & 1]);
     }
   };
-  using S8 = __m512;
-  auto widen = [](__m256 v) { return _mm512_castps256_ps512(v); };
 #else
   const __m256i low = _mm256_set1_epi8(0xF);
   __m256 acc[N][2];
   for (int i = 0; i < N; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-  alignas(32) float s8buf[N][8];
-  auto pair = [&](int64_t g, int p, const __m256*) {
+  alignas(32) float s8[N][8];
+  auto set_scales = [&](int i, __m256 s) { _mm256_store_ps(s8[i], s); };
+  auto pair = [&](int64_t g, int p) {
     const int8_t* a = xq + g * kQK;
     const __m256i a0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a)),
                   a1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + kQK));
     for (int i = 0; i < N; ++i) {
       const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles_of<T>(row0 + i * ldw, g)));
       const __m256i w0 = _mm256_and_si256(q, low), w1 = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
-      acc[i][0] = madd8(_mm256_cvtepi32_ps(dot_u8s8(w0, a0)), _mm256_broadcast_ss(&s8buf[i][2 * p]), acc[i][0]);
-      acc[i][1] = madd8(_mm256_cvtepi32_ps(dot_u8s8(w1, a1)), _mm256_broadcast_ss(&s8buf[i][2 * p + 1]), acc[i][1]);
+      acc[i][0] = madd8(_mm256_cvtepi32_ps(dot_u8s8(w0, a0)), _mm256_broadcast_ss(&s8[i][2 * p]), acc[i][0]);
+      acc[i][1] = madd8(_mm256_cvtepi32_ps(dot_u8s8(w1, a1)), _mm256_broadcast_ss(&s8[i][2 * p + 1]), acc[i][1]);
     }
   };
-  using S8 = __m256;
-  auto widen = [](__m256 v) { return v; };
 #endif
   int64_t g = 0;
   auto chunk = [&](int64_t n, __m256 da, __m256 sa) {
-    S8 s8[N];
     for (int i = 0; i < N; ++i) {
       __m256 wd, wm;
       scales8_regs<T>(row0 + i * ldw, K, groups, g, n, wd, wm);
       macc[i] = madd8(wm, sa, macc[i]);
-      s8[i] = widen(_mm256_mul_ps(wd, da));
-#if !(defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__FMA__))
-      _mm256_store_ps(s8buf[i], s8[i]);
-#endif
+      set_scales(i, _mm256_mul_ps(wd, da));
     }
     if (n == 8) {
-      pair(g, 0, s8), pair(g + 2, 1, s8), pair(g + 4, 2, s8), pair(g + 6, 3, s8);
+      pair(g, 0), pair(g + 2, 1), pair(g + 4, 2), pair(g + 6, 3);
     } else {
-      for (int p = 0; 2 * p < n; ++p) pair(g + 2 * p, p, s8);
+      for (int p = 0; 2 * p < n; ++p) pair(g + 2 * p, p);
     }
   };
   for (; g + 8 <= groups; g += 8) chunk(8, _mm256_loadu_ps(xd + g), _mm256_loadu_ps(xs + g));
@@ -685,9 +688,7 @@ inline void dot_packed_one(const uint8_t* row0, int64_t ldw, const QRows& x, int
   }
   for (int i = 0; i < N; ++i) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__FMA__)
-    const __m512 sum = _mm512_add_ps(acc[i][0], acc[i][1]);
-    res[i] = hsum8(_mm256_add_ps(_mm512_castps512_ps256(sum),
-                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sum), 1))));
+    res[i] = hsum_pairs(acc[i][0], acc[i][1]);
 #else
     res[i] = hsum8(_mm256_add_ps(acc[i][0], acc[i][1]));
 #endif

@@ -115,9 +115,11 @@ def test_torch_linear_runs_float32_on_onednn_within_float32_rounding(monkeypatch
     monkeypatch.setattr(kernels_module, "_onednn_linear", counted)
     g = torch.Generator().manual_seed(5)
     w, b = torch.randn(96, 576, generator=g), torch.randn(96, generator=g)
-    for x in (torch.randn(130, 576, generator=g), torch.randn(2, 7, 576, generator=g), torch.randn(1, 576, generator=g)):
+    inputs = (torch.randn(130, 576, generator=g), torch.randn(2, 7, 576, generator=g), torch.randn(1, 576, generator=g))
+    for x in inputs:
         for bias in (None, b):
-            got, want = linear_torch(x, w, bias), F.linear(x.double(), w.double(), None if bias is None else bias.double())
+            want = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+            got = linear_torch(x, w, bias)
             assert got.dtype == torch.float32 and got.shape == want.shape
             assert float((got.double() - want).abs().max()) <= 1e-5 * float(want.abs().max())
     assert len(calls) == 6
