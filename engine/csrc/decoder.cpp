@@ -3,8 +3,11 @@
 // At batch 1 the weights are read once per token and everything else is tiny vectors, so what costs time besides
 // the weight stream is per-op overhead: Python dispatch and waking the thread team for each of the ~15 ops of
 // each layer. Here the step is one parallel region: the threads split each matmul's output rows and meet at a
-// spin barrier between phases (as llama.cpp's thread pool does). The matmuls run on AMX tiles where the CPU has
-// them (Sapphire Rapids and later): the decoder keeps a copy of the weights packed as B tiles in the order a step
+// spin barrier between phases (as llama.cpp's thread pool does), six a layer: QKV; RoPE and the cache
+// store; attention, each (sequence, KV head) merged by the thread that attends its last chunk; O; gate/up with
+// SiLU * up on the same thread's share; down (with many rows, two more after the norms, whose rows are shared;
+// with few, each thread normalizes them all itself). The matmuls run on AMX tiles where the CPU has them
+// (Sapphire Rapids and later): the decoder keeps a copy of the weights packed as B tiles in the order a step
 // reads them (pack_weight), so the weight stream runs front to back near the plain read speed, and the step's
 // 1-32 input rows are the A tiles, read in place. One instruction sequence serves every batch size, so a row's
 // output does not depend on its batch mates. Without AMX (and always in float32) the matmuls are linear.cpp's rows
@@ -65,6 +68,30 @@ struct SpinBarrier {
     }
   }
 };
+
+// Up to this many residual elements (rows * hidden) every thread of a step normalizes all the rows itself instead
+// of its share of them before a barrier: a row of 576 takes tens of nanoseconds, a barrier a few hundred (AMD EPYC
+// Zen 5 under KVM), and each thread's x then sits in its own cache for its share of the next matmul.
+constexpr int64_t kOwnRowsElements = 8192;
+
+// Thread t's attention items are items[begin[t]] .. items[begin[t + 1]]: consecutive items holding about 1 / threads
+// of the step's context positions each. A short context has few items, of unequal lengths (the last chunk is
+// partial), and round robin gave one thread most of them.
+inline std::vector<size_t> split_items(const std::vector<AttnItem>& items, const int64_t* lengths, int threads) {
+  auto positions = [&](const AttnItem& it) { return std::min(kAttnChunk, lengths[it.b] - it.chunk * kAttnChunk); };
+  int64_t total = 0;
+  for (const AttnItem& it : items) total += positions(it);
+  std::vector<size_t> begin(threads + 1, items.size());
+  int next = 0;
+  int64_t at = 0;
+  for (size_t i = 0; i < items.size(); ++i) {  // an item goes to the thread whose share holds its middle
+    const int64_t n = positions(items[i]);
+    const int owner = static_cast<int>((2 * at + n) * threads / (2 * std::max<int64_t>(total, 1)));
+    while (next <= owner) begin[next++] = i;
+    at += n;
+  }
+  return begin;
+}
 
 // [begin, end) of thread t's share of `units` * `align` items.
 inline std::pair<int64_t, int64_t> share(int64_t items, int64_t align, int t, int threads) {
@@ -158,8 +185,10 @@ class LlamaDecoder {
       TORCH_CHECK(embed.scalar_type() == kType<T> && embed.is_contiguous() && embed.size(1) == hidden_,
                   "LlamaDecoder: embeddings [vocab, hidden] in the model dtype");
     }
-    for (const auto& l : layers_)
+    for (const auto& l : layers_) {
       for (const Linear* L : {&l.qkv, &l.o, &l.gate_up, &l.down}) amx_ = amx_ && L->dense();
+      amx_ = amx_ && l.down.K % 32 == 0;  // gate_up's rows split in whole AMX blocks at gate row j and up row I + j
+    }
     amx_ = amx_ && head_.dense();
     if (amx_) pack_all();
   }
@@ -213,16 +242,34 @@ class LlamaDecoder {
     AttnPartials partials;
     partials.reset(lenp, B, H, D);
     SpinBarrier barrier;
+    std::vector<size_t> item_begin;
+    // Per (sequence, KV head): its chunks attended so far this step. The thread that attends the last chunk of a
+    // layer merges the group's query heads, so no barrier separates attending from merging.
+    std::vector<std::atomic<int64_t>> attended(B * KVH);
+    for (auto& a : attended) a.store(0, std::memory_order_relaxed);
+    const bool own_rows = B * hid <= kOwnRowsElements;
 #pragma omp parallel num_threads(at::get_num_threads())
     {
 #pragma omp single
-      barrier.n = omp_get_num_threads();
+      {
+        barrier.n = omp_get_num_threads();
+        item_begin = split_items(items, lenp, barrier.n);
+      }  // (the implicit barrier here publishes both)
       const int nt = barrier.n, t = omp_get_thread_num();
       Scratch s;
-      auto rows = [&](const torch::Tensor& w, const T* add) {  // h += add; x = RMSNorm(h) * w, rows shared
-        for (int64_t m = t; m < B; m += nt)
-          add_rms_norm_row(hp + m * hid, add ? add + m * hid : nullptr, w.data_ptr<T>(), xp + m * hid, hid, eps);
-        barrier.wait();
+      // h += add; x = RMSNorm(h) * w: a share of the rows each, or with few rows (own_rows) every row on every
+      // thread, each into its own copy of h and x, with no barrier after.
+      std::vector<T> own_h, own_x;
+      T *hq = hp, *xq = xp;
+      if (own_rows) {
+        own_h.assign(hp, hp + B * hid);
+        own_x.resize(B * hid);
+        hq = own_h.data(), xq = own_x.data();
+      }
+      auto rows = [&](const torch::Tensor& w, const T* add) {
+        for (int64_t m = own_rows ? 0 : t; m < B; m += own_rows ? 1 : nt)
+          add_rms_norm_row(hq + m * hid, add ? add + m * hid : nullptr, w.data_ptr<T>(), xq + m * hid, hid, eps);
+        if (!own_rows) barrier.wait();
       };
       auto columns = [&](const Linear& L) {  // this thread's output columns (AMX: whole packed blocks)
         auto [n0, n1] = share(L.N, amx_ ? 32 : 16, t, nt);
@@ -238,7 +285,7 @@ class LlamaDecoder {
         rows(l.input_norm, li ? dp : nullptr);
         auto* kc = l.k_cache.data_ptr<C>();
         auto* vc = l.v_cache.data_ptr<C>();
-        matmul(l.qkv, xp, qkvp);
+        matmul(l.qkv, xq, qkvp);
         for (int64_t i = t; i < B * (H + 2 * KVH); i += nt) {  // RoPE on q and k; k and v into their cache slots
           const int64_t m = i / (H + 2 * KVH), head = i % (H + 2 * KVH);
           const T* src = qkvp + m * QKV + head * D;
@@ -249,25 +296,34 @@ class LlamaDecoder {
                               [](T v) { return static_cast<C>(static_cast<float>(v)); });
         }
         barrier.wait();
-        for (size_t i = t; i < items.size(); i += nt)
-          attend_chunk(items[i], qp, kc, vc, tp, lenp, H, KVH, D, max_blocks, block_size_, scale, partials, s.attn);
-        barrier.wait();
-        for (int64_t i = t; i < B * H; i += nt) merge_chunks(i / H, i % H, lenp, ap, H, D, partials);
+        for (size_t i = item_begin[t]; i < item_begin[t + 1]; ++i) {
+          const AttnItem& it = items[i];
+          attend_chunk(it, qp, kc, vc, tp, lenp, H, KVH, D, max_blocks, block_size_, scale, partials, s.attn);
+          // counts add up over the layers: this layer's last chunk brings the count to (layer + 1) * chunks
+          const int64_t due = static_cast<int64_t>(li + 1) * attn_chunks(lenp[it.b]);
+          if (attended[it.b * KVH + it.kvh].fetch_add(1, std::memory_order_acq_rel) + 1 == due)
+            for (int64_t h = it.kvh * (H / KVH); h < (it.kvh + 1) * (H / KVH); ++h)
+              merge_chunks(it.b, h, lenp, ap, H, D, partials);
+        }
         barrier.wait();
         matmul(l.o, ap, dp);
         rows(l.post_norm, dp);
-        matmul(l.gate_up, xp, gup);
-        const auto [e0, e1] = share(B * I, 16, t, nt);
-        for (int64_t e = e0; e < e1; e += Vec::W) {
-          const int64_t m = e / I, j = e % I;
-          silu_mul(gup + m * 2 * I + j, gup + m * 2 * I + I + j, actp + e);
+        {  // this thread's gate rows j0..j1 and up rows I + j0..I + j1, then their SiLU * up: no barrier between
+          auto [j0, j1] = share(I, amx_ ? 32 : 16, t, nt);
+          if (t == nt - 1) j1 = I;
+          q::QRows qx{};  // x quantized once for both
+          linear_rows(l.gate_up, xq, hid, B, gup, 2 * I, j0, j1, amx_, s, qx);
+          linear_rows(l.gate_up, xq, hid, B, gup, 2 * I, I + j0, I + j1, amx_, s, qx);
+          for (int64_t m = 0; m < B; ++m)
+            for (int64_t j = j0; j < j1; j += Vec::W)
+              silu_mul(gup + m * 2 * I + j, gup + m * 2 * I + I + j, actp + m * I + j);
         }
         barrier.wait();
         matmul(l.down, actp, dp);
       }
       rows(final_norm_, layers_.empty() ? nullptr : dp);
       const auto [v0, v1] = columns(head_);  // the LM head, then this thread's logits as float32
-      linear_rows(head_, xp, head_.K, B, lp, V, v0, v1, amx_, s);
+      linear_rows(head_, xq, head_.K, B, lp, V, v0, v1, amx_, s);
       if constexpr (!std::is_same_v<T, float>)
         for (int64_t m = 0; m < B; ++m)
           for (int64_t n = v0; n < v1; n += Vec::W) Vec::load(lp + m * V + n).store(logitsp + m * V + n);

@@ -35,10 +35,11 @@ struct Linear {
 
 // out[:M, n_begin:n_end] = x[:M] @ w[n_begin:n_end]^T (+ bias). n_begin and n_end are multiples of 16; with AMX
 // (bf16 only) n_begin is a multiple of 32 and n_end one too or N. Quantized parts multiply the rows quantized to
-// int8 (qdot.h), once per call.
+// int8 (qdot.h) into `qx` by the first of them: calls on the same x may share one (empty at first), or take a fresh
+// one each (the overload without it).
 template <typename T>
 void linear_rows(const Linear& L, const T* x, int64_t ldx, int64_t M, T* out, int64_t ldo, int64_t n_begin,
-                 int64_t n_end, bool amx, Scratch& s) {
+                 int64_t n_end, bool amx, Scratch& s, q::QRows& qx) {
   const float* bias = L.bias.defined() ? L.bias.data_ptr<float>() : nullptr;
   if (n_begin >= n_end) return;
   if constexpr (std::is_same_v<T, bf16>) {
@@ -48,7 +49,6 @@ void linear_rows(const Linear& L, const T* x, int64_t ldx, int64_t M, T* out, in
       return;
     }
   }
-  q::QRows qx{};
   for (const Part& p : L.parts) {
     const int64_t b = std::max(n_begin, p.n0) - p.n0, e = std::min(n_end, p.n0 + p.rows) - p.n0;
     if (b >= e) continue;
@@ -63,6 +63,13 @@ void linear_rows(const Linear& L, const T* x, int64_t ldx, int64_t M, T* out, in
     for (int64_t m0 = 0; m0 < M; m0 += 8)
       gemv_rows(std::min<int64_t>(M - m0, 8), x + m0 * ldx, w, pb, out + m0 * ldo + p.n0, L.K, ldx, ldo, b, e);
   }
+}
+
+template <typename T>
+void linear_rows(const Linear& L, const T* x, int64_t ldx, int64_t M, T* out, int64_t ldo, int64_t n_begin,
+                 int64_t n_end, bool amx, Scratch& s) {
+  q::QRows qx{};
+  linear_rows(L, x, ldx, M, out, ldo, n_begin, n_end, amx, s, qx);
 }
 
 template <typename T>

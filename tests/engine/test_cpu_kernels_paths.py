@@ -204,6 +204,34 @@ def test_one_call_decoder_matches_the_op_by_op_forward(path: tuple[str, Any], dt
     assert max(errors) <= (1e-4 if dtype == torch.float32 else 0.02), errors
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_one_call_decoder_with_many_rows_gives_a_row_the_bits_it_gets_alone(
+        path: tuple[str, Any], dtype: torch.dtype, byte_level_tokenizer: Any, engine_factory: Any) -> None:
+    """Up to 8192 residual elements a step (64 rows of this model's 128) every thread normalizes every row itself;
+    past that the threads share the rows and meet at a barrier. 66 requests decode past that line while the row
+    decoded alone stays below it: both give the row the same bits, and both agree with the op-by-op pass. The
+    attention items of rows of different lengths (16 to 80 positions, the last chunk partial) are split by positions
+    and merged by whichever thread attends a head's last chunk."""
+    from tests.support import Loaded, decoder_against_op_by_op
+
+    _, module = path
+    engine = engine_factory(Loaded(_random_llama(dtype), byte_level_tokenizer, 512), kv_cache_bytes=32 << 20,
+                            block_size=4, cpu_kernels=False, max_num_seqs=66,
+                            max_num_batched_tokens=4096)  # every prompt in the first step
+    cls = getattr(module, f"LlamaDecoder_{str(dtype).removeprefix('torch.')}")
+
+    def factory(*args: object) -> object:
+        return cls(*args, False)
+
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    requests = {f"r{i}": (list(range(3 + i, 3 + i + 16 + i % 65)), params) for i in range(66)}
+    steps = decoder_against_op_by_op(engine, factory, requests)
+    assert any(step.got.shape[0] == 66 for step in steps), [step.got.shape[0] for step in steps]
+    assert all(step.batch_invariant for step in steps), "a row changed with its batch mates"
+    errors = [step.error for step in steps]
+    assert max(errors) <= (1e-4 if dtype == torch.float32 else 0.02), errors
+
+
 def test_the_avx2_path_is_what_a_capped_engine_uses(monkeypatch: pytest.MonkeyPatch, tiny: Any,
                                                     engine_factory: Any) -> None:
     """PEREGRINE_CPU_ISA=avx2 on any x86 CPU with AVX2 gives the engine the AVX2 build's kernels."""
