@@ -145,7 +145,8 @@ template <typename T, typename C>
 void attend_chunk(const AttnItem& item, const T* q, const C* k_cache, const C* v_cache, const int64_t* block_tables,
                   const int64_t* lengths, int64_t heads, int64_t kv_heads, int64_t dim, int64_t max_blocks,
                   int64_t block_size, float scale, AttnPartials& partials, AttnScratch& s) {
-  const int64_t b = item.b, kvh = item.kvh, group = heads / kv_heads, h0 = kvh * group;
+  const int64_t b = item.b, kvh = item.kvh, g_end = item.g1 < 0 ? heads / kv_heads : item.g1;
+  const int64_t h0 = kvh * (heads / kv_heads) + item.g0, group = g_end - item.g0;  // this item's query heads
   const int64_t* table = block_tables + b * max_blocks;
   const int64_t p_begin = item.chunk * kAttnChunk, n = std::min(kAttnChunk, lengths[b] - p_begin);
   const C* k_rows[kAttnChunk];

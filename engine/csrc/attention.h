@@ -29,6 +29,7 @@ struct AttnPartials {
 
 struct AttnItem {
   int64_t b, kvh, chunk;
+  int64_t g0 = 0, g1 = -1;  // the GQA group's query heads g0 .. g1 (-1: to the group's end)
 };
 
 // Every (sequence, KV head, chunk) of a step, in a fixed order.

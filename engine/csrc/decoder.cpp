@@ -74,11 +74,18 @@ struct SpinBarrier {
 // Zen 5 under KVM), and each thread's x then sits in its own cache for its share of the next matmul.
 constexpr int64_t kOwnRowsElements = 8192;
 
+// Fewer attention items than this per thread (a short context, few sequences) are split into one item per query
+// head, so that they share out evenly: 3 KV heads of one short sequence on 2 threads were 2 items against 1.
+constexpr size_t kItemsPerThread = 4;
+
 // Thread t's attention items are items[begin[t]] .. items[begin[t + 1]]: consecutive items holding about 1 / threads
-// of the step's context positions each. A short context has few items, of unequal lengths (the last chunk is
-// partial), and round robin gave one thread most of them.
-inline std::vector<size_t> split_items(const std::vector<AttnItem>& items, const int64_t* lengths, int threads) {
-  auto positions = [&](const AttnItem& it) { return std::min(kAttnChunk, lengths[it.b] - it.chunk * kAttnChunk); };
+// of the step's work (context positions times query heads) each. Items differ in size (a sequence's last chunk is
+// partial), and round robin gave one thread most of it.
+inline std::vector<size_t> split_items(const std::vector<AttnItem>& items, const int64_t* lengths, int64_t group,
+                                       int threads) {
+  auto positions = [&](const AttnItem& it) {
+    return std::min(kAttnChunk, lengths[it.b] - it.chunk * kAttnChunk) * ((it.g1 < 0 ? group : it.g1) - it.g0);
+  };
   int64_t total = 0;
   for (const AttnItem& it : items) total += positions(it);
   std::vector<size_t> begin(threads + 1, items.size());
@@ -238,14 +245,15 @@ class LlamaDecoder {
     const int64_t *slotp = slot.data_ptr<int64_t>(), *tp = tables.data_ptr<int64_t>(), *lenp = lens.data_ptr<int64_t>();
     const int64_t max_blocks = tables.size(1);
     const float eps = static_cast<float>(eps_), scale = static_cast<float>(scale_);
-    const std::vector<AttnItem> items = attn_items(lenp, B, KVH);
+    std::vector<AttnItem> items = attn_items(lenp, B, KVH);
     AttnPartials partials;
     partials.reset(lenp, B, H, D);
     SpinBarrier barrier;
     std::vector<size_t> item_begin;
-    // Per (sequence, KV head): its chunks attended so far this step. The thread that attends the last chunk of a
-    // layer merges the group's query heads, so no barrier separates attending from merging.
+    // Per (sequence, KV head): its items attended so far this step, and how many it has a layer. The thread that
+    // attends the last of a layer merges the group's query heads, so no barrier separates attending from merging.
     std::vector<std::atomic<int64_t>> attended(B * KVH);
+    std::vector<int64_t> items_of(B * KVH, 0);
     for (auto& a : attended) a.store(0, std::memory_order_relaxed);
     const bool own_rows = B * hid <= kOwnRowsElements;
 #pragma omp parallel num_threads(at::get_num_threads())
@@ -253,8 +261,15 @@ class LlamaDecoder {
 #pragma omp single
       {
         barrier.n = omp_get_num_threads();
-        item_begin = split_items(items, lenp, barrier.n);
-      }  // (the implicit barrier here publishes both)
+        if (items.size() < kItemsPerThread * barrier.n && H > KVH) {
+          std::vector<AttnItem> heads;
+          for (const AttnItem& it : items)
+            for (int64_t g = 0; g < H / KVH; ++g) heads.push_back({it.b, it.kvh, it.chunk, g, g + 1});
+          items = std::move(heads);
+        }
+        for (const AttnItem& it : items) ++items_of[it.b * KVH + it.kvh];
+        item_begin = split_items(items, lenp, H / KVH, barrier.n);
+      }  // (the implicit barrier here publishes them)
       const int nt = barrier.n, t = omp_get_thread_num();
       Scratch s;
       // h += add; x = RMSNorm(h) * w: a share of the rows each, or with few rows (own_rows) every row on every
@@ -299,8 +314,8 @@ class LlamaDecoder {
         for (size_t i = item_begin[t]; i < item_begin[t + 1]; ++i) {
           const AttnItem& it = items[i];
           attend_chunk(it, qp, kc, vc, tp, lenp, H, KVH, D, max_blocks, block_size_, scale, partials, s.attn);
-          // counts add up over the layers: this layer's last chunk brings the count to (layer + 1) * chunks
-          const int64_t due = static_cast<int64_t>(li + 1) * attn_chunks(lenp[it.b]);
+          // counts add up over the layers: this layer's last item brings the count to (layer + 1) * items
+          const int64_t due = static_cast<int64_t>(li + 1) * items_of[it.b * KVH + it.kvh];
           if (attended[it.b * KVH + it.kvh].fetch_add(1, std::memory_order_acq_rel) + 1 == due)
             for (int64_t h = it.kvh * (H / KVH); h < (it.kvh + 1) * (H / KVH); ++h)
               merge_chunks(it.b, h, lenp, ap, H, D, partials);
