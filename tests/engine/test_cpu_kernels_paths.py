@@ -210,8 +210,9 @@ def test_one_call_decoder_with_many_rows_gives_a_row_the_bits_it_gets_alone(
     """Up to 8192 residual elements a step (64 rows of this model's 128) every thread normalizes every row itself;
     past that the threads share the rows and meet at a barrier. 66 requests decode past that line while the row
     decoded alone stays below it: both give the row the same bits, and both agree with the op-by-op pass. The
-    attention items of rows of different lengths (16 to 80 positions, the last chunk partial) are split by positions
-    and merged by whichever thread attends a head's last chunk."""
+    attention items of rows of different lengths (16 to 80 positions, the last chunk partial) are split between
+    threads by positions and merged by whichever thread attends a head's last chunk; the row alone has few items,
+    which become one per query head."""
     from tests.support import Loaded, decoder_against_op_by_op
 
     _, module = path
