@@ -56,12 +56,22 @@ def main(argv: list[str] | None = None) -> int:
     return (serve_on_ray if settings.use_ray else serve)(settings, prepared)
 
 
+# libgomp's spins before an idle OpenMP worker sleeps (its default is 300,000, "about 3 ms"; PASSIVE alone is 0).
+OPENMP_SPINS = "1000"
+
+
 def quiet_openmp_waits() -> None:
-    """OpenMP threads sleep at barriers instead of spinning unless the user chose otherwise. The engine runs in
-    its own thread next to the event loop; spinning OpenMP workers took the cores that thread and other processes
-    needed, 5-10x slower decoding under CPU contention, and on a quiet machine passive is no slower
-    (docs/benchmarks.md, "OpenMP spin-waiting"). Called on start, before anything imports torch."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    """OpenMP workers spin briefly, then sleep, unless the user set OMP_WAIT_POLICY or GOMP_SPINCOUNT. The engine
+    runs in its own thread next to the event loop; libgomp's default spin of milliseconds took the cores that
+    thread and other processes needed (5-10x slower decoding under CPU contention), so the policy is PASSIVE.
+    Sleeping at once, though, makes every one of a prefill's ~450 torch ops wake the worker from sleep (on a
+    2-vCPU KVM guest that cost a 128-token prompt's TTFT about 40 ms), so the workers first spin GOMP_SPINCOUNT =
+    OPENMP_SPINS times, across the gaps between ops (docs/benchmarks.md, "OpenMP spin-waiting"). Called on
+    start, before anything imports torch."""
+    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+        return
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    os.environ["GOMP_SPINCOUNT"] = OPENMP_SPINS
 
 
 def apply_cpu_isa(cap: str) -> None:
