@@ -145,8 +145,8 @@ template <typename T, typename C>
 void attend_chunk(const AttnItem& item, const T* q, const C* k_cache, const C* v_cache, const int64_t* block_tables,
                   const int64_t* lengths, int64_t heads, int64_t kv_heads, int64_t dim, int64_t max_blocks,
                   int64_t block_size, float scale, AttnPartials& partials, AttnScratch& s) {
-  const int64_t b = item.b, kvh = item.kvh, g_end = item.g1 < 0 ? heads / kv_heads : item.g1;
-  const int64_t h0 = kvh * (heads / kv_heads) + item.g0, group = g_end - item.g0;  // this item's query heads
+  const int64_t b = item.b, kvh = item.kvh;
+  const int64_t h0 = kvh * (heads / kv_heads) + item.g0, group = item.g1 - item.g0;  // this item's query heads
   const int64_t* table = block_tables + b * max_blocks;
   const int64_t p_begin = item.chunk * kAttnChunk, n = std::min(kAttnChunk, lengths[b] - p_begin);
   const C* k_rows[kAttnChunk];
@@ -211,7 +211,7 @@ template <typename T, typename C>
 void paged_decode(const T* q, const C* k_cache, const C* v_cache, const int64_t* block_tables,
                   const int64_t* lengths, T* out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
                   int64_t max_blocks, int64_t block_size, float scale) {
-  const std::vector<AttnItem> items = attn_items(lengths, batch, kv_heads);
+  const std::vector<AttnItem> items = attn_items(lengths, batch, kv_heads, heads / kv_heads);
   AttnPartials partials;
   partials.reset(lengths, batch, heads, dim);
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {

@@ -29,15 +29,15 @@ struct AttnPartials {
 
 struct AttnItem {
   int64_t b, kvh, chunk;
-  int64_t g0 = 0, g1 = -1;  // the GQA group's query heads g0 .. g1 (-1: to the group's end)
+  int64_t g0, g1;  // the query heads g0 .. g1 of the KV head's GQA group
 };
 
-// Every (sequence, KV head, chunk) of a step, in a fixed order.
-inline std::vector<AttnItem> attn_items(const int64_t* lengths, int64_t batch, int64_t kv_heads) {
+// Every (sequence, KV head, chunk) of a step, in a fixed order, each for its whole group of `group` query heads.
+inline std::vector<AttnItem> attn_items(const int64_t* lengths, int64_t batch, int64_t kv_heads, int64_t group) {
   std::vector<AttnItem> items;
   for (int64_t b = 0; b < batch; ++b)
     for (int64_t kvh = 0; kvh < kv_heads; ++kvh)
-      for (int64_t c = 0; c < attn_chunks(lengths[b]); ++c) items.push_back({b, kvh, c});
+      for (int64_t c = 0; c < attn_chunks(lengths[b]); ++c) items.push_back({b, kvh, c, 0, group});
   return items;
 }
 

@@ -81,10 +81,9 @@ constexpr size_t kItemsPerThread = 4;
 // Thread t's attention items are items[begin[t]] .. items[begin[t + 1]]: consecutive items holding about 1 / threads
 // of the step's work (context positions times query heads) each. Items differ in size (a sequence's last chunk is
 // partial), and round robin gave one thread most of it.
-inline std::vector<size_t> split_items(const std::vector<AttnItem>& items, const int64_t* lengths, int64_t group,
-                                       int threads) {
+inline std::vector<size_t> split_items(const std::vector<AttnItem>& items, const int64_t* lengths, int threads) {
   auto positions = [&](const AttnItem& it) {
-    return std::min(kAttnChunk, lengths[it.b] - it.chunk * kAttnChunk) * ((it.g1 < 0 ? group : it.g1) - it.g0);
+    return std::min(kAttnChunk, lengths[it.b] - it.chunk * kAttnChunk) * (it.g1 - it.g0);
   };
   int64_t total = 0;
   for (const AttnItem& it : items) total += positions(it);
@@ -219,7 +218,7 @@ class LlamaDecoder {
     for (int64_t m = 0; m < B; ++m)
       TORCH_CHECK(tokp[m] >= 0 && tokp[m] < embed_.size(0) && ropep[m] >= 0 && ropep[m] < cs.size(0),
                   "LlamaDecoder.step: token id or RoPE row out of range");
-    const int64_t QKV = (H + 2 * KVH) * D, I = layers_.empty() ? 0 : layers_[0].down.K, V = head_.N;
+    const int64_t group = H / KVH, QKV = (H + 2 * KVH) * D, I = layers_.empty() ? 0 : layers_[0].down.K, V = head_.N;
     auto opts = final_norm_.options();  // T (the embeddings may be uint8 blocks)
     auto h = torch::empty({B, hid}, opts);  // the residual stream, from the embeddings
     if (embed_qtype_) {  // the looked-up rows dequantized, rounded to T
@@ -245,15 +244,15 @@ class LlamaDecoder {
     const int64_t *slotp = slot.data_ptr<int64_t>(), *tp = tables.data_ptr<int64_t>(), *lenp = lens.data_ptr<int64_t>();
     const int64_t max_blocks = tables.size(1);
     const float eps = static_cast<float>(eps_), scale = static_cast<float>(scale_);
-    std::vector<AttnItem> items = attn_items(lenp, B, KVH);
+    std::vector<AttnItem> items = attn_items(lenp, B, KVH, group);
     AttnPartials partials;
     partials.reset(lenp, B, H, D);
     SpinBarrier barrier;
     std::vector<size_t> item_begin;
-    // Per (sequence, KV head): its items attended so far this step, and how many it has a layer. The thread that
-    // attends the last of a layer merges the group's query heads, so no barrier separates attending from merging.
+    int64_t items_per_chunk = 1;  // group when each query head is an item of its own
+    // Per (sequence, KV head): its items attended so far this step. The thread that attends the last of a layer
+    // merges the group's query heads, so no barrier separates attending from merging.
     std::vector<std::atomic<int64_t>> attended(B * KVH);
-    std::vector<int64_t> items_of(B * KVH, 0);
     for (auto& a : attended) a.store(0, std::memory_order_relaxed);
     const bool own_rows = B * hid <= kOwnRowsElements;
 #pragma omp parallel num_threads(at::get_num_threads())
@@ -261,14 +260,14 @@ class LlamaDecoder {
 #pragma omp single
       {
         barrier.n = omp_get_num_threads();
-        if (items.size() < kItemsPerThread * barrier.n && H > KVH) {
+        if (items.size() < kItemsPerThread * barrier.n && group > 1) {
           std::vector<AttnItem> heads;
           for (const AttnItem& it : items)
-            for (int64_t g = 0; g < H / KVH; ++g) heads.push_back({it.b, it.kvh, it.chunk, g, g + 1});
+            for (int64_t g = 0; g < group; ++g) heads.push_back({it.b, it.kvh, it.chunk, g, g + 1});
           items = std::move(heads);
+          items_per_chunk = group;
         }
-        for (const AttnItem& it : items) ++items_of[it.b * KVH + it.kvh];
-        item_begin = split_items(items, lenp, H / KVH, barrier.n);
+        item_begin = split_items(items, lenp, barrier.n);
       }  // (the implicit barrier here publishes them)
       const int nt = barrier.n, t = omp_get_thread_num();
       Scratch s;
@@ -286,12 +285,12 @@ class LlamaDecoder {
           add_rms_norm_row(hq + m * hid, add ? add + m * hid : nullptr, w.data_ptr<T>(), xq + m * hid, hid, eps);
         if (!own_rows) barrier.wait();
       };
-      auto columns = [&](const Linear& L) {  // this thread's output columns (AMX: whole packed blocks)
-        auto [n0, n1] = share(L.N, amx_ ? 32 : 16, t, nt);
-        return std::make_pair(n0, t == nt - 1 ? L.N : n1);
+      auto columns = [&](int64_t n) {  // this thread's share of n output columns (AMX: whole packed blocks)
+        auto [n0, n1] = share(n, amx_ ? 32 : 16, t, nt);
+        return std::make_pair(n0, t == nt - 1 ? n : n1);
       };
       auto matmul = [&](const Linear& L, const T* in, T* out) {
-        const auto [n0, n1] = columns(L);
+        const auto [n0, n1] = columns(L.N);
         linear_rows(L, in, L.K, B, out, L.N, n0, n1, amx_, s);
         barrier.wait();
       };
@@ -315,17 +314,16 @@ class LlamaDecoder {
           const AttnItem& it = items[i];
           attend_chunk(it, qp, kc, vc, tp, lenp, H, KVH, D, max_blocks, block_size_, scale, partials, s.attn);
           // counts add up over the layers: this layer's last item brings the count to (layer + 1) * items
-          const int64_t due = static_cast<int64_t>(li + 1) * items_of[it.b * KVH + it.kvh];
+          const int64_t due = static_cast<int64_t>(li + 1) * attn_chunks(lenp[it.b]) * items_per_chunk;
           if (attended[it.b * KVH + it.kvh].fetch_add(1, std::memory_order_acq_rel) + 1 == due)
-            for (int64_t h = it.kvh * (H / KVH); h < (it.kvh + 1) * (H / KVH); ++h)
+            for (int64_t h = it.kvh * group; h < (it.kvh + 1) * group; ++h)
               merge_chunks(it.b, h, lenp, ap, H, D, partials);
         }
         barrier.wait();
         matmul(l.o, ap, dp);
         rows(l.post_norm, dp);
         {  // this thread's gate rows j0..j1 and up rows I + j0..I + j1, then their SiLU * up: no barrier between
-          auto [j0, j1] = share(I, amx_ ? 32 : 16, t, nt);
-          if (t == nt - 1) j1 = I;
+          const auto [j0, j1] = columns(I);
           q::QRows qx{};  // x quantized once for both
           linear_rows(l.gate_up, xq, hid, B, gup, 2 * I, j0, j1, amx_, s, qx);
           linear_rows(l.gate_up, xq, hid, B, gup, 2 * I, I + j0, I + j1, amx_, s, qx);
@@ -337,7 +335,7 @@ class LlamaDecoder {
         matmul(l.down, actp, dp);
       }
       rows(final_norm_, layers_.empty() ? nullptr : dp);
-      const auto [v0, v1] = columns(head_);  // the LM head, then this thread's logits as float32
+      const auto [v0, v1] = columns(V);  // the LM head, then this thread's logits as float32
       linear_rows(head_, xq, head_.K, B, lp, V, v0, v1, amx_, s);
       if constexpr (!std::is_same_v<T, float>)
         for (int64_t m = 0; m < B; ++m)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 import main
@@ -15,8 +17,6 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
 
 
 def test_unset_gives_passive_with_a_short_spin(clean_env: pytest.MonkeyPatch) -> None:
-    import os
-
     main.quiet_openmp_waits()
     assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
     assert os.environ["GOMP_SPINCOUNT"] == main.OPENMP_SPINS == "1000"
@@ -24,8 +24,6 @@ def test_unset_gives_passive_with_a_short_spin(clean_env: pytest.MonkeyPatch) ->
 
 @pytest.mark.parametrize(("name", "value"), [("OMP_WAIT_POLICY", "ACTIVE"), ("GOMP_SPINCOUNT", "300000")])
 def test_a_users_choice_is_left_alone(clean_env: pytest.MonkeyPatch, name: str, value: str) -> None:
-    import os
-
     clean_env.setenv(name, value)
     main.quiet_openmp_waits()
     assert os.environ[name] == value
