@@ -1,9 +1,12 @@
 """Batched sampling on the device: one row per sequence, each with its own parameters.
 
 Order: min_tokens suppression, penalties (repetition, presence, frequency), logit bias, then greedy argmax or
-temperature -> top-k -> top-p -> min-p -> draw. Draws use the exponential race (argmax of p / q, q ~ Exp(1)), with
-noise from the sequence's own generator when it has a seed, so a seeded sequence gets the same tokens whatever
-else is in the batch. The results cross to the host in one copy per step. Logprobs are those of the model's raw
+temperature -> top-k -> top-p -> min-p -> draw. Only the rows that sample are computed past the argmax. A draw
+takes one uniform number per row (from the sequence's own generator when it has a seed, so a seeded sequence gets
+the same tokens whatever else is in the batch) and inverts the row's cumulative distribution: a vocabulary of
+noise per row (the exponential race) cost ~0.7 ms a row on a CPU, more than a small model's decode step. Top-k, top-p
+and min-p keep what is at or above a floor per row, found without sorting the vocabulary where it can be
+(`filter_probs`). The results cross to the host in one copy per step. Logprobs are those of the model's raw
 distribution (before penalties and temperature), like vLLM's default; for a row constrained by a grammar
 (engine/grammar.py), of the masked distribution: its mask is applied first, to that row only.
 """
@@ -13,11 +16,13 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.grammar import apply_mask
 from engine.kernels import Argmax, argmax_torch
 from engine.sequence import Sequence
+from engine.types import SamplingParams
 
 SeqKey = tuple[str, int]
 MIN_LOGPROB = -9999.0  # a token a grammar forbids has logprob -inf; reported as this (JSON has no -inf), as vLLM
@@ -72,27 +77,29 @@ class Sampler:
         return logits
 
     def _choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        greedy = self._argmax(logits)
-        if all(s.params.greedy for s in seqs):
-            return greedy
-        temps = torch.tensor([s.params.temperature if not s.params.greedy else 1.0 for s in seqs],
-                             device=logits.device, dtype=logits.dtype)
-        probs = filter_probs(torch.softmax(logits / temps[:, None], dim=-1), seqs)
-        drawn = self._argmax(probs / self._noise(probs, seqs))
-        is_greedy = torch.tensor([s.params.greedy for s in seqs], device=logits.device)
-        return torch.where(is_greedy, greedy, drawn)
+        rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        if not rows:
+            return self._argmax(logits)
+        drawing = [seqs[i] for i in rows]
+        every = len(rows) == len(seqs)
+        at = None if every else torch.tensor(rows, device=logits.device)
+        sub = logits if at is None else logits[at]
+        temps = torch.tensor([s.params.temperature for s in drawing], device=logits.device, dtype=logits.dtype)
+        probs = filter_probs(torch.softmax(sub / temps[:, None], dim=-1), [s.params for s in drawing])
+        drawn = draw(probs, self._uniforms(drawing, probs.device))
+        if at is None:
+            return drawn
+        return self._argmax(logits).index_copy_(0, at, drawn)
 
-    def _noise(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """Exp(1) noise, [batch, vocab]: a seeded sequence's row comes from its own generator."""
-        noise = torch.ones_like(probs)
-        free_rows = [i for i, s in enumerate(seqs) if not s.params.greedy and s.params.seed is None]
-        if free_rows:
-            rows = torch.empty((len(free_rows), probs.shape[1]), device=probs.device, dtype=probs.dtype)
-            noise[free_rows] = rows.exponential_(generator=self._global)
-        for i, seq in enumerate(seqs):
-            if not seq.params.greedy and seq.params.seed is not None:
-                noise[i].exponential_(generator=self._generator(seq))
-        return noise
+    def _uniforms(self, seqs: list[Sequence], device: torch.device) -> torch.Tensor:
+        """One U[0, 1) number per row: a seeded sequence's from its own generator, the others' from the global one
+        (one call for all of them, in row order)."""
+        free = [s for s in seqs if s.params.seed is None]
+        if len(free) == len(seqs):
+            return torch.rand(len(seqs), device=device, generator=self._global)
+        shared = iter(torch.rand(len(free), device=device, generator=self._global).split(1)) if free else iter(())
+        return torch.cat([next(shared) if s.params.seed is None
+                          else torch.rand(1, device=device, generator=self._generator(s)) for s in seqs])
 
     def _generator(self, seq: Sequence) -> torch.Generator:
         gen = self._seeded.get(seq.seq_id)
@@ -187,19 +194,66 @@ def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor
     return logits
 
 
-def filter_probs(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """Zero out what top-k, top-p and min-p exclude, per row. [batch, vocab] -> [batch, vocab]."""
-    p = [s.params for s in seqs]
-    if all(x.top_k <= 0 and x.top_p >= 1.0 and x.min_p <= 0.0 for x in p):
+FIRST_RANKS = 64  # top-p looks for its cut among a row's best 64 first, then sorts the row
+
+
+def filter_probs(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Zero out what top-k, top-p and min-p drop, per row: [rows, vocab] -> [rows, vocab]. Each filter keeps the
+    tokens at or above a floor, so a row keeps what is at or above the highest of its floors (the best token
+    always survives; a tie at a floor is kept whole, as in vLLM):
+    - top-k: the k-th best probability;
+    - top-p: the smallest probability of the shortest run of best tokens whose mass reaches top_p (a token is
+      kept while the mass ranked above it is below top_p);
+    - min-p: min_p x the best probability.
+    Nothing is sorted whole unless top-p needs more than the best FIRST_RANKS tokens: `torch.topk` of a few
+    dozen is ~50 us a row on a CPU, `torch.sort` of 49k probabilities ~3 ms (numpy's sort, used there, ~0.1 ms).
+    A row's floors depend on that row alone."""
+    vocab, device, dtype = probs.shape[1], probs.device, probs.dtype
+    floors = []
+    if any(x.min_p > 0.0 for x in params):
+        floors.append(torch.tensor([x.min_p for x in params], device=device, dtype=dtype) * probs.amax(dim=-1))
+    if any(0 < x.top_k < vocab for x in params):
+        best = probs.topk(min(vocab, max([FIRST_RANKS] + [x.top_k for x in params])), dim=-1).values
+        kth = torch.tensor([x.top_k - 1 if 0 < x.top_k < vocab else 0 for x in params], device=device)
+        no_k = torch.tensor([not 0 < x.top_k < vocab for x in params], device=device)
+        floors.append(best.gather(1, kth[:, None])[:, 0].masked_fill_(no_k, 0.0))
+    elif any(x.top_p < 1.0 for x in params):
+        best = probs.topk(min(vocab, FIRST_RANKS), dim=-1).values
+    if any(x.top_p < 1.0 for x in params):
+        floors.append(_nucleus_floors(probs, best, [x.top_p for x in params]))
+    if not floors:
         return probs
-    device, vocab = probs.device, probs.shape[1]
-    sorted_p, order = probs.sort(dim=-1, descending=True)
-    top_k = torch.tensor([x.top_k if x.top_k > 0 else vocab for x in p], device=device)[:, None]
-    top_p = torch.tensor([x.top_p if x.top_p < 1.0 else 2.0 for x in p], device=device, dtype=probs.dtype)[:, None]
-    min_p = torch.tensor([x.min_p for x in p], device=device, dtype=probs.dtype)[:, None]
-    rank = torch.arange(vocab, device=device)[None, :]
-    before = sorted_p.cumsum(dim=-1) - sorted_p  # probability mass ranked above each token
-    drop = (rank >= top_k) | (before >= top_p) | (sorted_p < min_p * sorted_p[:, :1])
-    drop[:, 0] = False  # the best token always survives
-    kept = sorted_p.masked_fill(drop, 0.0)
-    return torch.zeros_like(probs).scatter_(1, order, kept)
+    floor = floors[0] if len(floors) == 1 else torch.stack(floors).amax(dim=0)
+    return probs.masked_fill(probs < floor[:, None], 0.0)
+
+
+def _nucleus_floors(probs: torch.Tensor, best: torch.Tensor, top_p: list[float]) -> torch.Tensor:
+    """Per row, the smallest probability top-p keeps (0 where top_p is 1): the first value, best first, at which the
+    running mass reaches top_p. Found among the row's best values (`best`, [rows, width], descending) when it falls
+    there, else in the whole row, sorted."""
+    cut = torch.tensor(top_p, device=probs.device, dtype=probs.dtype)
+    at = torch.searchsorted(best.cumsum(dim=-1), cut[:, None])[:, 0]  # first running mass >= top_p
+    floors = best.gather(1, at.clamp(max=best.shape[1] - 1)[:, None])[:, 0]
+    for i in (at >= best.shape[1]).nonzero()[:, 0].tolist() if best.shape[1] < probs.shape[1] else []:
+        if top_p[i] < 1.0:
+            floors[i] = _floor_of_sorted(probs[i], top_p[i])
+    return floors.masked_fill(cut >= 1.0, 0.0)
+
+
+def _floor_of_sorted(row: torch.Tensor, top_p: float) -> torch.Tensor:
+    if row.device.type == "cpu":  # torch.sort of a 49k row takes ~3 ms on a CPU, numpy's sort ~0.1 ms
+        values = torch.from_numpy(np.sort(row.numpy())).flip(0)
+    else:
+        values = row.sort(descending=True).values
+    at = torch.searchsorted(values.cumsum(dim=0), torch.tensor([top_p], device=row.device, dtype=row.dtype))
+    return values[at.clamp(max=values.shape[0] - 1)][0]
+
+
+def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Column of each row where its cumulative sum first passes u x its total: a draw in proportion to the row's
+    (unnormalized, non-negative) values. A value of 0 is never drawn: only a strict rise of the cumulative sum is.
+    probs [rows, width], u [rows] in [0, 1) -> [rows] long."""
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    target = torch.minimum(u[:, None].to(cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=probs.shape[1] - 1)  # NaN rows: in range

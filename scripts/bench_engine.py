@@ -5,12 +5,14 @@ Measures, in one run and on one loaded model object:
   `--batch1-repeats` lone requests, all listed, as scripts/bandwidth.py takes the best of its repeats), the bytes
   such a step reads (weights, and the KV cache at the request's mean context), and with `--bandwidth` (GB/s, from
   scripts/bandwidth.py) the memory roofline and the share of it reached;
-- output tok/s with 1, 4, 16, 64 concurrent requests (128 prompt / 128 output tokens, ignore_eos, greedy);
+- output tok/s with 1, 4, 16, 64 concurrent requests (128 prompt / 128 output tokens, ignore_eos, greedy, or
+  drawn with `--temperature` and `--top-p`: what sampling costs a step);
 - transformers' `generate` on the same requests one after another (the sequential baseline), and its
   batch-1 decode tok/s.
 Prints a table, then one JSON object. Not a test: numbers depend on the machine and its load.
 
     python scripts/bench_engine.py [--dtype bfloat16] [--concurrency 1 4 16 64] [--hf-requests 2] [--no-cpu-kernels]
+                                   [--temperature 1.0 --top-p 0.95]
 """
 
 from __future__ import annotations
@@ -65,9 +67,10 @@ def make_prompts(tokenizer: object, count: int, length: int) -> list[list[int]]:
     return [ids[i % 40 : i % 40 + length] for i in range(count)]
 
 
-def engine_run(engine: LLMEngine, prompts: list[list[int]], out_len: int) -> tuple[float, float]:
+def engine_run(engine: LLMEngine, prompts: list[list[int]], out_len: int, temperature: float = 0.0,
+               top_p: float = 1.0) -> tuple[float, float]:
     """Runs all prompts at once; returns (wall seconds, decode tok/s of request 0 after its first token)."""
-    params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=out_len, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"b{i}", prompt, params)
     start, first_token, done = time.perf_counter(), None, 0
@@ -123,6 +126,9 @@ def main() -> None:
     parser.add_argument("--cache-dir", default=str(DEFAULT_CACHE_DIR))
     parser.add_argument("--weight-format", default="auto", choices=("auto", "quantized", "dense"),
                         help="the GGUF's weights kept quantized or converted to dense (Peregrine's --weight-format)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="Peregrine's requests draw their tokens at this temperature (0: greedy; HF stays greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="top_p of Peregrine's drawn requests")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                         help="the KV cache's element type (Peregrine's --kv-cache-dtype; auto: the model dtype)")
     parser.add_argument("--cpu-kernels", action=argparse.BooleanOptionalAction, default=True,
@@ -150,13 +156,20 @@ def main() -> None:
 
     rows = []
     for c in args.concurrency:
-        seconds, _ = engine_run(engine, prompts[:c], args.output_len)
+        seconds, _ = engine_run(engine, prompts[:c], args.output_len, args.temperature, args.top_p)
         rows.append(Row("peregrine", c, c * args.output_len, seconds))
-    decodes = [engine_run(engine, prompts[:1], args.output_len)[1] for _ in range(args.batch1_repeats)]
+    decodes = [engine_run(engine, prompts[:1], args.output_len, args.temperature, args.top_p)[1]
+               for _ in range(args.batch1_repeats)]
     hf_row, hf_decode = (
         hf_rows(loaded.model, prompts[: args.hf_requests], args.output_len) if args.hf_requests > 0 else (None, None)
     )
     report(rows, hf_row, decodes, hf_decode, args, str(loaded.dtype).removeprefix("torch."), step_bytes(engine, args))
+
+
+def sampling(args: argparse.Namespace) -> str:
+    if args.temperature <= 0.0:
+        return "greedy"
+    return f"temperature {args.temperature}" + (f", top-p {args.top_p}" if args.top_p < 1.0 else "")
 
 
 def mean_context(args: argparse.Namespace) -> float:
@@ -187,7 +200,7 @@ def report(
                     for name, b in (("weights", weights), ("weights_and_kv", total))}
     print(
         f"\nSmolLM2-135M ({dtype}, cpu, {torch.get_num_threads()} threads), "
-        f"{args.prompt_len} prompt / {args.output_len} output tokens, greedy, ignore_eos, "
+        f"{args.prompt_len} prompt / {args.output_len} output tokens, {sampling(args)}, ignore_eos, "
         f"cpu kernels {'on' if args.cpu_kernels else 'off'}"
     )
     print(f"{'engine':<26}{'concurrent':>11}{'output tok/s':>14}{'vs HF seq':>11}")
@@ -219,6 +232,8 @@ def report(
                 "cpu_kernels": args.cpu_kernels,
                 "prompt_len": args.prompt_len,
                 "output_len": args.output_len,
+                "temperature": args.temperature,
+                "top_p": args.top_p,
                 "batch1_decode_tok_s": round(decode_1, 2),
                 "batch1_decode_tok_s_runs": [round(d, 2) for d in decodes],
                 "batch1_bytes_per_token": read,

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from engine.sampler import Sampler, apply_penalties, filter_probs
+from engine.sampler import FIRST_RANKS, Sampler, apply_penalties, draw, filter_probs
 from engine.sequence import Sequence
 from engine.types import SamplingParams
 
@@ -50,17 +50,66 @@ def test_temperature_sampling_follows_the_distribution() -> None:
     assert torch.allclose(freq, probs, atol=0.04), freq
 
 
+def kept_ids(probs: torch.Tensor, params: list[SamplingParams]) -> list[list[int]]:
+    """The token ids `filter_probs` leaves each row (probability > 0), sorted."""
+    return [row.nonzero()[:, 0].tolist() for row in filter_probs(probs, params)]
+
+
+def sorted_reference(probs: torch.Tensor, x: SamplingParams) -> list[int]:
+    """One row's kept ids by the definition: a full sort, then top-k, top-p (mass ranked above < top_p), min-p."""
+    order = probs.argsort(descending=True).tolist()
+    kept, before = [], 0.0
+    for rank, token in enumerate(order):
+        p = float(probs[token])
+        if rank == 0 or ((x.top_k <= 0 or rank < x.top_k) and (x.top_p >= 1.0 or before < x.top_p)
+                         and p >= x.min_p * float(probs[order[0]])):
+            kept.append(token)
+        before += p
+    return sorted(kept)
+
+
 def test_top_k_top_p_min_p_filter_per_row() -> None:
     probs = torch.tensor([[0.4, 0.3, 0.2, 0.1]] * 4)
-    seqs = [seq(SamplingParams(top_k=2)), seq(SamplingParams(top_p=0.6)), seq(SamplingParams(min_p=0.6)),
-            seq(SamplingParams())]
-    kept = filter_probs(probs, seqs) > 0
-    assert kept.tolist() == [
-        [True, True, False, False],  # top-k 2
-        [True, True, False, False],  # 0.4 < 0.6, 0.4 + 0.3 reaches it
-        [True, True, False, False],  # >= 0.6 * 0.4
-        [True, True, True, True],  # no filter
+    params = [SamplingParams(top_k=2), SamplingParams(top_p=0.6), SamplingParams(min_p=0.6), SamplingParams()]
+    assert kept_ids(probs, params) == [
+        [0, 1],  # top-k 2
+        [0, 1],  # 0.4 < 0.6, 0.4 + 0.3 reaches it
+        [0, 1],  # >= 0.6 * 0.4
+        [0, 1, 2, 3],  # no filter
     ]
+    assert kept_ids(probs[2:], params[2:]) == [[0, 1], [0, 1, 2, 3]]  # min-p alone: nothing ranked
+
+
+@pytest.mark.parametrize("scale", [0.5, 2.0, 6.0])
+def test_filters_match_a_full_sort_when_the_nucleus_is_wider_than_the_first_ranks(scale: float) -> None:
+    """Flat rows (scale 0.5) need far more than FIRST_RANKS tokens for top-p: their whole row is sorted."""
+    gen = torch.Generator().manual_seed(int(scale * 10))
+    probs = torch.softmax(torch.randn(6, 5000, generator=gen) * scale, dim=-1)
+    params = [SamplingParams(top_p=0.9), SamplingParams(top_p=0.99, min_p=0.001), SamplingParams(top_k=300),
+              SamplingParams(top_k=10, top_p=0.5), SamplingParams(top_p=0.3), SamplingParams(top_k=5000, top_p=0.95)]
+    got = kept_ids(probs, params)
+    assert got == [sorted_reference(row, x) for row, x in zip(probs, params, strict=True)]
+    if scale == 0.5:
+        assert len(got[0]) > FIRST_RANKS and len(got[1]) > 8 * FIRST_RANKS
+
+
+def test_a_draw_follows_the_values_and_never_picks_a_zero() -> None:
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.25, 0.25, 0.0]]).repeat(3, 1)
+    edges = draw(probs, torch.tensor([0.0, 0.999999, 0.5]))
+    assert edges.tolist() == [1, 4, 3]  # u = 0: the first nonzero; u -> 1: the last nonzero
+    u = torch.rand(20000, generator=torch.Generator().manual_seed(3))
+    picked = draw(probs[:1].expand(20000, -1), u)
+    freq = torch.bincount(picked, minlength=6).float() / 20000
+    assert torch.allclose(freq, probs[0], atol=0.02), freq
+
+
+def test_top_p_sampling_draws_from_the_renormalized_nucleus() -> None:
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().repeat(4000, 1)
+    seqs = [seq(SamplingParams(temperature=1.0, top_p=0.7)) for _ in range(4000)]
+    ids = torch.tensor([t.token_id for t in sampler().sample(logits, seqs)])
+    freq = torch.bincount(ids, minlength=4).float() / 4000
+    assert torch.allclose(freq, torch.tensor([0.625, 0.375, 0.0, 0.0]), atol=0.04), freq
 
 
 def test_top_k_one_is_greedy_even_at_high_temperature() -> None:
@@ -70,14 +119,19 @@ def test_top_k_one_is_greedy_even_at_high_temperature() -> None:
     assert got == logits.argmax(-1).tolist()
 
 
-def test_seeded_rows_do_not_depend_on_batch_mates() -> None:
+@pytest.mark.parametrize(("own", "mates_params"), [
+    ({}, {}), ({"top_p": 0.9}, {}), ({}, {"top_p": 0.8}), ({"top_p": 0.9, "top_k": 50}, {"top_k": 20}),
+    ({"min_p": 0.05}, {"temperature": 0.0}),
+])
+def test_seeded_rows_do_not_depend_on_batch_mates(own: dict, mates_params: dict) -> None:
+    """Whatever the mates ask for (drawn from the whole vocabulary, ranked, greedy), a seeded row draws the same."""
     torch.manual_seed(0)
     row = torch.randn(1, 100)
-    params = SamplingParams(temperature=1.0, seed=42)
+    params = SamplingParams(temperature=1.0, seed=42, **own)
 
     def draws(batch_mates: int) -> list[int]:
         s, target = sampler(), seq(params, rid="seeded")
-        mates = [seq(SamplingParams(temperature=1.0), rid=f"m{i}") for i in range(batch_mates)]
+        mates = [seq(SamplingParams(**{"temperature": 1.0, **mates_params}), rid=f"m{i}") for i in range(batch_mates)]
         out = []
         for _ in range(10):
             logits = torch.cat([torch.randn(batch_mates, 100), row])
