@@ -62,6 +62,7 @@ class Tok:
         self.vocab, self.chat_template = vocab, template
 
     def get_vocab(self) -> dict[str, int]:
+        self.vocab_calls = getattr(self, "vocab_calls", 0) + 1
         return self.vocab
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
@@ -73,6 +74,8 @@ def test_the_parser_setting_and_auto_detection() -> None:
     knows = Tok({"<think>": 0, "</think>": 1, "a": 2, "\n": 3})
     plain = Tok({"a": 2})
     assert not parser_enabled("auto", plain) and parser_enabled("auto", knows)
+    assert not parser_enabled("auto", plain) and parser_enabled("auto", knows)
+    assert plain.vocab_calls == knows.vocab_calls == 1  # the vocabulary is looked at once per tokenizer
     assert parser_enabled("auto", Tok({"a": 2}, template="{{ '</think>' }}"))
     assert splitter_factory("none", knows, [2, 0]) is None and splitter_factory("auto", plain, [2]) is None
     assert run(splitter_factory("deepseek_r1", plain, [2])(), ["x</think>y"]) == ("x", "y")
