@@ -3,6 +3,11 @@
 One producer (the loop thread) and one queue per request. The event loop only enqueues commands (add, abort)
 and awaits its queue, so a slow step never blocks it. A consumer that goes away (cancelled, closed) aborts its
 request, which frees its KV blocks at the start of the next step.
+
+Hand-off: on a CPU where the engine's threads take every core this process may use, the loop thread waits after
+each step (up to HAND_OFF_WAIT_S) until the event loops it delivered to have run the consumers it woke, so that
+streaming a token (JSON, SSE framing, the socket write: ~0.2-0.3 ms a token in Peregrine's server) does not take
+a core from the next step's thread team, whose barriers would then wait for the preempted thread.
 """
 
 from __future__ import annotations
@@ -10,12 +15,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from engine import grammar
 from engine.llm_engine import LLMEngine
@@ -32,6 +40,7 @@ from engine.types import (
 log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.5
+HAND_OFF_WAIT_S = 0.005  # the longest a step waits for the event loop to take the last step's outputs
 
 
 @dataclass(slots=True)
@@ -54,8 +63,16 @@ class _Abort:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+    def __init__(self, engine: LLMEngine, model_name: str, hand_off_s: float | None = None) -> None:
+        """hand_off_s: how long a step may wait for the event loop to take the last step's outputs (module
+        docstring); None: HAND_OFF_WAIT_S where the engine's threads take every CPU, else 0 (no wait)."""
         self.engine = engine
+        self.hand_off_s = (HAND_OFF_WAIT_S if team_fills_cpus(engine.device) else 0.0) if hand_off_s is None \
+            else hand_off_s
+        if self.hand_off_s:
+            log.info("each step waits up to %.0f ms for the event loop to stream the last one's tokens: the "
+                     "engine's %d threads take every CPU this process may use", self.hand_off_s * 1e3,
+                     torch.get_num_threads())
         self.model_name = model_name
         self._commands: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -178,7 +195,7 @@ class AsyncEngine:
                     continue
                 outputs = self.engine.step()
                 self._last_step_end = time.monotonic()
-                self._dispatch(outputs)
+                self._hand_off(self._dispatch(outputs))
             self._dispatch(self._drain_as_aborted() + self.engine.abort_all())
         except BaseException as exc:  # the loop is dead: every waiter must hear about it
             log.exception("engine loop died")
@@ -217,15 +234,34 @@ class AsyncEngine:
                 outs += [RequestOutput(command.request_id, i, "", [], n, 0, finish_reason="abort")
                          for i in range(command.params.n)]
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+    def _dispatch(self, outputs: list[RequestOutput]) -> set[asyncio.AbstractEventLoop]:
+        """Deliver each request's outputs to its queue; returns the event loops delivered to."""
         by_request: dict[str, list[RequestOutput]] = {}
         for out in outputs:
             by_request.setdefault(out.request_id, []).append(out)
         with self._lock:
             targets = [(self._streams.get(rid), outs) for rid, outs in by_request.items()]
+        loops = set()
         for stream, outs in targets:
             if stream is not None:
                 _deliver(stream, outs)
+                loops.add(stream.loop)
+        return loops
+
+    def _hand_off(self, loops: set[asyncio.AbstractEventLoop]) -> None:
+        """Wait, up to `hand_off_s`, until each loop has run the consumers this step's outputs woke: a callback
+        queued behind the deliveries queues a second one, which runs after the tasks those deliveries woke."""
+        if not self.hand_off_s or not loops:
+            return
+        taken = []
+        for loop in loops:
+            event = threading.Event()
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody to wait for
+                loop.call_soon_threadsafe(loop.call_soon, event.set)
+                taken.append(event)
+        deadline = time.monotonic() + self.hand_off_s
+        for event in taken:
+            event.wait(max(0.0, deadline - time.monotonic()))
 
     def _fail_all(self, message: str) -> None:
         with self._lock:
@@ -239,3 +275,11 @@ class AsyncEngine:
 def _deliver(stream: _Stream, outs: list[RequestOutput]) -> None:
     with contextlib.suppress(RuntimeError):  # the consumer's event loop is closed: nobody is listening
         stream.loop.call_soon_threadsafe(stream.queue.put_nowait, outs)
+
+
+def team_fills_cpus(device: Any) -> bool:
+    """True when the engine computes on the CPU with as many threads as the CPUs this process may use."""
+    if getattr(device, "type", str(device)) != "cpu":
+        return False
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return torch.get_num_threads() >= cpus

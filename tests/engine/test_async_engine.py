@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -183,3 +184,59 @@ async def test_from_config_loads_a_model_folder(tiny_model_dir: Any, tiny: Any) 
         assert stats.generated_tokens_total == 4 and stats.kv_used_blocks == 0 and stats.kv_total_blocks > 0
     finally:
         await engine.shutdown()
+
+
+async def test_a_step_waits_until_the_loop_has_taken_the_last_steps_tokens(tiny: Any) -> None:
+    """Hand-off on: each step starts only after the consumer has received every earlier output."""
+    front = AsyncEngine(make_engine(tiny), "tiny", hand_off_s=120.0)
+    received: list[RequestOutput] = []
+    seen_at_step: list[tuple[int, int]] = []  # (outputs the consumer had, outputs emitted) when a step began
+    emitted = [0]
+    step = front.engine.step
+
+    def watched_step() -> list[RequestOutput]:
+        seen_at_step.append((len(received), emitted[0]))
+        outs = step()
+        emitted[0] += len(outs)
+        return outs
+
+    front.engine.step = watched_step  # type: ignore[method-assign]
+    try:
+        async for out in front.generate(tiny.tokenizer.encode("Hello"), greedy(24), "h"):
+            received.append(out)
+    finally:
+        await front.shutdown()
+    assert len(received) == 24 and len(seen_at_step) >= 24
+    assert all(had == sent for had, sent in seen_at_step), seen_at_step
+
+
+@pytest.mark.parametrize(("hand_off_s", "steps_while_blocked"), [(120.0, (0, 2)), (0.01, (5, 10**6)), (0.0, (5, 10**6))])
+async def test_a_blocked_event_loop_holds_steps_only_up_to_the_hand_off_limit(
+    tiny: Any, hand_off_s: float, steps_while_blocked: tuple[int, int]
+) -> None:
+    """With the loop blocked for a second: a long hand-off holds the engine (at most the step in flight and
+    one more finish), a short one or none lets it go on stepping."""
+    front = AsyncEngine(make_engine(tiny), "tiny", hand_off_s=hand_off_s)
+    stream = front.generate(tiny.tokenizer.encode("Hello"), greedy(500), "b")
+    try:
+        await anext(stream)
+        before = front.engine.counters.steps
+        time.sleep(1.0)  # blocks the event loop on purpose: no consumer runs
+        during = front.engine.counters.steps - before
+        low, high = steps_while_blocked
+        assert low <= during <= high, during
+    finally:
+        await stream.aclose()
+        await front.shutdown()
+
+
+def test_the_hand_off_is_on_where_the_engine_threads_take_every_cpu() -> None:
+    import os
+
+    import torch
+
+    from engine.async_engine import team_fills_cpus
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert team_fills_cpus(torch.device("cpu")) == (torch.get_num_threads() >= cpus)
+    assert not team_fills_cpus(torch.device("cuda")) and not team_fills_cpus("tt")
