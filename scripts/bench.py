@@ -72,6 +72,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="measure the peers in N alternating rounds, all started at once (median reported)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0, help="sent with every request (0: greedy)")
+    p.add_argument("--top-p", type=float, help="sent when given (as --top-k and --min-p): what sampling costs")
+    p.add_argument("--top-k", type=int, help="sent when given; llama-server samples top-k 40 unless told")
+    p.add_argument("--min-p", type=float, help="sent when given; llama-server's default is 0.05")
     p.add_argument("--tokenizer", help="tokenizer.json or its folder (default: the bundled SmolLM2's)")
     p.add_argument("--gguf", type=Path, help="GGUF for the peers (default: the bundled SmolLM2 Q4_1)")
     p.add_argument("--dtype", default="bfloat16", help="dtype for Peregrine and transformers peers")
@@ -137,7 +141,7 @@ async def measure(target: Target | None, engine: Any, reqs: list[BenchRequest], 
     if engine is not None:
         from bench_overhead import run_engine_load
 
-        return await run_engine_load(engine, reqs, level["concurrency"])
+        return await run_engine_load(engine, reqs, level["concurrency"], sampling(args))
     assert target is not None
     return await run_load(
         target, reqs, tokenizer, level["concurrency"], level["rate"], args.burstiness, args.seed
@@ -236,7 +240,7 @@ def open_peer(
         print(f"-- skipping {name}: {why}", flush=True)
         return info | {"skipped": why}
     target = Target(peer.base_url, peer.model, peer.fixed_length, peer.stream_options,
-                    special_token_ids=special_ids(tokenizer))  # fmt: skip
+                    special_token_ids=special_ids(tokenizer), sampling=sampling(args))  # fmt: skip
     return OpenPeer(name, info | {"pid": peer.process.pid}, target=target, pid=peer.process.pid)
 
 
@@ -288,11 +292,18 @@ def run_peers(
         return [p.result() if isinstance(p, OpenPeer) else p for p in opened]
 
 
+def sampling(args: argparse.Namespace) -> tuple[tuple[str, float], ...]:
+    """The sampling fields every request carries: temperature always, top_p / top_k / min_p when given."""
+    given = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p}
+    return tuple((name, value) for name, value in given.items() if value is not None)
+
+
 def run_base_url(tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
     base = args.base_url.rstrip("/").removesuffix("/v1")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     model = args.model or httpx.get(f"{base}/v1/models", headers=headers, timeout=60).json()["data"][0]["id"]
-    target = Target(base, model, args.backend, api_key=args.api_key, special_token_ids=special_ids(tokenizer))
+    target = Target(base, model, args.backend, api_key=args.api_key, special_token_ids=special_ids(tokenizer),
+                    sampling=sampling(args))
     return {
         "peer": base,
         "description": f"{base} model {model}",

@@ -55,11 +55,13 @@ class Target:
     api_key: str | None = None
     timeout_s: float = 1800.0
     special_token_ids: tuple[int, ...] = ()  # biased away where EOS alone cannot be ignored
+    sampling: tuple[tuple[str, float], ...] = (("temperature", 0.0),)  # body fields: greedy unless told otherwise
 
 
 def request_body(target: Target, req: BenchRequest) -> tuple[str, dict[str, Any]]:
-    """(path, JSON body) of one streamed, greedy request asking for exactly `req.output_len` tokens."""
-    body: dict[str, Any] = {"model": target.model, "max_tokens": req.output_len, "temperature": 0.0,
+    """(path, JSON body) of one streamed request (greedy unless `target.sampling` says otherwise) asking for
+    exactly `req.output_len` tokens."""
+    body: dict[str, Any] = {"model": target.model, "max_tokens": req.output_len, **dict(target.sampling),
                             "stream": True}  # fmt: skip
     body |= FIXED_LENGTH[target.fixed_length](req.output_len, target.special_token_ids)
     if target.stream_options:

@@ -61,10 +61,11 @@ def prompt_ids(engine: Any, req: BenchRequest) -> list[int]:
     return list(tok.encode(req.prompt or "", add_special_tokens=False))
 
 
-async def one_request(engine: Any, ids: list[int], output_len: int) -> RequestResult:
+async def one_request(engine: Any, ids: list[int], output_len: int,
+                      sampling: Sequence[tuple[str, float]] = ()) -> RequestResult:
     from engine.types import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    params = SamplingParams(**{"temperature": 0.0, **dict(sampling)}, max_tokens=output_len, ignore_eos=True)
     result = RequestResult(prompt_tokens=len(ids))
     start = last = time.perf_counter()
     async for out in engine.generate(ids, params, f"bench-{uuid.uuid4().hex}"):
@@ -84,15 +85,17 @@ async def one_request(engine: Any, ids: list[int], output_len: int) -> RequestRe
 
 
 async def run_engine_load(
-    engine: Any, requests: Sequence[BenchRequest], concurrency: int | None
+    engine: Any, requests: Sequence[BenchRequest], concurrency: int | None,
+    sampling: Sequence[tuple[str, float]] = (),
 ) -> tuple[list[RequestResult], float]:
-    """Like `bench_client.run_load`, without HTTP: at most `concurrency` requests in flight."""
+    """Like `bench_client.run_load`, without HTTP: at most `concurrency` requests in flight, drawn with
+    `sampling` (SamplingParams fields; greedy when empty)."""
     semaphore = asyncio.Semaphore(concurrency or len(requests))
     prepared = [(prompt_ids(engine, r), r.output_len) for r in requests]
 
     async def one(ids: list[int], n: int) -> RequestResult:
         async with semaphore:
-            return await one_request(engine, ids, n)
+            return await one_request(engine, ids, n, sampling)
 
     start = time.perf_counter()
     results = await asyncio.gather(*(one(ids, n) for ids, n in prepared))

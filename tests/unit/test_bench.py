@@ -323,3 +323,12 @@ def test_each_round_draws_its_own_prompts(tokenizer) -> None:
     first, again, second = (bench.build_requests(args, tokenizer, 3, r) for r in (1, 1, 2))
     assert first == again == bench.build_requests(args, tokenizer, 3)
     assert not {r.prompt for r in first} & {r.prompt for r in second}
+
+
+def test_sampling_flags_go_into_every_request_body() -> None:
+    args = bench.parse_args(["--base-url", "http://x", "--temperature", "0.8", "--top-p", "0.95", "--top-k", "40"])
+    assert bench.sampling(args) == (("temperature", 0.8), ("top_p", 0.95), ("top_k", 40))
+    target = bench_client.Target("http://x", "m", "none", sampling=bench.sampling(args))
+    _, body = bench_client.request_body(target, BenchRequest("completion", "hello", None, 1, 9))
+    assert body["temperature"] == 0.8 and body["top_p"] == 0.95 and body["top_k"] == 40 and "min_p" not in body
+    assert bench.sampling(bench.parse_args(["--base-url", "http://x"])) == (("temperature", 0.0),)
