@@ -209,17 +209,21 @@ class LlamaFastForward:
     def decoder_rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The decoder's RoPE inputs: each token's row of (cos, sin) tables. Static RoPE: rows of a table of every
         position so far (the same values the rotary module gives, computed once). Else this step's own rows."""
-        rotary = self.model.model.rotary_emb
-        probe = torch.empty(0, dtype=self.model.model.norm.weight.dtype, device=positions.device)  # the model dtype
         if not self._static_rope:
-            cos, sin = rotary(probe, positions[None])
-            return torch.arange(positions.shape[0], device=positions.device), cos[0], sin[0]
+            cos, sin = self._rope_rows(positions)
+            return torch.arange(positions.shape[0], device=positions.device), cos, sin
         need = int(positions.numpy().max()) + 1  # the decoder runs on CPU; numpy skips a torch dispatch
         if self._rope_table is None or self._rope_table[0].shape[0] < need:
             rows = max(256, 1 << (need - 1).bit_length())  # doubling: a handful of rebuilds over a long sequence
-            cos, sin = rotary(probe, torch.arange(rows, device=positions.device)[None])
-            self._rope_table = (cos[0].contiguous(), sin[0].contiguous())
+            cos, sin = self._rope_rows(torch.arange(rows, device=positions.device))
+            self._rope_table = (cos.contiguous(), sin.contiguous())
         return positions, *self._rope_table
+
+    def _rope_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary module's (cos, sin) rows of `positions`, in the model dtype."""
+        probe = torch.empty(0, dtype=self.model.model.norm.weight.dtype, device=positions.device)  # the model dtype
+        cos, sin = self.model.model.rotary_emb(probe, positions[None])
+        return cos[0], sin[0]
 
     def _layer(self, layer: nn.Module) -> LayerWeights:
         a, m = layer.self_attn, layer.mlp

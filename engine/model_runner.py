@@ -79,6 +79,12 @@ class ModelRunner:
         return result.logits[0]
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
+        if all(s.num_tokens == 1 and s.seq.params.prompt_logprobs is None for s in out.scheduled):
+            return self.prepare_decodes(out.scheduled)
+        return self.prepare_mixed(out)
+
+    def prepare_mixed(self, out: SchedulerOutput) -> StepInputs:
+        """Any step: decodes first, then prefill chunks, then the prompt-logprob rows."""
         items = [s for s in out.scheduled if s.num_tokens == 1] + [s for s in out.scheduled if s.num_tokens > 1]
         self.kv_cache.ensure_zeroed(1 + max(max(s.seq.block_table) for s in items))
         offsets, ids, positions, slots = {}, [], [], []
@@ -106,6 +112,38 @@ class ModelRunner:
             decode_kernel=self.decode_attention,
         )
         return StepInputs(self._tensor(ids)[None], self._tensor(positions)[None], self._tensor(logits_rows), meta)
+
+    def prepare_decodes(self, items: list[ScheduledSeq]) -> StepInputs:
+        """`prepare_mixed` for a step of one token per sequence (every decode step): the same inputs, built as views
+        of one tensor (token ids, positions, slots, lengths, logits rows, block tables) instead of six (~10 us less
+        Python a step, more when the weight stream has left the caches cold)."""
+        bs, n = self.block_size, len(items)
+        self.kv_cache.ensure_zeroed(1 + max(max(s.seq.block_table) for s in items))
+        tables = [s.seq.block_table[: s.start // bs + 1] for s in items]
+        width = max(len(t) for t in tables)
+        null = self.kv_cache.null_block
+        rows = [i for i, s in enumerate(items) if s.samples]
+        flat = [s.seq.tokens_in(s.start, s.start + 1)[0] for s in items]
+        flat += [s.start for s in items]
+        flat += [t[s.start // bs] * bs + s.start % bs for s, t in zip(items, tables, strict=True)]
+        flat += [s.start + 1 for s in items]
+        flat += rows
+        for t in tables:
+            flat += t + [null] * (width - len(t))
+        ids, positions, slots, lengths, logits_rows, tables_flat = self._tensor(flat).split(
+            (n, n, n, n, len(rows), n * width))
+        block_tables = tables_flat.view(n, width)
+        meta = AttentionMetadata(
+            kv_cache=self.kv_cache,
+            slot_mapping=slots,
+            num_decodes=n,
+            decode_block_tables=block_tables,
+            decode_mask=self._decode_mask(lengths, block_tables) if self.decode_attention is None else None,
+            prefills=(),
+            decode_lengths=lengths,
+            decode_kernel=self.decode_attention,
+        )
+        return StepInputs(ids[None], positions[None], logits_rows, meta)
 
     def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size

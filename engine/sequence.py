@@ -74,7 +74,9 @@ class Sequence:
         n_prompt = len(self.prompt_token_ids)
         if end <= n_prompt:
             return self.prompt_token_ids[start:end]
-        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+        if start >= n_prompt:  # a decode step's token: no copy of the whole sequence
+            return self.output_token_ids[start - n_prompt : end - n_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n_prompt]
 
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids

@@ -32,3 +32,30 @@ def test_seeded_sampling_is_independent_of_batch_mates(tiny: Any, engine_factory
     unseeded = [tokens_of(run_all(engine, {"u": (enc("Hello world"), SamplingParams(
         temperature=1.0, max_tokens=20, ignore_eos=True))})["u"]) for _ in range(2)]
     assert unseeded[0] != unseeded[1]  # without a seed, draws differ (the seed is what makes them equal)
+
+
+def test_decode_steps_get_the_same_inputs_from_the_fast_path(tiny: Any, engine_factory: Any) -> None:
+    """`ModelRunner.prepare_decodes` (every decode step) builds what the general `prepare_mixed` builds: token
+    ids, positions, slots, lengths, logits rows, block tables padded to the widest (contexts of 1 to 5 blocks)."""
+    import torch
+
+    engine = engine_factory(tiny, max_num_batched_tokens=512, block_size=16)
+    enc = tiny.tokenizer.encode
+    for i, text in enumerate(["Hi", "The quick brown fox jumps " * 3, "Numbers: " + " ".join(map(str, range(30)))]):
+        engine.add_request(f"r{i}", enc(text), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    checked = 0
+    while engine.has_work:
+        out = engine.scheduler.schedule()
+        if all(s.num_tokens == 1 for s in out.scheduled) and len(out.scheduled) == 3:
+            fast, general = engine.runner.prepare_decodes(out.scheduled), engine.runner.prepare_mixed(out)
+            for name in ("input_ids", "positions", "logits_indices"):
+                assert torch.equal(getattr(fast, name), getattr(general, name)), name
+            for name in ("slot_mapping", "decode_block_tables", "decode_lengths"):
+                assert torch.equal(getattr(fast.meta, name), getattr(general.meta, name)), name
+            assert fast.meta.num_decodes == general.meta.num_decodes == 3 and fast.meta.prefills == ()
+            checked += 1
+        logits = engine.runner.run(out)
+        sampled = engine.sampler.sample(logits, [s.seq for s in out.sampling])
+        for seq, tok in zip(engine.scheduler.update(out, [s.token_id for s in sampled]), sampled, strict=True):
+            engine._emit(seq, tok)
+    assert checked >= 30
