@@ -13,6 +13,8 @@ from engine.types import SamplingParams
 
 CPU = torch.device("cpu")
 EOS = 0
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                reason="needs a CUDA device"))]
 
 
 def seq(params: SamplingParams, outputs: list[int] | None = None, prompt: list[int] | None = None,
@@ -22,8 +24,8 @@ def seq(params: SamplingParams, outputs: list[int] | None = None, prompt: list[i
     return s
 
 
-def sampler() -> Sampler:
-    return Sampler(CPU, seed=0, eos_token_ids=[EOS])
+def sampler(device: str = "cpu") -> Sampler:
+    return Sampler(torch.device(device), seed=0, eos_token_ids=[EOS])
 
 
 def test_greedy_rows_take_the_argmax() -> None:
@@ -80,34 +82,38 @@ def test_top_k_top_p_min_p_filter_per_row() -> None:
     assert kept_ids(probs[2:], params[2:]) == [[0, 1], [0, 1, 2, 3]]  # min-p alone: nothing ranked
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("scale", [0.5, 2.0, 6.0])
-def test_filters_match_a_full_sort_when_the_nucleus_is_wider_than_the_first_ranks(scale: float) -> None:
-    """Flat rows (scale 0.5) need far more than FIRST_RANKS tokens for top-p: their whole row is sorted."""
+def test_filters_match_a_full_sort_when_the_nucleus_is_wider_than_the_first_ranks(scale: float, device: str) -> None:
+    """Flat rows (scale 0.5) need far more than FIRST_RANKS tokens for top-p: their whole row is sorted (numpy on
+    a CPU, torch.sort elsewhere)."""
     gen = torch.Generator().manual_seed(int(scale * 10))
-    probs = torch.softmax(torch.randn(6, 5000, generator=gen) * scale, dim=-1)
+    probs = torch.softmax(torch.randn(6, 5000, generator=gen) * scale, dim=-1).to(device)
     params = [SamplingParams(top_p=0.9), SamplingParams(top_p=0.99, min_p=0.001), SamplingParams(top_k=300),
               SamplingParams(top_k=10, top_p=0.5), SamplingParams(top_p=0.3), SamplingParams(top_k=5000, top_p=0.95)]
     got = kept_ids(probs, params)
-    assert got == [sorted_reference(row, x) for row, x in zip(probs, params, strict=True)]
+    assert got == [sorted_reference(row, x) for row, x in zip(probs.cpu(), params, strict=True)]
     if scale == 0.5:
         assert len(got[0]) > FIRST_RANKS and len(got[1]) > 8 * FIRST_RANKS
 
 
-def test_a_draw_follows_the_values_and_never_picks_a_zero() -> None:
-    probs = torch.tensor([[0.0, 0.5, 0.0, 0.25, 0.25, 0.0]]).repeat(3, 1)
-    edges = draw(probs, torch.tensor([0.0, 0.999999, 0.5]))
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_draw_follows_the_values_and_never_picks_a_zero(device: str) -> None:
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.25, 0.25, 0.0]], device=device).repeat(3, 1)
+    edges = draw(probs, torch.tensor([0.0, 0.999999, 0.5], device=device))
     assert edges.tolist() == [1, 4, 3]  # u = 0: the first nonzero; u -> 1: the last nonzero
-    u = torch.rand(20000, generator=torch.Generator().manual_seed(3))
+    u = torch.rand(20000, generator=torch.Generator().manual_seed(3)).to(device)
     picked = draw(probs[:1].expand(20000, -1), u)
     freq = torch.bincount(picked, minlength=6).float() / 20000
     assert torch.allclose(freq, probs[0], atol=0.02), freq
 
 
-def test_top_p_sampling_draws_from_the_renormalized_nucleus() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_top_p_sampling_draws_from_the_renormalized_nucleus(device: str) -> None:
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
-    logits = probs.log().repeat(4000, 1)
+    logits = probs.log().repeat(4000, 1).to(device)
     seqs = [seq(SamplingParams(temperature=1.0, top_p=0.7)) for _ in range(4000)]
-    ids = torch.tensor([t.token_id for t in sampler().sample(logits, seqs)])
+    ids = torch.tensor([t.token_id for t in sampler(device).sample(logits, seqs)])
     freq = torch.bincount(ids, minlength=4).float() / 4000
     assert torch.allclose(freq, torch.tensor([0.625, 0.375, 0.0, 0.0]), atol=0.04), freq
 
@@ -119,22 +125,23 @@ def test_top_k_one_is_greedy_even_at_high_temperature() -> None:
     assert got == logits.argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("own", "mates_params"), [
     ({}, {}), ({"top_p": 0.9}, {}), ({}, {"top_p": 0.8}), ({"top_p": 0.9, "top_k": 50}, {"top_k": 20}),
     ({"min_p": 0.05}, {"temperature": 0.0}),
 ])
-def test_seeded_rows_do_not_depend_on_batch_mates(own: dict, mates_params: dict) -> None:
+def test_seeded_rows_do_not_depend_on_batch_mates(own: dict, mates_params: dict, device: str) -> None:
     """Whatever the mates ask for (drawn from the whole vocabulary, ranked, greedy), a seeded row draws the same."""
     torch.manual_seed(0)
     row = torch.randn(1, 100)
     params = SamplingParams(temperature=1.0, seed=42, **own)
 
     def draws(batch_mates: int) -> list[int]:
-        s, target = sampler(), seq(params, rid="seeded")
+        s, target = sampler(device), seq(params, rid="seeded")
         mates = [seq(SamplingParams(**{"temperature": 1.0, **mates_params}), rid=f"m{i}") for i in range(batch_mates)]
         out = []
         for _ in range(10):
-            logits = torch.cat([torch.randn(batch_mates, 100), row])
+            logits = torch.cat([torch.randn(batch_mates, 100), row]).to(device)
             out.append(s.sample(logits, [*mates, target])[-1].token_id)
         return out
 
