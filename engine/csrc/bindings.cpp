@@ -15,8 +15,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "h += delta; RMSNorm(h), Llama rounding", release());
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache", release());
   m.def("linear_small", &linear_small, "x[M, K] @ w[N, K]^T (+ bias), float32 or bfloat16, a few rows", release());
-  m.def("qlinear", &qlinear, "x[M, K] @ W^T, W GGUF blocks [N, bytes] of a ggml type; int8 dot products, float32 out",
-        py::arg("x"), py::arg("w"), py::arg("type"), py::arg("bias") = py::none(), release());
+  // Positional, bias required (None for none), like every other kernel here: on an Intel Xeon with AMX under torch
+  // 2.11 this was the one binding with named and default arguments, and the one whose refusals crashed the process
+  // (the others raised cleanly there). Whether this form raises cleanly there is not yet verified.
+  m.def("qlinear", &qlinear, "x[M, K] @ W^T (+ bias or None), W GGUF blocks [N, bytes] of a ggml type; int8 dots",
+        release());
   m.def("amx_available", &amx_available, "this build and CPU have AMX-BF16 and Linux lets the process use it");
   m.def("argmax_rows", &argmax_rows, "each row's first index of its largest value (NaN largest)", release());
   bind_decoder(m);

@@ -91,9 +91,11 @@ def test_qlinear_on_row_packed_weights_is_bitwise_the_gguf_layout(module: Any, f
 def test_qlinear_refuses_what_it_cannot_take(module: Any) -> None:
     blocks = torch.from_numpy(make_blocks("Q8_0", 16, 64, np.random.default_rng(0)))
     with pytest.raises(RuntimeError, match="unsupported GGUF quantization type"):
-        module.qlinear(torch.randn(1, 64), blocks, 99)
+        module.qlinear(torch.randn(1, 64), blocks, 99, None)
     with pytest.raises(RuntimeError, match="uint8 blocks"):
-        module.qlinear(torch.randn(1, 96), blocks, 8)  # rows hold 64 values, not 96
+        module.qlinear(torch.randn(1, 96), blocks, 8, None)  # rows hold 64 values, not 96
+    with pytest.raises(RuntimeError, match="bias"):
+        module.qlinear(torch.randn(1, 64), blocks, 8, torch.zeros(3))
 
 
 @pytest.mark.parametrize("formats", [{"*": "Q4_1", "token_embd": "Q8_0"},
