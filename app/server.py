@@ -6,10 +6,12 @@ and readiness (503) while the model loads; `app.state.engine = engine` switches 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI
@@ -52,7 +54,22 @@ def create_app(engine: Engine | None = None, settings: Any = None, embedder: Any
     install_hardening(app, settings, generation)  # auth, limits, draining, disconnect/timeout cancellation
     install_metrics(app)  # GET /metrics; its middleware sits outside hardening, so 401/429 are counted
     app.add_middleware(RequestIdMiddleware)  # added last: outermost, so every answer carries the id
+    _build_openapi_at_start(app)
     return app
+
+
+def _build_openapi_at_start(app: FastAPI) -> None:
+    """Build the OpenAPI schema (what /docs serves and the metrics middleware reads its route labels from) when the
+    server starts, not during the first request (~0.15 s of it, on a 2-core AMD EPYC)."""
+    outer = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(asgi_app: Any) -> AsyncIterator[Any]:
+        app.openapi()
+        async with outer(asgi_app) as state:
+            yield state
+
+    app.router.lifespan_context = lifespan
 
 
 class RequestIdMiddleware:

@@ -26,3 +26,10 @@ def test_a_real_validation_error_matches_the_documented_envelope() -> None:
     response = client.post("/v1/chat/completions", json={"model": "m", "messages": "not a list"})
     assert response.status_code == 400
     jsonschema.validate(response.json(), ERROR_ENVELOPE_SCHEMA)
+
+
+async def test_the_schema_is_built_when_the_server_starts_not_on_the_first_request() -> None:
+    app = create_app(None, None)
+    assert app.openapi_schema is None
+    async with app.router.lifespan_context(app):
+        assert app.openapi_schema is not None and "/v1/chat/completions" in app.openapi_schema["paths"]
