@@ -3,10 +3,9 @@
 Order: min_tokens suppression, penalties (repetition, presence, frequency), logit bias, then greedy argmax or
 temperature -> top-k -> top-p -> min-p -> draw. Only the rows that sample are computed past the argmax. A draw
 takes one uniform number per row (from the sequence's own generator when it has a seed, so a seeded sequence gets
-the same tokens whatever else is in the batch) and inverts the row's cumulative distribution: a vocabulary of
-noise per row (the exponential race) cost ~0.7 ms a row on a CPU, more than a small model's decode step. Top-k, top-p
-and min-p keep what is at or above a floor per row, found without sorting the vocabulary where it can be
-(`filter_probs`). The results cross to the host in one copy per step. Logprobs are those of the model's raw
+the same tokens whatever else is in the batch) and inverts the row's cumulative distribution (racing a vocabulary
+of Exp(1) noise instead cost ~0.7 ms a row on a CPU, more than a small model's decode step). Top-k, top-p and min-p
+keep what is at or above a floor per row, found without sorting the vocabulary where it can be (`filter_probs`). The results cross to the host in one copy per step. Logprobs are those of the model's raw
 distribution (before penalties and temperature), like vLLM's default; for a row constrained by a grammar
 (engine/grammar.py), of the masked distribution: its mask is applied first, to that row only.
 """
@@ -81,8 +80,7 @@ class Sampler:
         if not rows:
             return self._argmax(logits)
         drawing = [seqs[i] for i in rows]
-        every = len(rows) == len(seqs)
-        at = None if every else torch.tensor(rows, device=logits.device)
+        at = None if len(rows) == len(seqs) else torch.tensor(rows, device=logits.device)
         sub = logits if at is None else logits[at]
         temps = torch.tensor([s.params.temperature for s in drawing], device=logits.device, dtype=logits.dtype)
         probs = filter_probs(torch.softmax(sub / temps[:, None], dim=-1), [s.params for s in drawing])
