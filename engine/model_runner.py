@@ -117,15 +117,15 @@ class ModelRunner:
         """`prepare_mixed` for a step of one token per sequence (every decode step): the same inputs, built as views
         of one tensor (token ids, positions, slots, lengths, logits rows, block tables) instead of six (~10 us less
         Python a step, more when the weight stream has left the caches cold)."""
-        bs, n = self.block_size, len(items)
+        n = len(items)
         self.kv_cache.ensure_zeroed(1 + max(max(s.seq.block_table) for s in items))
-        tables = [s.seq.block_table[: s.start // bs + 1] for s in items]
+        tables = [self._decode_table(s) for s in items]
         width = max(len(t) for t in tables)
         null = self.kv_cache.null_block
         rows = [i for i, s in enumerate(items) if s.samples]
         flat = [s.seq.tokens_in(s.start, s.start + 1)[0] for s in items]
         flat += [s.start for s in items]
-        flat += [t[s.start // bs] * bs + s.start % bs for s, t in zip(items, tables, strict=True)]
+        flat += [self._slots(t, s.start, s.start + 1)[0] for s, t in zip(items, tables, strict=True)]
         flat += [s.start + 1 for s in items]
         flat += rows
         for t in tables:
@@ -156,10 +156,14 @@ class ModelRunner:
 
     def _decode_block_tables(self, decodes: list[ScheduledSeq]) -> torch.Tensor:
         """[batch, max_blocks] block tables of the decoding sequences, padded with the null block."""
-        rows = [s.seq.block_table[: -(-(s.start + 1) // self.block_size)] for s in decodes]
+        rows = [self._decode_table(s) for s in decodes]
         width = max(len(row) for row in rows)
         null = self.kv_cache.null_block
         return self._tensor([row + [null] * (width - len(row)) for row in rows])
+
+    def _decode_table(self, item: ScheduledSeq) -> list[int]:
+        """The blocks a decoding sequence's context (its `start + 1` tokens) fills."""
+        return item.seq.block_table[: item.start // self.block_size + 1]
 
     def _decode_mask(self, lengths: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
         width = tables.shape[1] * self.block_size  # the gathered context: every table's blocks, padded

@@ -5,9 +5,10 @@ temperature -> top-k -> top-p -> min-p -> draw. Only the rows that sample are co
 takes one uniform number per row (from the sequence's own generator when it has a seed, so a seeded sequence gets
 the same tokens whatever else is in the batch) and inverts the row's cumulative distribution (racing a vocabulary
 of Exp(1) noise instead cost ~0.7 ms a row on a CPU, more than a small model's decode step). Top-k, top-p and min-p
-keep what is at or above a floor per row, found without sorting the vocabulary where it can be (`filter_probs`). The results cross to the host in one copy per step. Logprobs are those of the model's raw
-distribution (before penalties and temperature), like vLLM's default; for a row constrained by a grammar
-(engine/grammar.py), of the masked distribution: its mask is applied first, to that row only.
+keep what is at or above a floor per row, found without sorting the vocabulary where it can be (`filter_probs`).
+The results cross to the host in one copy per step. Logprobs are those of the model's raw distribution (before
+penalties and temperature), like vLLM's default; for a row constrained by a grammar (engine/grammar.py), of the
+masked distribution: its mask is applied first, to that row only.
 """
 
 from __future__ import annotations
@@ -210,15 +211,16 @@ def filter_probs(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Ten
     floors = []
     if any(x.min_p > 0.0 for x in params):
         floors.append(torch.tensor([x.min_p for x in params], device=device, dtype=dtype) * probs.amax(dim=-1))
-    if any(0 < x.top_k < vocab for x in params):
+    has_k = [0 < x.top_k < vocab for x in params]
+    top_p = [x.top_p for x in params]
+    if any(has_k) or min(top_p) < 1.0:
         best = probs.topk(min(vocab, max([FIRST_RANKS] + [x.top_k for x in params])), dim=-1).values
-        kth = torch.tensor([x.top_k - 1 if 0 < x.top_k < vocab else 0 for x in params], device=device)
-        no_k = torch.tensor([not 0 < x.top_k < vocab for x in params], device=device)
-        floors.append(best.gather(1, kth[:, None])[:, 0].masked_fill_(no_k, 0.0))
-    elif any(x.top_p < 1.0 for x in params):
-        best = probs.topk(min(vocab, FIRST_RANKS), dim=-1).values
-    if any(x.top_p < 1.0 for x in params):
-        floors.append(_nucleus_floors(probs, best, [x.top_p for x in params]))
+        if any(has_k):
+            kth = torch.tensor([x.top_k - 1 if k else 0 for x, k in zip(params, has_k, strict=True)], device=device)
+            no_k = torch.tensor([not k for k in has_k], device=device)
+            floors.append(best.gather(1, kth[:, None])[:, 0].masked_fill_(no_k, 0.0))
+        if min(top_p) < 1.0:
+            floors.append(_nucleus_floors(probs, best, top_p))
     if not floors:
         return probs
     floor = floors[0] if len(floors) == 1 else torch.stack(floors).amax(dim=0)
@@ -230,21 +232,24 @@ def _nucleus_floors(probs: torch.Tensor, best: torch.Tensor, top_p: list[float])
     running mass reaches top_p. Found among the row's best values (`best`, [rows, width], descending) when it falls
     there, else in the whole row, sorted."""
     cut = torch.tensor(top_p, device=probs.device, dtype=probs.dtype)
-    at = torch.searchsorted(best.cumsum(dim=-1), cut[:, None])[:, 0]  # first running mass >= top_p
-    floors = best.gather(1, at.clamp(max=best.shape[1] - 1)[:, None])[:, 0]
-    for i in (at >= best.shape[1]).nonzero()[:, 0].tolist() if best.shape[1] < probs.shape[1] else []:
+    floors, found = _first_reaching(best, cut)
+    for i in (~found).nonzero()[:, 0].tolist() if best.shape[1] < probs.shape[1] else []:
         if top_p[i] < 1.0:
-            floors[i] = _floor_of_sorted(probs[i], top_p[i])
+            floors[i] = _first_reaching(_sorted_descending(probs[i])[None], cut[i : i + 1])[0][0]
     return floors.masked_fill(cut >= 1.0, 0.0)
 
 
-def _floor_of_sorted(row: torch.Tensor, top_p: float) -> torch.Tensor:
+def _first_reaching(values: torch.Tensor, cut: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """values [rows, width] descending, cut [rows] -> (each row's first value at which the running mass reaches its
+    cut, the last value where none does; whether one did)."""
+    at = torch.searchsorted(values.cumsum(dim=-1), cut[:, None])[:, 0]
+    return values.gather(1, at.clamp(max=values.shape[1] - 1)[:, None])[:, 0], at < values.shape[1]
+
+
+def _sorted_descending(row: torch.Tensor) -> torch.Tensor:
     if row.device.type == "cpu":  # torch.sort of a 49k row takes ~3 ms on a CPU, numpy's sort ~0.1 ms
-        values = torch.from_numpy(np.sort(row.numpy())).flip(0)
-    else:
-        values = row.sort(descending=True).values
-    at = torch.searchsorted(values.cumsum(dim=0), torch.tensor([top_p], device=row.device, dtype=row.dtype))
-    return values[at.clamp(max=values.shape[0] - 1)][0]
+        return torch.from_numpy(np.sort(row.numpy())).flip(0)
+    return row.sort(descending=True).values
 
 
 def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
