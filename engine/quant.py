@@ -8,10 +8,11 @@ and the modules that multiply by them.
 - `QuantLinear` / `QuantEmbedding`: drop-in modules for nn.Linear and nn.Embedding (the embedding dequantizes
   only the rows it looks up, so a tied LM head and embedding share one quantized copy).
 - `quantize_q8_0`: a dense matrix to Q8_0 blocks (per-32 float16 scale, int8 values), for `--quantize int8`.
-- `QuantWeight.repack` / `unpack`: Q4_0 and Q4_1 rows rearranged at load (quant.h: kQ4_0R / kQ4_1R; the same
-  bytes): the nibbles first, 32 bytes per pair of blocks (low nibbles: the first block's 32 values in order, high
-  nibbles: the second's), then the row's f16 scales, then its f16 minimums. The decode kernels then get 64 weights
-  per 32-byte load and 8 scales per conversion.
+- `QuantWeight.repack` / `unpack`: Q4_0, Q4_1 and Q8_0 rows rearranged at load (quant.h: kQ4_0R / kQ4_1R /
+  kQ8_0R; as many bytes, the same values): Q4_0 / Q4_1 the nibbles first, 32 bytes per pair of blocks (low
+  nibbles: the first block's 32 values in order, high nibbles: the second's), then the row's f16 scales, then its
+  f16 minimums; Q8_0 its int8 values first, then its f16 scales. The decode kernels then get 64 weights per load
+  and 8 scales per conversion.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ FORMATS: dict[int, tuple[str, int, int]] = {
 }
 Q8_0 = 8
 # Peregrine's row-packed Q4_0 / Q4_1 (ids past ggml's): id -> (name, weights per 64-value share of a row, its bytes)
-PACKED: dict[int, tuple[str, int, int]] = {1002: ("Q4_0", 64, 36), 1003: ("Q4_1", 64, 40)}
-PACKS = {2: 1002, 3: 1003}  # GGUF type -> its packed form
+PACKED: dict[int, tuple[str, int, int]] = {1002: ("Q4_0", 64, 36), 1003: ("Q4_1", 64, 40), 1008: ("Q8_0", 64, 68)}
+PACKS = {2: 1002, 3: 1003, 8: 1008}  # GGUF type -> its packed form
 UNPACKED = {packed: gguf for gguf, packed in PACKS.items()}
 LAYOUTS = {**FORMATS, **PACKED}
 PREFILL_TILE_ELEMS = 1 << 22  # float32 weights dequantized at a time for many-row matmuls (16 MiB)
@@ -98,12 +99,17 @@ class QuantWeight:
         return QuantWeight(self.blocks[start:end], self.qtype, (end - start, self.shape[1]))
 
     def repack(self) -> QuantWeight:
-        """Q4_0 / Q4_1 rows packed for the decode kernels (module docstring, quant.h: kQ4_0R / kQ4_1R); other formats,
-        and rows whose length is not a multiple of 64, as they are. The same bytes, the same values."""
+        """Q4_0 / Q4_1 / Q8_0 rows packed for the decode kernels (module docstring, quant.h: kQ4_0R / kQ4_1R /
+        kQ8_0R); other formats, and rows whose length is not a multiple of 64, as they are. As many bytes, the same
+        values."""
         packed_type = PACKS.get(self.qtype)
         rows, cols = self.shape
         if packed_type is None or cols % 64:
             return self
+        if self.qtype == Q8_0:  # the values, then the scales
+            b = self.blocks.reshape(rows, cols // 32, 34)
+            values = b[..., 2:].reshape(rows, cols)
+            return QuantWeight(torch.cat([values, b[..., :2].reshape(rows, -1)], dim=1), packed_type, self.shape)
         head = 2 if self.qtype == 2 else 4  # d, or d and m (f16 each)
         b = self.blocks.reshape(rows, cols // 32, 16 + head)
         nibbles = b[..., head:].reshape(rows, cols // 64, 2, 16)
@@ -118,6 +124,10 @@ class QuantWeight:
         if gguf is None:
             return self
         rows, cols = self.shape
+        if gguf == Q8_0:
+            values = self.blocks[:, :cols].reshape(rows, cols // 32, 32)
+            scales = self.blocks[:, cols:].reshape(rows, cols // 32, 2)
+            return QuantWeight(torch.cat([scales, values], dim=-1).reshape(rows, -1), gguf, self.shape)
         head = 2 if gguf == 2 else 4
         packed = self.blocks[:, : cols // 2].reshape(rows, cols // 64, 32)
         values = torch.stack([packed & 0xF, packed >> 4], dim=2)  # [rows, pairs, 2, 32]

@@ -194,9 +194,9 @@ def quantize_int8(model: Any, device: torch.device) -> None:
         linear = getattr(owner, attr)
         if tied and name == "lm_head":
             continue
-        setattr(owner, attr, QuantLinear(quantize_q8_0(linear.weight), linear.bias))
+        setattr(owner, attr, QuantLinear(quantize_q8_0(linear.weight).repack(), linear.bias))
     if tied and embed.embedding_dim % 32 == 0:
-        weight = quantize_q8_0(embed.weight)
+        weight = quantize_q8_0(embed.weight).repack()
         model.set_input_embeddings(QuantEmbedding(weight, embed.weight.dtype))
         model.lm_head = QuantLinear(weight)
     gc.collect()

@@ -1,5 +1,6 @@
-"""The int8 dot-product kernel's own speed: one thread multiplying one activation row with Q4_1 rows that stay in the
-L2 cache, so memory does not bound it (what a decode step's matmuls could do if the weights came for free).
+"""The int8 dot-product kernel's own speed: one thread multiplying activation rows (one by default) with packed
+rows (Q4_1 by default) that stay in the L2 cache, so memory does not bound it (what a decode step's matmuls could do
+if the weights came for free).
 
 For each K (the row length) it times `qlinear` (engine/csrc/qdot.h, the one-call decoder's matmul, on rows packed as
 the loader keeps them) over about 550 KB of rows, and prints ns a row and the bytes a second a row stream would
@@ -7,6 +8,7 @@ need at that pace. Compare it with scripts/bandwidth.py's figure per core: where
 is bound by compute, not by memory. Prints a table, then one JSON object. Not a test.
 
     python scripts/bench_qdot.py                 # the build for this CPU
+    python scripts/bench_qdot.py --format Q8_0 --rows 16   # packed Q8_0 rows, 16 activation rows
     PEREGRINE_CPU_ISA=avx2 python scripts/bench_qdot.py   # the AVX2 build on an AVX-512 machine
 """
 
@@ -26,18 +28,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine import cpu_kernels  # noqa: E402
 from engine.quant import QuantWeight  # noqa: E402
 
-Q4_1 = 3
+TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # the formats packed at load (QuantWeight.repack)
 ROWS_BYTES = 550_000  # about half of a 1 MiB L2
 
 
-def time_rows(module: object, k: int, repeats: int) -> dict[str, float]:
+def time_rows(module: object, fmt: str, k: int, rows: int, repeats: int) -> dict[str, float]:
     from gguf import GGMLQuantizationType, quants
 
-    n = max(16, ROWS_BYTES // (k // 32 * 20) // 16 * 16)
+    block_bytes = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[fmt]
+    n = max(16, ROWS_BYTES // (k // 32 * block_bytes) // 16 * 16)
     w = np.random.default_rng(0).standard_normal((n, k)).astype(np.float32)
-    blocks = torch.from_numpy(quants.quantize(w, GGMLQuantizationType.Q4_1).view(np.uint8).reshape(n, -1).copy())
-    packed = QuantWeight(blocks, Q4_1, (n, k)).repack()
-    x = torch.randn(1, k)
+    qtype = getattr(GGMLQuantizationType, fmt)
+    blocks = torch.from_numpy(quants.quantize(w, qtype).view(np.uint8).reshape(n, -1).copy())
+    packed = QuantWeight(blocks, TYPES[fmt], (n, k)).repack()
+    x = torch.randn(rows, k)
     for _ in range(200):  # warm: rows into L2, the thread pool up
         module.qlinear(x, packed.blocks, packed.qtype, None)
     best = float("inf")
@@ -53,18 +57,20 @@ def time_rows(module: object, k: int, repeats: int) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--k", type=int, nargs="+", default=[576, 1536, 4608, 9216])
+    parser.add_argument("--format", choices=sorted(TYPES), default="Q4_1", help="the GGUF format (packed at load)")
+    parser.add_argument("--rows", type=int, default=1, help="activation rows (a decode step's sequences)")
     parser.add_argument("--repeats", type=int, default=7, help="timed batches of 500 calls; the best is reported")
     args = parser.parse_args()
     module = cpu_kernels.load()
     if module is None:
         sys.exit(f"the CPU kernels did not build: {cpu_kernels.unsupported_reason()}")
     torch.set_num_threads(1)
-    results = [time_rows(module, k, args.repeats) for k in args.k]
-    print(f"qlinear, Q4_1 rows packed, one activation row, one thread, {module.isa()} build")
+    results = [time_rows(module, args.format, k, args.rows, args.repeats) for k in args.k]
+    print(f"qlinear, {args.format} rows packed, {args.rows} activation row(s), one thread, {module.isa()} build")
     print(f"{'K':>6}{'rows':>7}{'ns a row':>10}{'GB/s':>8}")
     for r in results:
         print(f"{r['k']:>6}{r['rows']:>7}{r['ns_per_row']:>10}{r['gb_s']:>8}")
-    print(json.dumps({"isa": module.isa(), "threads": 1, "results": results}))
+    print(json.dumps({"isa": module.isa(), "format": args.format, "rows": args.rows, "threads": 1, "results": results}))
 
 
 if __name__ == "__main__":

@@ -530,13 +530,71 @@ inline float hsum_pairs(__m512 a, __m512 b) {
 // two groups of weights, each multiplied with up to four activation rows. kAccs accumulators a row (group g into
 // the (g mod kAccs)th, as dot_rows), the minimums `wm` added at the end: the same sums in the same order as
 // dot_rows on the file's blocks (bitwise its results), whatever R.
-// Where the 32 bytes of nibbles of groups g, g + 1 (g even) are: in a packed row, one after the other; in a Q4_K
-// row, inside its 144-byte blocks (after each block's 16 bytes of scales), in the same order.
+// Where the weights of groups g, g + 1 (g even) are: in a packed Q4_0 / Q4_1 row, their 32 bytes of nibbles one
+// pair after the other; in a Q4_K row, the same inside its 144-byte blocks (after each block's 16 bytes of scales);
+// in a packed Q8_0 row, their 64 bytes (group g's 32, then g + 1's).
 template <int T>
 inline const uint8_t* nibbles_of(const uint8_t* row, int64_t g) {
   if constexpr (T == kQ4_K) return row + g / 8 * layout_of(kQ4_K).bytes + 16 + 16 * (g % 8);
+  if constexpr (T == kQ8_0R) return row + 32 * g;
   return row + 16 * g;
 }
+// Packed Q8_0 in the AVX-512 build: `vpdpbusd` multiplies unsigned bytes, so each value is loaded as q + 128 (its
+// sign bit flipped) and 128 times the activation group's sum is taken off at the end, as Q4_0's offset of 8 is: one
+// instruction a 64-value load instead of the sign trick's two per 32 and activation row. Elsewhere the values are
+// multiplied signed, as the file's Q8_0 blocks are (AVX2: the sign trick; `vpmaddubsw` would saturate its int16
+// pair sums on unsigned values up to 255).
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__FMA__)
+constexpr bool kUnsignedQ8 = true;
+#else
+constexpr bool kUnsignedQ8 = false;
+#endif
+// Where a packed row's f16 scales start (after its K weights' bytes), and the minimum each scale d makes of the
+// offset its values carry as the kernels multiply them (Q4_0: d * (q - 8); Q8_0 in the AVX-512 build: d * (u - 128)).
+template <int T>
+constexpr int64_t scales_at(int64_t K) { return T == kQ8_0R ? K : K / 2; }
+template <int T>
+constexpr float offset_min() { return T == kQ8_0R ? (kUnsignedQ8 ? -128.f : 0.f) : -8.f; }
+// Whether a packed row's groups have minimums to add (Q8_0 multiplied signed has none).
+template <int T>
+constexpr bool has_mins() { return T != kQ8_0R || kUnsignedQ8; }
+// Value i (0-31) of group g of a packed row or Q4_K row (Q8_0's signed, the others' unsigned).
+template <int T>
+inline int32_t packed_value(const uint8_t* row, int64_t g, int i) {
+  if constexpr (T == kQ8_0R) return static_cast<int8_t>(nibbles_of<T>(row, g & ~int64_t{1})[32 * (g & 1) + i]);
+  return (nibbles_of<T>(row, g & ~int64_t{1})[i] >> (g & 1 ? 4 : 0)) & 0xF;
+}
+#if defined(__AVX2__)
+// The two groups' 32 weights each at p (as nibbles_of gives it): g's in w0, g + 1's in w1 (packed Q8_0's signed).
+template <int T>
+inline void weights_pair(const uint8_t* p, __m256i& w0, __m256i& w1) {
+  if constexpr (T == kQ8_0R) {
+    w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32));
+  } else {
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), low = _mm256_set1_epi8(0xF);
+    w0 = _mm256_and_si256(q, low);
+    w1 = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
+  }
+}
+// The int8 dot of 32 weights from weights_pair with 32 activations: `magnitude<T>(w)` once per weights, then
+// `dot_pair<T>(that, w, a)` per activation row (packed Q8_0's signed weights by the sign trick: |w| times a with
+// w's sign).
+template <int T>
+inline __m256i magnitude(__m256i w) { return T == kQ8_0R ? _mm256_sign_epi8(w, w) : w; }
+template <int T>
+inline __m256i dot_pair(__m256i wu, __m256i w, __m256i a) {
+  return dot_u8s8(wu, T == kQ8_0R ? _mm256_sign_epi8(a, w) : a);
+}
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__FMA__)
+// The same 64 weights in one register: g's in the low 256 bits, g + 1's above.
+template <int T>
+inline __m512i weights64(const uint8_t* p) {
+  if constexpr (T == kQ8_0R) return _mm512_xor_si512(_mm512_loadu_si512(p), _mm512_set1_epi8(static_cast<char>(0x80)));
+  return nibbles64(p);
+}
+#endif
 
 template <int T, int R>
 inline void dot_packed(const uint8_t* row, const float* wm, const float* sc, int64_t ldsc, const QRows& x, int64_t m0,
@@ -551,7 +609,7 @@ inline void dot_packed(const uint8_t* row, const float* wm, const float* sc, int
   __m512 acc[2][R];
   for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = _mm512_setzero_ps();
   auto pair = [&](int64_t g, __m512* acc) {
-    const __m512i w = nibbles64(nibbles_of<T>(row, g));
+    const __m512i w = weights64<T>(nibbles_of<T>(row, g));
     for (int r = 0; r < R; ++r) {
       const __m512i a = _mm512_loadu_si512(x.q + (m0 + r) * K + g * kQK);
       const __m128 s2 = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(sc + r * ldsc + g)));
@@ -567,17 +625,17 @@ inline void dot_packed(const uint8_t* row, const float* wm, const float* sc, int
   if (g < groups) pair(g, acc[0]);
   for (int r = 0; r < R; ++r) res[r] = hsum_pairs(acc[0][r], acc[1][r]);
 #elif defined(__AVX2__)
-  const __m256i low = _mm256_set1_epi8(0xF);
   __m256 acc0[R], acc1[R];
   for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; g += 2) {
-    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles_of<T>(row, g)));
-    const __m256i w0 = _mm256_and_si256(q, low), w1 = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
+    __m256i w0, w1;
+    weights_pair<T>(nibbles_of<T>(row, g), w0, w1);
+    const __m256i u0 = magnitude<T>(w0), u1 = magnitude<T>(w1);
     for (int r = 0; r < R; ++r) {
       const int8_t* a = x.q + (m0 + r) * K + g * kQK;
       const float* s = sc + r * ldsc + g;
-      const __m256i p0 = dot_u8s8(w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a)));
-      const __m256i p1 = dot_u8s8(w1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + kQK)));
+      const __m256i p0 = dot_pair<T>(u0, w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a)));
+      const __m256i p1 = dot_pair<T>(u1, w1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + kQK)));
       acc0[r] = madd8(_mm256_cvtepi32_ps(p0), _mm256_broadcast_ss(s), acc0[r]);
       acc1[r] = madd8(_mm256_cvtepi32_ps(p1), _mm256_broadcast_ss(s + 1), acc1[r]);
     }
@@ -588,13 +646,10 @@ inline void dot_packed(const uint8_t* row, const float* wm, const float* sc, int
     const int8_t* xq = x.q + (m0 + r) * K;
     float lanes[2][8] = {};
     for (int64_t g = 0; g < groups; ++g) {
-      const uint8_t* q = nibbles_of<T>(row, g & ~int64_t{1});
-      const int shift = g & 1 ? 4 : 0;
       const float scale = sc[r * ldsc + g];
       for (int lane = 0; lane < 8; ++lane) {
         int32_t p = 0;
-        for (int i = 0; i < 4; ++i)
-          p += static_cast<int32_t>((q[4 * lane + i] >> shift) & 0xF) * xq[g * kQK + 4 * lane + i];
+        for (int i = 0; i < 4; ++i) p += packed_value<T>(row, g, 4 * lane + i) * xq[g * kQK + 4 * lane + i];
         lanes[g & 1][lane] += static_cast<float>(p) * scale;
       }
     }
@@ -603,7 +658,7 @@ inline void dot_packed(const uint8_t* row, const float* wm, const float* sc, int
     res[r] = ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
   }
 #endif
-  add_mins<R>(wm, x, m0, res);
+  if constexpr (has_mins<T>()) add_mins<R>(wm, x, m0, res);
 }
 
 #if defined(__AVX2__) && defined(__F16C__)
@@ -624,8 +679,8 @@ inline void scales8_regs(const uint8_t* row, int64_t K, int64_t groups, int64_t 
                     : _mm256_cvtph_ps(_mm_maskload_epi32(reinterpret_cast<const int*>(p),
                                                          _mm256_castsi256_si128(lanes_below(n / 2))));
     };
-    wd = halves8(row + K / 2 + 2 * g);
-    wm = T == kQ4_1R ? halves8(row + K / 2 + 2 * groups + 2 * g) : _mm256_mul_ps(_mm256_set1_ps(-8.f), wd);
+    wd = halves8(row + scales_at<T>(K) + 2 * g);
+    wm = T == kQ4_1R ? halves8(row + K / 2 + 2 * groups + 2 * g) : _mm256_mul_ps(_mm256_set1_ps(offset_min<T>()), wd);
   }
 }
 
@@ -652,14 +707,13 @@ inline void dot_packed_one(const uint8_t* row0, int64_t ldw, const QRows& x, int
     const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(2 * p)),
                                            _mm256_set1_epi32(2 * p + 1), 1);
     for (int i = 0; i < N; ++i) {
-      const __m512i w = nibbles64(nibbles_of<T>(row0 + i * ldw, g));
+      const __m512i w = weights64<T>(nibbles_of<T>(row0 + i * ldw, g));
       const __m512 scale = _mm512_permutexvar_ps(idx, s8[i]);
       acc[i][p & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w, a)), scale,
                                       acc[i][p & 1]);
     }
   };
 #else
-  const __m256i low = _mm256_set1_epi8(0xF);
   __m256 acc[N][2];
   for (int i = 0; i < N; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
   alignas(32) float s8[N][8];
@@ -669,10 +723,11 @@ inline void dot_packed_one(const uint8_t* row0, int64_t ldw, const QRows& x, int
     const __m256i a0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a)),
                   a1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + kQK));
     for (int i = 0; i < N; ++i) {
-      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles_of<T>(row0 + i * ldw, g)));
-      const __m256i w0 = _mm256_and_si256(q, low), w1 = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
-      acc[i][0] = madd8(_mm256_cvtepi32_ps(dot_u8s8(w0, a0)), _mm256_broadcast_ss(&s8[i][2 * p]), acc[i][0]);
-      acc[i][1] = madd8(_mm256_cvtepi32_ps(dot_u8s8(w1, a1)), _mm256_broadcast_ss(&s8[i][2 * p + 1]), acc[i][1]);
+      __m256i w0, w1;
+      weights_pair<T>(nibbles_of<T>(row0 + i * ldw, g), w0, w1);
+      const __m256i p0 = dot_pair<T>(magnitude<T>(w0), w0, a0), p1 = dot_pair<T>(magnitude<T>(w1), w1, a1);
+      acc[i][0] = madd8(_mm256_cvtepi32_ps(p0), _mm256_broadcast_ss(&s8[i][2 * p]), acc[i][0]);
+      acc[i][1] = madd8(_mm256_cvtepi32_ps(p1), _mm256_broadcast_ss(&s8[i][2 * p + 1]), acc[i][1]);
     }
   };
 #endif
@@ -681,7 +736,7 @@ inline void dot_packed_one(const uint8_t* row0, int64_t ldw, const QRows& x, int
     for (int i = 0; i < N; ++i) {
       __m256 wd, wm;
       scales8_regs<T>(row0 + i * ldw, K, groups, g, n, wd, wm);
-      macc[i] = madd8(wm, sa, macc[i]);
+      if constexpr (has_mins<T>()) macc[i] = madd8(wm, sa, macc[i]);
       set_scales(i, _mm256_mul_ps(wd, da));
     }
     if (n == 8) {
@@ -701,7 +756,7 @@ inline void dot_packed_one(const uint8_t* row0, int64_t ldw, const QRows& x, int
 #else
     res[i] = hsum8(_mm256_add_ps(acc[i][0], acc[i][1]));
 #endif
-    res[i] += hsum8(macc[i]);
+    if constexpr (has_mins<T>()) res[i] += hsum8(macc[i]);
   }
 }
 
@@ -753,12 +808,12 @@ void qlinear_range_packed(const uint8_t* w, int64_t ldw, const QRows& x, int64_t
     if constexpr (T == kQ4_K) {  // (Q4_K rows hold whole 8-group blocks: no partial chunk)
       for (int64_t b = 0; b < groups / 8; ++b) scales8_q4k(row + b * layout_of(kQ4_K).bytes, wd + 8 * b, wm + 8 * b);
     } else {
-      halves_to_floats(row + K / 2, groups, wd);
+      halves_to_floats(row + scales_at<T>(K), groups, wd);
     }
     if constexpr (T == kQ4_1R) {
       halves_to_floats(row + K / 2 + 2 * groups, groups, wm);
-    } else if constexpr (T == kQ4_0R) {
-      for (int64_t g = 0; g < gpad; ++g) wm[g] = -8.f * wd[g];  // d * (q - 8) = d * q - 8d
+    } else if constexpr (T == kQ4_0R || T == kQ8_0R) {
+      for (int64_t g = 0; g < gpad; ++g) wm[g] = offset_min<T>() * wd[g];  // d * (q - 8) = d * q - 8d (or 128)
     }
     const float bn = bias ? bias[n] : 0.f;
     float res[4];
@@ -801,6 +856,7 @@ void qlinear_rows(int type, const uint8_t* w, int64_t ldw, const QRows& x, int64
     case kQ6_K: return qlinear_range<kQ6_K>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
     case kQ4_0R: return qlinear_range_packed<kQ4_0R>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
     case kQ4_1R: return qlinear_range_packed<kQ4_1R>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
+    case kQ8_0R: return qlinear_range_packed<kQ8_0R>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
     default: return;  // the callers check the type first (supported())
   }
 }
@@ -820,6 +876,7 @@ inline void dequant_row(int type, const uint8_t* row, int64_t K, float* out) {
     case kQ6_K: return rows(std::integral_constant<int, kQ6_K>{});
     case kQ4_0R: return rows(std::integral_constant<int, kQ4_0R>{});
     case kQ4_1R: return rows(std::integral_constant<int, kQ4_1R>{});
+    case kQ8_0R: return rows(std::integral_constant<int, kQ8_0R>{});
     default: return;
   }
 }

@@ -77,6 +77,7 @@ void dispatch(int64_t type, F&& f) {
     case kQ6_K: f(std::integral_constant<int, kQ6_K>{}); break;
     case kQ4_0R: f(std::integral_constant<int, kQ4_0R>{}); break;
     case kQ4_1R: f(std::integral_constant<int, kQ4_1R>{}); break;
+    case kQ8_0R: f(std::integral_constant<int, kQ8_0R>{}); break;
     default: TORCH_CHECK(false, "unsupported GGUF quantization type ", type);
   }
 }

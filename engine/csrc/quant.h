@@ -14,18 +14,21 @@
 
 namespace peregrine_quant {
 
-// ggml's type ids (ggml.h: enum ggml_type), as GGUF files store them; and Peregrine's row-packed Q4_0 and Q4_1 (ids
-// past ggml's), made at load from the file's blocks (engine/quant.py: `QuantWeight.repack`). A row of K values
-// (K a multiple of 64) holds the same bytes as its GGUF blocks, rearranged:
-//   K / 2 bytes of nibbles, 32 bytes per pair of 32-value groups: the low nibbles are the first group's values in
-//   order, the high nibbles the second's (one 32-byte load gives 64 weights);
-//   then the K / 32 f16 scales d, then (Q4_1) the K / 32 f16 minimums m (eight converted by one instruction).
-// A value is d * (q - 8) (Q4_0) or d * q + m (Q4_1), as in the file.
+// ggml's type ids (ggml.h: enum ggml_type), as GGUF files store them; and Peregrine's row-packed Q4_0, Q4_1 and Q8_0
+// (ids past ggml's), made at load from the file's blocks (engine/quant.py: `QuantWeight.repack`). A row of K values
+// (K a multiple of 64) holds the same values as its GGUF blocks, rearranged:
+//   Q4_0 / Q4_1: K / 2 bytes of nibbles, 32 bytes per pair of 32-value groups: the low nibbles are the first group's
+//   values in order, the high nibbles the second's (one 32-byte load gives 64 weights); then the K / 32 f16 scales
+//   d, then (Q4_1) the K / 32 f16 minimums m (eight converted by one instruction). A value is d * (q - 8) (Q4_0) or
+//   d * q + m (Q4_1), as in the file.
+//   Q8_0: the K int8 values in order (one 64-byte load is two groups), then the K / 32 f16 scales d. A value is
+//   d * q, as in the file.
 enum QType : int {
   kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14, kQ4_0R = 1002, kQ4_1R = 1003,
+  kQ8_0R = 1008,
 };
 
-constexpr bool row_packed(int type) { return type == kQ4_0R || type == kQ4_1R; }
+constexpr bool row_packed(int type) { return type == kQ4_0R || type == kQ4_1R || type == kQ8_0R; }
 
 struct Layout {
   int elems;  // weights per block
@@ -43,6 +46,7 @@ constexpr Layout layout_of(int type) {
     case kQ6_K: return {256, 210};
     case kQ4_0R: return {64, 36};  // row-packed: whole rows only; bytes per 64 values
     case kQ4_1R: return {64, 40};
+    case kQ8_0R: return {64, 68};
     default: return {0, 0};
   }
 }
@@ -192,10 +196,19 @@ inline void dequant_block<kQ6_K>(const uint8_t* b, float* __restrict y) {  // ql
   }
 }
 
-// A row-packed Q4_0 / Q4_1 row of K values as float32 (the same values as its GGUF blocks give).
+// A row-packed Q4_0 / Q4_1 / Q8_0 row of K values as float32 (the same values as its GGUF blocks give).
 template <int T>
 inline void dequant_packed_row(const uint8_t* row, int64_t K, float* __restrict y) {
   const int64_t groups = K / 32;
+  if constexpr (T == kQ8_0R) {
+    for (int64_t g = 0; g < groups; ++g, y += 32) {
+      const float d = half_to_float(row + K + 2 * g);
+      uint8_t q[32];
+      std::memcpy(q, row + 32 * g, 32);
+      for (int i = 0; i < 32; ++i) y[i] = d * static_cast<float>(static_cast<int8_t>(q[i]));
+    }
+    return;
+  }
   const uint8_t* scales = row + K / 2;
   for (int64_t g = 0; g < groups; g += 2, y += 64) {
     const float d0 = half_to_float(scales + 2 * g), d1 = half_to_float(scales + 2 * g + 2);

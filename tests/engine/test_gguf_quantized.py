@@ -42,7 +42,7 @@ def test_tiny_gguf_logits_match_dequantized_reference(fmt: str, tmp_path: Path) 
     model = gguf_weights.load(tmp_path / "tiny.gguf", tmp_path, torch.float32)
     q_proj = model.model.layers[0].self_attn.q_proj
     assert isinstance(q_proj, QuantLinear)
-    assert q_proj.qweight.type_name == fmt and (q_proj.qweight.qtype > 1000) == (fmt in ("Q4_0", "Q4_1"))  # row-packed
+    assert q_proj.qweight.type_name == fmt and (q_proj.qweight.qtype > 1000) == (fmt in ("Q4_0", "Q4_1", "Q8_0"))  # packed
     assert model.lm_head.qweight is model.model.embed_tokens.qweight  # tied: one quantized copy
     ids = torch.tensor([[3, 17, 250, 9, 44, 100, 511, 0]])
     with torch.inference_mode():

@@ -88,6 +88,26 @@ def test_qlinear_on_row_packed_weights_is_bitwise_the_gguf_layout(module: Any, f
         assert torch.equal(module.qlinear(x[:rows], packed.blocks, packed.qtype, None), want), rows
 
 
+@pytest.mark.parametrize("k", [576, 1536])
+def test_qlinear_on_packed_q8_0_matches_the_dequantized_product(module: Any, k: int) -> None:
+    """Q8_0 rows packed at load (values, then scales): the AVX-512 build multiplies them unsigned (q + 128, then 128
+    times the activation group's sum taken off), so its sums are not bitwise the file layout's, but within the same
+    1e-5 of the exact int8 product; a row gives the same bits alone, in threes and in the batch of 16, on the
+    few-rows path and the general one. The AVX2 build multiplies them signed, as it does the file's blocks."""
+    blocks = make_blocks("Q8_0", 43, k, np.random.default_rng(7))
+    packed = QuantWeight(torch.from_numpy(blocks), TYPES["Q8_0"], (43, k)).repack()
+    assert packed.qtype == 1008 and torch.equal(packed.unpack().blocks, torch.from_numpy(blocks))
+    w = torch.from_numpy(dequantize(blocks, "Q8_0")).double()
+    x = torch.randn(16, k, generator=torch.Generator().manual_seed(2))
+    got = module.qlinear(x, packed.blocks, packed.qtype, None)
+    exact = int8_activations(x).double() @ w.T
+    assert float((got.double() - exact).abs().max()) <= 1e-5 * float(exact.abs().max())
+    for rows in (slice(0, 1), slice(5, 6), slice(4, 7), slice(0, 5)):
+        assert torch.equal(module.qlinear(x[rows], packed.blocks, packed.qtype, None), got[rows]), rows
+    if module.isa() == "avx2":
+        assert torch.equal(got, module.qlinear(x, torch.from_numpy(blocks), TYPES["Q8_0"], None))
+
+
 def test_qlinear_refuses_what_it_cannot_take(module: Any) -> None:
     blocks = torch.from_numpy(make_blocks("Q8_0", 16, 64, np.random.default_rng(0)))
     with pytest.raises(RuntimeError, match="unsupported GGUF quantization type"):

@@ -106,9 +106,9 @@ def test_runnable_variants_need_every_flag_of_their_level(monkeypatch: pytest.Mo
         assert quant_kernels.runnable_variants() == expected, sorted(flags)
 
 
-@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
 def test_row_packed_weights_hold_the_same_values(fmt: str, weights: dict, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`QuantWeight.repack` (Q4_0 / Q4_1 rows packed for the kernels at load) keeps every bit: `unpack` gives the
+    """`QuantWeight.repack` (Q4_0 / Q4_1 / Q8_0 rows packed for the kernels at load) keeps every bit: `unpack` gives the
     file's blocks back; dequantizing and multiplying the packed rows, by every variant, gives exactly the file's
     results, and so does gguf's numpy reference (no compiler). Rows of an odd number of blocks stay as they are."""
     blocks, dense = weights[fmt]
@@ -127,5 +127,6 @@ def test_row_packed_weights_hold_the_same_values(fmt: str, weights: dict, monkey
     monkeypatch.setattr(quant_kernels, "load", lambda *a, **k: None)  # no compiler: gguf's reference, after unpack
     assert torch.equal(packed.dequantize(), dense)
     assert torch.equal(packed.dequantize(torch.tensor([3, 0])), dense[[3, 0]])
-    odd = QuantWeight(blocks[:, : 480 // 32 * (18 if fmt == "Q4_0" else 20)].contiguous(), TYPE_IDS[fmt], (40, 480))
+    odd = QuantWeight(blocks[:, : 480 // 32 * {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[fmt]].contiguous(), TYPE_IDS[fmt],
+                      (40, 480))
     assert odd.repack() is odd  # 15 blocks a row: not packed
