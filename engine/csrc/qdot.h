@@ -11,9 +11,10 @@
 // offset of 8 becomes a minimum, as Q4_1's), so `vpmaddubsw` takes them as they are; signed ones (Q8_0, Q6_K) go
 // through the sign trick. The next rows are prefetched: one step streams every weight once.
 //
-// Q4_0 and Q4_1 are packed by rows at load (quant.h: kQ4_0R / kQ4_1R): one 32-byte load gives 64 weights, and a
-// row's scales are converted eight at a time and multiplied with each activation row's in one pass, so the loop
-// over groups is loads, two shifts/masks and the int8 dot (`dot_packed`). Its sums are those of the file's layout.
+// Q4_0, Q4_1 and Q8_0 are packed by rows at load (quant.h: kQ4_0R / kQ4_1R / kQ8_0R): one 32-byte load gives 64
+// 4-bit weights (a 64-byte load 64 8-bit ones), and a row's scales are converted eight at a time and multiplied with
+// each activation row's in one pass, so the loop over groups is loads, two shifts/masks and the int8 dot
+// (`dot_packed`). Its sums are those of the file's layout, except packed Q8_0's in the AVX-512 build (kUnsignedQ8).
 // Q4_K's nibbles are already laid out that way inside each block, so Q4_K rows go through the same loop as they
 // are in the file (its scales unpacked a block, 8 groups, at a time). With one to three activation rows (a decode
 // step of one to three requests), four weight rows go through that loop together, their scales converted in

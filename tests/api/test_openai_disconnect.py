@@ -50,10 +50,16 @@ def test_client_leaving_mid_stream_aborts_the_request(http: httpx.Client, model_
         own.stream("POST", route, json=body) as r,
     ):
         assert r.status_code == 200
+        seen = []  # what the stream sent, for the failure message
         for line in r.iter_lines():
+            seen.append(line)
             if line.startswith("data: {") and _has_text(json.loads(line[6:])):
                 break
-        assert _metric(http, "peregrine_num_requests_running") == 1  # still generating
+        running = _metric(http, "peregrine_num_requests_running")
+        assert running == 1, (  # still generating
+            f"running {running}, waiting {_metric(http, 'peregrine_num_requests_waiting')}, preemptions "
+            f"{_metric(http, 'peregrine_preemptions_total')}; the stream sent: {seen[-4:]}"
+        )
     # The connection is closed here, with most of the tokens still to come.
     _wait_idle(http)
     assert _metric(http, "peregrine_engine_steps_total") - steps_before < MAX_TOKENS
