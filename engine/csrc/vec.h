@@ -10,6 +10,7 @@
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <cmath>
 #include <cstdint>
