@@ -35,7 +35,8 @@ FORMATS: dict[int, tuple[str, int, int]] = {
     14: ("Q6_K", 256, 210),
 }
 Q8_0 = 8
-# Peregrine's row-packed Q4_0 / Q4_1 (ids past ggml's): id -> (name, weights per 64-value share of a row, its bytes)
+# Peregrine's row-packed Q4_0 / Q4_1 / Q8_0 (ids past ggml's):
+# id -> (name, weights per 64-value share of a row, its bytes)
 PACKED: dict[int, tuple[str, int, int]] = {1002: ("Q4_0", 64, 36), 1003: ("Q4_1", 64, 40), 1008: ("Q8_0", 64, 68)}
 PACKS = {2: 1002, 3: 1003, 8: 1008}  # GGUF type -> its packed form
 UNPACKED = {packed: gguf for gguf, packed in PACKS.items()}

@@ -171,7 +171,7 @@ def _tensor(t: object, dtype: torch.dtype, name: str, config: object, arch: str)
             value = QuantWeight(value.blocks.index_select(0, order).contiguous(), value.qtype, value.shape)
         else:
             value = value.index_select(0, order).contiguous()
-    return value.repack() if isinstance(value, QuantWeight) else value  # Q4_0 / Q4_1 row-packed for the kernels
+    return value.repack() if isinstance(value, QuantWeight) else value  # Q4_0 / Q4_1 / Q8_0 row-packed for the kernels
 
 
 def _permuted_heads(name: str, config: object) -> int | None:

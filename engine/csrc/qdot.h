@@ -125,7 +125,7 @@ inline __m256i nibbles16(const uint8_t* p) {
 
 inline constexpr bool is_signed(int T) { return T == kQ8_0 || T == kQ6_K; }
 // Formats with a scale per 32 values, whose scales the AVX2 dot reads from the block as it goes (elsewhere, and for
-// Q6_K, a row's scales are read into an array first). Q4_0 / Q4_1 rows (packed) and Q4_K rows go through
+// Q6_K, a row's scales are read into an array first). Q4_0 / Q4_1 / Q8_0 rows (packed) and Q4_K rows go through
 // `dot_packed` instead.
 #if defined(__AVX2__)
 inline constexpr bool scales_inline(int T) { return layout_of(T).elems == 32; }
@@ -526,11 +526,12 @@ inline float hsum_pairs(__m512 a, __m512 b) {
 }
 #endif
 
-// Row-packed Q4_0 / Q4_1 (quant.h): res[r] = x[m0 + r] . row for r < R. `sc` holds each activation row's group
-// scales times the weight row's (`wd`), so a group's scale is one broadcast load; each 32-byte load of nibbles gives
-// two groups of weights, each multiplied with up to four activation rows. kAccs accumulators a row (group g into
-// the (g mod kAccs)th, as dot_rows), the minimums `wm` added at the end: the same sums in the same order as
-// dot_rows on the file's blocks (bitwise its results), whatever R.
+// Row-packed Q4_0 / Q4_1 / Q8_0 (quant.h): res[r] = x[m0 + r] . row for r < R. `sc` holds each activation row's
+// group scales times the weight row's (`wd`), so a group's scale is one broadcast load; each 32-byte load of nibbles
+// (64-byte load of Q8_0 values) gives two groups of weights, each multiplied with up to four activation rows. kAccs
+// accumulators a row (group g into the (g mod kAccs)th, as dot_rows), the minimums `wm` added at the end: the same
+// sums in the same order as dot_rows on the file's blocks (bitwise its results; packed Q8_0 in the AVX-512 build
+// excepted, kUnsignedQ8), whatever R.
 // Where the weights of groups g, g + 1 (g even) are: in a packed Q4_0 / Q4_1 row, their 32 bytes of nibbles one
 // pair after the other; in a Q4_K row, the same inside its 144-byte blocks (after each block's 16 bytes of scales);
 // in a packed Q8_0 row, their 64 bytes (group g's 32, then g + 1's).
