@@ -26,16 +26,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import cpu_kernels  # noqa: E402
-from engine.quant import QuantWeight  # noqa: E402
+from engine.quant import FORMATS, PACKS, QuantWeight  # noqa: E402
 
-TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # the formats packed at load (QuantWeight.repack)
+TYPES = {FORMATS[t][0]: t for t in PACKS}  # the formats packed at load (QuantWeight.repack): name -> ggml type
 ROWS_BYTES = 550_000  # about half of a 1 MiB L2
 
 
 def time_rows(module: object, fmt: str, k: int, rows: int, repeats: int) -> dict[str, float]:
     from gguf import GGMLQuantizationType, quants
 
-    block_bytes = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[fmt]
+    block_bytes = FORMATS[TYPES[fmt]][2]
     n = max(16, ROWS_BYTES // (k // 32 * block_bytes) // 16 * 16)
     w = np.random.default_rng(0).standard_normal((n, k)).astype(np.float32)
     qtype = getattr(GGMLQuantizationType, fmt)

@@ -814,7 +814,7 @@ void qlinear_range_packed(const uint8_t* w, int64_t ldw, const QRows& x, int64_t
     }
     if constexpr (T == kQ4_1R) {
       halves_to_floats(row + K / 2 + 2 * groups, groups, wm);
-    } else if constexpr (T == kQ4_0R || T == kQ8_0R) {
+    } else if constexpr ((T == kQ4_0R || T == kQ8_0R) && has_mins<T>()) {
       for (int64_t g = 0; g < gpad; ++g) wm[g] = offset_min<T>() * wd[g];  // d * (q - 8) = d * q - 8d (or 128)
     }
     const float bn = bias ? bias[n] : 0.f;
