@@ -51,7 +51,10 @@ def test_client_leaving_mid_stream_aborts_the_request(http: httpx.Client, model_
     ):
         assert r.status_code == 200
         seen = []  # what the stream sent, for the failure message
-        for line in r.iter_lines():
+        # Held until the connection is meant to close: a dropped line iterator is finalized at once, and
+        # closing it closes the connection (httpcore), which aborts the request before the check below.
+        lines = r.iter_lines()
+        for line in lines:
             seen.append(line)
             if line.startswith("data: {") and _has_text(json.loads(line[6:])):
                 break
