@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from engine import cpu_features, quant_kernels
 from engine.quant import QuantWeight
@@ -127,6 +128,6 @@ def test_row_packed_weights_hold_the_same_values(fmt: str, weights: dict, monkey
     monkeypatch.setattr(quant_kernels, "load", lambda *a, **k: None)  # no compiler: gguf's reference, after unpack
     assert torch.equal(packed.dequantize(), dense)
     assert torch.equal(packed.dequantize(torch.tensor([3, 0])), dense[[3, 0]])
-    odd = QuantWeight(blocks[:, : 480 // 32 * {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[fmt]].contiguous(), TYPE_IDS[fmt],
-                      (40, 480))
+    block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[fmt]][1]
+    odd = QuantWeight(blocks[:, : 480 // 32 * block_bytes].contiguous(), TYPE_IDS[fmt], (40, 480))
     assert odd.repack() is odd  # 15 blocks a row: not packed
