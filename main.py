@@ -31,7 +31,7 @@ class Prepared:
 
     model_path: Path  # a folder, or a .gguf file
     device: str  # "cpu", "cuda:0", "tt"
-    dtype: str  # "float32", "bfloat16", "float16"; "auto" on the CPU, chosen by the loader (engine/dtype_probe.py)
+    dtype: str  # "float32", "bfloat16", "float16"; "auto" on the CPU, chosen by the loader (models/autotune/dtype.py)
     embedder_at: tuple[Path, str] | None = None  # the embedding model's folder and served name
 
 
@@ -76,7 +76,7 @@ def quiet_openmp_waits() -> None:
 
 def apply_cpu_isa(cap: str) -> None:
     """Make --cpu-isa the process-wide ceiling the kernels read (child processes inherit it), and log it."""
-    from engine import cpu_features
+    from engine.backends import cpu_features
 
     if cap != "auto":
         os.environ[cpu_features.ENV] = cap
@@ -96,7 +96,7 @@ def configure_logging(level: str) -> None:
 
 def prepare(settings: Settings) -> Prepared:
     """Resolve the model source, device and dtype; refuse early if it will not fit; download if needed."""
-    from engine.devices import DeviceError, resolve
+    from engine.backends.devices import DeviceError, resolve
     from models.hub import HubError, download, plan_download, resolve_source
 
     try:
@@ -128,7 +128,7 @@ def _hub_args(settings: Settings, plan: bool = True) -> dict[str, Any]:
 
 def run_preflight(settings: Settings, source: Any, plan: Any, device: str, dtype: str) -> None:
     """Disk for the download (and a GGUF conversion), RAM or VRAM for weights + minimal KV cache."""
-    from engine.devices import cuda_index
+    from engine.backends.devices import cuda_index
     from models import preflight
     from models.hub import default_download_dir, fetch_config
     from models.loader import gguf_cache_folder, is_converted
@@ -292,9 +292,9 @@ class Loader:
 
 
 def serve_on_ray(settings: Settings, prepared: Prepared) -> int:
-    """Several replicas behind Ray Serve's proxy (see app/ray_serve.py); each loads its own engine."""
+    """Several replicas behind Ray Serve's proxy (see serving/ray_serve.py); each loads its own engine."""
     try:
-        from app import ray_serve
+        from serving import ray_serve
     except ModuleNotFoundError as exc:
         log.error("--ray-replicas / --ray-autoscale need Ray: pip install -e '.[ray]' (%s)", exc)
         return 1
@@ -302,8 +302,8 @@ def serve_on_ray(settings: Settings, prepared: Prepared) -> int:
 
 
 def ray_plan(settings: Settings, prepared: Prepared) -> Any:
-    """What each Ray replica builds: the same engine config and embedder as `serve` (app/ray_serve.py)."""
-    from app.ray_serve import ReplicaPlan
+    """What each Ray replica builds: the same engine config and embedder as `serve` (serving/ray_serve.py)."""
+    from serving.ray_serve import ReplicaPlan
 
     embedder_at = prepared.embedder_at
     return ReplicaPlan(
@@ -318,7 +318,7 @@ def ray_app(args: dict[str, Any]) -> Any:
     """Ray Serve application builder for a running cluster: `serve run main:ray_app model=... ray_replicas=2`,
     `serve deploy`, and KubeRay's RayService (`import_path: main:ray_app`, deploy/kuberay/rayservice.yaml).
     `args` are Settings field names, on top of the PEREGRINE_* environment, exactly like flags."""
-    from app import ray_serve
+    from serving import ray_serve
 
     settings = load_settings([_flag(name, value) for name, value in args.items()])
     configure_logging(settings.log_level)

@@ -1,7 +1,7 @@
 """Start Peregrine with several models (`--model` more than once, or `--models-file`): main.py's start, per model.
 
 Each model goes through the same steps as a single one (`main.prepare`: source, device, dtype, preflight,
-download), then becomes an `app.model_registry.ModelSpec` with its memory need by the preflight arithmetic
+download), then becomes an `serving.registry.ModelSpec` with its memory need by the preflight arithmetic
 (weights in the serving dtype + its KV cache + the packed copy where AMX decode keeps one). The KV cache of
 each model is sized explicitly, never as a share of free memory (which the first model would take whole):
 `kv_cache_bytes` of the model, else the server's `--kv-cache-bytes`, else one sequence of the full context.
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from config import ConfigError, Settings
-from config_models import ModelEntry, model_entries
+from config.models_file import ModelEntry, model_entries
 from main import Prepared, StartError, engine_config, http_server, load_embedder, prepare
 
 log = logging.getLogger("peregrine")
@@ -41,8 +41,8 @@ def prepare_models(settings: Settings) -> tuple[list[Any], tuple[Path, str] | No
 
 def model_spec(entry: ModelEntry, prepared: Prepared) -> Any:
     """The registry's view of one model: its engine config and its memory need, with the arithmetic."""
-    from app.model_registry import ModelSpec
     from models import preflight
+    from serving.registry import ModelSpec
 
     settings = entry.settings
     footprint = local_footprint(prepared.model_path, settings)
@@ -78,7 +78,7 @@ def memory_budget(settings: Settings, device: str) -> int:
     """--models-memory-budget, else 90% of the RAM (or the CUDA device's VRAM) free now."""
     if settings.models_memory_budget is not None:
         return int(settings.models_memory_budget)
-    from engine.devices import cuda_index
+    from engine.backends.devices import cuda_index
     from models import preflight
 
     resources = preflight.measure_resources([], cuda_index(device))
@@ -101,8 +101,8 @@ def start_engine(cfg: Any) -> Any:
 def serve_models(settings: Settings, specs: list[Any], embedder_at: tuple[Path, str] | None, device: str) -> int:
     """uvicorn with a model registry: the first model loads at start, the others on demand."""
     from app import create_app
-    from app.model_registry import ModelRegistry, install_registry
     from models.preflight import fmt_bytes
+    from serving.registry import ModelRegistry, install_registry
 
     app = create_app(engine=None, settings=settings)
     budget = memory_budget(settings, device)

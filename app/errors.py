@@ -139,7 +139,7 @@ def _validation_message(errors: Sequence[dict[str, Any]]) -> tuple[str, str | No
 
 async def _api_error(request: Request, exc: Exception) -> JSONResponse:
     status, body = classify(exc, _request_id(request))
-    retry_after = getattr(exc, "retry_after", None)  # e.g. a model still loading (app/model_registry.py)
+    retry_after = getattr(exc, "retry_after", None)  # e.g. a model still loading (serving/registry.py)
     headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
     return JSONResponse(body, status_code=status, headers=headers)
 

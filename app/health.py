@@ -11,7 +11,7 @@ and the test fixtures wait on it.
 
 `GET /health/engine` is the engine's load as JSON (running, waiting, KV blocks, steps, admission counters).
 
-With several models (`app.state.models`, app/model_registry.py) each answer adds `models`: per model its state
+With several models (`app.state.models`, serving/registry.py) each answer adds `models`: per model its state
 (loaded, loading, unloaded, unloading), and on `/health/engine` its memory need, keep-alive and engine load.
 """
 
@@ -44,7 +44,7 @@ def engine_state(request: Request) -> str:
 
 
 def _models_state(request: Request, registry) -> str:
-    """Several models (app/model_registry.py): ready as soon as the registry is attached, since models load on
+    """Several models (serving/registry.py): ready as soon as the registry is attached, since models load on
     demand; a loaded engine whose loop died is replaced by the next request for it, so that is not "dead"."""
     if getattr(request.app.state, "draining", False):
         return "draining"

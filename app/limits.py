@@ -38,7 +38,7 @@ log = logging.getLogger("peregrine.limits")
 OPEN_PATHS = frozenset({"/health", "/ready", "/v1/health", "/"})
 OPEN_PREFIXES = ("/health/", "/ui/")
 """Health routes: never authenticated, limited or drained away, so probes always get an answer. The chat
-page (`/` and its static files under `/ui/`, app/ui.py) is open too: it holds no secret and asks for the key."""
+page (`/` and its static files under `/ui/`, app/ui/__init__.py) is open too: it holds no secret and asks for the key."""
 
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 RETRY_AFTER_S = 1

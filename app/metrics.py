@@ -237,7 +237,7 @@ class EngineCollector(Collector):
         return []  # values exist only once the engine is attached; no fixed description
 
     def collect(self) -> Iterator[Metric]:
-        registry = getattr(self.app.state, "models", None)  # several models: app/model_registry.py
+        registry = getattr(self.app.state, "models", None)  # several models: serving/registry.py
         if registry is not None:
             yield from _registry_metrics(registry)
         engine = getattr(self.app.state, "engine", None)

@@ -17,15 +17,19 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app import embeddings, health, llama_stack, openai_routes, tokenize_routes
+from app import health
 from app.deps import Engine
 from app.errors import classify, install_error_handlers
 from app.hardening import install_hardening
 from app.limits import generation_paths
+from app.llama_stack import routes as llama_stack
 from app.metrics import install_metrics
-from app.model_registry import ModelLeaseMiddleware
+from app.openai import embeddings
+from app.openai import routes as openai_routes
+from app.openai import tokenize as tokenize_routes
 from app.openapi import install_openapi
 from app.ui import install_ui
+from serving.registry import ModelLeaseMiddleware
 
 log = logging.getLogger("peregrine.app")
 REQUEST_ID_HEADER = "x-request-id"

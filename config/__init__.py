@@ -372,7 +372,7 @@ class Settings(BaseSettings):
 
     @property
     def multi_model(self) -> bool:
-        """Several models in one server (config_models.py, app/model_registry.py) instead of one engine."""
+        """Several models in one server (config.models_file.py, serving/registry.py) instead of one engine."""
         return bool(self.extra_models) or self.models_file is not None
 
     @property

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from engine import grammar
 from engine.llm_engine import LLMEngine
+from engine.sampling import grammar
 from engine.types import (
     EngineConfig,
     EngineDeadError,

@@ -15,14 +15,15 @@ from typing import Any
 
 import torch
 
-from engine import devices, grammar, prompt_logprobs
-from engine.block_manager import BlockManager
-from engine.kv_cache import KVCache, KVCacheSpec, kv_cache_dtype, plan_num_blocks
-from engine.model_runner import ModelRunner
-from engine.outputs import SequenceOutput
-from engine.sampler import Sampler
-from engine.scheduler import Scheduler, SchedulerOutput
-from engine.sequence import Sequence
+from engine.backends import devices
+from engine.core.block_manager import BlockManager
+from engine.core.outputs import SequenceOutput
+from engine.core.scheduler import Scheduler, SchedulerOutput
+from engine.core.sequence import Sequence
+from engine.model.kv_cache import KVCache, KVCacheSpec, kv_cache_dtype, plan_num_blocks
+from engine.model.runner import ModelRunner
+from engine.sampling import grammar, prompt_logprobs
+from engine.sampling.sampler import Sampler
 from engine.types import (
     MAX_LOGPROBS,
     EngineConfig,

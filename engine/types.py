@@ -24,7 +24,7 @@ ConstraintKind = Literal["json_schema", "json_object", "regex", "choice", "lark"
 
 @dataclass(frozen=True, slots=True)
 class Constraint:
-    """What the sampled text must match: an llguidance grammar, applied token by token (engine/grammar.py).
+    """What the sampled text must match: an llguidance grammar, applied token by token (engine/sampling/grammar.py).
 
     value: json_schema: the schema as JSON text; regex/lark/gbnf: the grammar source; choice: a JSON list of
     strings; json_object: "". trigger: lazy constraint: the text is free until this string appears in the
@@ -42,7 +42,7 @@ class SamplingParams:
 
     temperature == 0 means greedy. top_k <= 0 means off. max_tokens None means "the rest of the context".
     logprobs None means off; 0 means the chosen token's logprob only; k > 0 adds the top-k alternatives.
-    prompt_logprobs: the same for every prompt token (from the prefill; see engine/prompt_logprobs.py).
+    prompt_logprobs: the same for every prompt token (from the prefill; see engine/sampling/prompt_logprobs.py).
     n > 1 runs n independent sequences on the same prompt; with a seed, sequence i uses seed + i.
     """
 
@@ -183,7 +183,7 @@ class EngineConfig:
     seed: int = 0
     trust_remote_code: bool = False
     model_impl: str = "auto"  # auto | generic | llama: the forward pass (auto: Llama fast path when it applies)
-    cpu_kernels: bool = True  # Peregrine's AVX512-BF16 decode kernel (engine.cpu_kernels) where it applies
+    cpu_kernels: bool = True  # Peregrine's AVX512-BF16 decode kernel (engine.backends.cpu_kernels) where it applies
     weight_format: str = "auto"  # auto | quantized | dense: a GGUF's weights kept quantized in RAM, or dense
     quantize: str | None = None  # "int8": linear weights of a dense model to Q8_0 blocks at load
     prefix_caching: bool = True  # reuse the KV of full blocks whose prefix was computed before (block_manager)

@@ -21,7 +21,7 @@ from typing import Literal
 
 import torch
 
-from engine import devices
+from engine.backends import devices
 from models import hub
 
 PoolingMode = Literal["cls", "mean", "max", "mean_sqrt_len", "lasttoken"]

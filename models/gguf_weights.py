@@ -1,4 +1,4 @@
-"""A GGUF file served as it is: its quantized tensors stay quantized in RAM (engine/quant.py), nothing dense is
+"""A GGUF file served as it is: its quantized tensors stay quantized in RAM (engine/model/quant.py), nothing dense is
 written to disk.
 
 What is cached (once, in `<cache>/gguf/<name>-<hash>-quantized/`): config.json, the tokenizer and its chat
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.quant import FORMATS, QuantEmbedding, QuantLinear, QuantWeight
+from engine.model.quant import FORMATS, QuantEmbedding, QuantLinear, QuantWeight
 
 log = logging.getLogger(__name__)
 

@@ -29,11 +29,11 @@ from typing import Any
 
 import torch
 
-from engine import dtype_probe
-from engine.devices import placement
-from engine.huge_pages import release_freed_memory
+from engine.backends.devices import placement
+from engine.backends.huge_pages import release_freed_memory
 from engine.types import EngineConfig
 from models import preflight
+from models.autotune import dtype as dtype_probe
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class LoadError(RuntimeError):
 def load_model(cfg: EngineConfig) -> LoadedModel:
     """Load tokenizer and weights on the configured device (a GGUF kept quantized, or converted once to a dense
     cache); eval, no grad. The one place the dtype is decided: `--dtype auto` on the CPU loads float32 and times
-    decode steps in each candidate (engine/dtype_probe.py); the returned `dtype` is the one served."""
+    decode steps in each candidate (models/autotune/dtype.py); the returned `dtype` is the one served."""
     device, dtype = placement(cfg.device, cfg.dtype)
     start, asked = time.perf_counter(), dtype
     loaded = load_quantized_gguf(cfg, device, dtype) if serves_quantized_gguf(cfg, device) else None
@@ -110,9 +110,9 @@ def load_fastest(folder: Path, tokenizer: Any, cfg: EngineConfig, device: torch.
 def fastest_format(model: Any, tokenizer: Any, cfg: EngineConfig, device: torch.device, dtype: torch.dtype,
                    auto_dtype: bool) -> tuple[Any, torch.dtype]:
     """`--weight-format auto`, a GGUF loaded quantized: dense copies built in memory (float32 and bfloat16 with
-    `--dtype auto`, else the dtype asked for) and timed against it (engine/weight_format_probe.py), those whose
+    `--dtype auto`, else the dtype asked for) and timed against it (models/autotune/weight_format.py), those whose
     probe peak fits in the free RAM (the preflight's arithmetic); with none, the quantized model as it is."""
-    from engine import weight_format_probe
+    from models.autotune import weight_format as weight_format_probe
 
     candidates = ("float32", "bfloat16") if auto_dtype else (str(dtype).removeprefix("torch."),)
     path = Path(cfg.model_path) / str(cfg.gguf_file)
@@ -181,7 +181,7 @@ def load_quantized_gguf(
 def quantize_int8(model: Any, device: torch.device) -> None:
     """`--quantize int8`: every Linear of the decoder layers and the LM head to Q8_0 blocks, the same kernels as
     GGUF weights (CPU only; a tied LM head shares the embedding's one quantized copy)."""
-    from engine.quant import QuantEmbedding, QuantLinear, quantize_q8_0
+    from engine.model.quant import QuantEmbedding, QuantLinear, quantize_q8_0
 
     if device.type != "cpu":
         raise LoadError(f"--quantize int8 runs on the CPU only, not on {device}")
@@ -207,14 +207,14 @@ def quantize_int8(model: Any, device: torch.device) -> None:
 def quant_summary(model: Any) -> str:
     from collections import Counter
 
-    from engine.quant import QuantEmbedding, QuantLinear
+    from engine.model.quant import QuantEmbedding, QuantLinear
 
     kinds = Counter(m.qweight.type_name for m in model.modules() if isinstance(m, (QuantLinear, QuantEmbedding)))
     return ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
 
 
 def log_resident(model: Any) -> None:
-    from engine.quant import resident_bytes
+    from engine.model.quant import resident_bytes
 
     log.info("weights resident: %s", preflight.fmt_bytes(resident_bytes(model)))
 

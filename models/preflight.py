@@ -105,8 +105,8 @@ def memory_need(
 ) -> tuple[int, str]:
     """Bytes for weights in `dtype` + KV cache (+ the one-call decode step's packed copy of the bfloat16 weights,
     which it keeps on CPUs with AMX), with the breakdown in words. dtype "auto" (CPU) is the peak of the
-    `--dtype auto` probe (engine/dtype_probe.py): float32 weights and KV cache + the bfloat16 copy timed beside them.
-    `dense`: the dense copies `--weight-format auto` times beside quantized weights (engine/weight_format_probe.py).
+    `--dtype auto` probe (models/autotune/dtype.py): float32 weights and KV cache + the bfloat16 copy timed beside them.
+    `dense`: the dense copies `--weight-format auto` times beside quantized weights (models/autotune/weight_format.py).
     `kv_dtype`: `--kv-cache-dtype` (auto: the KV cache in the weights' dtype)."""
     if fp.weight_bytes is not None and dtype == "auto":
         dtype = "float32"  # quantized weights: activations and KV cache in float32, no dtype probe
@@ -377,14 +377,14 @@ def _prod(shape: Iterable[int]) -> int:
 def cpu_has_amx(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     """Whether the kernels may use AMX here (the CPU reports it and PEREGRINE_CPU_ISA does not hide it),
     without building them."""
-    from engine import cpu_features
+    from engine.backends import cpu_features
 
     return cpu_features.has("amx", flags=cpu_features.cpu_flags.__wrapped__(cpuinfo))
 
 
 def packed_copy_kept(device: str, cpu_kernels: bool) -> bool:
     """Whether bfloat16 decode steps keep a packed copy of the weights (the CPU with the kernels on and AMX
-    usable, as engine/cpu_kernels.py decides): the one place the preflight, the loader and main.py ask."""
+    usable, as engine/backends/cpu_kernels.py decides): the one place the preflight, the loader and main.py ask."""
     return device == "cpu" and cpu_kernels and cpu_has_amx()
 
 

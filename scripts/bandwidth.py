@@ -81,7 +81,7 @@ def _stream_read() -> object | None:
     """The hand-written read, compiled once into <cache dir>/kernels/ by the engine's builder (keyed by the source's
     bytes, so every checkout shares it; None, said, when it cannot be built here: the torch reads still run)."""
     from config import tool_cache_dir
-    from engine.extension_build import build_extension
+    from engine.backends.build import build_extension
 
     source = Path(__file__).with_name("csrc") / "stream_read.cpp"
     try:

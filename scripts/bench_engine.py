@@ -31,8 +31,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from config import DEFAULT_CACHE_DIR  # noqa: E402
-from engine.llama_fast import LlamaFastForward  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
+from engine.model.forward import LlamaFastForward  # noqa: E402
 from engine.types import EngineConfig, SamplingParams  # noqa: E402
 from models.loader import load_model  # noqa: E402
 
@@ -132,7 +132,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                         help="the KV cache's element type (Peregrine's --kv-cache-dtype; auto: the model dtype)")
     parser.add_argument("--cpu-kernels", action=argparse.BooleanOptionalAction, default=True,
-                        help="Peregrine's CPU kernels (engine.cpu_kernels); --no-cpu-kernels: torch's own ops")
+                        help="Peregrine's CPU kernels (engine.backends.cpu_kernels); --no-cpu-kernels: torch's own ops")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
@@ -183,7 +183,7 @@ def step_bytes(engine: LLMEngine, args: argparse.Namespace) -> dict[str, int] | 
     forward = engine.runner.forward
     if not isinstance(forward, LlamaFastForward):
         return None
-    kv = round(engine.kv_cache.spec.bytes_per_token * mean_context(args))
+    kv = round(engine.model.kv_cache.spec.bytes_per_token * mean_context(args))
     return {"weights": forward.decode_weight_bytes(), "kv_at_mean_context": kv}
 
 

@@ -2,7 +2,7 @@
 rows (Q4_1 by default) that stay in the L2 cache, so memory does not bound it (what a decode step's matmuls could do
 if the weights came for free).
 
-For each K (the row length) it times `qlinear` (engine/csrc/qdot.h, the one-call decoder's matmul, on rows packed as
+For each K (the row length) it times `qlinear` (engine/backends/csrc/qdot.h, the one-call decoder's matmul, on rows packed as
 the loader keeps them) over about 550 KB of rows, and prints ns a row and the bytes a second a row stream would
 need at that pace. Compare it with scripts/bandwidth.py's figure per core: where the kernel is slower, a decode step
 is bound by compute, not by memory. Prints a table, then one JSON object. Not a test.
@@ -25,8 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import cpu_kernels  # noqa: E402
-from engine.quant import FORMATS, PACKS, QuantWeight  # noqa: E402
+from engine.backends import cpu_kernels  # noqa: E402
+from engine.model.quant import FORMATS, PACKS, QuantWeight  # noqa: E402
 
 TYPES = {FORMATS[t][0]: t for t in PACKS}  # the formats packed at load (QuantWeight.repack): name -> ggml type
 ROWS_BYTES = 550_000  # about half of a 1 MiB L2

@@ -117,7 +117,7 @@ def valid_prefix(text: str) -> bool:
     """True if `text` is a prefix of some JSON array of ITEM-shaped objects (checked by llguidance)."""
     import llguidance
 
-    from engine import grammar
+    from engine.sampling import grammar
 
     tok = _tokenizer()
     matcher = llguidance.LLMatcher(grammar.ll_tokenizer(tok), grammar.grammar_text(
@@ -171,7 +171,7 @@ class _NullTok:
 
 
 def compile_times(args: argparse.Namespace) -> dict[str, Any]:
-    from engine import grammar
+    from engine.sampling import grammar
     from engine.types import Constraint
 
     tok = _tokenizer()

@@ -1,7 +1,7 @@
 """Compile-check Peregrine's CPU kernels for aarch64 (NEON) from an x86 machine, with zig's clang.
 
 No aarch64 g++ is needed: the `ziglang` PyPI package carries a clang that targets aarch64-linux-gnu with its own
-libc and libc++ headers. Each `engine/csrc/*.cpp` is checked with `-fsyntax-only` against this torch's headers, so
+libc and libc++ headers. Each `engine/backends/csrc/*.cpp` is checked with `-fsyntax-only` against this torch's headers, so
 vec.h's NEON backend and every kernel over it type-check for aarch64 (nothing is linked or run: torch's headers
 are the host's, and zig ships no omp.h, so a two-function stub stands in for it). The first run builds zig's
 libc++ header cache (minutes); later runs take seconds per file.
@@ -21,7 +21,7 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
-CSRC = Path(__file__).resolve().parent.parent / "engine" / "csrc"
+CSRC = Path(__file__).resolve().parent.parent / "engine" / "backends" / "csrc"
 OMP_STUB = "#pragma once\nextern \"C\" {\nint omp_get_num_threads(void);\nint omp_get_thread_num(void);\n}\n"
 # Compiled first: the check must see vec.h's NEON backend, not its scalar fallback.
 NEON_PROBE = f'#include "{CSRC / "vec.h"}"\nstatic_assert(peregrine::Vec::W == 4, "vec.h did not pick NEON");\n'
@@ -55,7 +55,7 @@ def check(zig_python: str, sources: list[Path]) -> list[tuple[Path, str]]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--zig-python", default=sys.executable, help="a Python with the ziglang package")
-    parser.add_argument("sources", nargs="*", type=Path, help="default: every engine/csrc/*.cpp")
+    parser.add_argument("sources", nargs="*", type=Path, help="default: every engine/backends/csrc/*.cpp")
     args = parser.parse_args()
     sources = args.sources or sorted(CSRC.glob("*.cpp"))
     failures = check(args.zig_python, sources)

@@ -3,7 +3,7 @@ parses and validates against its schema, and every schema the grammar library re
 envelope (never a 500, never a hang).
 
 Default 60 examples (derandomized: the same ones every run); `PEREGRINE_FUZZ_EXAMPLES=200` for a longer run.
-Whether a schema is rejected is decided locally with `engine.grammar.validate` on a tiny tokenizer (whether a
+Whether a schema is rejected is decided locally with `engine.sampling.grammar.validate` on a tiny tokenizer (whether a
 schema compiles does not depend on the vocabulary); the server must agree.
 """
 
@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine import grammar
+from engine.sampling import grammar
 from engine.types import Constraint
 
 EXAMPLES = int(os.environ.get("PEREGRINE_FUZZ_EXAMPLES", "60"))

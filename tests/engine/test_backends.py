@@ -8,8 +8,8 @@ import importlib.util
 import pytest
 import torch
 
-from engine import devices
-from engine.devices import DEVICES, backend_for
+from engine.backends import devices
+from engine.backends.devices import DEVICES, backend_for
 
 
 def test_cpu_backend_measures_free_memory() -> None:

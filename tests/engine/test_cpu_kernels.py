@@ -1,4 +1,4 @@
-"""engine.cpu_kernels: the kernels on the best path this CPU has (AVX-512, else AVX2), their dispatch, and their
+"""engine.backends.cpu_kernels: the kernels on the best path this CPU has (AVX-512, else AVX2), their dispatch, and their
 fallback. tests/engine/test_cpu_kernels_paths.py runs every path the CPU has, in float32 and bfloat16.
 
 The kernel tests compile the real extension (cached under the user's Peregrine cache, like the server does) and
@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import cpu_kernels
-from engine import kernels as kernels_module
-from engine.kernels import float32_linear_for, linear_torch
+from engine.backends import cpu_kernels
+from engine.backends import kernels as kernels_module
+from engine.backends.kernels import float32_linear_for, linear_torch
 from engine.types import SamplingParams
 from tests.support import chat_ids, run_all, tokens_of
 
@@ -146,7 +146,7 @@ def use_broken_sources(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_failed_build_falls_back_to_torch_with_the_reason(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                             caplog: pytest.LogCaptureFixture) -> None:
     use_broken_sources(tmp_path, monkeypatch)
-    with caplog.at_level(logging.WARNING, logger="engine.cpu_kernels"):
+    with caplog.at_level(logging.WARNING, logger="engine.backends.cpu_kernels"):
         linear = cpu_kernels.linear_for(torch.device("cpu"), torch.bfloat16, cache_dir=tmp_path / "cache")
     assert linear is linear_torch
     assert "CPU kernels off (build failed" in caplog.text
@@ -350,7 +350,7 @@ def test_one_call_decode_step_over_a_float16_kv_cache(byte_level_tokenizer: Any,
     vocab = -(-len(byte_level_tokenizer) // 16) * 16
     loaded = Loaded(_decoder_model("llama", vocab).to(dtype), byte_level_tokenizer, 512)
     engine = engine_factory(loaded, kv_cache_bytes=4 << 20, block_size=4, kv_cache_dtype="float16")
-    assert engine.kv_cache.k[0].dtype == torch.float16
+    assert engine.model.kv_cache.k[0].dtype == torch.float16
     factory = cpu_kernels.llama_decoder_for(torch.device("cpu"), dtype, amx=False)
     prompts = {f"r{i}": (list(range(3 + 5 * i, 10 + 9 * i)), SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
                for i in range(3)}
@@ -374,7 +374,7 @@ def test_the_decoder_declines_shapes_it_cannot_take_and_the_op_by_op_pass_runs(
 
     loaded = Loaded(copy.deepcopy(tiny.model).to(torch.bfloat16), tiny.tokenizer, tiny.max_model_len)
     engine = engine_factory(loaded)
-    with caplog.at_level(logging.INFO, logger="engine.llama_fast"):
+    with caplog.at_level(logging.INFO, logger="engine.model.forward"):
         outs = run_all(engine, {"a": ([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))})
     assert len(tokens_of(outs["a"])) == 4
     assert caplog.text.count("one-call decode step off") == 1
@@ -391,7 +391,7 @@ def test_no_decoder_for_float16_other_devices_or_when_off() -> None:
 def test_decoder_rope_rows_are_the_rotary_modules_values(tiny: Any) -> None:
     """The decoder's RoPE table gives each position exactly what the model's rotary module computes for it, and
     grows when a later position needs it; a dynamic RoPE type is computed per step instead."""
-    from engine.llama_fast import LlamaFastForward
+    from engine.model.forward import LlamaFastForward
 
     model = tiny.model
     fast = LlamaFastForward(model)
@@ -410,7 +410,7 @@ def test_decoder_rope_rows_are_the_rotary_modules_values(tiny: Any) -> None:
 @needs_kernel
 def test_decoder_step_refuses_token_ids_out_of_range() -> None:
     """A token id past the embedding table is a clear error, not a read past the table."""
-    from engine.llama_fast import LlamaFastForward
+    from engine.model.forward import LlamaFastForward
 
     model = _decoder_model("llama", 256)
     k = torch.zeros(64, 2, 32, dtype=torch.bfloat16)

@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 import torch
 
-from engine import dtype_probe
-from engine.dtype_probe import ProbePlan, Timing
 from engine.llm_engine import LLMEngine
 from engine.types import EngineConfig
 from models import loader, preflight
+from models.autotune import dtype as dtype_probe
+from models.autotune.dtype import ProbePlan, Timing
 from tests.support import load_hf
 
 SMALL = ProbePlan(rows=(1, 4), steps=2, repeats=2, settle=math.inf)  # every window, always
@@ -118,7 +118,7 @@ def test_choose_serves_the_dtype_with_the_better_measured_throughput(
     measured: list[Timing] = []
     measure = dtype_probe.measure
     monkeypatch.setattr(dtype_probe, "measure", lambda *a: measured.extend(measure(*a)) or measured)
-    with caplog.at_level(logging.INFO, logger="engine.dtype_probe"):
+    with caplog.at_level(logging.INFO, logger="models.autotune.dtype"):
         model, dtype = dtype_probe.choose(tiny.model, tiny.tokenizer, probe_cfg("in-memory"), torch.device("cpu"),
                                           tiny.max_model_len, SMALL)
     at = {t.name: t.tok_s for t in measured if t.rows == SMALL.rows[-1]}

@@ -1,4 +1,4 @@
-"""engine.extension_build: a build is keyed by what it compiles (bytes, flags, torch), not by its sources' path,
+"""engine.backends.build: a build is keyed by what it compiles (bytes, flags, torch), not by its sources' path,
 so a fresh clone or a worktree loads the modules another checkout built instead of compiling them again.
 
 The module built here is a few lines of the Python C API (no torch headers: it compiles in about a second) going
@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from engine import cpu_kernels, extension_build
+from engine.backends import build as extension_build
+from engine.backends import cpu_kernels
 
 TINY = """#include <Python.h>
 static PyObject* answer(PyObject*, PyObject*) { return PyLong_FromLong(TINY_ANSWER); }
@@ -54,14 +55,14 @@ def has_compiler() -> bool:
 @pytest.mark.skipif(not has_compiler(), reason="no C++ compiler")
 def test_another_checkout_loads_the_same_build(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     cache = tmp_path / "cache"
-    with caplog.at_level(logging.INFO, logger="engine.extension_build"):
+    with caplog.at_level(logging.INFO, logger="engine.backends.build"):
         module = extension_build.build_extension("peregrine_tiny", [checkout(tmp_path / "one")], "none", cache)
     assert module.answer() == 42 and "compiling peregrine_tiny for none" in caplog.text
     (build_dir,) = (cache / "kernels").iterdir()
     built = (build_dir / "peregrine_tiny_none.so").stat().st_mtime_ns
     shutil.rmtree(tmp_path / "one")  # the first checkout is gone: the build reads its own copies
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="engine.extension_build"):
+    with caplog.at_level(logging.INFO, logger="engine.backends.build"):
         again = extension_build.build_extension("peregrine_tiny", [checkout(tmp_path / "two")], "none", cache)
     assert again.answer() == 42 and "compiling" not in caplog.text
     assert list((cache / "kernels").iterdir()) == [build_dir]
@@ -82,11 +83,11 @@ def test_a_finished_build_is_imported_without_the_builder(tmp_path: Path, caplog
     for name in ("build.ninja", ".ninja_log"):  # what the builder would compare is gone
         (build_dir / name).unlink()
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="engine.extension_build"):
+    with caplog.at_level(logging.INFO, logger="engine.backends.build"):
         again = extension_build.build_extension("peregrine_tiny_again", [checkout(tmp_path / "two")], "none", cache)
     assert again.answer() == 42 and "compiling" not in caplog.text and library.stat().st_mtime_ns == built
     (build_dir / extension_build.BUILT).unlink()
-    with caplog.at_level(logging.INFO, logger="engine.extension_build"):
+    with caplog.at_level(logging.INFO, logger="engine.backends.build"):
         rebuilt = extension_build.build_extension("peregrine_tiny_again", [checkout(tmp_path / "three")], "none", cache)
     assert rebuilt.answer() == 42 and "compiling peregrine_tiny_again for none" in caplog.text
     assert (build_dir / extension_build.BUILT).exists()
@@ -96,6 +97,6 @@ def test_the_none_level_is_no_build_of_the_cpu_kernels(tmp_path: Path, caplog: p
     """"none" (the quantized-weight kernels' portable build) must not turn the CPU kernels on where the CPU has
     neither AVX2 nor NEON."""
     assert extension_build.level_flags("none") == extension_build.BASE_FLAGS
-    with caplog.at_level(logging.WARNING, logger="engine.cpu_kernels"):
+    with caplog.at_level(logging.WARNING, logger="engine.backends.cpu_kernels"):
         assert cpu_kernels.load(tmp_path, level="none") is None
     assert "no none build" in caplog.text and not (tmp_path / "kernels").exists()

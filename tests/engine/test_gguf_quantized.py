@@ -1,4 +1,4 @@
-"""GGUF weights kept quantized (models/gguf_weights.py, engine/quant.py): tiny GGUF files written here by the
+"""GGUF weights kept quantized (models/gguf_weights.py, engine/model/quant.py): tiny GGUF files written here by the
 `gguf` package in each format, and the bundled SmolLM2 Q4_1 file.
 
 Stated quality of the bundled model, quantized kernels against the float32 model dequantized from the same file
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine import quant_kernels
-from engine.quant import QuantLinear, resident_bytes
+from engine.backends import quant_kernels
+from engine.model.quant import QuantLinear, resident_bytes
 from engine.types import SamplingParams
 from models import gguf_weights
 from tests.quant_blocks import FORMATS, llama_cpp_order, write_tiny_gguf

@@ -49,7 +49,7 @@ def test_tiny_batch_of_one_matches_hf(tiny: Any, tiny_refs: list, engine_factory
 @pytest.mark.parametrize("kernels", [True, False], ids=["cpu-kernels", "torch-ops"])
 def test_tiny_mixed_batch_with_chunked_prefill_matches_hf(tiny: Any, tiny_refs: list, engine_factory: Any,
                                                           impl: str, kernels: bool) -> None:
-    """Both decode-attention paths: engine.cpu_kernels' and the gather + masked SDPA one used where the
+    """Both decode-attention paths: engine.backends.cpu_kernels' and the gather + masked SDPA one used where the
     kernels do not run (CUDA, CPUs without AVX-512, --no-cpu-kernels)."""
     engine = engine_factory(tiny, max_num_batched_tokens=16, model_impl=impl, cpu_kernels=kernels)
     # staggered lengths so prefill chunks and decodes share steps
@@ -88,8 +88,8 @@ def test_smollm2_matches_hf_alone_and_batched(smollm2_fp32: Any, engine_factory:
 
 
 def test_generic_path_is_used_for_non_llama_models(tiny: Any) -> None:
-    from engine.llama_fast import supports
-    from engine.model_runner import choose_impl
+    from engine.model.forward import supports
+    from engine.model.runner import choose_impl
 
     assert supports(tiny.model) and choose_impl(tiny.model, "auto") == "llama"
     assert choose_impl(tiny.model, "generic") == "generic"
@@ -126,7 +126,7 @@ def test_both_forward_passes_serve_qwen2(engine_factory: Any, tiny: Any, impl: s
 def test_the_fast_path_leaves_sliding_windows_and_other_blocks_to_the_generic_one(tiny: Any) -> None:
     from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    from engine.llama_fast import supports
+    from engine.model.forward import supports
 
     small = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
              "num_attention_heads": 2, "num_key_value_heads": 1}

@@ -1,4 +1,4 @@
-"""The decode step's weights moved into one buffer on transparent huge pages (engine/huge_pages.py): values, views
+"""The decode step's weights moved into one buffer on transparent huge pages (engine/backends/huge_pages.py): values, views
 and bases kept, storages in the order given, the buffer marked for huge pages; and in the engine, every matmul's
 weights in step order in that buffer, with the same greedy tokens as weights left where they were."""
 
@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from engine import cpu_kernels, huge_pages, quant_kernels
-from engine.llama_fast import _parts
+from engine.backends import cpu_kernels, huge_pages, quant_kernels
+from engine.model.forward import _parts
 from engine.types import SamplingParams
 from models import gguf_weights
 from tests.quant_blocks import write_tiny_gguf
@@ -115,8 +115,8 @@ def test_a_second_forward_reuses_the_fused_weights(tmp_path: Path, byte_level_to
     """weight format auto builds a forward per probe, then the served one over the same model: q/k/v and gate/up,
     fused by the first, already lie back to back, so later ones take them as they are instead of copying again
     (a copy would leave the first's fused bytes resident, unread)."""
-    from engine.llama_fast import LlamaFastForward
-    from engine.quant import stack_rows
+    from engine.model.forward import LlamaFastForward
+    from engine.model.quant import stack_rows
 
     vocab = len(byte_level_tokenizer)
     write_tiny_gguf(tmp_path, {"*": "Q4_1", "token_embd": "Q8_0"}, vocab=vocab + (-vocab) % 32)
@@ -136,7 +136,7 @@ def test_decode_weight_bytes_are_the_files_matmul_tensors(tmp_path: Path, byte_l
     as the file stores them (Q4_1 layers, the Q8_0 table as the tied LM head), not the norms or the embedding table."""
     import gguf
 
-    from engine.llama_fast import LlamaFastForward
+    from engine.model.forward import LlamaFastForward
 
     vocab = len(byte_level_tokenizer)
     write_tiny_gguf(tmp_path, {"*": "Q4_1", "token_embd": "Q8_0"}, vocab=vocab + (-vocab) % 32)

@@ -1,7 +1,7 @@
 """The engine and the API on a smaller CPU: AVX-512 and AMX hidden through PEREGRINE_CPU_ISA=avx2.
 
 Most self-hosters' CPUs have AVX2 and no AVX-512. This module runs the paths such a CPU takes on every
-machine CI runs on (`engine.cpu_features` caps the kernels at the ceiling; the API server also gets torch's
+machine CI runs on (`engine.backends.cpu_features` caps the kernels at the ceiling; the API server also gets torch's
 own AVX2 kernels through ATEN_CPU_CAPABILITY), so a change that breaks them fails here and not only on a
 user's machine. On a machine that has only AVX2 (or less) the cap changes nothing and the tests still run.
 """
@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from engine import cpu_features
+from engine.backends import cpu_features
 from engine.types import SamplingParams
 from tests.support import chat_ids, hf_greedy, run_all, text_of, tokens_of
 

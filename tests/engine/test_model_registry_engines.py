@@ -8,9 +8,9 @@ import gc
 import threading
 import weakref
 
-from app.model_registry import ModelRegistry, ModelSpec
 from engine.types import EngineConfig, SamplingParams
 from main_models import start_engine
+from serving.registry import ModelRegistry, ModelSpec
 from tests.support import chat_ids
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from engine import cpu_kernels
+from engine.backends import cpu_kernels
 from engine.types import SamplingParams
 from tests.support import chat_ids, run_all, tokens_of
 

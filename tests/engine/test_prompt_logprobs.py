@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine import cpu_kernels
+from engine.backends import cpu_kernels
 from engine.types import InvalidRequestError, SamplingParams
 from tests.support import hf_attention, run_all, tokens_of
 

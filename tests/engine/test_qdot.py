@@ -1,4 +1,4 @@
-"""The int8 matmuls on GGUF weights kept quantized (`engine/csrc/qdot.h`: `qlinear`, and the one-call decoder over
+"""The int8 matmuls on GGUF weights kept quantized (`engine/backends/csrc/qdot.h`: `qlinear`, and the one-call decoder over
 quantized weights), on every ISA path this CPU has (the AVX2 body also runs inside the AVX-512 build; a path the
 CPU lacks is skipped with the reason). Weights are real GGUF blocks (tests/quant_blocks.py).
 
@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine import cpu_kernels
-from engine.quant import QuantWeight
+from engine.backends import cpu_kernels
+from engine.model.quant import QuantWeight
 from engine.types import SamplingParams
 from models import gguf_weights
 from tests.engine.test_cpu_kernels_paths import PATHS

@@ -1,4 +1,4 @@
-"""Peregrine's kernels for quantized weights (engine/csrc/quant.cpp) against gguf's numpy dequantization + torch's
+"""Peregrine's kernels for quantized weights (engine/backends/csrc/quant.cpp) against gguf's numpy dequantization + torch's
 matmul, for every format, every ISA variant this CPU runs, and decode-size (1, 3, 16) and prefill-size (64) rows.
 
 Bounds: dequantization is exact (the same float32 arithmetic as ggml's reference up to one rounding of q * d + m);
@@ -12,8 +12,8 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from engine import cpu_features, quant_kernels
-from engine.quant import QuantWeight
+from engine.backends import cpu_features, quant_kernels
+from engine.model.quant import QuantWeight
 from tests.quant_blocks import FORMATS, dequantize, make_blocks
 
 pytestmark = pytest.mark.timeout(900)  # the first run compiles each variant (about a minute each on 2 cores)
@@ -78,7 +78,7 @@ def test_quant_weight_matmul_all_paths(rows: int, weights: dict, monkeypatch: py
     here so several are used), bf16 inputs answered in bf16."""
     if quant_kernels.load() is None:
         pytest.skip("no C++ compiler: the kernels did not build")
-    monkeypatch.setattr("engine.quant.PREFILL_TILE_ELEMS", 512 * 16)
+    monkeypatch.setattr("engine.model.quant.PREFILL_TILE_ELEMS", 512 * 16)
     x = torch.randn(rows, 512)
     for fmt, (blocks, dense) in weights.items():
         weight = QuantWeight(blocks, TYPE_IDS[fmt], (40, 512))

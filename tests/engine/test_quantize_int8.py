@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from engine.quant import QuantLinear, quantize_q8_0, resident_bytes
+from engine.model.quant import QuantLinear, quantize_q8_0, resident_bytes
 from engine.types import EngineConfig
 from models import preflight
 from models.loader import load_model

@@ -11,7 +11,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from engine.sampler import MIN_LOGPROB
+from engine.sampling.sampler import MIN_LOGPROB
 from engine.types import Constraint, InvalidRequestError, SamplingParams
 from tests.support import PERSON, chat_ids, run_all, text_of, tokens_of
 
@@ -216,7 +216,7 @@ def test_smollm2_regex_and_choice(smollm2: Any, engine_factory: Any) -> None:
 
 
 def test_one_mask_fill_per_step_for_all_constrained_rows(tiny: Any, engine_factory: Any, monkeypatch) -> None:
-    from engine import grammar
+    from engine.sampling import grammar
 
     engine = engine_factory(tiny)
     calls: list[int] = []

@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from config import DEFAULT_CACHE_DIR
-from engine import weight_format_probe
-from engine.dtype_probe import BF16_MARGIN, ProbePlan, Timing
-from engine.quant import QuantEmbedding, QuantLinear, is_quantized
+from engine.model.quant import QuantEmbedding, QuantLinear, is_quantized
 from engine.types import EngineConfig
-from engine.weight_format_probe import DENSE_MARGIN, LONE_MARGIN, densify, pick
 from models import gguf_weights, loader, preflight
+from models.autotune import weight_format as weight_format_probe
+from models.autotune.dtype import BF16_MARGIN, ProbePlan, Timing
+from models.autotune.weight_format import DENSE_MARGIN, LONE_MARGIN, densify, pick
 from tests.quant_blocks import write_tiny_gguf
 
 FORMATS = {"*": "Q4_1", "ffn_down": "Q8_0", "attn_v": "Q4_K"}  # mixed: fused and unfused projections

@@ -1,6 +1,6 @@
 """The Ray Serve wiring without a cluster: deployment options from Settings, the replica middleware.
 
-Fast (no Ray cluster is started); they need the ray extra only because app/ray_serve.py imports Ray.
+Fast (no Ray cluster is started); they need the ray extra only because serving/ray_serve.py imports Ray.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from starlette.applications import Starlette  # noqa: E402
 from starlette.responses import JSONResponse, StreamingResponse  # noqa: E402
 from starlette.routing import Route  # noqa: E402
 
-from app.ray_serve import (  # noqa: E402
+from config import Settings  # noqa: E402
+from serving.ray_serve import (  # noqa: E402
     REPLICA_HEADER,
     ReplicaMiddleware,
     deployment_options,
@@ -25,7 +26,6 @@ from app.ray_serve import (  # noqa: E402
     replica_device,
     replica_gpus,
 )
-from config import Settings  # noqa: E402
 
 
 def settings(**kwargs) -> Settings:

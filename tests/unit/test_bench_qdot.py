@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import cpu_kernels
+from engine.backends import cpu_kernels
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_qdot.py"
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from config import ConfigError, load_settings, parse_duration, repeated_model_flags
-from config_models import model_entries
+from config.models_file import model_entries
 
 
 @pytest.fixture

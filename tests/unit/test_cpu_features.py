@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import cpu_features
+from engine.backends import cpu_features
 
 AVX2 = frozenset({"avx", "avx2", "fma", "f16c"})
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"}
@@ -60,8 +60,8 @@ def test_kernels_follow_a_lowered_ceiling(monkeypatch: pytest.MonkeyPatch) -> No
     with AVX-512 hidden they pick the AVX2 build."""
     import torch
 
-    from engine import cpu_kernels
-    from engine.kernels import linear_torch
+    from engine.backends import cpu_kernels
+    from engine.backends.kernels import linear_torch
 
     monkeypatch.setenv(cpu_features.ENV, "avx2")
     assert cpu_kernels.build_level() == ("avx2" if cpu_features.detected_level() != "none" else None)

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from engine.detokenizer import IncrementalDetokenizer
+from engine.core.detokenizer import IncrementalDetokenizer
 
 TEXTS = [
     "Hello world! How are you today?",

@@ -1,5 +1,5 @@
 """Constrained decoding, unit level: masks against brute force on a tiny tokenizer, the grammar cache and its
-limits, lazy triggers, the sampler's masking, and the wire fields -> Constraint mapping (app/structured.py).
+limits, lazy triggers, the sampler's masking, and the wire fields -> Constraint mapping (app/chat/structured.py).
 
 The masks are checked exactly: for a finite language L and the text p generated so far, a token t is allowed
 if and only if some string of L starts with p + t, and EOS if and only if p is in L. One refinement, by
@@ -17,12 +17,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from app.chat.structured import constraint_of
 from app.errors import BadRequestError
-from app.structured import constraint_of
-from engine import grammar, grammar_text
-from engine.grammar import BitmaskFiller, Constraint, GrammarError, GrammarState
-from engine.sampler import MIN_LOGPROB, Sampler
-from engine.sequence import Sequence
+from engine.core.sequence import Sequence
+from engine.sampling import grammar, grammar_text
+from engine.sampling.grammar import BitmaskFiller, Constraint, GrammarError, GrammarState
+from engine.sampling.sampler import MIN_LOGPROB, Sampler
 from engine.types import SamplingParams
 
 

@@ -98,7 +98,8 @@ def envelope(response: httpx.Response, status: int) -> dict:
 
 
 def test_route_classification() -> None:
-    from app import llama_stack, openai_routes
+    from app.llama_stack import routes as llama_stack
+    from app.openai import routes as openai_routes
 
     paths = generation_paths([*openai_routes.router.routes, *llama_stack.router.routes])  # marked `generates`
     for path in (

@@ -8,9 +8,9 @@ import types
 import pytest
 from starlette.requests import Request
 
-from app import convert_llama_stack as conv
 from app.errors import BadRequestError
-from app.schemas_llama_stack import ChatCompletionRequest, CompletionRequest, ContentItem
+from app.llama_stack import convert as conv
+from app.llama_stack.schemas import ChatCompletionRequest, CompletionRequest, ContentItem
 from app.streaming import NDJSON, SSE, SSE_NO_DONE, stream_format
 from engine.types import Constraint, RequestOutput, TokenLogprob, TopLogprob
 

@@ -1,4 +1,4 @@
-"""models/loader.py and engine/devices.py: device and dtype choice, folder loading, the GGUF conversion cache.
+"""models/loader.py and engine/backends/devices.py: device and dtype choice, folder loading, the GGUF conversion cache.
 
 The fast tests use the tiny random Llama from tests/conftest.py and small files made here; the slow one
 converts the bundled SmolLM2 GGUF for real into a fresh cache and checks it is faithful and reused.
@@ -14,8 +14,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine import devices
-from engine.devices import DeviceError
+from engine.backends import devices
+from engine.backends.devices import DeviceError
 from engine.types import EngineConfig
 from models import loader
 from models.loader import LoadError
@@ -84,13 +84,13 @@ def test_explicit_dtypes() -> None:
 
 
 def test_auto_dtype_on_cpu_is_left_to_the_loaded_model() -> None:
-    """The CPU's choice is made by timing decode steps once the model is loaded (engine/dtype_probe.py)."""
+    """The CPU's choice is made by timing decode steps once the model is loaded (models/autotune/dtype.py)."""
     assert devices.resolve_dtype("auto", torch.device("cpu")) is None
     assert devices.dtype_name(None) == "auto" and devices.dtype_name(torch.bfloat16) == "bfloat16"
 
 
 def test_auto_dtype_on_tt_keeps_its_rule(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level("INFO", logger="engine.devices"):
+    with caplog.at_level("INFO", logger="engine.backends.devices"):
         assert devices.resolve_dtype("auto", torch.device("cpu"), devices.PROBES["tt"]) is torch.bfloat16
     assert "dtype auto: bfloat16 (Tenstorrent cards compute in bfloat16)" in caplog.text
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import pytest
 
 from app.errors import BadRequestError, NotFoundError
-from app.model_registry import (
+from serving.registry import (
     ModelLoadError,
     ModelMemoryError,
     ModelRegistry,

@@ -257,7 +257,7 @@ def test_the_amx_decoders_packed_copy_counts_on_cpu_only() -> None:
 
 
 def test_dtype_auto_counts_the_probes_float32_and_bfloat16_copies() -> None:
-    """--dtype auto on CPU holds float32 weights and a bfloat16 copy while it times both (engine/dtype_probe.py)."""
+    """--dtype auto on CPU holds float32 weights and a bfloat16 copy while it times both (models/autotune/dtype.py)."""
     auto, words = preflight.memory_need(BIG, "auto", max_model_len=None, kv_cache_bytes=None)
     fp32, _ = preflight.memory_need(BIG, "float32", max_model_len=None, kv_cache_bytes=None)
     assert auto == fp32 + 15 * GB

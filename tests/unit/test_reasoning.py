@@ -1,4 +1,4 @@
-"""app/reasoning.py: <think>...</think> split from content, the same whether streamed in any chunking or not."""
+"""app/chat/reasoning.py: <think>...</think> split from content, the same whether streamed in any chunking or not."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from app.reasoning import ReasoningSplitter, parser_enabled, split_chunks, splitter_factory
+from app.chat.reasoning import ReasoningSplitter, parser_enabled, split_chunks, splitter_factory
 
 CASES = [  # (in_reasoning: the prompt opened <think>, model output, expected reasoning, expected content)
     (True, "Let me think.</think>\n\nThe answer is 4.", "Let me think.", "The answer is 4."),

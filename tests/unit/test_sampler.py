@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from engine.sampler import FIRST_RANKS, Sampler, apply_penalties, draw, filter_probs
-from engine.sequence import Sequence
+from engine.core.sequence import Sequence
+from engine.sampling.sampler import FIRST_RANKS, Sampler, apply_penalties, draw, filter_probs
 from engine.types import SamplingParams
 
 CPU = torch.device("cpu")

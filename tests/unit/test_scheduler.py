@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_manager import BlockManager
-from engine.scheduler import Scheduler, SchedulerOutput
-from engine.sequence import Sequence
-from engine.stopping import check_token_stop
+from engine.core.block_manager import BlockManager
+from engine.core.scheduler import Scheduler, SchedulerOutput
+from engine.core.sequence import Sequence
+from engine.core.stopping import check_token_stop
 from engine.types import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)

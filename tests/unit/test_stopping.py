@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from engine.sequence import Sequence
-from engine.stopping import StopStringMatcher, check_token_stop, partial_stop_len
+from engine.core.sequence import Sequence
+from engine.core.stopping import StopStringMatcher, check_token_stop, partial_stop_len
 from engine.types import SamplingParams
 
 

@@ -1,4 +1,4 @@
-"""app/tools.py and app/tool_parsers.py: tool calls parsed from each model family's format (whole and streamed in
+"""app/chat/tools.py and app/chat/tool_parsers.py: tool calls parsed from each model family's format (whole and streamed in
 any chunking), the grammars that keep calls valid (checked directly with llguidance), tool_choice checks, and
 the prompt each kind of chat template gets."""
 
@@ -14,10 +14,10 @@ import llguidance
 import llguidance.hf
 import pytest
 
+from app.chat.tool_parsers import FORMATS, CallStream, detect, parse
+from app.chat.tools import DEFAULT_TOOL_PROMPT, plan, split_chunks, template_input
 from app.errors import BadRequestError
-from app.schemas_openai import ChatCompletionRequest
-from app.tool_parsers import FORMATS, CallStream, detect, parse
-from app.tools import DEFAULT_TOOL_PROMPT, plan, split_chunks, template_input
+from app.openai.schemas import ChatCompletionRequest
 from tests.support import NoToolsTokenizer
 
 WEATHER = {
@@ -289,8 +289,8 @@ QWEN_LIKE = (  # the tool parts of Qwen2.5's template, shortened
 
 
 def test_tools_and_history_render_through_the_models_template() -> None:
-    from app.prompts import chat_prompt_text
-    from app.schemas_openai import ChatMessage
+    from app.chat.prompts import chat_prompt_text
+    from app.openai.schemas import ChatMessage
     from tests.support import build_byte_level_tokenizer
 
     tokenizer = build_byte_level_tokenizer()
@@ -304,8 +304,8 @@ def test_tools_and_history_render_through_the_models_template() -> None:
 
 
 def test_default_tool_prompt_through_a_template_without_tools() -> None:
-    from app.prompts import chat_prompt_text
-    from app.schemas_openai import ChatMessage
+    from app.chat.prompts import chat_prompt_text
+    from app.openai.schemas import ChatMessage
     from tests.support import build_byte_level_tokenizer
 
     tokenizer = build_byte_level_tokenizer()  # its test template renders role and content only

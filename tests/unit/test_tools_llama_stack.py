@@ -1,4 +1,4 @@
-"""app/llama_stack_tools.py: the legacy Llama Stack tool fields become the same tool plan as OpenAI's, and its
+"""app/llama_stack/tools.py: the legacy Llama Stack tool fields become the same tool plan as OpenAI's, and its
 answers and streams carry the parsed calls."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from tests.support import NoToolsTokenizer
 
 
 def legacy_request(**fields: Any) -> Any:
-    from app.schemas_llama_stack import ChatCompletionRequest as LegacyRequest
+    from app.llama_stack.schemas import ChatCompletionRequest as LegacyRequest
 
     tool = {"tool_name": "get_weather", "description": "Weather in a city",
             "parameters": {"city": {"param_type": "string", "description": "The city"},
@@ -24,7 +24,7 @@ def legacy_request(**fields: Any) -> Any:
 
 
 def test_legacy_tools_become_a_plan() -> None:
-    from app import llama_stack_tools
+    from app.llama_stack import tools as llama_stack_tools
 
     p = llama_stack_tools.plan(legacy_request(tool_choice="required"), NoToolsTokenizer())
     assert p.choice == "required" and p.functions == [{
@@ -42,7 +42,7 @@ def test_legacy_tools_become_a_plan() -> None:
 
 
 def test_legacy_answers_carry_tool_calls() -> None:
-    from app import llama_stack_tools
+    from app.llama_stack import tools as llama_stack_tools
 
     p = llama_stack_tools.plan(legacy_request(), NoToolsTokenizer(), "smollm2")
     text = '<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}]</tool_call>'

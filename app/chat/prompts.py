@@ -1,0 +1,103 @@
+"""Prompt building, shared by every API family: chat messages through the model's chat template, and raw
+completion prompts (strings or token ids) checked against the vocabulary."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from app.chat import tools
+from app.chat.tools import ToolPlan
+from app.errors import BadRequestError
+from app.openai.schemas import ChatMessage
+
+CHATML_TEMPLATE = (  # used only when the tokenizer ships no chat template of its own
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def check_token_ids(ids: Sequence[int], vocab_size: int, param: str) -> Sequence[int]:
+    for token_id in ids:
+        if not 0 <= token_id < vocab_size:
+            raise BadRequestError(
+                f"Token id {token_id} is outside the vocabulary [0, {vocab_size}).", param=param
+            )
+    return ids
+
+
+def chat_prompt_ids(tokenizer: Any, messages: Sequence[ChatMessage], tool_plan: ToolPlan | None = None) -> list[int]:
+    """Render the conversation with the model's chat template and tokenize it (no extra BOS: the
+    template writes every special token the model expects)."""
+    text = chat_prompt_text(tokenizer, messages, tool_plan=tool_plan)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def chat_prompt_text(tokenizer: Any, messages: Sequence[ChatMessage], add_generation_prompt: bool = True,
+                     continue_final_message: bool = False, tool_plan: ToolPlan | None = None) -> str:
+    """The conversation rendered with the model's chat template (ChatML when the tokenizer has none); tool
+    definitions and tool-call turns as `app/chat/tools.py` prepares them for that template."""
+    conversation = [_template_message(i, m) for i, m in enumerate(messages)]
+    own = getattr(tokenizer, "chat_template", None)
+    template = None if own else CHATML_TEMPLATE
+    conversation, tool_defs = tools.template_input(conversation, tool_plan, own if isinstance(own, str) else None)
+    try:
+        return tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=add_generation_prompt, tokenize=False, chat_template=template,
+            continue_final_message=continue_final_message, tools=tool_defs,
+        )
+    except Exception as exc:  # jinja's TemplateError, or a template's own raise_exception(...)
+        raise BadRequestError(f"The chat template rejected these messages: {exc}", param="messages") from None
+
+
+def _template_message(i: int, msg: ChatMessage) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": "system" if msg.role == "developer" else msg.role}
+    out["content"] = _text_content(i, msg.content)
+    for key in ("name", "tool_call_id", "tool_calls"):
+        if getattr(msg, key) is not None:
+            out[key] = getattr(msg, key)
+    return out
+
+
+def _text_content(i: int, content: str | list | None) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise BadRequestError(
+                f"Only text content parts are supported (got type {part.type!r}).",
+                param=f"messages[{i}].content",
+            )
+        texts.append(part.text)
+    return "".join(texts)
+
+
+def completion_prompts(tokenizer: Any, prompt: Any, vocab_size: int) -> list[tuple[str, list[int]]]:
+    """(text, token ids) per prompt; `prompt` is a string, strings, token ids, or lists of token ids.
+    The text (what `echo` prepends) is the prompt as sent, or the decoded ids."""
+    prompts: list[str | list[int]]
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        prompts = [list(prompt)]
+    else:
+        prompts = list(prompt)
+    if not prompts:
+        raise BadRequestError("prompt must not be empty.", param="prompt")
+    out = []
+    for p in prompts:
+        if isinstance(p, str):
+            text, ids = p, list(tokenizer.encode(p))
+        else:
+            ids = list(check_token_ids(p, vocab_size, "prompt"))
+            text = tokenizer.decode(ids)
+        if not ids:
+            raise BadRequestError("prompt must not be empty.", param="prompt")
+        out.append((text, ids))
+    return out
+
+
+def completion_prompt_ids(tokenizer: Any, prompt: Any, vocab_size: int) -> list[list[int]]:
+    """The token ids of each prompt (see `completion_prompts`)."""
+    return [ids for _, ids in completion_prompts(tokenizer, prompt, vocab_size)]

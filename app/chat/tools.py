@@ -1,0 +1,279 @@
+"""OpenAI tools on /v1/chat/completions: `tools`, `tool_choice`, `parallel_tool_calls`.
+
+A request with tools becomes a `ToolPlan`: the tool-call format of the model (`app/chat/tool_parsers.py`, picked
+from its chat template or `--tool-call-parser`), the tools as the template receives them, and the grammar
+that keeps calls valid (an engine `Constraint` in Lark, the arguments as `%json {schema}`):
+
+| `tool_choice`     | prompt          | constraint                                                  | parsed |
+|-------------------|-----------------|-------------------------------------------------------------|--------|
+| `none`            | tools           | none                                                        | no     |
+| `auto` (default)  | tools           | lazy: free text until the format's trigger, then valid calls | yes    |
+| `required`        | tools           | from the first token: one call or more (one if not parallel) | yes    |
+| `{"type": "function", "function": {"name"}}` | tools | from the first token: one call of that tool   | yes    |
+
+Tool definitions reach the prompt through the model's own chat template (`apply_chat_template(tools=...)`).
+A template that takes no `tools` gets `DEFAULT_TOOL_PROMPT` as (the start of) its system message, in the
+format SmolLM2-Instruct was trained on: `<tool_call>[{"name": ..., "arguments": {...}}]</tool_call>`; its
+assistant tool calls are written back in that format and tool results sent as `<tool_response>` user turns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+from app.chat.tool_parsers import (
+    FORMATS,
+    CallDelta,
+    CallStream,
+    ToolFormat,
+    detect,
+    parse,
+    template_takes_tools,
+)
+from app.errors import BadRequestError
+from app.openai.schemas import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    DeltaFunction,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCallOut,
+)
+from engine.types import Constraint, SamplingParams
+
+DEFAULT_TOOL_PROMPT = """You are an expert in composing functions. You are given a question and a set of possible \
+functions. Based on the question, you will need to make one or more function/tool calls to achieve the purpose. \
+If none of the functions can be used, answer the question directly.
+
+You have access to the following tools:
+<tools>{tools}</tools>
+
+To call tools, answer with only this, in this format:
+<tool_call>[{{"name": "func_name1", "arguments": {{"argument1": "value1", "argument2": "value2"}}}}, \
+... (more tool calls as required)]</tool_call>"""
+
+
+@dataclass(frozen=True, slots=True)
+class ToolPlan:
+    """What a request's tools change: the prompt, the constraint, and how the answer is read."""
+
+    fmt: ToolFormat
+    functions: list[dict[str, Any]]  # {"name", "description", "parameters"} per tool
+    choice: Literal["none", "auto", "required", "function"]
+    parallel: bool
+    constraint: Constraint | None
+    special_trigger: bool = False  # the trigger is one special token: keep special tokens in the text
+
+    @property
+    def parses(self) -> bool:
+        return self.choice != "none"
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(f["name"] for f in self.functions)
+
+    def new_stream(self) -> CallStream:
+        return CallStream(self.fmt, self.names, None if self.parallel else 1)
+
+    def sampling_params(self, params: SamplingParams) -> SamplingParams:
+        """`params` with the tool constraint (and special tokens kept when the format's trigger is one)."""
+        if self.constraint is not None and params.constraint is not None:
+            raise BadRequestError(
+                "tool_choice constrains the answer to tool calls; it cannot be combined with response_format "
+                "or another structured output field.", param="tool_choice",
+            )
+        skip = params.skip_special_tokens and not (self.parses and self.special_trigger)
+        if self.constraint is None:
+            return replace(params, skip_special_tokens=skip)
+        return replace(params, constraint=self.constraint, skip_special_tokens=skip)
+
+
+def plan(req: ChatCompletionRequest, tokenizer: Any, parser: str = "auto") -> ToolPlan | None:
+    """The request's ToolPlan, or None when it has no tools. Raises BadRequestError for a tool_choice that
+    cannot be honoured (a named tool that is not among `tools`, `required` without tools)."""
+    functions = [t.function.model_dump(exclude_none=True) for t in req.tools or []]
+    choice = req.tool_choice
+    named = choice if isinstance(choice, str) or choice is None else NamedChoice(choice.function.name)
+    return plan_for(functions, named, req.parallel_tool_calls is not False, tokenizer, parser)
+
+
+@dataclass(frozen=True, slots=True)
+class NamedChoice:
+    name: str
+
+
+def plan_for(functions: list[dict[str, Any]], choice: str | NamedChoice | None, parallel: bool, tokenizer: Any,
+             parser: str = "auto", param: str = "tool_choice") -> ToolPlan | None:
+    """The plan for `functions` ({"name", "description", "parameters"}) and a tool choice (none, auto,
+    required, or NamedChoice), whichever API they came from."""
+    if not functions:
+        if choice not in (None, "none", "auto"):
+            raise BadRequestError("tool_choice requires tools.", param=param)
+        return None
+    _check_unique(functions)
+    fmt = FORMATS[parser if parser in FORMATS else detect(getattr(tokenizer, "chat_template", None))]
+    special = special_token_id(fmt.trigger, tokenizer) is not None
+    if choice is None or choice == "auto":
+        constraint = _constraint(fmt, functions, parallel, tokenizer, True)
+        return ToolPlan(fmt, functions, "auto", parallel, constraint, special)
+    if choice == "none":
+        return ToolPlan(fmt, functions, "none", parallel, None, special)
+    if choice == "required":
+        constraint = _constraint(fmt, functions, parallel, tokenizer, False)
+        return ToolPlan(fmt, functions, "required", parallel, constraint, special)
+    if not isinstance(choice, NamedChoice):
+        raise BadRequestError(f"Unknown tool_choice {choice!r}.", param=param)
+    named = [f for f in functions if f["name"] == choice.name]
+    if not named:
+        raise BadRequestError(
+            f"tool_choice names the function {choice.name!r}, which is not among tools "
+            f"({', '.join(f['name'] for f in functions)}).", param=param,
+        )
+    return ToolPlan(fmt, functions, "function", False, _constraint(fmt, named, False, tokenizer, False), special)
+
+
+def _check_unique(functions: list[dict[str, Any]]) -> None:
+    seen: set[str] = set()
+    for i, f in enumerate(functions):
+        if f["name"] in seen:
+            raise BadRequestError(f"Two tools are named {f['name']!r}.", param=f"tools[{i}].function.name")
+        seen.add(f["name"])
+
+
+def _constraint(fmt: ToolFormat, functions: list[dict[str, Any]], parallel: bool, tokenizer: Any,
+                lazy: bool) -> Constraint:
+    grammar = fmt.grammar(functions, parallel, lazy=lazy, term=lambda tag: _terminal(tag, tokenizer))
+    return Constraint(kind="lark", value=grammar, trigger=fmt.trigger if lazy else None)
+
+
+def _terminal(tag: str, tokenizer: Any) -> str:
+    """A tag as a Lark terminal: `<[id]>` when the tokenizer has it as one (added) token, which the grammar
+    library never matches against quoted text; else the quoted text."""
+    token_id = _token_id(tag, tokenizer)
+    return f"<[{token_id}]>" if token_id is not None else json.dumps(tag)
+
+
+def _token_id(tag: str, tokenizer: Any) -> int | None:
+    convert = getattr(tokenizer, "convert_tokens_to_ids", None)
+    token_id = convert(tag) if convert is not None else None
+    if not isinstance(token_id, int) or token_id == getattr(tokenizer, "unk_token_id", None):
+        return None
+    return token_id if tokenizer.decode([token_id], skip_special_tokens=False) == tag else None
+
+
+def special_token_id(tag: str, tokenizer: Any) -> int | None:
+    """The id of `tag` when it is one special token of `tokenizer` (`[TOOL_CALLS]`, Hermes 3's `<tool_call>`):
+    such a token is dropped from text decoded with skip_special_tokens, so the parser would never see it."""
+    token_id = _token_id(tag, tokenizer)
+    if token_id is None or tokenizer.decode([token_id], skip_special_tokens=True) != "":
+        return None
+    return token_id
+
+
+# ---------------------------------------------------------------- prompt
+
+
+def template_input(conversation: list[dict[str, Any]], tool_plan: ToolPlan | None,
+                   template: str | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """(messages, tools) for `apply_chat_template`: as they are for a template that takes tools; with the
+    default tool prompt and the calls written as text for one that does not."""
+    conversation = [_json_arguments(m) for m in conversation]
+    if template_takes_tools(template):
+        tools = [{"type": "function", "function": f} for f in tool_plan.functions] if tool_plan else None
+        return conversation, tools
+    out = [_plain_message(m) for m in conversation]
+    if tool_plan is not None:
+        prompt = DEFAULT_TOOL_PROMPT.format(tools=json.dumps(tool_plan.functions))
+        if out and out[0]["role"] == "system":
+            out[0] = out[0] | {"content": f"{prompt}\n\n{out[0]['content']}".rstrip()}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out, None
+
+
+def _json_arguments(message: dict[str, Any]) -> dict[str, Any]:
+    """Assistant tool calls with their arguments as objects (templates write them with `tojson`)."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    fixed = []
+    for call in calls:
+        function = dict(call.get("function") or {})
+        if isinstance(function.get("arguments"), str):
+            with contextlib.suppress(ValueError):
+                function["arguments"] = json.loads(function["arguments"])
+        fixed.append(call | {"function": function})
+    return message | {"tool_calls": fixed}
+
+
+def _plain_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A tool-call turn or tool result as text, for templates that only render role and content."""
+    if message["role"] == "tool":
+        return {"role": "user", "content": f"<tool_response>\n{message.get('content') or ''}\n</tool_response>"}
+    calls = message.get("tool_calls")
+    if message["role"] != "assistant" or not calls:
+        return {k: v for k, v in message.items() if k not in ("tool_calls", "tool_call_id")}
+    listed = [{"name": c["function"].get("name"), "arguments": c["function"].get("arguments", {})} for c in calls]
+    text = (message.get("content") or "") + f"<tool_call>{json.dumps(listed)}</tool_call>"
+    return {"role": "assistant", "content": text}
+
+
+# ---------------------------------------------------------------- answers
+
+
+def split_response(response: ChatCompletionResponse, tool_plan: ToolPlan) -> ChatCompletionResponse:
+    """Move each choice's tool calls out of `content` into `message.tool_calls` (non-stream answers)."""
+    for choice in response.choices:
+        content, calls = parse(tool_plan.fmt, choice.message.content or "", tool_plan.names,
+                               None if tool_plan.parallel else 1)
+        if not calls:
+            continue
+        choice.message.content = content.strip() or None
+        choice.message.tool_calls = [
+            ToolCallOut(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls
+        ]
+        if choice.finish_reason == "stop":
+            choice.finish_reason = "tool_calls"
+    return response
+
+
+async def split_chunks(events: AsyncIterator[dict[str, Any]],
+                       new_stream: Callable[[], CallStream]) -> AsyncIterator[dict[str, Any]]:
+    """Move tool calls from `delta.content` to OpenAI tool-call deltas in chat stream chunks, one parser per
+    choice; a choice that made calls finishes with `tool_calls`."""
+    streams: dict[int, CallStream] = {}
+    async for event in events:
+        for choice in event.get("choices") or []:
+            delta = choice.get("delta") or {}
+            if delta.get("role"):
+                continue
+            stream = streams.setdefault(choice["index"], new_stream())
+            final = choice.get("finish_reason") is not None
+            content, calls = stream.feed(delta.pop("content", None) or "", final=final)
+            if content:
+                delta["content"] = content
+            if calls:
+                delta["tool_calls"] = [_delta_dict(c) for c in calls]
+            if final and stream.calls and choice["finish_reason"] == "stop":
+                choice["finish_reason"] = "tool_calls"
+            choice["delta"] = delta
+        if not _empty(event):
+            yield event
+
+
+def _delta_dict(delta: CallDelta) -> dict[str, Any]:
+    if delta.id is None:
+        return DeltaToolCall(index=delta.index, function=DeltaFunction(arguments=delta.arguments)).model_dump()
+    function = DeltaFunction(name=delta.name, arguments=delta.arguments)
+    return DeltaToolCall(index=delta.index, id=delta.id, type="function", function=function).model_dump()
+
+
+def _empty(event: dict[str, Any]) -> bool:
+    choices = event.get("choices")
+    return bool(choices) and event.get("usage") is None and all(
+        not c.get("delta") and c.get("finish_reason") is None and c.get("logprobs") is None for c in choices
+    )

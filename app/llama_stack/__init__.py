@@ -1,0 +1,1 @@
+"""The Llama Stack API family (modern and legacy routes): routes, schemas, converter, tools."""

@@ -1,0 +1,1 @@
+"""The OpenAI API family: routes, wire schemas, the one wire<->engine converter."""

@@ -1,0 +1,1 @@
+"""One backend per device (cpu, cuda, tt): probe, placement, memory, kernels; the C++ sources in csrc/."""

@@ -1,0 +1,406 @@
+// LlamaDecoder: a whole decode step of a Llama-family model (Llama, SmolLM, Mistral, Qwen2) in one call.
+//
+// At batch 1 the weights are read once per token and everything else is tiny vectors, so what costs time besides
+// the weight stream is per-op overhead: Python dispatch and waking the thread team for each of the ~15 ops of
+// each layer. Here the step is one parallel region: the threads split each matmul's output rows and meet at a
+// spin barrier between phases (as llama.cpp's thread pool does), six a layer: QKV; RoPE and the cache
+// store; attention, each (sequence, KV head) merged by the thread that attends its last chunk; O; gate/up with
+// SiLU * up on the same thread's share; down (with many rows, two more after the norms, whose rows are shared;
+// with few, each thread normalizes them all itself). The matmuls run on AMX tiles where the CPU has them
+// (Sapphire Rapids and later): the decoder keeps a copy of the weights packed as B tiles in the order a step
+// reads them (pack_weight), so the weight stream runs front to back near the plain read speed, and the step's
+// 1-32 input rows are the A tiles, read in place. One instruction sequence serves every batch size, so a row's
+// output does not depend on its batch mates. Without AMX (and always in float32) the matmuls are linear.cpp's rows
+// on the model's own weights (no copy). GGUF weights kept quantized are multiplied in int8 against the step's
+// activations quantized in blocks of 32 (qdot.h, as llama.cpp does), each weight row unpacked once per step for
+// every input row; a projection fused from pieces of different formats is a matmul of several parts
+// (decoder_linear.h), and a quantized embedding table is dequantized row by row at the lookup. The decoder is a
+// template over the model dtype T (float or bf16), bound as LlamaDecoder_float32 and LlamaDecoder_bfloat16, and over
+// the KV caches' element C: T, or float16 (`--kv-cache-dtype float16`, the _kv_float16 bindings: half the bytes a
+// step's attention reads). The rounding to T follows engine/model/forward.py op for op (RoPE, SiLU * up, norms, matmul
+// outputs), and keys and values go to C as its `k.to(cache.dtype)` rounds them.
+#include "decoder_linear.h"
+
+#include <omp.h>
+#include <sched.h>
+#include <sys/mman.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <memory>
+
+namespace peregrine {
+namespace {
+
+// One allocation for all packed weights, in the order a step reads them, on transparent huge pages where the
+// kernel grants them (fewer TLB misses along the stream).
+struct PackedBuffer {
+  uint16_t* data = nullptr;
+  explicit PackedBuffer(int64_t elements) {
+    constexpr size_t huge = size_t(2) << 20;
+    const size_t bytes = (static_cast<size_t>(elements) * 2 + kAheadBytes + huge - 1) / huge * huge;
+    data = static_cast<uint16_t*>(std::aligned_alloc(huge, bytes));
+    TORCH_CHECK(data, "LlamaDecoder: cannot allocate ", bytes, " bytes for the packed weights");
+    madvise(data, bytes, MADV_HUGEPAGE);
+  }
+  ~PackedBuffer() { std::free(data); }
+  PackedBuffer(const PackedBuffer&) = delete;
+  PackedBuffer& operator=(const PackedBuffer&) = delete;
+};
+
+// A spin barrier for the step's thread team (a passive OpenMP barrier would sleep in the kernel at every phase).
+struct SpinBarrier {
+  int n = 1;
+  std::atomic<int> arrived{0}, phase{0};
+  void wait() {
+    if (n == 1) return;
+    const int p = phase.load(std::memory_order_acquire);
+    if (arrived.fetch_add(1, std::memory_order_acq_rel) + 1 == n) {
+      arrived.store(0, std::memory_order_relaxed);
+      phase.store(p + 1, std::memory_order_release);
+      return;
+    }
+    // A phase ends within microseconds of its mates when every thread has a core. When one has lost its core
+    // (the server's event loop, a client on the same machine), spinning on would keep it off: yield soon.
+    for (int spins = 0; phase.load(std::memory_order_acquire) == p; ++spins) {
+      if (spins < 256) cpu_relax();
+      else sched_yield();
+    }
+  }
+};
+
+// Up to this many residual elements (rows * hidden) every thread of a step normalizes all the rows itself instead
+// of its share of them before a barrier: a row of 576 takes tens of nanoseconds, a barrier a few hundred (AMD EPYC
+// Zen 5 under KVM), and each thread's x then sits in its own cache for its share of the next matmul.
+constexpr int64_t kOwnRowsElements = 8192;
+
+// Fewer attention items than this per thread (a short context, few sequences) are split into one item per query
+// head, so that they share out evenly: 3 KV heads of one short sequence on 2 threads were 2 items against 1.
+constexpr size_t kItemsPerThread = 4;
+
+// Thread t's attention items are items[begin[t]] .. items[begin[t + 1]]: consecutive items holding about 1 / threads
+// of the step's work (context positions times query heads) each. Items differ in size (a sequence's last chunk is
+// partial), and round robin gave one thread most of it.
+inline std::vector<size_t> split_items(const std::vector<AttnItem>& items, const int64_t* lengths, int threads) {
+  auto positions = [&](const AttnItem& it) {
+    return std::min(kAttnChunk, lengths[it.b] - it.chunk * kAttnChunk) * (it.g1 - it.g0);
+  };
+  int64_t total = 0;
+  for (const AttnItem& it : items) total += positions(it);
+  std::vector<size_t> begin(threads + 1, items.size());
+  int next = 0;
+  int64_t at = 0;
+  for (size_t i = 0; i < items.size(); ++i) {  // an item goes to the thread whose share holds its middle
+    const int64_t n = positions(items[i]);
+    const int owner = static_cast<int>((2 * at + n) * threads / (2 * std::max<int64_t>(total, 1)));
+    while (next <= owner) begin[next++] = i;
+    at += n;
+  }
+  return begin;
+}
+
+// [begin, end) of thread t's share of `units` * `align` items.
+inline std::pair<int64_t, int64_t> share(int64_t items, int64_t align, int t, int threads) {
+  const int64_t units = items / align;
+  return {units * t / threads * align, units * (t + 1) / threads * align};
+}
+
+// transformers' rotate-half RoPE in T: to_T(to_T(x * cos) + to_T(rotate_half(x) * sin)), stored as S (T, or a
+// float16 cache's element: then rounded once more, as the op-by-op pass's `k.to(cache.dtype)` does).
+template <typename T, typename S>
+inline void rope_head(const T* x, const T* cos, const T* sin, S* dst, int64_t dim) {
+  const int64_t half = dim / 2;
+  for (int64_t i = 0; i < dim; ++i) {
+    const float rotated = i < half ? -static_cast<float>(x[i + half]) : static_cast<float>(x[i - half]);
+    const T a = static_cast<T>(static_cast<float>(x[i]) * static_cast<float>(cos[i]));
+    const T b = static_cast<T>(rotated * static_cast<float>(sin[i]));
+    dst[i] = static_cast<S>(static_cast<float>(static_cast<T>(static_cast<float>(a) + static_cast<float>(b))));
+  }
+}
+
+// act = to_T(to_T(silu(gate)) * up), Vec::W elements.
+template <typename T>
+inline void silu_mul(const T* gate, const T* up, T* act) {
+  const Vec g = Vec::load(gate), u = Vec::load(up), one = Vec::set1(1.f);
+  const Vec e = exp_nonpositive(Vec::zero() - abs(g));  // exp(-|g|)
+  const Vec inv = one / (one + e);
+  const Vec sigmoid = select_ge0(g, inv, e * inv);
+  (round_to<T>(g * sigmoid) * u).store(act);
+}
+
+struct DecoderLayer {
+  torch::Tensor input_norm, post_norm, k_cache, v_cache;
+  Linear qkv, o, gate_up, down;
+};
+
+}  // namespace
+
+template <typename T, typename C = T>
+class LlamaDecoder {
+ public:
+  // embed: [vocab, hidden] in T, or GGUF blocks of `embed_qtype` (uint8 [vocab, bytes]). layers: per layer
+  // [input_norm, post_norm, k_cache, v_cache]. weights: per matmul (qkv, o, gate_up, down of each layer, then the LM
+  // head) its parts, `qtypes` their types (0: dense in T) and `biases` one per matmul (empty when absent). qkv rows:
+  // q heads, then k heads, then v heads. AMX (bf16) takes the dense matmuls when every one is a single dense part.
+  LlamaDecoder(const torch::Tensor& embed, int64_t embed_qtype, const std::vector<std::vector<torch::Tensor>>& layers,
+               const std::vector<std::vector<torch::Tensor>>& weights, const std::vector<std::vector<int64_t>>& qtypes,
+               const std::vector<torch::Tensor>& biases, const torch::Tensor& final_norm, int64_t heads,
+               int64_t kv_heads, int64_t head_dim, double eps, int64_t block_size, double scale, bool amx)
+      : embed_(embed), embed_qtype_(static_cast<int>(embed_qtype)), final_norm_(final_norm), heads_(heads),
+        kv_heads_(kv_heads), dim_(head_dim), eps_(eps), block_size_(block_size), scale_(scale), amx_(amx) {
+    TORCH_CHECK(!amx || (amx_available() && std::is_same_v<T, bf16>), "LlamaDecoder: AMX is not available");
+    TORCH_CHECK(head_dim % 32 == 0 && head_dim <= 512 && heads % kv_heads == 0, "LlamaDecoder: head_dim % 32, GQA");
+    const size_t n = layers.size();
+    TORCH_CHECK(weights.size() == 4 * n + 1 && qtypes.size() == weights.size() && biases.size() == weights.size(),
+                "LlamaDecoder: 4 matmuls per layer and the LM head, each with its types and bias");
+    auto linear = [&](size_t i) { return make_linear<T>(weights[i], qtypes[i], biases[i]); };
+    head_ = linear(4 * n);
+    hidden_ = head_.K;
+    for (size_t i = 0; i < n; ++i) {
+      const auto& t = layers[i];
+      TORCH_CHECK(t.size() == 4, "LlamaDecoder: input_norm, post_norm, k_cache, v_cache per layer");
+      DecoderLayer l;
+      l.input_norm = t[0];
+      l.post_norm = t[1];
+      l.k_cache = t[2];
+      l.v_cache = t[3];
+      l.qkv = linear(4 * i);
+      l.o = linear(4 * i + 1);
+      l.gate_up = linear(4 * i + 2);
+      l.down = linear(4 * i + 3);
+      TORCH_CHECK(l.qkv.N == (heads + 2 * kv_heads) * head_dim && l.qkv.K == hidden_ && l.o.N == hidden_ &&
+                  l.o.K == heads * head_dim && l.gate_up.K == hidden_ && l.down.N == hidden_ &&
+                  l.gate_up.N == 2 * l.down.K && l.down.K % 16 == 0, "LlamaDecoder: inconsistent shapes");
+      for (const auto* nw : {&l.input_norm, &l.post_norm})
+        TORCH_CHECK(nw->scalar_type() == kType<T> && nw->is_contiguous() && nw->numel() == hidden_,
+                    "LlamaDecoder: norm weights [hidden] in the model dtype");
+      for (const auto* c : {&l.k_cache, &l.v_cache})
+        TORCH_CHECK(c->scalar_type() == kType<C> && c->is_contiguous() && c->dim() == 3 &&
+                    c->size(1) == kv_heads && c->size(2) == head_dim,
+                    "LlamaDecoder: caches [slots, KVH, D] in ", c10::toString(kType<C>));
+      layers_.push_back(std::move(l));
+    }
+    TORCH_CHECK(final_norm.scalar_type() == kType<T> && final_norm.numel() == hidden_, "LlamaDecoder: final norm");
+    TORCH_CHECK(embed.dim() == 2 && embed.stride(1) == 1, "LlamaDecoder: embeddings [vocab, hidden]");
+    if (embed_qtype_) {
+      TORCH_CHECK(q::supported(embed_qtype_) && embed.scalar_type() == at::kByte &&
+                  hidden_ % q::layout_of(embed_qtype_).elems == 0 &&
+                  embed.size(1) == hidden_ / q::layout_of(embed_qtype_).elems * q::layout_of(embed_qtype_).bytes,
+                  "LlamaDecoder: quantized embeddings [vocab, hidden / block * bytes] uint8");
+    } else {
+      TORCH_CHECK(embed.scalar_type() == kType<T> && embed.is_contiguous() && embed.size(1) == hidden_,
+                  "LlamaDecoder: embeddings [vocab, hidden] in the model dtype");
+    }
+    for (const auto& l : layers_) {
+      for (const Linear* L : {&l.qkv, &l.o, &l.gate_up, &l.down}) amx_ = amx_ && L->dense();
+      amx_ = amx_ && l.down.K % 32 == 0;  // gate_up's rows split in whole AMX blocks at gate row j and up row I + j
+    }
+    amx_ = amx_ && head_.dense();
+    if (amx_) pack_all();
+  }
+
+  // ids [B] (this step's tokens), rope_rows [B] (each token's row of the RoPE tables cos and sin [rows, head_dim]),
+  // slots [B], block_tables [B, max_blocks], lengths [B] (context tokens, this one included). Returns float32 logits
+  // [B, vocab] holding the T values the LM head rounds to. Embedding lookup to logits is one call, so no
+  // torch op runs between steps on caches the weight stream has just flushed.
+  torch::Tensor step(const torch::Tensor& ids, const torch::Tensor& rope_rows, const torch::Tensor& cos,
+                     const torch::Tensor& sin, const torch::Tensor& slots, const torch::Tensor& block_tables,
+                     const torch::Tensor& lengths) {
+    auto tok = ids.to(at::kLong).contiguous(), rope = rope_rows.to(at::kLong).contiguous();
+    torch::Tensor cs = cos.to(kType<T>).contiguous(), sn = sin.to(kType<T>).contiguous();
+    auto slot = slots.to(at::kLong).contiguous(), tables = block_tables.to(at::kLong).contiguous();
+    auto lens = lengths.to(at::kLong).contiguous();
+    const int64_t B = tok.numel(), H = heads_, KVH = kv_heads_, D = dim_, hid = hidden_;
+    TORCH_CHECK(rope.numel() == B && slot.numel() == B && tables.size(0) == B && lens.numel() == B,
+                "LlamaDecoder.step: one RoPE row, slot, table and length per token");
+    TORCH_CHECK(cs.dim() == 2 && cs.size(1) == D && sn.sizes() == cs.sizes(), "LlamaDecoder.step: cos, sin [rows, head_dim]");
+    const int64_t *tokp = tok.data_ptr<int64_t>(), *ropep = rope.data_ptr<int64_t>();
+    for (int64_t m = 0; m < B; ++m)
+      TORCH_CHECK(tokp[m] >= 0 && tokp[m] < embed_.size(0) && ropep[m] >= 0 && ropep[m] < cs.size(0),
+                  "LlamaDecoder.step: token id or RoPE row out of range");
+    const int64_t group = H / KVH, QKV = (H + 2 * KVH) * D, I = layers_.empty() ? 0 : layers_[0].down.K, V = head_.N;
+    auto opts = final_norm_.options();  // T (the embeddings may be uint8 blocks)
+    auto h = torch::empty({B, hid}, opts);  // the residual stream, from the embeddings
+    if (embed_qtype_) {  // the looked-up rows dequantized, rounded to T
+      std::vector<float> row(hid);
+      for (int64_t m = 0; m < B; ++m) {
+        q::dequant_row(embed_qtype_, embed_.data_ptr<uint8_t>() + tokp[m] * embed_.stride(0), hid, row.data());
+        std::copy_n(row.data(), hid, h.data_ptr<T>() + m * hid);
+      }
+    } else {
+      for (int64_t m = 0; m < B; ++m)
+        std::copy_n(embed_.data_ptr<T>() + tokp[m] * hid, hid, h.data_ptr<T>() + m * hid);
+    }
+    auto x = torch::empty({B, hid}, opts), delta = torch::empty({B, hid}, opts), qkv = torch::empty({B, QKV}, opts);
+    auto q = torch::empty({B, H, D}, opts), attn = torch::empty({B, H * D}, opts);
+    auto gu = torch::empty({B, 2 * I}, opts), act = torch::empty({B, I}, opts);
+    auto logits = torch::empty({B, V}, opts.dtype(at::kFloat));
+    torch::Tensor head_out = std::is_same_v<T, float> ? logits : torch::empty({B, V}, opts);  // float32: straight to logits
+    T *hp = h.data_ptr<T>(), *xp = x.data_ptr<T>(), *dp = delta.data_ptr<T>(), *qkvp = qkv.data_ptr<T>(),
+      *qp = q.data_ptr<T>(), *ap = attn.data_ptr<T>(), *gup = gu.data_ptr<T>(), *actp = act.data_ptr<T>(),
+      *lp = head_out.data_ptr<T>();
+    float* logitsp = logits.data_ptr<float>();
+    const T *cs0 = cs.data_ptr<T>(), *sn0 = sn.data_ptr<T>();
+    const int64_t *slotp = slot.data_ptr<int64_t>(), *tp = tables.data_ptr<int64_t>(), *lenp = lens.data_ptr<int64_t>();
+    const int64_t max_blocks = tables.size(1);
+    const float eps = static_cast<float>(eps_), scale = static_cast<float>(scale_);
+    std::vector<AttnItem> items = attn_items(lenp, B, KVH, group);
+    AttnPartials partials;
+    partials.reset(lenp, B, H, D);
+    SpinBarrier barrier;
+    std::vector<size_t> item_begin;
+    int64_t items_per_chunk = 1;  // group when each query head is an item of its own
+    // Per (sequence, KV head): its items attended so far this step. The thread that attends the last of a layer
+    // merges the group's query heads, so no barrier separates attending from merging.
+    std::vector<std::atomic<int64_t>> attended(B * KVH);
+    for (auto& a : attended) a.store(0, std::memory_order_relaxed);
+    const bool own_rows = B * hid <= kOwnRowsElements;
+#pragma omp parallel num_threads(at::get_num_threads())
+    {
+#pragma omp single
+      {
+        barrier.n = omp_get_num_threads();
+        if (items.size() < kItemsPerThread * barrier.n && group > 1) {
+          std::vector<AttnItem> heads;
+          for (const AttnItem& it : items)
+            for (int64_t g = 0; g < group; ++g) heads.push_back({it.b, it.kvh, it.chunk, g, g + 1});
+          items = std::move(heads);
+          items_per_chunk = group;
+        }
+        item_begin = split_items(items, lenp, barrier.n);
+      }  // (the implicit barrier here publishes them)
+      const int nt = barrier.n, t = omp_get_thread_num();
+      Scratch s;
+      // h += add; x = RMSNorm(h) * w: a share of the rows each, or with few rows (own_rows) every row on every
+      // thread, each into its own copy of h and x, with no barrier after.
+      std::vector<T> own_h, own_x;
+      T *hq = hp, *xq = xp;
+      if (own_rows) {
+        own_h.assign(hp, hp + B * hid);
+        own_x.resize(B * hid);
+        hq = own_h.data(), xq = own_x.data();
+      }
+      auto rows = [&](const torch::Tensor& w, const T* add) {
+        for (int64_t m = own_rows ? 0 : t; m < B; m += own_rows ? 1 : nt)
+          add_rms_norm_row(hq + m * hid, add ? add + m * hid : nullptr, w.data_ptr<T>(), xq + m * hid, hid, eps);
+        if (!own_rows) barrier.wait();
+      };
+      auto columns = [&](int64_t n) {  // this thread's share of n output columns (AMX: whole packed blocks)
+        auto [n0, n1] = share(n, amx_ ? 32 : 16, t, nt);
+        return std::make_pair(n0, t == nt - 1 ? n : n1);
+      };
+      auto matmul = [&](const Linear& L, const T* in, T* out) {
+        const auto [n0, n1] = columns(L.N);
+        linear_rows(L, in, L.K, B, out, L.N, n0, n1, amx_, s);
+        barrier.wait();
+      };
+      for (size_t li = 0; li < layers_.size(); ++li) {
+        const DecoderLayer& l = layers_[li];
+        rows(l.input_norm, li ? dp : nullptr);
+        auto* kc = l.k_cache.data_ptr<C>();
+        auto* vc = l.v_cache.data_ptr<C>();
+        matmul(l.qkv, xq, qkvp);
+        for (int64_t i = t; i < B * (H + 2 * KVH); i += nt) {  // RoPE on q and k; k and v into their cache slots
+          const int64_t m = i / (H + 2 * KVH), head = i % (H + 2 * KVH);
+          const T* src = qkvp + m * QKV + head * D;
+          const T *cp = cs0 + ropep[m] * D, *sp = sn0 + ropep[m] * D;
+          if (head < H) rope_head(src, cp, sp, qp + (m * H + head) * D, D);
+          else if (head < H + KVH) rope_head(src, cp, sp, kc + (slotp[m] * KVH + head - H) * D, D);
+          else std::transform(src, src + D, vc + (slotp[m] * KVH + head - H - KVH) * D,
+                              [](T v) { return static_cast<C>(static_cast<float>(v)); });
+        }
+        barrier.wait();
+        for (size_t i = item_begin[t]; i < item_begin[t + 1]; ++i) {
+          const AttnItem& it = items[i];
+          attend_chunk(it, qp, kc, vc, tp, lenp, H, KVH, D, max_blocks, block_size_, scale, partials, s.attn);
+          // counts add up over the layers: this layer's last item brings the count to (layer + 1) * items
+          const int64_t due = static_cast<int64_t>(li + 1) * attn_chunks(lenp[it.b]) * items_per_chunk;
+          if (attended[it.b * KVH + it.kvh].fetch_add(1, std::memory_order_acq_rel) + 1 == due)
+            for (int64_t h = it.kvh * group; h < (it.kvh + 1) * group; ++h)
+              merge_chunks(it.b, h, lenp, ap, H, D, partials);
+        }
+        barrier.wait();
+        matmul(l.o, ap, dp);
+        rows(l.post_norm, dp);
+        {  // this thread's gate rows j0..j1 and up rows I + j0..I + j1, then their SiLU * up: no barrier between
+          const auto [j0, j1] = columns(I);
+          q::QRows qx{};  // x quantized once for both
+          linear_rows(l.gate_up, xq, hid, B, gup, 2 * I, j0, j1, amx_, s, qx);
+          linear_rows(l.gate_up, xq, hid, B, gup, 2 * I, I + j0, I + j1, amx_, s, qx);
+          for (int64_t m = 0; m < B; ++m)
+            for (int64_t j = j0; j < j1; j += Vec::W)
+              silu_mul(gup + m * 2 * I + j, gup + m * 2 * I + I + j, actp + m * I + j);
+        }
+        barrier.wait();
+        matmul(l.down, actp, dp);
+      }
+      rows(final_norm_, layers_.empty() ? nullptr : dp);
+      const auto [v0, v1] = columns(V);  // the LM head, then this thread's logits as float32
+      linear_rows(head_, xq, head_.K, B, lp, V, v0, v1, amx_, s);
+      if constexpr (!std::is_same_v<T, float>)
+        for (int64_t m = 0; m < B; ++m)
+          for (int64_t n = v0; n < v1; n += Vec::W) Vec::load(lp + m * V + n).store(logitsp + m * V + n);
+      if (amx_) amx_release();
+    }
+    return logits;
+  }
+
+ private:
+  // A copy of every matmul's weights in the AMX layout, in the order a step reads them.
+  void pack_all() {
+    std::vector<Linear*> all;
+    for (auto& l : layers_)
+      for (Linear* L : {&l.qkv, &l.o, &l.gate_up, &l.down}) all.push_back(L);
+    all.push_back(&head_);
+    int64_t elements = 0;
+    for (const Linear* L : all) elements += L->N * L->K;
+    packed_ = std::make_unique<PackedBuffer>(elements);
+    uint16_t* at = packed_->data;
+    for (Linear* L : all) {
+      pack_weight(reinterpret_cast<const uint16_t*>(L->parts[0].weight.data_ptr()), L->N, L->K, at);
+      L->packed = at;
+      at += L->N * L->K;
+    }
+  }
+
+  std::unique_ptr<PackedBuffer> packed_;
+  torch::Tensor embed_;
+  int embed_qtype_;
+  std::vector<DecoderLayer> layers_;
+  torch::Tensor final_norm_;
+  Linear head_;
+  int64_t heads_, kv_heads_, dim_, hidden_ = 0;
+  double eps_;
+  int64_t block_size_;
+  double scale_;
+  bool amx_;
+};
+
+namespace {
+
+template <typename T, typename C>
+void bind_one(pybind11::module_& m, const char* name) {
+  using release = py::call_guard<py::gil_scoped_release>;
+  // module_local: each ISA level's build is its own module with the same C++ type, and a process may load several
+  // (the tests load every level the CPU has); a global registration would refuse the second.
+  py::class_<LlamaDecoder<T, C>>(m, name, py::module_local())
+      .def(py::init<const torch::Tensor&, int64_t, const std::vector<std::vector<torch::Tensor>>&,
+                    const std::vector<std::vector<torch::Tensor>>&, const std::vector<std::vector<int64_t>>&,
+                    const std::vector<torch::Tensor>&, const torch::Tensor&, int64_t, int64_t, int64_t, double,
+                    int64_t, double, bool>())
+      .def("step", &LlamaDecoder<T, C>::step,
+           "one decode step: step(ids, rope_rows, cos, sin, slots, block_tables, lengths) -> float32 logits [B, vocab]",
+           release());
+}
+
+}  // namespace
+
+void bind_decoder(pybind11::module_& m) {
+  bind_one<float, float>(m, "LlamaDecoder_float32");
+  bind_one<bf16, bf16>(m, "LlamaDecoder_bfloat16");
+  // the KV cache in float16 (`--kv-cache-dtype float16`): half the bytes a step's attention reads
+  bind_one<float, f16>(m, "LlamaDecoder_float32_kv_float16");
+  bind_one<bf16, f16>(m, "LlamaDecoder_bfloat16_kv_float16");
+}
+
+}  // namespace peregrine

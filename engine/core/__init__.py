@@ -1,0 +1,1 @@
+"""Scheduling state without torch: scheduler, block manager, sequences, stopping, detokenizer, outputs."""

@@ -1,0 +1,175 @@
+"""The paged KV allocator: which cache blocks belong to which sequence, and which hold a reusable prefix.
+Pure Python (no torch).
+
+The KV cache tensors (`engine/model/kv_cache.py`) are split into `num_blocks` blocks of `block_size` token slots.
+A sequence owns a list of block ids (its block table); token position p lives in slot
+`block_table[p // block_size] * block_size + p % block_size`.
+
+Automatic prefix caching (`prefix_caching=True`): once every position of a full block has its K/V computed,
+the block is published under a key that hashes its tokens chained to the previous block's key, so the key
+names the whole prefix up to and including that block. A later sequence whose prompt starts with the same
+tokens takes those blocks instead of computing them (`cached_prefix` + `allocate`). Blocks carry reference
+counts; a block no sequence uses keeps its K/V and its key, and is evicted, least recently used first, only
+when a fresh block is needed and none is free. A published block is never written again: a sequence only
+writes positions at or after its computed count, and a full computed block lies wholly before it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict, deque
+
+from engine.core.sequence import Sequence
+
+BlockKey = bytes  # sha256 of (parent key, the block's token ids): collisions are not a practical concern
+
+
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+def block_key(parent: BlockKey, tokens: list[int]) -> BlockKey:
+    """The key of a full block: its tokens chained to its parent's key, so equal keys mean equal prefixes."""
+    return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
+
+
+class BlockManager:
+    """Hands out and takes back fixed-size KV blocks. All operations are O(blocks touched)."""
+
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"need num_blocks > 0 and block_size > 0, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.prefix_caching = prefix_caching
+        self._free: deque[int] = deque(range(num_blocks))  # unreferenced, holding nothing worth keeping
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced cached blocks, LRU first
+        self._refs = [0] * num_blocks
+        self._key_of: list[BlockKey | None] = [None] * num_blocks
+        self._cached: dict[BlockKey, int] = {}  # published key -> block id
+        self.evictions_total = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now: free ones plus cached ones nobody uses (evicted on demand)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks referenced by at least one live sequence."""
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks holding a published prefix, in use or not."""
+        return len(self._cached)
+
+    def extra_blocks_for(self, seq: Sequence, num_tokens: int) -> int:
+        """Blocks `seq` still needs so that its first `num_tokens` positions have a slot."""
+        return max(0, blocks_needed(num_tokens, self.block_size) - len(seq.block_table))
+
+    def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
+        return self.extra_blocks_for(seq, num_tokens) <= self.num_free_blocks
+
+    def grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Give `seq` slots for its first `num_tokens` positions; False (and no change) if memory is short."""
+        extra = self.extra_blocks_for(seq, num_tokens)
+        if extra > self.num_free_blocks:
+            return False
+        seq.block_table.extend(self._take() for _ in range(extra))
+        return True
+
+    def cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks that hold the start of `seq`, longest chain first found; [] when caching is off.
+
+        Only full blocks before the last token count, so at least one token is left to compute (the step that
+        computes it gives the logits to sample from) and that token is written to a block of the sequence's
+        own, never into a shared one."""
+        if not self.prefix_caching:
+            return []
+        found: list[int] = []
+        for key in self._keys(seq, (seq.num_tokens - 1) // self.block_size):
+            block = self._cached.get(key)
+            if block is None:
+                break
+            found.append(block)
+        return found
+
+    def allocate(self, seq: Sequence, prefix: list[int], num_tokens: int) -> bool:
+        """Start the empty block table of `seq` with the cached `prefix` blocks, then grow it to `num_tokens`
+        positions; False (and no change) if memory is short. Reusing an unreferenced cached block costs a
+        free block, since it is no longer evictable."""
+        idle = sum(1 for b in prefix if self._refs[b] == 0)
+        fresh = max(0, blocks_needed(num_tokens, self.block_size) - len(prefix))
+        if idle + fresh > self.num_free_blocks:
+            return False
+        for block in prefix:
+            if self._refs[block] == 0:
+                del self._evictable[block]
+            self._refs[block] += 1
+        seq.block_table = list(prefix)
+        seq.num_published_blocks = len(prefix)
+        return self.grow(seq, num_tokens)
+
+    def publish(self, seq: Sequence) -> None:
+        """Publish the blocks of `seq` that became full and computed. A block whose prefix is already cached
+        in another block stays private (freed as usual): the first copy serves later requests."""
+        if not self.prefix_caching:
+            return
+        full = seq.num_computed_tokens // self.block_size
+        if full <= seq.num_published_blocks:
+            return
+        keys = self._keys(seq, full)
+        for i in range(seq.num_published_blocks, full):
+            block = seq.block_table[i]
+            if keys[i] not in self._cached and self._key_of[block] is None:
+                self._cached[keys[i]] = block
+                self._key_of[block] = keys[i]
+        seq.num_published_blocks = full
+
+    def free(self, seq: Sequence) -> None:
+        """Drop `seq`'s references. Its last blocks are released first, so the LRU order evicts a prefix's
+        tail before its head (the head is what other requests are likeliest to share)."""
+        for block in reversed(seq.block_table):
+            self._refs[block] -= 1
+            if self._refs[block] > 0:
+                continue
+            if self._key_of[block] is not None:
+                self._evictable[block] = None
+            else:
+                self._free.append(block)
+        seq.block_table = []
+        seq.num_published_blocks = 0
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (blocks in use stay with their sequences)."""
+        for block in list(self._evictable):
+            self._free.append(block)
+        self._evictable.clear()
+        self._cached.clear()
+        self._key_of = [None] * self.num_blocks
+
+    def _take(self) -> int:
+        """A block for new K/V: a free one, else the least recently used cached one, whose key is dropped."""
+        if self._free:
+            block = self._free.popleft()
+        else:
+            block, _ = self._evictable.popitem(last=False)
+            key = self._key_of[block]
+            self._key_of[block] = None
+            if key is not None:
+                del self._cached[key]
+            self.evictions_total += 1
+        self._refs[block] = 1
+        return block
+
+    def _keys(self, seq: Sequence, num_blocks: int) -> list[BlockKey]:
+        """The keys of the first `num_blocks` full blocks of `seq` (memoised on the sequence: tokens never
+        change, so neither do their keys)."""
+        keys = seq.block_keys
+        bs = self.block_size
+        while len(keys) < num_blocks:
+            i = len(keys)
+            keys.append(block_key(keys[-1] if keys else b"", seq.tokens_in(i * bs, (i + 1) * bs)))
+        return keys

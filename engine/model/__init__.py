@@ -1,0 +1,1 @@
+"""Running the model: the runner, the forward pass, attention, the paged KV cache, quantized weights."""

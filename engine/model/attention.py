@@ -1,0 +1,138 @@
+"""Paged attention for any Hugging Face model that routes attention through `AttentionInterface`.
+
+The model runs on one packed row of tokens from all scheduled sequences (`[1, total_tokens]`): single-token
+items (decodes) first, then multi-token prefill chunks. For each layer, `paged_attention` writes the new K/V
+into the cache slots of their positions, then attends:
+- decodes: batched; on CPU with Peregrine's kernels (`engine.backends.cpu_kernels`) read straight from the cache
+  through the block tables, otherwise over each sequence's cached context gathered into a padded
+  [batch, kv_heads, ctx, dim] tensor with a length mask;
+- prefill chunks: one SDPA per chunk, causal with the chunk's offset into its sequence.
+The step's metadata (slots, gather indices, masks) is built once per step and shared by all layers; it reaches
+this function as the `peregrine` keyword argument that transformers forwards from `model(...)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.backends.kernels import DecodeAttention
+from engine.model.kv_cache import KVCache
+
+ATTN_IMPL = "peregrine_paged"
+KERNEL_Q = (torch.float32, torch.bfloat16)  # the decode kernel's q dtypes; its caches: q's dtype or float16
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillChunk:
+    offset: int  # first index of the chunk in the packed token row
+    length: int  # tokens in the chunk
+    start: int  # position of the chunk's first token in its sequence
+    context_blocks: torch.Tensor | None  # [ceil((start + length) / block_size)] block ids, None when start == 0
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionMetadata:
+    kv_cache: KVCache
+    slot_mapping: torch.Tensor  # [total_tokens] long: where each new token's K/V goes
+    num_decodes: int  # the first num_decodes tokens are single-token items
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] long, padded with the null block
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool, True = attend
+    prefills: tuple[PrefillChunk, ...]
+    decode_lengths: torch.Tensor | None = None  # [num_decodes] long: context tokens, this step's included
+    # engine.backends.cpu_kernels' paged decode attention; None: gather + masked SDPA (then decode_mask is set)
+    decode_kernel: DecodeAttention | None = None
+
+
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, heads, total_tokens, dim]
+    key: torch.Tensor,  # [1, kv_heads, total_tokens, dim]
+    value: torch.Tensor,  # [1, kv_heads, total_tokens, dim]
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    peregrine: AttentionMetadata | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """Returns ([1, total_tokens, heads, dim], None), the shape transformers' attention modules expect."""
+    if peregrine is None:
+        raise RuntimeError("peregrine_paged attention needs the step metadata (model(..., peregrine=meta))")
+    out = attend(module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                 peregrine, scaling)
+    return out.unsqueeze(0), None
+
+
+def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+           scaling: float | None) -> torch.Tensor:
+    """Store this step's K/V of `layer` and attend. q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim].
+
+    Returns [tokens, heads, dim]."""
+    k_cache, v_cache = meta.kv_cache.k[layer], meta.kv_cache.v[layer]
+    k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    if not meta.prefills:
+        return _decode(q, k_cache, v_cache, meta, scaling)
+    if not meta.num_decodes and len(meta.prefills) == 1:
+        return _prefill(q, k, v, k_cache, v_cache, meta.prefills[0], meta.kv_cache.block_size, scaling)
+    out = torch.empty_like(q)
+    if meta.num_decodes:
+        out[: meta.num_decodes] = _decode(q[: meta.num_decodes], k_cache, v_cache, meta, scaling)
+    for chunk in meta.prefills:
+        span = slice(chunk.offset, chunk.offset + chunk.length)
+        out[span] = _prefill(q[span], k[span], v[span], k_cache, v_cache, chunk, meta.kv_cache.block_size, scaling)
+    return out
+
+
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+            scaling: float | None) -> torch.Tensor:
+    if meta.decode_kernel is not None and q.dtype in KERNEL_Q and k_cache.dtype in (q.dtype, torch.float16):
+        return meta.decode_kernel(q.contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_lengths,
+                                  meta.kv_cache.block_size, q.shape[-1] ** -0.5 if scaling is None else scaling)
+    keys = gather_blocks(k_cache, meta.decode_block_tables, meta.kv_cache.block_size).transpose(1, 2)
+    values = gather_blocks(v_cache, meta.decode_block_tables, meta.kv_cache.block_size).transpose(1, 2)
+    # keys, values: [batch, kv_heads, max_blocks * block_size, dim]
+    out = F.scaled_dot_product_attention(  # caches in another dtype (--kv-cache-dtype): widened to q's
+        q.unsqueeze(2), keys.to(q.dtype), values.to(q.dtype), attn_mask=meta.decode_mask, scale=scaling,
+        enable_gqa=True,
+    )  # [batch, heads, 1, dim]
+    return out.squeeze(2)
+
+
+def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
+    """cache: [slots, kv_heads, dim]; block_tables: [batch, blocks] -> [batch, blocks * block_size, kv_heads, dim]."""
+    blocks = cache.view(-1, block_size, *cache.shape[1:])[block_tables]  # [batch, blocks, block_size, h, d]
+    return blocks.flatten(1, 2)
+
+
+def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             chunk: PrefillChunk, block_size: int, scaling: float | None) -> torch.Tensor:
+    query = q.transpose(0, 1).unsqueeze(0)  # [1, heads, chunk, dim]
+    if chunk.context_blocks is None:  # this chunk's own keys and values, rounded as the cache holds them
+        keys, values, mask = k.to(k_cache.dtype), v.to(k_cache.dtype), None
+    else:
+        end = chunk.start + chunk.length
+        keys = gather_blocks(k_cache, chunk.context_blocks[None], block_size)[0, :end]  # [end, kv_heads, dim]
+        values = gather_blocks(v_cache, chunk.context_blocks[None], block_size)[0, :end]
+        mask = causal_mask(chunk.length, chunk.start, q.device)
+    out = F.scaled_dot_product_attention(
+        query, keys.transpose(0, 1).unsqueeze(0).to(q.dtype), values.transpose(0, 1).unsqueeze(0).to(q.dtype),
+        attn_mask=mask, is_causal=mask is None, scale=scaling, enable_gqa=True,
+    )  # [1, heads, chunk, dim]
+    return out[0].transpose(0, 1)
+
+
+def causal_mask(length: int, start: int, device: torch.device) -> torch.Tensor:
+    """[length, start + length] bool: query i (at position start + i) sees keys 0 .. start + i."""
+    rows = torch.arange(length, device=device)[:, None] + start
+    cols = torch.arange(start + length, device=device)[None, :]
+    return cols <= rows
+
+
+def register() -> None:
+    """Make `ATTN_IMPL` a valid `attn_implementation` for transformers models (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPL, paged_attention)

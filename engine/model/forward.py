@@ -1,0 +1,290 @@
+"""A lean forward pass for the Llama family (Llama, SmolLM, Mistral, Qwen2), on the model's own weights.
+
+Same math as transformers' LlamaForCausalLM, with fewer, larger ops per layer: q/k/v and gate/up are fused
+into one matmul each (the original nn.Linear weights become views into the fused tensors, so memory is not
+doubled and the generic path keeps working), RoPE is applied to q and k in one go, the residual add and
+RMSNorm are one call (`engine.backends.cpu_kernels`: a fused kernel in bfloat16 on CPU, torch ops otherwise) that takes
+its statistics in float32 exactly as transformers does (torch's `F.rms_norm` in bfloat16 loses enough
+precision to change SmolLM2's answers), and the final norm and LM head only run on the rows that sample.
+Attention is the same paged attention as the generic path (`engine.model.attention.attend`). Chosen automatically when `supports(model)`.
+
+Decode-only steps on CPU go further: `engine.backends.cpu_kernels`' LlamaDecoder runs the whole step (the embedding lookup,
+all layers, the final norm and the LM head) in one kernel call, built on the first such step over the KV cache it
+writes to, in float32 or bfloat16, over dense weights or GGUF weights kept quantized (each projection handed over
+as its parts: dense tensors or quantized blocks with their ggml type; int8 activations, `engine/backends/csrc/qdot.h`).
+Prefill and mixed steps, other dtypes and devices keep the op-by-op pass below.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.backends import huge_pages
+from engine.backends.kernels import TORCH, Kernels, Linear
+from engine.model.attention import AttentionMetadata, attend
+from engine.model.kv_cache import KVCache
+from engine.model.quant import QuantEmbedding, QuantLinear, QuantWeight, concat, is_quantized, stack_rows
+
+log = logging.getLogger(__name__)
+
+FAST_MODEL_TYPES = ("llama", "mistral", "qwen2")  # same block: q/k/v (+ biases for Qwen2), RoPE, SiLU MLP
+
+
+def supports(model: nn.Module) -> bool:
+    """The Llama block (Llama, SmolLM, Mistral, Qwen2): silu MLP, dense nn.Linear projections, full attention in
+    every layer (a sliding window is left to the generic path)."""
+    config = model.config
+    if getattr(config, "model_type", None) not in FAST_MODEL_TYPES or getattr(config, "hidden_act", "silu") != "silu":
+        return False
+    if _sliding_window(config):
+        return False
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "rotary_emb") or not hasattr(inner, "layers"):
+        return False
+    linears = [m for layer in inner.layers for m in (*_attn_linears(layer), *_mlp_linears(layer))]
+    return all(type(m) in (nn.Linear, QuantLinear) for m in (*linears, model.lm_head))
+
+
+def _sliding_window(config: object) -> bool:
+    layer_types = getattr(config, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types):
+        return True
+    if hasattr(config, "use_sliding_window"):  # Qwen2 keeps a window size even when it is off
+        return bool(config.use_sliding_window) and getattr(config, "sliding_window", None) is not None
+    return getattr(config, "sliding_window", None) is not None
+
+
+def _attn_linears(layer: nn.Module) -> tuple[nn.Linear, ...]:
+    a = layer.self_attn
+    return a.q_proj, a.k_proj, a.v_proj, a.o_proj
+
+
+def _mlp_linears(layer: nn.Module) -> tuple[nn.Linear, ...]:
+    m = layer.mlp
+    return m.gate_proj, m.up_proj, m.down_proj
+
+
+# A projection's weight: dense, quantized (engine/model/quant.py), or a list of both kinds whose outputs are concatenated
+# (projections quantized in different formats, as Q4_K_M files mix Q4_K and Q6_K, are not fused).
+Weight = torch.Tensor | QuantWeight | list[torch.Tensor | QuantWeight]
+
+
+def weight_of(m: nn.Module) -> torch.Tensor | QuantWeight:
+    return m.qweight if isinstance(m, QuantLinear) else m.weight
+
+
+def _fuse(linears: tuple[nn.Module, ...]) -> tuple[Weight, torch.Tensor | None]:
+    """Concatenate the weights (and biases) along the output dim and re-point each Linear at its slice: dense
+    weights, or quantized ones of one format; others stay a list."""
+    has_bias = all(m.bias is not None for m in linears)
+    bias = torch.cat([m.bias.detach() for m in linears]) if has_bias else None
+    if all(type(m) is nn.Linear for m in linears):
+        weight: Weight = stack_rows([m.weight.detach() for m in linears])
+    elif all(isinstance(m, QuantLinear) for m in linears):
+        weight = concat([m.qweight for m in linears]) or [m.qweight for m in linears]
+    else:
+        weight = [weight_of(m) for m in linears]
+    start = 0
+    for m in linears:
+        rows = m.out_features
+        if isinstance(weight, torch.Tensor):
+            m.weight.data = weight[start : start + rows]
+        elif isinstance(weight, QuantWeight):  # the fused blocks are the only copy
+            m.qweight = weight.slice_rows(start, start + rows)
+            m.blocks = m.qweight.blocks
+        if bias is not None:
+            m.bias.data = bias[start : start + rows]
+        start += rows
+    return weight, bias
+
+
+def quant_aware(linear: Linear) -> Callable[[torch.Tensor, Weight, torch.Tensor | None], torch.Tensor]:
+    """`linear` for dense weights; the quantized kernels for QuantWeight; a list runs piece by piece."""
+
+    def call(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(weight, torch.Tensor):
+            return linear(x, weight, bias)
+        if isinstance(weight, QuantWeight):
+            out = weight.matmul(x)
+        else:
+            out = torch.cat([call(x, w, None) for w in weight], dim=-1)
+        return out if bias is None else out + bias
+
+    return call
+
+
+@dataclass(frozen=True, slots=True)
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: Weight  # [(heads + 2 * kv_heads) * dim, hidden]
+    qkv_bias: torch.Tensor | None
+    o: Weight
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: Weight  # [2 * intermediate, hidden]
+    gate_up_bias: torch.Tensor | None
+    down: Weight
+    down_bias: torch.Tensor | None
+
+
+class LlamaFastForward:
+    def __init__(self, model: nn.Module, kernels: Kernels = TORCH) -> None:
+        config = model.config
+        self.model = model
+        # torch's linear (engine.backends.kernels.linear_torch) or engine.backends.cpu_kernels' small-batch kernel; with quantized
+        # weights, wrapped to route those to theirs
+        self.linear = quant_aware(kernels.linear) if is_quantized(model) else kernels.linear
+        self.add_norm = kernels.add_rms_norm  # residual add + RMSNorm: torch ops, or engine.backends.cpu_kernels' fused one
+        self.hidden = config.hidden_size
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads or self.heads
+        self.head_dim = getattr(config, "head_dim", None) or self.hidden // self.heads
+        self.eps = config.rms_norm_eps
+        self.scaling = self.head_dim**-0.5
+        inner = model.model
+        self.layers = [self._layer(layer) for layer in inner.layers[: config.num_hidden_layers]]
+        decoder = kernels.decoder  # engine.backends.cpu_kernels.llama_decoder_for: None unless on CPU
+        self._decoder_factory = decoder
+        self._decoder: tuple[KVCache, object] | None = None  # built on the first decode-only step
+        if decoder is not None:  # at start, not on the first request: the step's weights onto huge pages, in order
+            huge_pages.gather([t for weight, _ in self._matmuls() for t in _parts(weight)[0]], self._weight_tensors())
+        rope_type = str(getattr(inner.rotary_emb, "rope_type", "default"))
+        # RoPE that depends on the position alone (not "dynamic" scaling, not longrope's length switch) is looked up
+        # in a table for the decoder instead of being recomputed each step.
+        self._static_rope = "dynamic" not in rope_type and rope_type != "longrope"
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def decoder(self, kv_cache: KVCache) -> object | None:
+        """The one-call decode step over `kv_cache`, or None where it does not apply (logged once)."""
+        if self._decoder_factory is None:
+            return None
+        if self._decoder is None or self._decoder[0] is not kv_cache:
+            none = torch.empty(0)
+            layers = [[w.input_norm, w.post_norm, kv_cache.k[i], kv_cache.v[i]] for i, w in enumerate(self.layers)]
+            matmuls = self._matmuls()
+            parts = [_parts(weight) for weight, _ in matmuls]
+            embed = self.model.model.embed_tokens
+            embed_weight, embed_type = _parts(embed.qweight if isinstance(embed, QuantEmbedding) else embed.weight)
+            try:
+                built = self._decoder_factory(embed_weight[0], embed_type[0], layers, [p[0] for p in parts],
+                                              [p[1] for p in parts], [_or(bias, none) for _, bias in matmuls],
+                                              self.model.model.norm.weight, self.heads, self.kv_heads, self.head_dim,
+                                              self.eps, kv_cache.block_size, self.scaling)
+            except RuntimeError as exc:  # a shape or dtype the kernel does not take: keep the op-by-op pass
+                log.info("one-call decode step off: %s", str(exc).splitlines()[0])
+                self._decoder_factory = None
+                return None
+            self._decoder = (kv_cache, built)
+        return self._decoder[1]
+
+    def decode_weight_bytes(self) -> int:
+        """Bytes of weights one decode step reads: every matmul's, the LM head's included (the embedding lookup reads
+        a row per token, not counted)."""
+        return sum(t.nbytes for weight, _ in self._matmuls() for t in _parts(weight)[0])
+
+    def _matmuls(self) -> list[tuple[Weight, torch.Tensor | None]]:
+        """Every matmul's (weight, bias) in the order a decode step runs them, the LM head last."""
+        head = self.model.lm_head
+        return [(weight, bias) for w in self.layers
+                for weight, bias in ((w.qkv, w.qkv_bias), (w.o, w.o_bias), (w.gate_up, w.gate_up_bias),
+                                     (w.down, w.down_bias))] + [(weight_of(head), head.bias)]
+
+    def _weight_tensors(self) -> list[torch.Tensor]:
+        """Every tensor object that may view a weight: the model's parameters and buffers, the quantized modules'
+        blocks, the fused weights of each layer."""
+        found = [*self.model.parameters(), *self.model.buffers()]
+        found += [m.qweight.blocks for m in self.model.modules() if isinstance(m, QuantLinear | QuantEmbedding)]
+        for value in (getattr(w, f.name) for w in self.layers for f in fields(w)):
+            for piece in value if isinstance(value, list) else [value]:
+                if isinstance(piece, QuantWeight | torch.Tensor):
+                    found.append(piece.blocks if isinstance(piece, QuantWeight) else piece)
+        return found
+
+    def decoder_rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The decoder's RoPE inputs: each token's row of (cos, sin) tables. Static RoPE: rows of a table of every
+        position so far (the same values the rotary module gives, computed once). Else this step's own rows."""
+        if not self._static_rope:
+            cos, sin = self._rope_rows(positions)
+            return torch.arange(positions.shape[0], device=positions.device), cos, sin
+        need = int(positions.numpy().max()) + 1  # the decoder runs on CPU; numpy skips a torch dispatch
+        if self._rope_table is None or self._rope_table[0].shape[0] < need:
+            rows = max(256, 1 << (need - 1).bit_length())  # doubling: a handful of rebuilds over a long sequence
+            cos, sin = self._rope_rows(torch.arange(rows, device=positions.device))
+            self._rope_table = (cos.contiguous(), sin.contiguous())
+        return positions, *self._rope_table
+
+    def _rope_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary module's (cos, sin) rows of `positions`, in the model dtype."""
+        probe = torch.empty(0, dtype=self.model.model.norm.weight.dtype, device=positions.device)  # the model dtype
+        cos, sin = self.model.model.rotary_emb(probe, positions[None])
+        return cos[0], sin[0]
+
+    def _layer(self, layer: nn.Module) -> LayerWeights:
+        a, m = layer.self_attn, layer.mlp
+        qkv, qkv_bias = _fuse((a.q_proj, a.k_proj, a.v_proj))
+        gate_up, gate_up_bias = _fuse((m.gate_proj, m.up_proj))
+        return LayerWeights(
+            layer.input_layernorm.weight, qkv, qkv_bias, weight_of(a.o_proj), a.o_proj.bias,
+            layer.post_attention_layernorm.weight, gate_up, gate_up_bias, weight_of(m.down_proj), m.down_proj.bias,
+        )
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 logits_indices: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [tokens]. Returns logits [len(logits_indices), vocab]: in the model dtype op by op,
+        float32 (holding the model dtype's values) from the one-call decode step."""
+        inner = self.model.model
+        decoder = self.decoder(meta.kv_cache) if not meta.prefills else None
+        if decoder is not None:
+            logits = decoder.step(input_ids, *self.decoder_rope(positions), meta.slot_mapping,
+                                  meta.decode_block_tables, meta.decode_lengths)
+            return logits if logits.shape[0] == 1 else logits[logits_indices]
+        h = inner.embed_tokens(input_ids)  # [tokens, hidden], the residual stream, updated in place
+        cos, sin = inner.rotary_emb(h[None], positions[None])  # [1, tokens, dim]
+        cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [tokens, 1, dim]
+        delta = None  # the last block's output, not yet added to h
+        for index, w in enumerate(self.layers):
+            x = self.add_norm(h, delta, w.input_norm, self.eps)
+            x = self.add_norm(h, self._attention(index, w, x, cos, sin, meta), w.post_norm, self.eps)
+            delta = self._mlp(w, x)
+        rows = h[logits_indices]  # the final norm and the LM head only run on the rows that sample
+        last = self.add_norm(rows, None if delta is None else delta[logits_indices], inner.norm.weight, self.eps)
+        head = self.model.lm_head
+        return self.linear(last, weight_of(head), head.bias)
+
+    def _attention(self, index: int, w: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   meta: AttentionMetadata) -> torch.Tensor:
+        tokens = x.shape[0]
+        qkv = self.linear(x, w.qkv, w.qkv_bias).view(tokens, self.heads + 2 * self.kv_heads, self.head_dim)
+        qk = _rope(qkv[:, : self.heads + self.kv_heads], cos, sin)  # [tokens, heads + kv_heads, dim]
+        q, k = qk.split((self.heads, self.kv_heads), dim=1)
+        v = qkv[:, self.heads + self.kv_heads :]
+        out = attend(index, q, k, v, meta, self.scaling)  # [tokens, heads, dim]
+        return self.linear(out.reshape(tokens, -1), w.o, w.o_bias)
+
+    def _mlp(self, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
+        return self.linear(F.silu(gate) * up, w.down, w.down_bias)
+
+
+def _parts(weight: Weight) -> tuple[list[torch.Tensor], list[int]]:
+    """The decoder's view of a weight: its pieces (dense tensors or quantized blocks) and their ggml types (0: dense)."""
+    pieces = weight if isinstance(weight, list) else [weight]
+    return ([p.blocks if isinstance(p, QuantWeight) else p for p in pieces],
+            [p.qtype if isinstance(p, QuantWeight) else 0 for p in pieces])
+
+
+def _or(tensor: torch.Tensor | None, default: torch.Tensor) -> torch.Tensor:
+    return default if tensor is None else tensor
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, transformers' rotate-half convention. x: [tokens, heads, dim]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin

@@ -1,0 +1,224 @@
+"""Weights kept quantized in RAM: GGUF blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K) as the file stores them,
+and the modules that multiply by them.
+
+- `QuantWeight`: one [N, K] matrix as uint8 rows of blocks (`blocks`, [N, bytes per row]) and its ggml type.
+  `matmul(x)` runs Peregrine's kernel (engine/backends/quant_kernels.py) for decode-size batches (<= 16 rows): the
+  weights are read once per step and dequantized in L1; more rows (prefill) dequantize tiles of weight rows into
+  float32 and use torch's GEMM. Output in x's dtype; the kernel computes in float32.
+- `QuantLinear` / `QuantEmbedding`: drop-in modules for nn.Linear and nn.Embedding (the embedding dequantizes
+  only the rows it looks up, so a tied LM head and embedding share one quantized copy).
+- `quantize_q8_0`: a dense matrix to Q8_0 blocks (per-32 float16 scale, int8 values), for `--quantize int8`.
+- `QuantWeight.repack` / `unpack`: Q4_0, Q4_1 and Q8_0 rows rearranged at load (quant.h: kQ4_0R / kQ4_1R /
+  kQ8_0R; as many bytes, the same values): Q4_0 / Q4_1 the nibbles first, 32 bytes per pair of blocks (low
+  nibbles: the first block's 32 values in order, high nibbles: the second's), then the row's f16 scales, then its
+  f16 minimums; Q8_0 its int8 values first, then its f16 scales. The decode kernels then get 64 weights per load
+  and 8 scales per conversion.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from engine.backends import quant_kernels
+from engine.backends.kernels import linear_torch
+
+# ggml type id -> (name, weights per block, bytes per block)
+FORMATS: dict[int, tuple[str, int, int]] = {
+    2: ("Q4_0", 32, 18),
+    3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24),
+    8: ("Q8_0", 32, 34),
+    12: ("Q4_K", 256, 144),
+    14: ("Q6_K", 256, 210),
+}
+Q8_0 = 8
+# Peregrine's row-packed Q4_0 / Q4_1 / Q8_0 (ids past ggml's):
+# id -> (name, weights per 64-value share of a row, its bytes)
+PACKED: dict[int, tuple[str, int, int]] = {1002: ("Q4_0", 64, 36), 1003: ("Q4_1", 64, 40), 1008: ("Q8_0", 64, 68)}
+PACKS = {2: 1002, 3: 1003, 8: 1008}  # GGUF type -> its packed form
+UNPACKED = {packed: gguf for gguf, packed in PACKS.items()}
+LAYOUTS = {**FORMATS, **PACKED}
+PREFILL_TILE_ELEMS = 1 << 22  # float32 weights dequantized at a time for many-row matmuls (16 MiB)
+
+
+class QuantWeight:
+    """A [N, K] weight as rows of quantized blocks. `blocks` may be a view (a slice of a fused weight)."""
+
+    def __init__(self, blocks: torch.Tensor, qtype: int, shape: tuple[int, int]) -> None:
+        name, per_block, block_bytes = LAYOUTS[qtype]
+        rows, cols = shape
+        if cols % per_block or tuple(blocks.shape) != (rows, cols // per_block * block_bytes):
+            raise ValueError(f"{name} blocks {tuple(blocks.shape)} do not hold a [{rows}, {cols}] matrix")
+        self.blocks, self.qtype, self.shape = blocks, qtype, (rows, cols)
+
+    @property
+    def type_name(self) -> str:
+        """The GGUF format's name (a repacked weight keeps its format's)."""
+        return LAYOUTS[self.qtype][0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 [N, K] (or the given rows, [len(rows), K])."""
+        blocks = self.blocks if rows is None else self.blocks.index_select(0, rows.reshape(-1))
+        kernels = quant_kernels.load()
+        if kernels is not None:
+            return kernels.dequantize(blocks, self.qtype, self.shape[1])
+        from gguf import quants  # no compiler: gguf's numpy reference (slow, exact)
+
+        plain = QuantWeight(blocks, self.qtype, (blocks.shape[0], self.shape[1])).unpack()
+        return torch.from_numpy(quants.dequantize(plain.blocks.numpy(), plain.qtype).astype(np.float32, copy=False))
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] @ W^T -> [..., N], in x's dtype."""
+        lead, k = x.shape[:-1], x.shape[-1]
+        flat = x.reshape(-1, k).to(torch.float32).contiguous()
+        kernels = quant_kernels.load()
+        if kernels is not None and 0 < flat.shape[0] <= kernels.max_rows:
+            out = kernels.linear(flat, self.blocks, self.qtype)
+        else:
+            out = self._matmul_tiles(flat)
+        return out.to(x.dtype).reshape(*lead, self.shape[0])
+
+    def _matmul_tiles(self, flat: torch.Tensor) -> torch.Tensor:
+        rows, k = self.shape
+        step = max(1, PREFILL_TILE_ELEMS // k)
+        if step >= rows:
+            return linear_torch(flat, self.dequantize())
+        out = flat.new_empty(flat.shape[0], rows)
+        for start in range(0, rows, step):
+            tile = self.slice_rows(start, min(rows, start + step)).dequantize()
+            out[:, start : start + step] = linear_torch(flat, tile)
+        return out
+
+    def slice_rows(self, start: int, end: int) -> QuantWeight:
+        return QuantWeight(self.blocks[start:end], self.qtype, (end - start, self.shape[1]))
+
+    def repack(self) -> QuantWeight:
+        """Q4_0 / Q4_1 / Q8_0 rows packed for the decode kernels (module docstring, quant.h: kQ4_0R / kQ4_1R /
+        kQ8_0R); other formats, and rows whose length is not a multiple of 64, as they are. As many bytes, the same
+        values."""
+        packed_type = PACKS.get(self.qtype)
+        rows, cols = self.shape
+        if packed_type is None or cols % 64:
+            return self
+        if self.qtype == Q8_0:  # the values, then the scales
+            b = self.blocks.reshape(rows, cols // 32, 34)
+            values = b[..., 2:].reshape(rows, cols)
+            return QuantWeight(torch.cat([values, b[..., :2].reshape(rows, -1)], dim=1), packed_type, self.shape)
+        head = 2 if self.qtype == 2 else 4  # d, or d and m (f16 each)
+        b = self.blocks.reshape(rows, cols // 32, 16 + head)
+        nibbles = b[..., head:].reshape(rows, cols // 64, 2, 16)
+        values = torch.cat([nibbles & 0xF, nibbles >> 4], dim=-1)  # [rows, pairs, 2, 32]: each group's values in order
+        packed = (values[:, :, 0] | (values[:, :, 1] << 4)).reshape(rows, cols // 2)
+        scales = b[..., :head].reshape(rows, cols // 32, head // 2, 2).transpose(1, 2).reshape(rows, -1)  # d..., m...
+        return QuantWeight(torch.cat([packed, scales], dim=1), packed_type, self.shape)
+
+    def unpack(self) -> QuantWeight:
+        """The GGUF blocks of a packed weight (`repack` undone); any other weight as it is."""
+        gguf = UNPACKED.get(self.qtype)
+        if gguf is None:
+            return self
+        rows, cols = self.shape
+        if gguf == Q8_0:
+            values = self.blocks[:, :cols].reshape(rows, cols // 32, 32)
+            scales = self.blocks[:, cols:].reshape(rows, cols // 32, 2)
+            return QuantWeight(torch.cat([scales, values], dim=-1).reshape(rows, -1), gguf, self.shape)
+        head = 2 if gguf == 2 else 4
+        packed = self.blocks[:, : cols // 2].reshape(rows, cols // 64, 32)
+        values = torch.stack([packed & 0xF, packed >> 4], dim=2)  # [rows, pairs, 2, 32]
+        nibbles = (values[..., :16] | (values[..., 16:] << 4)).reshape(rows, cols // 32, 16)
+        scales = self.blocks[:, cols // 2 :].reshape(rows, head // 2, cols // 32, 2).transpose(1, 2)
+        blocks = torch.cat([scales.reshape(rows, cols // 32, head), nibbles], dim=-1)
+        return QuantWeight(blocks.reshape(rows, -1), gguf, self.shape)
+
+
+def concat(weights: list[QuantWeight]) -> QuantWeight | None:
+    """One weight of the rows of all (same type and K), or None when they differ (then they stay apart)."""
+    first = weights[0]
+    if any(w.qtype != first.qtype or w.shape[1] != first.shape[1] for w in weights):
+        return None
+    blocks = stack_rows([w.blocks for w in weights])
+    return QuantWeight(blocks, first.qtype, (sum(w.shape[0] for w in weights), first.shape[1]))
+
+
+def stack_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat of 2-D row blocks, or, where they already lie back to back in one storage (fused before, by an
+    earlier forward over the same model), a tensor over those rows: no second copy."""
+    first = parts[0]
+    offset, adjacent = first.storage_offset(), True
+    for p in parts:
+        adjacent &= (p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() and p.is_contiguous()
+                     and p.dtype == first.dtype and p.shape[1:] == first.shape[1:] and p.storage_offset() == offset)
+        offset += p.numel()
+    if not adjacent or first.dim() != 2:
+        return torch.cat(parts)
+    rows = sum(p.shape[0] for p in parts)
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (rows, first.shape[1]),
+                                   first.stride())
+
+
+class QuantLinear(nn.Module):
+    """nn.Linear over a QuantWeight (the blocks are a buffer, so they move and count with the model)."""
+
+    def __init__(self, weight: QuantWeight, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.qweight = weight
+        self.register_buffer("blocks", weight.blocks, persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.out_features, self.in_features = weight.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.qweight.matmul(x)
+        return out if self.bias is None else out + self.bias.to(out.dtype)
+
+    def extra_repr(self) -> str:
+        packed = " (row-packed)" if self.qweight.qtype in PACKED else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.qweight.type_name}{packed}"
+
+
+class QuantEmbedding(nn.Module):
+    """nn.Embedding over a QuantWeight: a lookup dequantizes the rows it needs."""
+
+    def __init__(self, weight: QuantWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.qweight, self.dtype = weight, dtype
+        self.register_buffer("blocks", weight.blocks, persistent=False)
+        self.num_embeddings, self.embedding_dim = weight.shape
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.qweight.dequantize(ids.reshape(-1)).to(self.dtype).reshape(*ids.shape, self.embedding_dim)
+
+
+def quantize_q8_0(weight: torch.Tensor) -> QuantWeight:
+    """Dense [N, K] (K a multiple of 32) -> Q8_0 blocks: per 32 values a float16 scale d = max|w| / 127 and
+    int8 round(w / d), ggml's own rounding."""
+    rows, cols = weight.shape
+    groups = weight.detach().to(torch.float32).reshape(rows, cols // 32, 32)
+    scale = groups.abs().amax(-1, keepdim=True) / 127.0
+    inverse = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    q = torch.round(groups * inverse).clamp(-127, 127).to(torch.int8)
+    d = scale.to(torch.float16).view(torch.uint8).reshape(rows, cols // 32, 2)
+    blocks = torch.cat([d, q.view(torch.uint8)], dim=-1).reshape(rows, cols // 32 * 34)
+    return QuantWeight(blocks.contiguous(), Q8_0, (rows, cols))
+
+
+def resident_bytes(model: nn.Module) -> int:
+    """Bytes the model's weights hold in RAM: parameters and buffers (quantized blocks counted once)."""
+    seen: set[int] = set()
+    total = 0
+    for t in (*model.parameters(), *model.buffers()):
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def is_quantized(model: nn.Module) -> bool:
+    return any(isinstance(m, (QuantLinear, QuantEmbedding)) for m in model.modules())

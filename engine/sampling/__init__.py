@@ -1,0 +1,1 @@
+"""Choosing tokens: the sampler, constrained decoding (grammars), prompt logprobs."""

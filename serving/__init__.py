@@ -1,0 +1,1 @@
+"""Orchestration above the HTTP edge: several models with load on demand, Ray Serve replicas."""
