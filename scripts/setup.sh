@@ -114,7 +114,7 @@ install_browser
 # Peregrine's CPU decode kernel is compiled once into the cache, here rather than on the first start. It is
 # optional: where the CPU or the compiler cannot build it, the engine logs why and uses torch's kernels.
 "$VENV/bin/python" -c 'import logging; logging.basicConfig(level=logging.INFO, format="setup: %(message)s")
-from engine import cpu_kernels; cpu_kernels.load()' || echo "setup: CPU kernel not built (the engine falls back to torch)"
+from engine.backends import cpu_kernels; cpu_kernels.load()' || echo "setup: CPU kernel not built (the engine falls back to torch)"
 
 echo "$want" > "$STAMP"
 echo "$EXTRAS" > "$EXTRAS_STAMP"
