@@ -11,8 +11,8 @@ from typing import Any, Protocol, TypeVar
 from fastapi import Request
 
 from app.errors import ServiceUnavailableError, model_not_found
+from app.leases import ModelRouter, request_keep_alive
 from engine.types import EngineStats, RequestOutput, SamplingParams
-from serving.registry import request_keep_alive
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -86,7 +86,7 @@ async def engine_for(
     """The engine serving the request's `model` and the id to answer with. One model: `app.state.engine`.
     Several (`app.state.models`, serving/registry.py): the registry's, loaded on demand, leased until the
     response is complete; `keep_alive` (Ollama's) sets how long it stays loaded after this request."""
-    registry = getattr(request.app.state, "models", None)
+    registry: ModelRouter | None = getattr(request.app.state, "models", None)
     if registry is None:
         engine = get_engine(request)
         return engine, check_model(request, engine, model)

@@ -21,6 +21,7 @@ from app import health
 from app.deps import Engine
 from app.errors import classify, install_error_handlers
 from app.hardening import install_hardening
+from app.leases import ModelLeaseMiddleware
 from app.limits import generation_paths
 from app.llama_stack import routes as llama_stack
 from app.metrics import install_metrics
@@ -29,7 +30,6 @@ from app.openai import routes as openai_routes
 from app.openai import tokenize as tokenize_routes
 from app.openapi import install_openapi
 from app.ui import install_ui
-from serving.registry import ModelLeaseMiddleware
 
 log = logging.getLogger("peregrine.app")
 REQUEST_ID_HEADER = "x-request-id"

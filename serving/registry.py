@@ -16,7 +16,9 @@ per model with its state: "unloaded", "loading", "loaded" or "unloading".
   `keep_alive`, else the model's, else the server's `--model-keep-alive`; negative: forever) is unloaded by
   `reap`, which a background task runs every second.
 - **Leases.** Each request holds a lease on its model from `acquire` until its response is complete (streams
-  included): `ModelLeaseMiddleware` releases it, so neither keep-alive nor eviction unloads a model mid-answer.
+  included): `app/leases.py`'s `ModelLeaseMiddleware` releases it, so neither keep-alive nor eviction unloads a
+  model mid-answer. The routes know the registry only as `app.leases.ModelRouter`: `serving/` imports the app
+  (its typed errors, the `Engine` seam), never the other way round.
 
 Unloading shuts the engine's loop thread down and drops every reference to the engine, so its weights and KV
 cache are freed. No fastapi in here except the request-scoped lease list; errors are the app's typed errors.
@@ -34,8 +36,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from app.errors import APIError, BadRequestError, ServiceUnavailableError, model_not_found
-from config import parse_duration
+from app.errors import APIError, ServiceUnavailableError, model_not_found
 from models.preflight import fmt_bytes
 
 if TYPE_CHECKING:
@@ -324,40 +325,10 @@ class ModelRegistry:
         }
 
 
-def request_keep_alive(value: float | str | None) -> float | None:
-    """A request's `keep_alive` in seconds (negative: forever), or None when it gave none; 400 if unreadable."""
-    if value is None:
-        return None
-    try:
-        return parse_duration(value)
-    except ValueError as exc:
-        raise BadRequestError(f"keep_alive {exc}, got {value!r}", param="keep_alive") from None
-
-
 def _retrieve(task: asyncio.Task) -> None:
     """Read a background load's exception (a waiting request reports it), so asyncio does not log it."""
     if not task.cancelled():
         task.exception()
-
-
-class ModelLeaseMiddleware:
-    """Releases the model leases a request took (`request.state.model_leases`) once its response is complete,
-    streams included, and whether it finished, failed or was cancelled."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        leases: list[tuple[ModelRegistry, ModelSlot]] = []
-        scope.setdefault("state", {})["model_leases"] = leases
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            for registry, slot in leases:
-                registry.release(slot)
 
 
 def install_registry(app: Any, registry: ModelRegistry, preload: bool = True) -> None:

@@ -69,12 +69,12 @@ def constraint_of(req: Any) -> Constraint | None:
     if name == "structured_outputs":
         return _structured_outputs(value)
     if name in ("guided_json", "json_schema"):
-        return Constraint("json_schema", _schema_text(value, name))
+        return schema_constraint(value, name)
     if name == "guided_regex":
         return Constraint("regex", _string(value, name))
     if name == "guided_choice":
         return Constraint("choice", _choices(value, name))
-    return Constraint("gbnf", _string(value, name))  # guided_grammar, grammar: GBNF or Lark (detected)
+    return grammar_constraint(value, name)  # guided_grammar, grammar
 
 
 def _check_response_format(value: Any) -> None:
@@ -91,7 +91,7 @@ def _response_format(value: Any) -> Constraint | None:
     if kind == "json_object":
         schema = value.get("schema")  # llama.cpp's server takes a schema here too
         if schema is not None:
-            return Constraint("json_schema", _schema_text(schema, "response_format.schema"))
+            return schema_constraint(schema, "response_format.schema")
         return Constraint("json_object", "")
     if kind == "json_schema":
         spec = value.get("json_schema")
@@ -101,7 +101,7 @@ def _response_format(value: Any) -> Constraint | None:
         schema = spec.get("schema", spec.get("schema_"))
         if schema is None:  # OpenAI makes `schema` optional: then any JSON object
             return Constraint("json_object", "")
-        return Constraint("json_schema", _schema_text(schema, "response_format.json_schema.schema"))
+        return schema_constraint(schema, "response_format.json_schema.schema")
     raise BadRequestError(
         f"response_format.type {kind!r} is not supported; use 'text', 'json_object' or 'json_schema'.",
         param="response_format.type",
@@ -128,14 +128,25 @@ def _structured_outputs(value: Any) -> Constraint | None:
     param = f"structured_outputs.{key}"
     inner = value[key]
     if key == "json":
-        return Constraint("json_schema", _schema_text(inner, param))
+        return schema_constraint(inner, param)
     if key == "json_object":
         return Constraint("json_object", "")
     if key == "regex":
         return Constraint("regex", _string(inner, param))
     if key == "choice":
         return Constraint("choice", _choices(inner, param))
-    return Constraint("gbnf", _string(inner, param))
+    return grammar_constraint(inner, param)
+
+
+def schema_constraint(schema: Any, param: str) -> Constraint:
+    """A JSON Schema (an object, a boolean, or JSON text) as a constraint; 400 naming `param` if it is none.
+    Every family's schema field comes through here (OpenAI's, vLLM's, llama.cpp's, Llama Stack's)."""
+    return Constraint("json_schema", _schema_text(schema, param))
+
+
+def grammar_constraint(grammar_text: Any, param: str) -> Constraint:
+    """A grammar (GBNF, or Lark: the grammar library tells them apart) as a constraint; 400 if not text."""
+    return Constraint("gbnf", _string(grammar_text, param))
 
 
 def _schema_text(schema: Any, param: str) -> str:

@@ -1,6 +1,7 @@
-"""OpenAI tools on /v1/chat/completions: `tools`, `tool_choice`, `parallel_tool_calls`.
+"""Tools, whichever API family they come from: the `ToolPlan` and the prompt side.
 
-A request with tools becomes a `ToolPlan`: the tool-call format of the model (`app/chat/tool_parsers.py`, picked
+A request with tools (as OpenAI-shaped functions and a tool choice: `app/chat/plan.py`'s `ToolsRequest`, which each
+family's converter fills from its own wire fields) becomes a `ToolPlan`: the tool-call format of the model (`app/chat/tool_parsers.py`, picked
 from its chat template or `--tool-call-parser`), the tools as the template receives them, and the grammar
 that keeps calls valid (an engine `Constraint` in Lark, the arguments as `%json {schema}`):
 
@@ -15,34 +16,25 @@ Tool definitions reach the prompt through the model's own chat template (`apply_
 A template that takes no `tools` gets `DEFAULT_TOOL_PROMPT` as (the start of) its system message, in the
 format SmolLM2-Instruct was trained on: `<tool_call>[{"name": ..., "arguments": {...}}]</tool_call>`; its
 assistant tool calls are written back in that format and tool results sent as `<tool_response>` user turns.
+
+Reading calls back out of the answer is each family's: `app/openai/tools.py`, `app/llama_stack/tools.py`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from app.chat.tool_parsers import (
     FORMATS,
-    CallDelta,
     CallStream,
     ToolFormat,
     detect,
-    parse,
     template_takes_tools,
 )
 from app.errors import BadRequestError
-from app.openai.schemas import (
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    DeltaFunction,
-    DeltaToolCall,
-    FunctionCall,
-    ToolCallOut,
-)
 from engine.types import Constraint, SamplingParams
 
 DEFAULT_TOOL_PROMPT = """You are an expert in composing functions. You are given a question and a set of possible \
@@ -90,15 +82,6 @@ class ToolPlan:
         if self.constraint is None:
             return replace(params, skip_special_tokens=skip)
         return replace(params, constraint=self.constraint, skip_special_tokens=skip)
-
-
-def plan(req: ChatCompletionRequest, tokenizer: Any, parser: str = "auto") -> ToolPlan | None:
-    """The request's ToolPlan, or None when it has no tools. Raises BadRequestError for a tool_choice that
-    cannot be honoured (a named tool that is not among `tools`, `required` without tools)."""
-    functions = [t.function.model_dump(exclude_none=True) for t in req.tools or []]
-    choice = req.tool_choice
-    named = choice if isinstance(choice, str) or choice is None else NamedChoice(choice.function.name)
-    return plan_for(functions, named, req.parallel_tool_calls is not False, tokenizer, parser)
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,60 +203,3 @@ def _plain_message(message: dict[str, Any]) -> dict[str, Any]:
     listed = [{"name": c["function"].get("name"), "arguments": c["function"].get("arguments", {})} for c in calls]
     text = (message.get("content") or "") + f"<tool_call>{json.dumps(listed)}</tool_call>"
     return {"role": "assistant", "content": text}
-
-
-# ---------------------------------------------------------------- answers
-
-
-def split_response(response: ChatCompletionResponse, tool_plan: ToolPlan) -> ChatCompletionResponse:
-    """Move each choice's tool calls out of `content` into `message.tool_calls` (non-stream answers)."""
-    for choice in response.choices:
-        content, calls = parse(tool_plan.fmt, choice.message.content or "", tool_plan.names,
-                               None if tool_plan.parallel else 1)
-        if not calls:
-            continue
-        choice.message.content = content.strip() or None
-        choice.message.tool_calls = [
-            ToolCallOut(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls
-        ]
-        if choice.finish_reason == "stop":
-            choice.finish_reason = "tool_calls"
-    return response
-
-
-async def split_chunks(events: AsyncIterator[dict[str, Any]],
-                       new_stream: Callable[[], CallStream]) -> AsyncIterator[dict[str, Any]]:
-    """Move tool calls from `delta.content` to OpenAI tool-call deltas in chat stream chunks, one parser per
-    choice; a choice that made calls finishes with `tool_calls`."""
-    streams: dict[int, CallStream] = {}
-    async for event in events:
-        for choice in event.get("choices") or []:
-            delta = choice.get("delta") or {}
-            if delta.get("role"):
-                continue
-            stream = streams.setdefault(choice["index"], new_stream())
-            final = choice.get("finish_reason") is not None
-            content, calls = stream.feed(delta.pop("content", None) or "", final=final)
-            if content:
-                delta["content"] = content
-            if calls:
-                delta["tool_calls"] = [_delta_dict(c) for c in calls]
-            if final and stream.calls and choice["finish_reason"] == "stop":
-                choice["finish_reason"] = "tool_calls"
-            choice["delta"] = delta
-        if not _empty(event):
-            yield event
-
-
-def _delta_dict(delta: CallDelta) -> dict[str, Any]:
-    if delta.id is None:
-        return DeltaToolCall(index=delta.index, function=DeltaFunction(arguments=delta.arguments)).model_dump()
-    function = DeltaFunction(name=delta.name, arguments=delta.arguments)
-    return DeltaToolCall(index=delta.index, id=delta.id, type="function", function=function).model_dump()
-
-
-def _empty(event: dict[str, Any]) -> bool:
-    choices = event.get("choices")
-    return bool(choices) and event.get("usage") is None and all(
-        not c.get("delta") and c.get("finish_reason") is None and c.get("logprobs") is None for c in choices
-    )

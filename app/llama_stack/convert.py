@@ -32,9 +32,12 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from app.chat.plan import PlanRequest
 from app.errors import BadRequestError
 from app.llama_stack import tools as llama_stack_tools
 from app.llama_stack.schemas import (
+    BatchChatCompletionRequest,
+    ChatCompletionRequest,
     Content,
     ContentItem,
     GenerationRequest,
@@ -51,6 +54,22 @@ StopReason = Literal["end_of_turn", "end_of_message", "out_of_tokens"]
 DeltaStyle = Literal["typed", "bare"]  # 0.1.0+ {"type": "text", "text"} vs 0.0.x bare string
 
 # ---------------------------------------------------------------- request -> engine
+
+
+def chat_plan(req: ChatCompletionRequest | BatchChatCompletionRequest) -> PlanRequest:
+    """A chat request (one conversation, or a batch of them) as the shared request plan's input."""
+    params = to_sampling_params(req)
+    tools = llama_stack_tools.tools_request(req)
+    if isinstance(req, BatchChatCompletionRequest):
+        conversations = [chat_messages(m, f"messages_batch[{i}]") for i, m in enumerate(req.messages_batch)]
+    else:
+        conversations = [chat_messages(req.messages)]
+    return PlanRequest(params, "response_format", tools, conversations=conversations)
+
+
+def completion_plan(req: GenerationRequest, prompt_ids: Sequence[list[int]]) -> PlanRequest:
+    """A completion request (its prompts already token ids) as the shared request plan's input."""
+    return PlanRequest(to_sampling_params(req), "response_format", prompt_ids=prompt_ids)
 
 
 def to_sampling_params(req: GenerationRequest) -> SamplingParams:

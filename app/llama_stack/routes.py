@@ -27,10 +27,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from app.chat import structured
-from app.chat.prompts import chat_prompt_ids, completion_prompt_ids
-from app.chat.tools import ToolPlan
-from app.deps import Engine, engine_for, generates, tool_call_parser
+from app.chat.plan import RequestPlan, build_plan
+from app.chat.prompts import completion_prompt_ids
+from app.deps import engine_for, generates, tool_call_parser
 from app.engine_client import generate
 from app.errors import NotFoundError
 from app.health import engine_state
@@ -45,7 +44,6 @@ from app.llama_stack.schemas import (
 )
 from app.openai.embeddings import get_embedder, run_embed
 from app.streaming import stream_format, stream_response
-from engine.types import SamplingParams
 
 router = APIRouter(tags=["llama-stack"])
 LEGACY_PREFIXES = ("/inference", "/alpha/inference", "/v1/inference")
@@ -155,31 +153,23 @@ async def chat_completion(body: ChatCompletionRequest, request: Request) -> Any:
     `tools` / `tool_choice` / `tool_config` answer with `completion_message.tool_calls` (streams: `tool_call`
     deltas); `response_format` (`json_schema`, `grammar`) constrains the answer (see app/llama_stack/tools.py)."""
     engine, _ = await engine_for(request, body.model_name)
-    params, tool_plan = await _chat_params(request, engine, body)
-    prompt = chat_prompt_ids(engine.tokenizer, conv.chat_messages(body.messages), tool_plan)
-    outputs = generate(engine, [prompt], params, _rid("chat"), prompt_param="messages")
-    want_logprobs = params.logprobs is not None
-    parses = tool_plan is not None and tool_plan.parses
+    plan = await build_plan(engine.tokenizer, conv.chat_plan(body), tool_call_parser(request))
+    outputs = generate(engine, plan.prompts, plan.params, _rid("chat"), prompt_param="messages")
+    want_logprobs = plan.params.logprobs is not None
     if body.stream:
         events = conv.chat_events(outputs, _delta_style(request), want_logprobs)
-        if parses:
-            events = llama_stack_tools.split_events(events, tool_plan, _delta_style(request) == "typed")
+        if plan.parses_tools:
+            events = llama_stack_tools.split_events(events, plan.tool_plan, _delta_style(request) == "typed")
         return _stream(request, events)
     folds = await conv.fold_outputs(outputs, 1, want_logprobs)
-    response = folds[0].chat_response()
-    return llama_stack_tools.split_response(response, tool_plan) if parses else response
+    return _chat_responses(plan, folds)[0]
 
 
-async def _chat_params(request: Request, engine: Engine, body: ChatCompletionRequest | BatchChatCompletionRequest
-                       ) -> tuple[SamplingParams, ToolPlan | None]:
-    """Sampling params with the request's response_format or tool constraint (compiled, or a 400)."""
-    params = conv.to_sampling_params(body)
-    await structured.check(params.constraint, engine.tokenizer, "response_format")
-    tool_plan = llama_stack_tools.plan(body, engine.tokenizer, tool_call_parser(request))
-    if tool_plan is not None:
-        params = tool_plan.sampling_params(params)
-        await structured.check(tool_plan.constraint, engine.tokenizer, "tools")
-    return params, tool_plan
+def _chat_responses(plan: RequestPlan, folds: list[conv.Fold]) -> list[dict[str, Any]]:
+    responses = [fold.chat_response() for fold in folds]
+    if plan.parses_tools:
+        responses = [llama_stack_tools.split_response(r, plan.tool_plan) for r in responses]
+    return responses
 
 
 @_legacy("completion")
@@ -187,11 +177,11 @@ async def completion(body: CompletionRequest, request: Request) -> Any:
     """Legacy Llama Stack text completion of `content`: `{"content", "stop_reason", "logprobs"}`, or with
     `stream: true` chunks of `{"delta", "stop_reason", "logprobs"}`."""
     engine, _ = await engine_for(request, body.model_name)
-    params = conv.to_sampling_params(body)
     text = conv.content_text(body.content, "content")
     prompts = completion_prompt_ids(engine.tokenizer, text, engine.vocab_size)
-    outputs = generate(engine, prompts, params, _rid("cmpl"), prompt_param="content")
-    want_logprobs = params.logprobs is not None
+    plan = await build_plan(engine.tokenizer, conv.completion_plan(body, prompts))
+    outputs = generate(engine, plan.prompts, plan.params, _rid("cmpl"), prompt_param="content")
+    want_logprobs = plan.params.logprobs is not None
     if body.stream:
         events = conv.completion_events(outputs, want_logprobs)
         return _stream(request, events)
@@ -204,17 +194,10 @@ async def completion(body: CompletionRequest, request: Request) -> Any:
 async def batch_chat_completion(body: BatchChatCompletionRequest, request: Request) -> dict[str, Any]:
     """Several conversations in one request, run concurrently: `{"batch": [chat response, ...]}`."""
     engine, _ = await engine_for(request, body.model_name)
-    params, tool_plan = await _chat_params(request, engine, body)
-    prompts = [
-        chat_prompt_ids(engine.tokenizer, conv.chat_messages(messages, f"messages_batch[{i}]"), tool_plan)
-        for i, messages in enumerate(body.messages_batch)
-    ]
-    outputs = generate(engine, prompts, params, _rid("chat"), prompt_param="messages_batch")
-    folds = await conv.fold_outputs(outputs, len(prompts), params.logprobs is not None)
-    responses = [fold.chat_response() for fold in folds]
-    if tool_plan is not None and tool_plan.parses:
-        responses = [llama_stack_tools.split_response(r, tool_plan) for r in responses]
-    return {"batch": responses}
+    plan = await build_plan(engine.tokenizer, conv.chat_plan(body), tool_call_parser(request))
+    outputs = generate(engine, plan.prompts, plan.params, _rid("chat"), prompt_param="messages_batch")
+    folds = await conv.fold_outputs(outputs, len(plan.prompts), plan.params.logprobs is not None)
+    return {"batch": _chat_responses(plan, folds)}
 
 
 @router.post("/v1/inference/batch-completion")
@@ -222,11 +205,11 @@ async def batch_chat_completion(body: BatchChatCompletionRequest, request: Reque
 async def batch_completion(body: BatchCompletionRequest, request: Request) -> dict[str, Any]:
     """Several completions in one request, run concurrently: `{"batch": [completion response, ...]}`."""
     engine, _ = await engine_for(request, body.model_name)
-    params = conv.to_sampling_params(body)
     texts = [conv.content_text(c, f"content_batch[{i}]") for i, c in enumerate(body.content_batch)]
     prompts = [completion_prompt_ids(engine.tokenizer, t, engine.vocab_size)[0] for t in texts]
-    outputs = generate(engine, prompts, params, _rid("cmpl"), prompt_param="content_batch")
-    folds = await conv.fold_outputs(outputs, len(prompts), params.logprobs is not None)
+    plan = await build_plan(engine.tokenizer, conv.completion_plan(body, prompts))
+    outputs = generate(engine, plan.prompts, plan.params, _rid("cmpl"), prompt_param="content_batch")
+    folds = await conv.fold_outputs(outputs, len(prompts), plan.params.logprobs is not None)
     return {"batch": [fold.completion_response() for fold in folds]}
 
 

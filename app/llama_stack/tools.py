@@ -8,7 +8,8 @@ Requests, as llama-stack-client 0.0.x-0.2.x send them:
     tool_prompt_format: "json" | "function_tag" | "python_list"       (also inside tool_config)
     response_format:    {"type": "json_schema", "json_schema": {...}} | {"type": "grammar", "bnf": GBNF}
 
-They become the same `ToolPlan` the OpenAI route uses (`app/chat/tools.py`): the model's own chat template renders
+They become the same `ToolsRequest`, and through the shared request plan (`app/chat/plan.py`) the same `ToolPlan`,
+as on the OpenAI route (`app/chat/tools.py`): the model's own chat template renders
 the tools, and calls are parsed from the model's own format, so `tool_prompt_format` (Llama Stack's hint for
 how to *prompt* Llama models) is accepted but the template decides. Answers:
 
@@ -26,8 +27,10 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+from app.chat import structured
+from app.chat.plan import ToolsRequest
 from app.chat.tool_parsers import CallDelta, ParsedCall
-from app.chat.tools import NamedChoice, ToolPlan, plan_for
+from app.chat.tools import NamedChoice, ToolPlan
 from app.errors import BadRequestError
 from app.llama_stack.schemas import ChatCompletionRequest, GenerationRequest
 from engine.types import Constraint
@@ -44,8 +47,9 @@ CHOICES = ("auto", "required", "none")
 # ---------------------------------------------------------------- request
 
 
-def plan(body: ChatCompletionRequest, tokenizer: Any, parser: str = "auto") -> ToolPlan | None:
-    """The request's ToolPlan (None without tools); 400 for a tool_choice or format that cannot be honoured."""
+def tools_request(body: ChatCompletionRequest) -> ToolsRequest:
+    """The request's tool fields as the family-neutral ToolsRequest (`app/chat/plan.py`); 400 for a
+    tool_choice or tool_prompt_format this API does not have."""
     config = body.tool_config or {}
     prompt_format = config.get("tool_prompt_format", body.tool_prompt_format)
     if prompt_format not in PROMPT_FORMATS:
@@ -58,8 +62,7 @@ def plan(body: ChatCompletionRequest, tokenizer: Any, parser: str = "auto") -> T
         choice = NamedChoice(choice)
     elif choice is not None and not isinstance(choice, str):
         raise BadRequestError("tool_choice must be auto, required, none or a tool's name.", param="tool_choice")
-    functions = [_function(i, t) for i, t in enumerate(body.tools or [])]
-    return plan_for(functions, choice, True, tokenizer, parser)
+    return ToolsRequest([_function(i, t) for i, t in enumerate(body.tools or [])], choice, True)
 
 
 def _function(i: int, tool: dict[str, Any]) -> dict[str, Any]:
@@ -97,24 +100,19 @@ def _parameters(i: int, params: dict[str, Any]) -> dict[str, Any]:
 
 
 def response_constraint(req: GenerationRequest) -> Constraint | None:
-    """Llama Stack's `response_format` as an engine Constraint: `json_schema` or `grammar` (GBNF text)."""
+    """Llama Stack's `response_format` as an engine Constraint: `json_schema` (the schema itself) or `grammar`
+    (GBNF text), parsed by the same functions as every family's structured output (`app/chat/structured.py`)."""
     fmt = req.response_format
     if fmt is None:
         return None
     kind = fmt.get("type")
     if kind == "json_schema":
-        schema = fmt.get("json_schema")
-        if not isinstance(schema, dict):
-            raise BadRequestError("response_format.json_schema must be a JSON Schema object.",
-                                  param="response_format.json_schema")
-        return Constraint(kind="json_schema", value=json.dumps(schema))
+        return structured.schema_constraint(fmt.get("json_schema"), "response_format.json_schema")
     if kind == "grammar":
         bnf = fmt.get("bnf")
         if isinstance(bnf, dict):  # {"root": "..."} / {"grammar": "..."}: the GBNF text inside
             bnf = bnf.get("grammar") or bnf.get("gbnf") or bnf.get("root")
-        if not isinstance(bnf, str) or not bnf.strip():
-            raise BadRequestError("response_format.bnf must be a GBNF grammar (text).", param="response_format.bnf")
-        return Constraint(kind="gbnf", value=bnf)
+        return structured.grammar_constraint(bnf, "response_format.bnf")
     raise BadRequestError(f"Unknown response_format type {kind!r} (json_schema or grammar).",
                           param="response_format.type")
 

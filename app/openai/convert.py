@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.chat import structured
+from app.chat.plan import PlanRequest, ToolsRequest
 from app.chat.prompt_logprobs import (
     PromptScoring,
     engine_max_tokens,
@@ -21,6 +22,7 @@ from app.chat.prompt_logprobs import (
     vllm_prompt_logprobs,
 )
 from app.chat.prompts import check_token_ids
+from app.chat.tools import NamedChoice
 from app.errors import BadRequestError
 from app.openai.schemas import (
     AssistantMessage,
@@ -43,6 +45,25 @@ from app.openai.schemas import (
 from engine.types import MAX_LOGPROBS, RequestOutput, SamplingParams, TokenLogprob
 
 # ---------------------------------------------------------------- request -> engine
+
+
+def chat_plan(req: ChatCompletionRequest, vocab_size: int) -> PlanRequest:
+    """A chat request as the shared request plan's input (`app/chat/plan.py`)."""
+    params = to_sampling_params(req, vocab_size)
+    return PlanRequest(params, structured.field_of(req), tools_request(req), conversations=[req.messages])
+
+
+def completion_plan(req: CompletionRequest, vocab_size: int, prompt_ids: Sequence[list[int]]) -> PlanRequest:
+    """A completion request (its prompts already token ids) as the shared request plan's input."""
+    return PlanRequest(to_sampling_params(req, vocab_size), structured.field_of(req), prompt_ids=prompt_ids)
+
+
+def tools_request(req: ChatCompletionRequest) -> ToolsRequest:
+    """`tools`, `tool_choice` and `parallel_tool_calls` as the family-neutral ToolsRequest."""
+    functions = [t.function.model_dump(exclude_none=True) for t in req.tools or []]
+    choice = req.tool_choice
+    named = choice if isinstance(choice, str) or choice is None else NamedChoice(choice.function.name)
+    return ToolsRequest(functions, named, req.parallel_tool_calls is not False)
 
 
 def to_sampling_params(req: ChatCompletionRequest | CompletionRequest, vocab_size: int) -> SamplingParams:

@@ -14,8 +14,10 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from app.chat import prompts, reasoning, structured, tools
+from app.chat import reasoning
+from app.chat.plan import build_plan
 from app.chat.prompt_logprobs import PromptScoring, score_only
+from app.chat.prompts import completion_prompts
 from app.deps import (
     Engine,
     engine_for,
@@ -31,6 +33,7 @@ from app.errors import model_not_found
 from app.llama_stack.schemas import native_model_fields
 from app.openai import convert as conv
 from app.openai import embeddings
+from app.openai import tools as openai_tools
 from app.openai.schemas import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -71,30 +74,24 @@ async def create_chat_completion(
     model's own format is parsed (`--tool-call-parser`: auto, hermes, llama3_json, mistral, smollm2).
     """
     engine, model = await engine_for(request, body.model, body.keep_alive)
-    params = conv.to_sampling_params(body, engine.vocab_size)
-    await structured.check(params.constraint, engine.tokenizer, structured.field_of(body))
-    tool_plan = tools.plan(body, engine.tokenizer, tool_call_parser(request))
-    if tool_plan is not None:
-        params = tool_plan.sampling_params(params)
-        await structured.check(tool_plan.constraint, engine.tokenizer, "tools")
-    prompt = prompts.chat_prompt_ids(engine.tokenizer, body.messages, tool_plan)
+    plan = await build_plan(engine.tokenizer, conv.chat_plan(body, engine.vocab_size), tool_call_parser(request))
+    params, tool_plan = plan.params, plan.tool_plan
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    outputs = generate(engine, [prompt], params, rid, prompt_param="messages")
-    splitter = reasoning.splitter_factory(reasoning_parser(request), engine.tokenizer, prompt)
+    outputs = generate(engine, plan.prompts, params, rid, prompt_param="messages")
+    splitter = reasoning.splitter_factory(reasoning_parser(request), engine.tokenizer, plan.prompts[0])
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = conv.chat_chunks(outputs, id=rid, model=model, n=params.n, include_usage=include_usage)
         if splitter is not None:
             events = reasoning.split_chunks(events, splitter)
-        if tool_plan is not None and tool_plan.parses:
-            events = tools.split_chunks(events, tool_plan.new_stream)
+        if plan.parses_tools:
+            events = openai_tools.split_chunks(events, tool_plan.new_stream)
         return stream_response(events, stream_format(request, openai=True), request_id=request_id(request))
     result = conv.ChatResult(id=rid, model=model, n=params.n, want_logprobs=params.logprobs is not None)
-
     async for _, out in outputs:
         result.add(out)
     response = result.response() if splitter is None else reasoning.split_response(result.response(), splitter)
-    return tools.split_response(response, tool_plan) if tool_plan is not None and tool_plan.parses else response
+    return openai_tools.split_response(response, tool_plan) if plan.parses_tools else response
 
 
 @router.post("/completions", response_model=CompletionResponse)
@@ -115,11 +112,11 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     from the prefill and cost nothing to requests that do not ask.
     """
     engine, model = await engine_for(request, body.model, body.keep_alive)
-    params = conv.to_sampling_params(body, engine.vocab_size)
-    await structured.check(params.constraint, engine.tokenizer, structured.field_of(body))
-    texts, ids = zip(*prompts.completion_prompts(engine.tokenizer, body.prompt, engine.vocab_size), strict=True)
+    texts, ids = zip(*completion_prompts(engine.tokenizer, body.prompt, engine.vocab_size), strict=True)
+    plan = await build_plan(engine.tokenizer, conv.completion_plan(body, engine.vocab_size, ids))
+    params = plan.params
     rid = f"cmpl-{uuid.uuid4().hex}"
-    outputs = generate(engine, ids, params, rid, prompt_param="prompt")
+    outputs = generate(engine, plan.prompts, params, rid, prompt_param="prompt")
     echo = [text if body.echo else "" for text in texts]
     scoring = PromptScoring.of(engine.tokenizer, ids, body.echo, params.logprobs, body.prompt_logprobs)
     if body.max_tokens == 0:

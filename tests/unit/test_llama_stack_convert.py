@@ -50,7 +50,7 @@ def test_limits_stops_penalty_and_logprobs_carry_over() -> None:
 def test_response_format_becomes_a_constraint() -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     p = params({}, response_format={"type": "json_schema", "json_schema": schema})
-    assert p.constraint == Constraint("json_schema", json.dumps(schema))
+    assert p.constraint == Constraint("json_schema", json.dumps(schema, separators=(",", ":")))  # as every family
     p = params({}, response_format={"type": "grammar", "bnf": 'root ::= "yes" | "no"'})
     assert p.constraint == Constraint("gbnf", 'root ::= "yes" | "no"')
     assert params({}).constraint is None

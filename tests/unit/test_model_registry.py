@@ -12,13 +12,13 @@ from dataclasses import dataclass
 import pytest
 
 from app.errors import BadRequestError, NotFoundError
+from app.leases import request_keep_alive
 from serving.registry import (
     ModelLoadError,
     ModelMemoryError,
     ModelRegistry,
     ModelSpec,
     RetryLaterError,
-    request_keep_alive,
 )
 
 MB = 1_000_000

@@ -14,11 +14,19 @@ import llguidance
 import llguidance.hf
 import pytest
 
+from app.chat.plan import plan_tools
 from app.chat.tool_parsers import FORMATS, CallStream, detect, parse
-from app.chat.tools import DEFAULT_TOOL_PROMPT, plan, split_chunks, template_input
+from app.chat.tools import DEFAULT_TOOL_PROMPT, ToolPlan, template_input
 from app.errors import BadRequestError
+from app.openai.convert import tools_request
 from app.openai.schemas import ChatCompletionRequest
+from app.openai.tools import split_chunks
 from tests.support import NoToolsTokenizer
+
+
+def plan(req: ChatCompletionRequest, tokenizer: Any, parser: str = "auto") -> ToolPlan | None:
+    """An OpenAI request's ToolPlan, as the shared request plan makes it (app/chat/plan.py)."""
+    return plan_tools(tools_request(req), tokenizer, parser)
 
 WEATHER = {
     "name": "get_weather",

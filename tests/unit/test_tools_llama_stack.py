@@ -13,6 +13,14 @@ from app.errors import BadRequestError
 from tests.support import NoToolsTokenizer
 
 
+def plan(body: Any, tokenizer: Any, parser: str = "auto") -> Any:
+    """A legacy request's ToolPlan, as the shared request plan makes it (app/chat/plan.py)."""
+    from app.chat.plan import plan_tools
+    from app.llama_stack import tools as llama_stack_tools
+
+    return plan_tools(llama_stack_tools.tools_request(body), tokenizer, parser)
+
+
 def legacy_request(**fields: Any) -> Any:
     from app.llama_stack.schemas import ChatCompletionRequest as LegacyRequest
 
@@ -24,27 +32,26 @@ def legacy_request(**fields: Any) -> Any:
 
 
 def test_legacy_tools_become_a_plan() -> None:
-    from app.llama_stack import tools as llama_stack_tools
 
-    p = llama_stack_tools.plan(legacy_request(tool_choice="required"), NoToolsTokenizer())
+    p = plan(legacy_request(tool_choice="required"), NoToolsTokenizer())
     assert p.choice == "required" and p.functions == [{
         "name": "get_weather", "description": "Weather in a city",
         "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "The city"},
                                                         "days": {"type": "integer"}}, "required": ["city"]}}]
-    named = llama_stack_tools.plan(legacy_request(tool_config={"tool_choice": "get_weather"}), NoToolsTokenizer())
+    named = plan(legacy_request(tool_config={"tool_choice": "get_weather"}), NoToolsTokenizer())
     assert named.choice == "function"
-    assert llama_stack_tools.plan(legacy_request(tool_prompt_format="json"), NoToolsTokenizer()).choice == "auto"
+    assert plan(legacy_request(tool_prompt_format="json"), NoToolsTokenizer()).choice == "auto"
     for fields, param in [({"tool_choice": "get_time"}, "tool_choice"), ({"tool_prompt_format": "xml"},
                                                                          "tool_prompt_format")]:
         with pytest.raises(BadRequestError) as err:
-            llama_stack_tools.plan(legacy_request(**fields), NoToolsTokenizer())
+            plan(legacy_request(**fields), NoToolsTokenizer())
         assert err.value.param == param
 
 
 def test_legacy_answers_carry_tool_calls() -> None:
     from app.llama_stack import tools as llama_stack_tools
 
-    p = llama_stack_tools.plan(legacy_request(), NoToolsTokenizer(), "smollm2")
+    p = plan(legacy_request(), NoToolsTokenizer(), "smollm2")
     text = '<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}]</tool_call>'
     response = {"completion_message": {"role": "assistant", "content": text, "stop_reason": "end_of_turn",
                                        "tool_calls": []}}
