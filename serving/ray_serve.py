@@ -38,6 +38,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from config import Settings, device_kind
 from engine.types import EngineConfig
+from serving.ray_readiness import (
+    DeploymentView,
+    Readiness,
+    ReadinessWatch,
+    probe_replica,
+    probe_url,
+    readiness,
+)
 
 log = logging.getLogger("peregrine.ray")
 
@@ -126,15 +134,16 @@ class ReplicaMiddleware:
     """Names the replica in every response (`x-peregrine-replica`) and adds the replica list to `/health`.
 
     Pure ASGI, so streamed bodies pass through message by message. Only the small `/health` body is read
-    and rewritten: the app's own health answer (status code and fields) plus `replica` (the one answering)
-    and `replicas` (all of the deployment's). This replica's engine load is `GET /health/engine`, as without
+    and rewritten: the app's own health answer (status code and fields) plus `replica` (the one answering),
+    `replicas` (all of the deployment's) and `replicas_ready` ("1 of 2 replicas ready": RUNNING of the
+    deployment's target, serving/ray_readiness.py). This replica's engine load is `GET /health/engine`, as without
     Ray; the header says which replica answered it.
     """
 
-    def __init__(self, app: ASGIApp, replica_id: str, list_replicas: Any) -> None:
+    def __init__(self, app: ASGIApp, replica_id: str, view: Any) -> None:
         self.app = app
         self.replica_id = replica_id
-        self.list_replicas = list_replicas  # async () -> list[dict] | None
+        self.view = view  # async () -> DeploymentView | None
         self.header = (REPLICA_HEADER.encode(), replica_id.encode())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -166,7 +175,9 @@ class ReplicaMiddleware:
 
         await self.app(scope, receive, capture)
         payload = json.loads(body) if body else {}
-        payload |= {"replica": self.replica_id, "replicas": await self.list_replicas()}
+        view = await self.view()
+        payload |= {"replica": self.replica_id, "replicas": view.replicas if view is not None else None,
+                    "replicas_ready": readiness(view).text() if view is not None else None}  # fmt: skip
         data = json.dumps(payload).encode()
         headers = [(k, v) for k, v in start.get("headers", []) if k.lower() not in (b"content-length",)]
         headers += [(b"content-length", str(len(data)).encode()), self.header]
@@ -174,27 +185,55 @@ class ReplicaMiddleware:
         await send({"type": "http.response.body", "body": data})
 
 
-async def list_replicas(app_name: str = APP_NAME, deployment: str = DEPLOYMENT_NAME) -> list[dict] | None:
-    """The deployment's replicas as the Serve controller sees them; None if the controller does not answer."""
-    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
-
+async def deployment_view(app_name: str = APP_NAME, deployment: str = DEPLOYMENT_NAME) -> DeploymentView | None:
+    """The deployment as the Serve controller sees it (from inside a replica); None if it does not answer."""
     try:
-        controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+        controller = _controller()
         details = await asyncio.wait_for(
             controller.get_serve_instance_details.remote(), timeout=CONTROLLER_TIMEOUT_S
         )
-        replicas = details["applications"][app_name]["deployments"][deployment]["replicas"]
     except Exception as exc:  # health must answer even when the controller is busy or restarting
         log.warning("could not list replicas: %s", exc)
         return None
-    return [_replica_entry(r) for r in replicas]
+    return view_of(details, app_name, deployment)
+
+
+def driver_view(app_name: str = APP_NAME, deployment: str = DEPLOYMENT_NAME) -> DeploymentView | None:
+    """The same view, from the driver (blocking); None if the controller does not answer in time."""
+    try:
+        details = ray.get(_controller().get_serve_instance_details.remote(), timeout=CONTROLLER_TIMEOUT_S)
+    except Exception as exc:  # the readiness watch asks again next second
+        log.debug("could not ask the Serve controller: %s", exc)
+        return None
+    return view_of(details, app_name, deployment)
+
+
+def _controller() -> Any:
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    return ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+
+
+def view_of(details: dict, app_name: str = APP_NAME, deployment: str = DEPLOYMENT_NAME) -> DeploymentView | None:
+    """Serve's instance details -> the app's status, the deployment's target count and replicas (None while
+    the controller does not list the deployment yet)."""
+    app = details.get("applications", {}).get(app_name)
+    if app is None or deployment not in app.get("deployments", {}):
+        return None
+    dep = app["deployments"][deployment]
+    replicas = [_replica_entry(r) for r in dep.get("replicas", [])]
+    return DeploymentView(status=_value(app.get("status")), message=app.get("message") or "",
+                          wanted=int(dep.get("target_num_replicas", 0)), replicas=replicas)  # fmt: skip
+
+
+def _value(enum_or_str: Any) -> Any:
+    return getattr(enum_or_str, "value", enum_or_str)
 
 
 def _replica_entry(replica: dict) -> dict:
-    state = replica.get("state")
     return {
         "id": replica.get("replica_id"),
-        "state": getattr(state, "value", state),
+        "state": _value(replica.get("state")),
         "pid": replica.get("pid"),
         "node_id": replica.get("node_id"),
         "node_ip": replica.get("node_ip"),
@@ -229,7 +268,7 @@ class PeregrineReplica:
         from app import create_app
 
         app = create_app(self.engine, self.plan.settings, self.embedder)
-        app.add_middleware(ReplicaMiddleware, replica_id=self.replica_id, list_replicas=list_replicas)
+        app.add_middleware(ReplicaMiddleware, replica_id=self.replica_id, view=deployment_view)
         return app
 
     def check_health(self) -> None:
@@ -284,24 +323,37 @@ def peregrine_modules() -> list[ModuleType]:
 
 def run(plan: ReplicaPlan) -> int:
     """Deploy the app on Ray Serve and serve until SIGINT / SIGTERM; then remove it (and the local cluster).
+    Says how many replicas are ready, exactly, at the first and at every change (serving/ray_readiness.py).
     Returns the exit status: 0 after a signal, 1 if the deployment failed (the replicas' errors are in
     the log above, forwarded by Ray)."""
     settings = plan.settings
     started_cluster = connect(settings)
+    watch = readiness_watch(settings)
     try:
         serve.start(http_options=http_options(settings))
-        try:
-            serve.run(build_application(plan, cluster_gpus()), name=APP_NAME, route_prefix="/")
-        except RuntimeError as exc:  # Serve gave up on the replicas (e.g. the model does not load)
-            log.error("deploying on Ray Serve failed: %s", exc)
+        serve._run(build_application(plan, cluster_gpus()), name=APP_NAME, route_prefix="/", _blocking=False)
+        _install_stop(watch.stop)
+        first = watch.wait_first()
+        if first is not None and first.failed:  # Serve gave up on the replicas (e.g. the model does not load)
+            log.error("deploying on Ray Serve failed: %s", first.message)
             return 1
-        log.info(
-            "Peregrine on Ray Serve at http://%s:%d (%s)", settings.host, settings.port, _scale_text(settings)
-        )
-        _wait_for_signal()
+        watch.keep_watching()
+        watch.stop.wait()
         return 0
     finally:
+        watch.close()
         _stop(started_cluster)
+
+
+def readiness_watch(settings: Settings) -> ReadinessWatch:
+    """The driver's watch: the controller's view, probes through our own proxy, one log line per change."""
+    url = probe_url(settings.host, settings.port, settings.root_path)
+    where = f"http://{settings.host}:{settings.port}"
+
+    def announce(now: Readiness) -> None:
+        log.info("Peregrine on Ray Serve at %s: %s%s", where, now.text(), _scale_text(settings, now))
+
+    return ReadinessWatch(driver_view, lambda: probe_replica(url, REPLICA_HEADER), announce)
 
 
 def cluster_gpus() -> float:
@@ -315,16 +367,16 @@ def http_options(settings: Settings) -> dict[str, Any]:
             "keep_alive_timeout_s": settings.keep_alive}  # fmt: skip
 
 
-def _scale_text(settings: Settings) -> str:
+def _scale_text(settings: Settings, now: Readiness) -> str:
     bounds = settings.ray_autoscale_bounds
-    return f"autoscaling {bounds[0]}..{bounds[1]} replicas" if bounds else f"{settings.ray_replicas} replicas"
+    scale = f" (autoscaling {bounds[0]}..{bounds[1]} replicas)" if bounds else ""
+    return scale + ("" if now.complete else "; waiting for the rest")
 
 
-def _wait_for_signal() -> None:
-    stop = threading.Event()
+def _install_stop(stop: threading.Event) -> None:
+    """SIGINT / SIGTERM end the serving (main thread: Python runs signal handlers there)."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
 
 
 def _stop(started_cluster: bool) -> None:

@@ -18,8 +18,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,13 +38,12 @@ from tests.ray.cluster_requests import (
 from tests.ray.cluster_support import (
     cluster_pids,
     describe,
-    kill,
     next_event,
-    stop,
+    start_ray_server,
+    stop_ray_server,
     wait_for_replicas,
     wait_until,
 )
-from tests.support import free_port, server_env
 
 pytest.importorskip("ray.serve", reason="the ray extra is not installed (pip install .[ray])")
 openai = pytest.importorskip("openai")
@@ -104,33 +101,15 @@ def long_model_dir(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> 
 
 @pytest.fixture(scope="module")
 def cluster(long_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    workdir = tmp_path_factory.mktemp("ray-server")
-    ray_tmpdir = tempfile.mkdtemp(prefix="prg-ray-", dir="/tmp")  # short: Ray puts unix sockets under it
-    log_path = workdir / "server.log"
-    port = free_port()
-    env = server_env("RAY_")
-    # A private local cluster: own temp dir, and Ray's single-machine mode, which binds the node to 127.0.0.1.
-    env |= {"RAY_TMPDIR": ray_tmpdir, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_DEDUP_LOGS": "0",
-            "PYTHONPATH": str(REPO)}  # fmt: skip
-    cmd = [
-        sys.executable, str(REPO / "main.py"), "--model", str(long_model_dir), "--device", "cpu",
-        "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-bytes", "64MiB",
-        "--embedding-model", "none", "--skip-preflight", "--host", "127.0.0.1", "--port", str(port),
-        "--api-keys", API_KEY, "--ray-replicas", "2", "--ray-num-cpus", "0.5",
-    ]  # fmt: skip
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
-    base_url = f"http://127.0.0.1:{port}"
+    args = ["--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-bytes", "64MiB", "--api-keys", API_KEY,
+            "--ray-replicas", "2", "--ray-num-cpus", "0.5"]  # fmt: skip
+    server = start_ray_server(long_model_dir, tmp_path_factory.mktemp("ray-server"), args)
     try:
-        wait_for_replicas(base_url, proc, log_path, count=2, timeout=START_TIMEOUT_S)
-        model_id = httpx.get(f"{base_url}/v1/models", headers=_auth(), timeout=30).json()["data"][0]["id"]
-        yield Cluster(base_url, proc, ray_tmpdir, log_path, long_model_dir, model_id)
+        wait_for_replicas(server.base_url, server.proc, server.log_path, count=2, timeout=START_TIMEOUT_S)
+        model_id = httpx.get(f"{server.base_url}/v1/models", headers=_auth(), timeout=30).json()["data"][0]["id"]
+        yield Cluster(server.base_url, server.proc, server.ray_tmpdir, server.log_path, long_model_dir, model_id)
     finally:
-        stop(proc)
-        for pid in cluster_pids(ray_tmpdir):  # safety net; test_shutdown_* asserts there were none
-            kill(pid)
-        shutil.rmtree(ray_tmpdir, ignore_errors=True)
+        stop_ray_server(server)
 
 
 @pytest.fixture(scope="module")
@@ -280,6 +259,7 @@ def test_auth_and_errors_pass_through(cluster: Cluster) -> None:
 def test_health_lists_the_replicas(cluster: Cluster) -> None:
     health = _health(cluster.base_url)
     assert health["status"] == "ok"
+    assert health["replicas_ready"] == "2 of 2 replicas ready"
     assert [r["state"] for r in health["replicas"]] == ["RUNNING", "RUNNING"]
     assert health["replica"] in {r["id"] for r in health["replicas"]}
     assert all(isinstance(r["pid"], int) and r["pid"] > 0 for r in health["replicas"])

@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse, StreamingResponse  # noqa: E402
 from starlette.routing import Route  # noqa: E402
 
 from config import Settings  # noqa: E402
+from serving.ray_readiness import DeploymentView  # noqa: E402
 from serving.ray_serve import (  # noqa: E402
     REPLICA_HEADER,
     ReplicaMiddleware,
@@ -25,6 +26,7 @@ from serving.ray_serve import (  # noqa: E402
     http_options,
     replica_device,
     replica_gpus,
+    view_of,
 )
 
 
@@ -98,11 +100,11 @@ def _app(replicas: list[dict] | None) -> ReplicaMiddleware:
     async def missing(request):
         return JSONResponse({"error": {"message": "nope"}}, status_code=404)
 
-    async def list_replicas():
-        return replicas
+    async def view():  # as the Serve controller would list them; None: the controller does not answer
+        return None if replicas is None else DeploymentView("RUNNING", "", len(replicas), replicas)
 
     inner = Starlette(routes=[Route("/health", health), Route("/stream", tokens), Route("/missing", missing)])
-    return ReplicaMiddleware(inner, replica_id="abc123", list_replicas=list_replicas)
+    return ReplicaMiddleware(inner, replica_id="abc123", view=view)
 
 
 async def _get(app, path: str) -> httpx.Response:
@@ -129,10 +131,33 @@ async def test_health_keeps_the_apps_answer_and_adds_the_replicas() -> None:
     assert response.headers[REPLICA_HEADER] == "abc123"
     assert int(response.headers["content-length"]) == len(response.content)
     assert json.loads(response.content) == {"status": "ok", "engine": "ready", "replica": "abc123",
-                                            "replicas": replicas}  # fmt: skip
+                                            "replicas": replicas,
+                                            "replicas_ready": "1 of 2 replicas ready"}  # fmt: skip
 
 
 async def test_health_answers_when_the_controller_does_not() -> None:
     response = await _get(_app(None), "/health")
     assert response.status_code == 200
     assert response.json()["replicas"] is None
+    assert response.json()["replicas_ready"] is None  # unknown, not "0 of 0"
+
+
+# --- the controller's answer -------------------------------------------------------------------------------
+
+
+def _details(states: list[str], target: int, status: str = "DEPLOYING") -> dict:
+    """Serve's instance details, shaped as the controller's `get_serve_instance_details` returns them."""
+    replicas = [{"replica_id": f"r{i}", "state": state, "pid": 100 + i, "node_id": "n", "node_ip": "127.0.0.1",
+                 "start_time_s": 1.0} for i, state in enumerate(states)]  # fmt: skip
+    deployment = {"status": "UPDATING", "target_num_replicas": target, "replicas": replicas}
+    return {"applications": {"peregrine": {"status": status, "message": "why", "deployments": {
+        "Peregrine": deployment}}}}  # fmt: skip
+
+
+def test_view_of_reads_status_target_and_replicas() -> None:
+    view = view_of(_details(["RUNNING", "STARTING"], 2))
+    assert (view.status, view.message, view.wanted, view.running) == ("DEPLOYING", "why", 2, {"r0"})
+    assert view.replicas[1] == {"id": "r1", "state": "STARTING", "pid": 101, "node_id": "n",
+                                "node_ip": "127.0.0.1", "started_at": 1.0}  # fmt: skip
+    assert view_of({"applications": {}}) is None  # not listed yet: no view, not "0 of 0"
+    assert view_of(_details([], 1, status="DEPLOY_FAILED")).failed
