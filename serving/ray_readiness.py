@@ -121,7 +121,7 @@ class ReadinessWatch:
             if view.running <= self.routed:
                 break
         now = readiness(view, self.routed)
-        if now.ready > 0 and now != self.last:
+        if now != self.last and (now.ready > 0 or self.last is not None):  # from the first ready one on
             self.last = now
             self.announce(now)
         return view

@@ -218,9 +218,12 @@ def view_of(details: dict, app_name: str = APP_NAME, deployment: str = DEPLOYMEN
     """Serve's instance details -> the app's status, the deployment's target count and replicas (None while
     the controller does not list the deployment yet)."""
     app = details.get("applications", {}).get(app_name)
-    if app is None or deployment not in app.get("deployments", {}):
+    if app is None:
         return None
-    dep = app["deployments"][deployment]
+    dep = app.get("deployments", {}).get(deployment)
+    if dep is None and _value(app.get("status")) != "DEPLOY_FAILED":  # failed before the deployment was made
+        return None
+    dep = dep or {}
     replicas = [_replica_entry(r) for r in dep.get("replicas", [])]
     return DeploymentView(status=_value(app.get("status")), message=app.get("message") or "",
                           wanted=int(dep.get("target_num_replicas", 0)), replicas=replicas)  # fmt: skip

@@ -78,6 +78,16 @@ def test_a_replaced_replica_is_ready_again_only_once_routed() -> None:
     assert script.said == ["2 of 2 replicas ready", "1 of 2 replicas ready", "2 of 2 replicas ready"]
 
 
+def test_losing_every_replica_is_said_too() -> None:
+    one = view({"a": "RUNNING"}, 1)
+    gone = view({"b": "STARTING"}, 1)
+    script = Script([gone, one, gone], ["a"])
+    watch = script.watch()
+    for _ in range(3):
+        watch.tick()
+    assert script.said == ["1 of 1 replicas ready", "0 of 1 replicas ready"]  # nothing before the first
+
+
 def test_wait_first_returns_at_the_first_ready_replica_or_a_failed_deploy() -> None:
     starting = view({"a": "STARTING", "b": "STARTING"}, 2)
     one = view({"a": "RUNNING", "b": "STARTING"}, 2)

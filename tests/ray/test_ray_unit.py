@@ -161,3 +161,5 @@ def test_view_of_reads_status_target_and_replicas() -> None:
                                 "node_ip": "127.0.0.1", "started_at": 1.0}  # fmt: skip
     assert view_of({"applications": {}}) is None  # not listed yet: no view, not "0 of 0"
     assert view_of(_details([], 1, status="DEPLOY_FAILED")).failed
+    failed_early = {"applications": {"peregrine": {"status": "DEPLOY_FAILED", "message": "bad", "deployments": {}}}}
+    assert view_of(failed_early).failed and view_of(failed_early).message == "bad"  # said, not waited on
