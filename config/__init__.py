@@ -130,8 +130,7 @@ class Settings(BaseSettings):
     cpu_isa: Literal["auto", "amx", "avx512", "avx2", "none"] = Field(
         "auto",
         description="Highest CPU instruction set Peregrine's kernels may use (auto: what the CPU has). Lower it "
-        "to run the paths of a smaller CPU; exported as PEREGRINE_CPU_ISA so child processes (Ray replicas) "
-        "follow it too.",
+        "to run the paths of a smaller CPU; it travels in the engine config, so Ray replicas follow it too.",
     )
 
     weight_format: Literal["auto", "quantized", "dense"] = Field(

@@ -184,6 +184,7 @@ class EngineConfig:
     trust_remote_code: bool = False
     model_impl: str = "auto"  # auto | generic | llama: the forward pass (auto: Llama fast path when it applies)
     cpu_kernels: bool = True  # Peregrine's AVX512-BF16 decode kernel (engine.backends.cpu_kernels) where it applies
+    cpu_isa: str = "auto"  # auto | amx | avx512 | avx2 | none: the highest instruction set the CPU kernels may use
     weight_format: str = "auto"  # auto | quantized | dense: a GGUF's weights kept quantized in RAM, or dense
     quantize: str | None = None  # "int8": linear weights of a dense model to Q8_0 blocks at load
     prefix_caching: bool = True  # reuse the KV of full blocks whose prefix was computed before (block_manager)

@@ -32,7 +32,7 @@ import torch
 from engine.backends.devices import placement
 from engine.backends.huge_pages import release_freed_memory
 from engine.types import EngineConfig
-from models import preflight
+from models import memory, preflight
 from models.autotune import dtype as dtype_probe
 
 log = logging.getLogger(__name__)
@@ -91,10 +91,10 @@ def load_model(cfg: EngineConfig) -> LoadedModel:
 def load_fastest(folder: Path, tokenizer: Any, cfg: EngineConfig, device: torch.device) -> tuple[Any, torch.dtype]:
     """`--dtype auto` on the CPU: float32 and bfloat16 timed on real decode steps when the probe's peak fits in the
     free RAM (the preflight's arithmetic), else bfloat16 without a probe."""
-    dtypes, why = preflight.auto_cpu_dtypes(
+    dtypes, why = memory.auto_cpu_dtypes(
         preflight.folder_footprint(folder), preflight.measure_resources([]).ram_free,
         max_model_len=cfg.max_model_len, kv_cache_bytes=cfg.kv_cache_bytes,
-        packed_copy=preflight.packed_copy_kept(str(device), cfg.cpu_kernels), kv_dtype=cfg.kv_cache_dtype,
+        packed_copy=preflight.packed_copy_kept(str(device), cfg.cpu_kernels, cfg.cpu_isa), kv_dtype=cfg.kv_cache_dtype,
     )  # fmt: skip
     if len(dtypes) == 1:
         log.info("dtype auto: bfloat16 (%s)", why)
@@ -116,10 +116,10 @@ def fastest_format(model: Any, tokenizer: Any, cfg: EngineConfig, device: torch.
 
     candidates = ("float32", "bfloat16") if auto_dtype else (str(dtype).removeprefix("torch."),)
     path = Path(cfg.model_path) / str(cfg.gguf_file)
-    dense, why = preflight.auto_weight_formats(
+    dense, why = memory.auto_weight_formats(
         preflight.gguf_footprint(path, cached=True, quantized=True), preflight.measure_resources([]).ram_free,
         candidates, max_model_len=cfg.max_model_len, kv_cache_bytes=cfg.kv_cache_bytes,
-        packed_copy=preflight.packed_copy_kept(str(device), cfg.cpu_kernels), kv_dtype=cfg.kv_cache_dtype,
+        packed_copy=preflight.packed_copy_kept(str(device), cfg.cpu_kernels, cfg.cpu_isa), kv_dtype=cfg.kv_cache_dtype,
     )  # fmt: skip
     if not dense:
         log.info("weight format auto: quantized (%s)", why)
@@ -216,7 +216,7 @@ def quant_summary(model: Any) -> str:
 def log_resident(model: Any) -> None:
     from engine.model.quant import resident_bytes
 
-    log.info("weights resident: %s", preflight.fmt_bytes(resident_bytes(model)))
+    log.info("weights resident: %s", memory.fmt_bytes(resident_bytes(model)))
 
 
 def model_folder(cfg: EngineConfig) -> Path:

@@ -2,14 +2,12 @@
 the arithmetic shown ("needs 16.1 GB (...), 9.8 GB free on /data") rather than after an hour.
 
 Three parts:
-  - `ModelFootprint`: what a model needs, read from metadata only (safetensors headers, GGUF header,
-    config.json, the Hub's file sizes and parameter counts); `*_footprint` build it.
+  - `ModelFootprint` (models/memory.py): what a model needs, read here from metadata only (safetensors
+    headers, GGUF header, config.json, the Hub's file sizes and parameter counts); `*_footprint` build it.
   - `Resources`: what the machine has free (disk per filesystem, RAM, VRAM); `measure_resources` reads it.
-  - `check`: pure arithmetic over the two, returning one `Need` per resource. Unit-tested with figures.
+  - `check`: the verdict over the two, one `Need` per resource, with models/memory.py's arithmetic.
 
-Memory is weights in the serving dtype plus the smallest useful KV cache: one sequence of the full
-context (or the explicit --kv-cache-bytes when larger). A GGUF conversion, done once, needs the dense
-float32 model in RAM and on disk in the cache directory.
+A GGUF conversion, done once, needs the dense float32 model in RAM and on disk in the cache directory.
 """
 
 from __future__ import annotations
@@ -23,21 +21,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+from models.memory import (
+    KVShape,
+    ModelFootprint,
+    auto_cpu_dtypes,
+    auto_weight_formats,
+    dtype_bytes,
+    fmt_bytes,
+    memory_need,
+)
+
 # A model config's context length, under the names model families use (the loader reads the same list).
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
-
-
-@dataclass(frozen=True, slots=True)
-class ModelFootprint:
-    """What serving a model needs, from its metadata."""
-
-    param_count: int  # weights, in elements
-    kv_elems_per_token: int  # 2 (K and V) * layers * kv_heads * head_dim
-    context_len: int  # the model's own context length
-    download_bytes: int = 0  # files still to fetch from the Hub
-    convert_bytes: int = 0  # dense float32 weights a first GGUF conversion writes to the cache
-    weight_bytes: int | None = None  # resident weights when they do not follow the dtype (a GGUF kept quantized)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,94 +67,7 @@ class Need:
         return f"needs {fmt_bytes(self.needed)} ({self.breakdown}), {fmt_bytes(self.free)} free {self.where}"
 
 
-# --- arithmetic ---------------------------------------------------------------------------------------
-
-
-def fmt_bytes(n: int | float) -> str:
-    """Decimal units, one decimal: 16_100_000_000 -> '16.1 GB'."""
-    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
-
-
-def kv_cache_need(
-    fp: ModelFootprint, dtype_bytes: int, max_model_len: int | None, kv_cache_bytes: int | None
-) -> int:
-    """The smallest KV cache that holds one sequence of the full context, or the explicit size if larger."""
-    tokens = max_model_len or fp.context_len
-    minimum = fp.kv_elems_per_token * dtype_bytes * tokens
-    return max(minimum, kv_cache_bytes or 0)
-
-
-def kv_cache_stored(dtype: str, kv_dtype: str) -> str:
-    """The KV cache's dtype for weights served in `dtype` ("auto": float32, the widest the probes keep) and
-    `--kv-cache-dtype kv_dtype` (auto: the weights' dtype)."""
-    stored = "float32" if dtype == "auto" else dtype
-    return stored if kv_dtype == "auto" else kv_dtype
-
-
-def memory_need(
-    fp: ModelFootprint, dtype: str, *, max_model_len: int | None, kv_cache_bytes: int | None,
-    packed_copy: bool = False, dense: tuple[str, ...] = (), kv_dtype: str = "auto",
-) -> tuple[int, str]:
-    """Bytes for weights in `dtype` + KV cache (+ the one-call decode step's packed copy of the bfloat16 weights,
-    which it keeps on CPUs with AMX), with the breakdown in words. dtype "auto" (CPU) is the peak of the
-    `--dtype auto` probe (models/autotune/dtype.py): float32 weights and KV cache + the bfloat16 copy timed beside them.
-    `dense`: the dense copies `--weight-format auto` times beside quantized weights (models/autotune/weight_format.py).
-    `kv_dtype`: `--kv-cache-dtype` (auto: the KV cache in the weights' dtype)."""
-    if fp.weight_bytes is not None and dtype == "auto":
-        dtype = "float32"  # quantized weights: activations and KV cache in float32, no dtype probe
-    stored = "float32" if dtype == "auto" else dtype
-    weights = fp.param_count * DTYPE_BYTES[stored] if fp.weight_bytes is None else fp.weight_bytes
-    kv_stored = kv_cache_stored(stored, kv_dtype)
-    kv = kv_cache_need(fp, DTYPE_BYTES[kv_stored], max_model_len, kv_cache_bytes)
-    tokens = max_model_len or fp.context_len
-    kv_words = f"KV cache {fmt_bytes(kv)}" + (
-        "" if kv_cache_bytes and kv_cache_bytes >= kv else f" for {tokens} tokens"
-    ) + ("" if kv_stored == stored else f" in {kv_stored}")
-    bf16 = fp.param_count * DTYPE_BYTES["bfloat16"]
-    probe = bf16 if dtype == "auto" else 0
-    probe_words = f" + {fmt_bytes(probe)} bfloat16 copy timed by --dtype auto" if probe else ""
-    copy = bf16 if packed_copy and dtype in ("auto", "bfloat16") else 0
-    copy_words = f" + {fmt_bytes(copy)} packed copy for AMX decode steps" if copy else ""
-    held = f"in {stored}" if fp.weight_bytes is None else "quantized (GGUF tensors)"
-    timed = {d: fp.param_count * DTYPE_BYTES[d] + (bf16 if packed_copy and d == "bfloat16" else 0) for d in dense}
-    timed_words = "".join(f" + {fmt_bytes(n)} dense {d} copy timed by --weight-format auto" for d, n in timed.items())
-    return weights + kv + probe + copy + sum(timed.values()), (
-        f"weights {fmt_bytes(weights)} {held} + {kv_words}{probe_words}{copy_words}{timed_words}")
-
-
-def auto_cpu_dtypes(
-    fp: ModelFootprint, ram_free: int, *, max_model_len: int | None, kv_cache_bytes: int | None,
-    packed_copy: bool = False, kv_dtype: str = "auto",
-) -> tuple[tuple[str, ...], str]:
-    """The dtypes `--dtype auto` times on the CPU, and why float32 is left out when it is: both when the probe's
-    peak (`memory_need(fp, "auto")`) fits in the free RAM, else bfloat16 alone."""
-    need, words = memory_need(fp, "auto", max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes,
-                              packed_copy=packed_copy, kv_dtype=kv_dtype)
-    if need <= ram_free:
-        return ("float32", "bfloat16"), ""
-    return ("bfloat16",), f"float32 not tried: timing it needs {fmt_bytes(need)} ({words}), {fmt_bytes(ram_free)} free"
-
-
-def auto_weight_formats(
-    fp: ModelFootprint, ram_free: int, dtypes: tuple[str, ...], *, max_model_len: int | None,
-    kv_cache_bytes: int | None, packed_copy: bool = False, kv_dtype: str = "auto",
-) -> tuple[tuple[str, ...], str]:
-    """The dense dtypes `--weight-format auto` times beside a GGUF's quantized weights (of `dtypes`, the candidates),
-    and why any is left out. Rule: the probe's peak, quantized weights + KV cache + every dense copy tried (dequantized
-    in memory), must fit in the free RAM; while it does not, the biggest copy is dropped (float32 before bfloat16)."""
-    tried, words = tuple(dtypes), ""
-    while tried:
-        need, why = memory_need(fp, "float32", max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes,
-                                packed_copy=packed_copy, dense=tried, kv_dtype=kv_dtype)
-        if need <= ram_free:
-            break
-        words = words or f"timing it needs {fmt_bytes(need)} ({why}), {fmt_bytes(ram_free)} free"
-        tried = tuple(sorted(tried, key=DTYPE_BYTES.__getitem__)[:-1])
-    left = [d for d in dtypes if d not in tried]
-    return tried, f"dense {' and '.join(left)} not tried: {words}" if left else ""
+# --- the verdict -------------------------------------------------------------------------------------
 
 
 def check(
@@ -228,15 +136,15 @@ def refusal(needs: Iterable[Need]) -> str | None:
 # --- reading what the model needs ---------------------------------------------------------------------
 
 
-def kv_elems_from_config(config: Mapping[str, object]) -> tuple[int, int]:
-    """(2 * layers * kv_heads * head_dim, context length) from a transformers config.json."""
+def kv_shape_from_config(config: Mapping[str, object]) -> tuple[KVShape, int]:
+    """(layers, KV heads, head size) and the context length, from a transformers config.json."""
     cfg = dict(config.get("text_config") or config)  # multimodal configs nest the language model
     layers = int(cfg.get("num_hidden_layers") or cfg.get("n_layer") or cfg.get("num_layers") or 0)
     heads = int(cfg.get("num_attention_heads") or cfg.get("n_head") or 1)
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
     head_dim = int(cfg.get("head_dim") or int(cfg.get("hidden_size") or cfg.get("n_embd") or 0) // heads)
     context = next((int(cfg[k]) for k in CONTEXT_KEYS if cfg.get(k)), 2048)
-    return 2 * layers * kv_heads * head_dim, context
+    return KVShape(layers, kv_heads, head_dim), context
 
 
 def safetensors_params(path: Path) -> int:
@@ -250,12 +158,12 @@ def safetensors_params(path: Path) -> int:
 def folder_footprint(folder: Path) -> ModelFootprint:
     """A local transformers folder: parameter count from safetensors headers (or .bin sizes)."""
     config = json.loads((folder / "config.json").read_text())
-    kv, context = kv_elems_from_config(config)
+    kv, context = kv_shape_from_config(config)
     shards = sorted(folder.glob("*.safetensors"))
     if shards:
         params = sum(safetensors_params(p) for p in shards)
     else:  # PyTorch pickles: size / bytes per element of the stored dtype
-        stored = DTYPE_BYTES.get(str(config.get("torch_dtype") or config.get("dtype") or "float32"), 4)
+        stored = dtype_bytes(str(config.get("torch_dtype") or config.get("dtype") or "float32"), default=4)
         params = sum(p.stat().st_size for p in folder.glob("*.bin")) // stored
     return ModelFootprint(params, kv, context)
 
@@ -274,7 +182,7 @@ def gguf_footprint(path: Path, *, cached: bool, quantized: bool = False) -> Mode
 
     heads = get("attention.head_count", 1)
     head_dim = get("attention.key_length", get("embedding_length", 0) // heads)
-    kv = 2 * get("block_count", 0) * get("attention.head_count_kv", heads) * head_dim
+    kv = KVShape(get("block_count", 0), get("attention.head_count_kv", heads), head_dim)
     if quantized:
         weight_bytes = sum(gguf_tensor_bytes(shapes[n], types[n]) for n in shapes)
         return ModelFootprint(params, kv, get("context_length", 2048), weight_bytes=weight_bytes)
@@ -356,10 +264,10 @@ def hub_footprint(
     param_count: int | None, file_sizes: Mapping[str, int], missing_bytes: int, config: Mapping[str, object]
 ) -> ModelFootprint:
     """A Hub model: the Hub's parameter count, else weight-file bytes / bytes per stored element."""
-    kv, context = kv_elems_from_config(config)
+    kv, context = kv_shape_from_config(config)
     if not param_count:
         weight_bytes = sum(n for f, n in file_sizes.items() if f.endswith((".safetensors", ".bin")))
-        stored = DTYPE_BYTES.get(str(config.get("torch_dtype") or config.get("dtype") or "bfloat16"), 2)
+        stored = dtype_bytes(str(config.get("torch_dtype") or config.get("dtype") or "bfloat16"), default=2)
         param_count = weight_bytes // stored
     return ModelFootprint(int(param_count), kv, context, download_bytes=missing_bytes)
 
@@ -374,18 +282,19 @@ def _prod(shape: Iterable[int]) -> int:
 # --- measuring what the machine has -------------------------------------------------------------------
 
 
-def cpu_has_amx(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
-    """Whether the kernels may use AMX here (the CPU reports it and PEREGRINE_CPU_ISA does not hide it),
-    without building them."""
+def cpu_has_amx(cpuinfo: Path = Path("/proc/cpuinfo"), cap: str = "auto") -> bool:
+    """Whether the CPU backend's kernels may use AMX here under the ISA cap `cap` (--cpu-isa), without building
+    them. MERGE POINT: this asks engine/backends/cpu_features directly; once the CPU backend has its own AMX
+    decision (issue 34: every device decision in engine/backends/), point this one call at it."""
     from engine.backends import cpu_features
 
-    return cpu_features.has("amx", flags=cpu_features.cpu_flags.__wrapped__(cpuinfo))
+    return cpu_features.has("amx", flags=cpu_features.cpu_flags.__wrapped__(cpuinfo), cap=cap)
 
 
-def packed_copy_kept(device: str, cpu_kernels: bool) -> bool:
+def packed_copy_kept(device: str, cpu_kernels: bool, cpu_isa: str = "auto") -> bool:
     """Whether bfloat16 decode steps keep a packed copy of the weights (the CPU with the kernels on and AMX
-    usable, as engine/backends/cpu_kernels.py decides): the one place the preflight, the loader and main.py ask."""
-    return device == "cpu" and cpu_kernels and cpu_has_amx()
+    usable, as engine/backends/cpu_kernels.py decides): the one place the preflight and the loader ask."""
+    return device == "cpu" and cpu_kernels and cpu_has_amx(cap=cpu_isa)
 
 
 def disk_of(path: Path) -> Disk:

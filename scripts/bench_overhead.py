@@ -1,7 +1,7 @@
 """The engine-only baseline for the server-overhead comparison (`scripts/bench.py --peers engine,peregrine`).
 
 It loads the engine in this process exactly as `main.py` would with the same flags (`config.Settings` ->
-`main.prepare` -> `main.engine_config` -> `AsyncEngine.from_config`) and drives the same requests through
+`models.acquire.acquire` -> `AsyncEngine.from_config`) and drives the same requests through
 `AsyncEngine.generate` directly, with the same concurrency and timing rules as the HTTP client (TTFT at
 the first output carrying text, ITL between such outputs). The ratio of Peregrine's HTTP+SSE throughput
 to this one is the server's overhead.
@@ -31,16 +31,16 @@ def load_engine(server_args: Sequence[str]) -> Any:
     keeps that difference out of the overhead figure.
     """
     sys.path.insert(0, str(REPO))
-    import main as peregrine_main
     from config import settings_or_exit
     from engine import AsyncEngine
+    from models.acquire import acquire
 
     settings = settings_or_exit(list(server_args))
-    prepared = peregrine_main.prepare(settings)
+    prepared = acquire(settings)
     built: list[Any] = []
 
     def build() -> None:
-        engine = AsyncEngine.from_config(peregrine_main.engine_config(settings, prepared))
+        engine = AsyncEngine.from_config(prepared.engine_config)
         engine.start()
         built.append(engine)
 

@@ -9,7 +9,7 @@ concurrency (`max_num_seqs`, at most 16), and keeps the dtype with the better th
 concurrency. float32 is exact, so bfloat16 must beat it by `BF16_MARGIN`.
 
 The weights are loaded once in float32; the bfloat16 candidate is a cast copy, and the loser is dropped, so the
-peak is both copies (plus the packed copy AMX decode keeps): `models.preflight.auto_cpu_dtypes` is that
+peak is both copies (plus the packed copy AMX decode keeps): `models.memory.auto_cpu_dtypes` is that
 arithmetic, used by the preflight before anything loads and by the loader to decide whether float32 is tried.
 The probe is short: one-token prompts (so the first step is already a decode step: no prefill, whose per-sequence
 attention calls cost more than the decode steps timed), a few decode steps, fewer when the answer is clear early.

@@ -16,7 +16,7 @@ least `LONE_MARGIN` times the quantized one's: serving more streams must not cos
 quantized model is. (On an AMD EPYC Zen 5, dense bfloat16 was 1.19-1.2x quantized at 16 rows and 0.49x at one:
 before this condition, starts of the same server picked one or the other.) Dense candidates are only built when
 the probe's peak (quantized weights, KV cache and every dense copy at once) fits in the free RAM:
-`models.preflight.auto_weight_formats`, also used by the preflight.
+`models.memory.auto_weight_formats`, also used by the preflight.
 """
 
 from __future__ import annotations

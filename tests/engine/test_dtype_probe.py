@@ -17,7 +17,7 @@ import torch
 
 from engine.llm_engine import LLMEngine
 from engine.types import EngineConfig
-from models import loader, preflight
+from models import loader, memory, preflight
 from models.autotune import dtype as dtype_probe
 from models.autotune.dtype import ProbePlan, Timing
 from tests.support import load_hf
@@ -172,8 +172,8 @@ def test_float32_is_not_tried_when_the_probe_would_not_fit_in_ram(
 ) -> None:
     fp = preflight.folder_footprint(tiny_model_dir.path)
     room = dict(max_model_len=None, kv_cache_bytes=None, packed_copy=preflight.packed_copy_kept("cpu", True))
-    peak, _ = preflight.memory_need(fp, "auto", **room)
-    assert preflight.memory_need(fp, "bfloat16", **room)[0] < peak
+    peak, _ = memory.memory_need(fp, "auto", **room)
+    assert memory.memory_need(fp, "bfloat16", **room)[0] < peak
     monkeypatch.setattr(preflight, "measure_resources", lambda dirs: preflight.Resources(ram_free=peak - 1))
     monkeypatch.setattr(dtype_probe, "choose", lambda *a, **k: pytest.fail("float32 was timed"))
     with caplog.at_level(logging.INFO):  # engine.* and models.loader
@@ -185,15 +185,15 @@ def test_float32_is_not_tried_when_the_probe_would_not_fit_in_ram(
 def test_main_leaves_the_cpu_choice_to_the_loader_and_preflights_both_copies(
     tiny_model_dir: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    import main
     from config import load_settings
+    from models.acquire import acquire
 
     monkeypatch.chdir(tmp_path)  # no .env
     settings = load_settings(["--model", str(tiny_model_dir.path), "--device", "cpu", "--dtype", "auto",
                               "--embedding-model", "none", "--cache-dir", str(tmp_path)])
     with caplog.at_level(logging.INFO, logger="peregrine"):
-        prepared = main.prepare(settings)
-    assert prepared.dtype == "auto" and main.engine_config(settings, prepared).dtype == "auto"
+        prepared = acquire(settings)
+    assert prepared.dtype == "auto" and prepared.engine_config.dtype == "auto"
     assert "dtype auto (decode steps timed once loaded)" in caplog.text
     assert re.search(r"preflight: needs .* in float32 \+ KV cache .* bfloat16 copy timed by --dtype auto", caplog.text)
 

@@ -9,8 +9,8 @@ import threading
 import weakref
 
 from engine.types import EngineConfig, SamplingParams
-from main_models import start_engine
 from serving.registry import ModelRegistry, ModelSpec
+from serving.start import start_engine
 from tests.support import chat_ids
 
 

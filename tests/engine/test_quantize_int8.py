@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType, quants
 
 from engine.model.quant import QuantLinear, quantize_q8_0, resident_bytes
 from engine.types import EngineConfig
-from models import preflight
+from models import memory, preflight
 from models.loader import load_model
 from tests.quant_blocks import write_tiny_gguf
 
@@ -50,8 +50,8 @@ def test_preflight_counts_gguf_tensor_bytes(tmp_path: Path) -> None:
 
     fp = preflight.gguf_footprint(tmp_path / "tiny.gguf", cached=False, quantized=True)
     assert fp.weight_bytes == tensor_bytes(tmp_path / "tiny.gguf") and fp.convert_bytes == 0
-    need, words = preflight.memory_need(fp, "auto", max_model_len=None, kv_cache_bytes=None)
-    kv = fp.kv_elems_per_token * 4 * fp.context_len  # float32 activations and KV cache, no dtype probe
+    need, words = memory.memory_need(fp, "auto", max_model_len=None, kv_cache_bytes=None)
+    kv = 2 * fp.kv.layers * fp.kv.kv_heads * fp.kv.head_dim * 4 * fp.context_len  # float32 activations and KV cache, no dtype probe
     assert need == fp.weight_bytes + kv and "quantized (GGUF tensors)" in words
     dense = preflight.gguf_footprint(tmp_path / "tiny.gguf", cached=False)
     assert dense.weight_bytes is None and dense.convert_bytes == dense.param_count * 4

@@ -18,7 +18,7 @@ import torch
 from config import DEFAULT_CACHE_DIR
 from engine.model.quant import QuantEmbedding, QuantLinear, is_quantized
 from engine.types import EngineConfig
-from models import gguf_weights, loader, preflight
+from models import gguf_weights, loader, memory, preflight
 from models.autotune import weight_format as weight_format_probe
 from models.autotune.dtype import BF16_MARGIN, ProbePlan, Timing
 from models.autotune.weight_format import DENSE_MARGIN, LONE_MARGIN, densify, pick
@@ -165,8 +165,8 @@ def test_dense_is_tried_only_where_it_fits_in_ram(gguf_cfg: Any, monkeypatch: py
     cfg = gguf_cfg()
     fp = preflight.gguf_footprint(Path(cfg.model_path) / "tiny.gguf", cached=True, quantized=True)
     room = dict(max_model_len=None, kv_cache_bytes=None, packed_copy=preflight.packed_copy_kept("cpu", True))
-    with_bf16, _ = preflight.memory_need(fp, "float32", dense=("bfloat16",), **room)
-    both, _ = preflight.memory_need(fp, "float32", dense=("float32", "bfloat16"), **room)
+    with_bf16, _ = memory.memory_need(fp, "float32", dense=("bfloat16",), **room)
+    both, _ = memory.memory_need(fp, "float32", dense=("float32", "bfloat16"), **room)
     for ram in (both, both - 1, with_bf16 - 1):
         monkeypatch.setattr(preflight, "measure_resources", lambda dirs, ram=ram: preflight.Resources(ram_free=ram))
         with caplog.at_level(logging.INFO):
@@ -184,8 +184,8 @@ def test_main_preflights_the_dense_copies_only_with_weight_format_auto(
     tiny_gguf: tuple[Path, dict[str, Any]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    import main
     from config import load_settings
+    from models.acquire import acquire
 
     folder, _ = tiny_gguf
     monkeypatch.chdir(tmp_path)  # no .env
@@ -194,7 +194,7 @@ def test_main_preflights_the_dense_copies_only_with_weight_format_auto(
                                   "--weight-format", fmt, "--embedding-model", "none", "--cache-dir", str(tmp_path)])
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="peregrine"):
-            main.prepare(settings)
+            acquire(settings)
         [line] = [r.message for r in caplog.records if r.message.startswith("preflight: needs") and "in RAM" in r.message]
         assert line.startswith("preflight: needs") and "quantized (GGUF tensors)" in line
         copies = "dense float32 copy timed by --weight-format auto + " in line and "dense bfloat16 copy" in line

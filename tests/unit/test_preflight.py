@@ -9,45 +9,46 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from models import preflight
-from models.preflight import Disk, ModelFootprint, Need, Resources
+from models import memory, preflight
+from models.memory import KVShape, ModelFootprint
+from models.preflight import Disk, Need, Resources
 
 GB = 10**9
 
 # A 7.5B-parameter model with a Llama-3-8B-like attention: 32 layers, 8 KV heads of 128.
-BIG = ModelFootprint(param_count=7_500_000_000, kv_elems_per_token=2 * 32 * 8 * 128, context_len=8192)
+BIG = ModelFootprint(param_count=7_500_000_000, kv=KVShape(32, 8, 128), context_len=8192)
 
 
 def test_fmt_bytes() -> None:
-    assert preflight.fmt_bytes(16_100_000_000) == "16.1 GB"
-    assert preflight.fmt_bytes(538_090_408) == "538.1 MB"
-    assert preflight.fmt_bytes(999) == "999 B"
-    assert preflight.fmt_bytes(2.5e12) == "2.5 TB"
+    assert memory.fmt_bytes(16_100_000_000) == "16.1 GB"
+    assert memory.fmt_bytes(538_090_408) == "538.1 MB"
+    assert memory.fmt_bytes(999) == "999 B"
+    assert memory.fmt_bytes(2.5e12) == "2.5 TB"
 
 
 def test_kv_need_is_one_full_sequence_or_the_explicit_size() -> None:
     per_token_bf16 = 2 * 32 * 8 * 128 * 2  # 131072 bytes
-    assert preflight.kv_cache_need(BIG, 2, None, None) == per_token_bf16 * 8192
-    assert preflight.kv_cache_need(BIG, 2, 1024, None) == per_token_bf16 * 1024
-    assert preflight.kv_cache_need(BIG, 2, 1024, 4 * GB) == 4 * GB  # explicit and larger: that
+    assert memory.kv_cache_need(BIG, "bfloat16", None, None) == per_token_bf16 * 8192
+    assert memory.kv_cache_need(BIG, "bfloat16", 1024, None) == per_token_bf16 * 1024
+    assert memory.kv_cache_need(BIG, "bfloat16", 1024, 4 * GB) == 4 * GB  # explicit and larger: that
     assert (
-        preflight.kv_cache_need(BIG, 2, None, 1) == per_token_bf16 * 8192
+        memory.kv_cache_need(BIG, "bfloat16", None, 1) == per_token_bf16 * 8192
     )  # explicit but smaller: the minimum
 
 
 def test_memory_need_counts_weights_in_the_serving_dtype() -> None:
-    bf16, words = preflight.memory_need(BIG, "bfloat16", max_model_len=None, kv_cache_bytes=None)
-    fp32, _ = preflight.memory_need(BIG, "float32", max_model_len=None, kv_cache_bytes=None)
+    bf16, words = memory.memory_need(BIG, "bfloat16", max_model_len=None, kv_cache_bytes=None)
+    fp32, _ = memory.memory_need(BIG, "float32", max_model_len=None, kv_cache_bytes=None)
     assert bf16 == 15 * GB + 131072 * 8192
     assert fp32 == 30 * GB + 2 * 131072 * 8192
     assert words == "weights 15.0 GB in bfloat16 + KV cache 1.1 GB for 8192 tokens"
 
 
 def test_memory_need_counts_the_kv_cache_in_kv_cache_dtype() -> None:
-    fp32, words = preflight.memory_need(BIG, "float32", max_model_len=None, kv_cache_bytes=None, kv_dtype="float16")
+    fp32, words = memory.memory_need(BIG, "float32", max_model_len=None, kv_cache_bytes=None, kv_dtype="float16")
     assert fp32 == 30 * GB + 131072 * 8192  # float32 weights, a float16 cache: half the float32 cache's bytes
     assert words == "weights 30.0 GB in float32 + KV cache 1.1 GB for 8192 tokens in float16"
-    same, _ = preflight.memory_need(BIG, "bfloat16", max_model_len=None, kv_cache_bytes=None, kv_dtype="auto")
+    same, _ = memory.memory_need(BIG, "bfloat16", max_model_len=None, kv_cache_bytes=None, kv_dtype="auto")
     assert same == 15 * GB + 131072 * 8192
     # what --kv-cache-dtype float16 changes in the verdict: 31.1 GB fits where the float32 cache's 32.1 GB does not
     res = Resources(ram_free=int(31.5 * GB))
@@ -88,7 +89,7 @@ def test_a_shorter_context_makes_it_fit() -> None:
 
 
 def test_disk_for_download_on_its_filesystem() -> None:
-    fp = ModelFootprint(10, 2, 16, download_bytes=16_100_000_000)
+    fp = ModelFootprint(10, KVShape(1, 1, 1), 16, download_bytes=16_100_000_000)
     disks = (Disk("/data/hf", int(9.8 * GB), fs=1), Disk("/home/u/.cache/peregrine", 100 * GB, fs=2))
     needs = preflight.check(fp, Resources(ram_free=64 * GB, disks=disks), dtype="float32", on_cuda=False,
                             download_dir="/data/hf", cache_dir="/home/u/.cache/peregrine")  # fmt: skip
@@ -97,7 +98,7 @@ def test_disk_for_download_on_its_filesystem() -> None:
 
 
 def test_download_and_conversion_on_one_filesystem_add_up() -> None:
-    fp = ModelFootprint(10, 2, 16, download_bytes=3 * GB, convert_bytes=4 * GB)
+    fp = ModelFootprint(10, KVShape(1, 1, 1), 16, download_bytes=3 * GB, convert_bytes=4 * GB)
     disks = (Disk("/a", 6 * GB, fs=7), Disk("/b", 6 * GB, fs=7))
     needs = preflight.check(fp, Resources(ram_free=64 * GB, disks=disks), dtype="float32", on_cuda=False,
                             download_dir="/a", cache_dir="/b")  # fmt: skip
@@ -107,29 +108,29 @@ def test_download_and_conversion_on_one_filesystem_add_up() -> None:
 
 
 def test_nothing_to_download_needs_no_disk() -> None:
-    fp = ModelFootprint(10, 2, 16)
+    fp = ModelFootprint(10, KVShape(1, 1, 1), 16)
     needs = preflight.check(fp, Resources(ram_free=GB, disks=(Disk("/a", 0, fs=1),)), dtype="float32",
                             on_cuda=False, download_dir="/a", cache_dir="/a")  # fmt: skip
     assert [n.where for n in needs] == ["in RAM"]
 
 
 def test_gguf_conversion_needs_float32_in_ram() -> None:
-    fp = ModelFootprint(1_000_000_000, 2, 16, convert_bytes=4 * GB)
+    fp = ModelFootprint(1_000_000_000, KVShape(1, 1, 1), 16, convert_bytes=4 * GB)
     needs = preflight.check(fp, Resources(ram_free=3 * GB), dtype="bfloat16", on_cuda=False)
     failed = [n for n in needs if not n.ok]
     assert [n.breakdown for n in failed] == ["one-time GGUF conversion to float32"]
 
 
-def test_kv_elems_from_config_variants() -> None:
+def test_kv_shape_from_config_variants() -> None:
     llama = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096,
              "max_position_embeddings": 131072}  # fmt: skip
-    assert preflight.kv_elems_from_config(llama) == (2 * 32 * 8 * 128, 131072)
+    assert preflight.kv_shape_from_config(llama) == (KVShape(32, 8, 128), 131072)
     gpt2 = {"n_layer": 12, "n_head": 12, "n_embd": 768, "n_positions": 1024}
-    assert preflight.kv_elems_from_config(gpt2) == (2 * 12 * 12 * 64, 1024)
+    assert preflight.kv_shape_from_config(gpt2) == (KVShape(12, 12, 64), 1024)
     explicit_head = {"num_hidden_layers": 2, "num_attention_heads": 4, "head_dim": 256, "hidden_size": 64}
-    assert preflight.kv_elems_from_config(explicit_head) == (2 * 2 * 4 * 256, 2048)
+    assert preflight.kv_shape_from_config(explicit_head) == (KVShape(2, 4, 256), 2048)
     nested = {"text_config": llama, "vision_config": {}}
-    assert preflight.kv_elems_from_config(nested) == (2 * 32 * 8 * 128, 131072)
+    assert preflight.kv_shape_from_config(nested) == (KVShape(32, 8, 128), 131072)
 
 
 def write_safetensors(path: Path, tensors: dict[str, tuple[str, list[int]]]) -> None:
@@ -154,7 +155,7 @@ def test_folder_footprint_counts_parameters_from_headers(tmp_path: Path) -> None
     )
     write_safetensors(tmp_path / "model-00002-of-00002.safetensors", {"c": ("F32", [10, 3])})
     fp = preflight.folder_footprint(tmp_path)
-    assert fp == ModelFootprint(64 * 64 + 64 + 30, 2 * 2 * 2 * 16, 512)
+    assert fp == ModelFootprint(64 * 64 + 64 + 30, KVShape(2, 2, 16), 512)
 
 
 def test_folder_footprint_from_pytorch_bin_sizes(tmp_path: Path) -> None:
@@ -192,7 +193,7 @@ def test_gguf_header_reader_and_footprint(tmp_path: Path) -> None:
     assert set(shapes) == {"token_embd.weight", "blk.0.attn_q.weight"}
     fp = preflight.gguf_footprint(path, cached=False)
     params = 10 * 256 + 256 * 256
-    assert fp == ModelFootprint(params, 2 * 3 * 2 * 32, 4096, convert_bytes=params * 4)
+    assert fp == ModelFootprint(params, KVShape(3, 2, 32), 4096, convert_bytes=params * 4)
     assert preflight.gguf_footprint(path, cached=True).convert_bytes == 0
 
 
@@ -258,14 +259,14 @@ def test_the_amx_decoders_packed_copy_counts_on_cpu_only() -> None:
 
 def test_dtype_auto_counts_the_probes_float32_and_bfloat16_copies() -> None:
     """--dtype auto on CPU holds float32 weights and a bfloat16 copy while it times both (models/autotune/dtype.py)."""
-    auto, words = preflight.memory_need(BIG, "auto", max_model_len=None, kv_cache_bytes=None)
-    fp32, _ = preflight.memory_need(BIG, "float32", max_model_len=None, kv_cache_bytes=None)
+    auto, words = memory.memory_need(BIG, "auto", max_model_len=None, kv_cache_bytes=None)
+    fp32, _ = memory.memory_need(BIG, "float32", max_model_len=None, kv_cache_bytes=None)
     assert auto == fp32 + 15 * GB
     assert words == "weights 30.0 GB in float32 + KV cache 2.1 GB for 8192 tokens + 15.0 GB bfloat16 copy timed by " \
                     "--dtype auto"
     room = {"max_model_len": None, "kv_cache_bytes": None}
-    assert preflight.auto_cpu_dtypes(BIG, auto, **room) == (("float32", "bfloat16"), "")
-    dtypes, why = preflight.auto_cpu_dtypes(BIG, auto - 1, **room)
+    assert memory.auto_cpu_dtypes(BIG, auto, **room) == (("float32", "bfloat16"), "")
+    dtypes, why = memory.auto_cpu_dtypes(BIG, auto - 1, **room)
     assert dtypes == ("bfloat16",) and why.startswith("float32 not tried: timing it needs 47.1 GB (weights 30.0 GB")
 
 
@@ -279,8 +280,7 @@ def test_dtype_auto_is_checked_as_bfloat16_alone_when_float32_cannot_be_timed() 
 AMX_FLAGS = "fpu avx2 fma f16c avx512f avx512bw avx512vl avx512_bf16 avx512_vnni amx_tile amx_bf16"
 
 
-def test_cpu_has_amx_reads_the_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("PEREGRINE_CPU_ISA", raising=False)
+def test_cpu_has_amx_reads_the_flags(tmp_path: Path) -> None:
     with_amx, without = tmp_path / "a", tmp_path / "b"
     with_amx.write_text(f"flags\t\t: {AMX_FLAGS}\n")
     without.write_text("flags\t\t: fpu avx2 fma f16c avx512f\n")
@@ -288,28 +288,29 @@ def test_cpu_has_amx_reads_the_flags(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert not preflight.cpu_has_amx(tmp_path / "missing")
 
 
-def test_cpu_has_amx_follows_the_isa_ceiling(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cpu_has_amx_follows_the_isa_ceiling(tmp_path: Path) -> None:
     with_amx = tmp_path / "a"
     with_amx.write_text(f"flags\t\t: {AMX_FLAGS}\n")
-    monkeypatch.setenv("PEREGRINE_CPU_ISA", "avx512")
-    assert not preflight.cpu_has_amx(with_amx)  # the packed AMX copy is not counted when AMX is hidden
+    assert preflight.cpu_has_amx(with_amx, cap="amx")
+    assert not preflight.cpu_has_amx(with_amx, cap="avx512")  # the packed AMX copy is not counted when AMX is hidden
+    assert not preflight.packed_copy_kept("cpu", True, "avx512")
 
 
 # A 7.5B GGUF kept quantized (about 4.4 GB of Q4 blocks): --weight-format auto may time dense copies beside it.
-QUANT = ModelFootprint(param_count=7_500_000_000, kv_elems_per_token=2 * 32 * 8 * 128, context_len=8192,
+QUANT = ModelFootprint(param_count=7_500_000_000, kv=KVShape(32, 8, 128), context_len=8192,
                        weight_bytes=4_400_000_000)
 
 
 def test_weight_format_auto_counts_the_dense_copies_it_times_only_where_they_fit() -> None:
     room = {"max_model_len": None, "kv_cache_bytes": None}
-    quantized, _ = preflight.memory_need(QUANT, "float32", **room)  # 4.4 GB + KV cache 2.1 GB
+    quantized, _ = memory.memory_need(QUANT, "float32", **room)  # 4.4 GB + KV cache 2.1 GB
     both = quantized + 30 * GB + 15 * GB
-    assert preflight.auto_weight_formats(QUANT, both, ("float32", "bfloat16"), **room) == (("float32", "bfloat16"), "")
-    tried, why = preflight.auto_weight_formats(QUANT, both - 1, ("float32", "bfloat16"), **room)
+    assert memory.auto_weight_formats(QUANT, both, ("float32", "bfloat16"), **room) == (("float32", "bfloat16"), "")
+    tried, why = memory.auto_weight_formats(QUANT, both - 1, ("float32", "bfloat16"), **room)
     assert tried == ("bfloat16",) and why.startswith("dense float32 not tried: timing it needs 51.5 GB (weights 4.4 GB")
-    tried, why = preflight.auto_weight_formats(QUANT, quantized + 15 * GB - 1, ("float32", "bfloat16"), **room)
+    tried, why = memory.auto_weight_formats(QUANT, quantized + 15 * GB - 1, ("float32", "bfloat16"), **room)
     assert tried == () and why.startswith("dense float32 and bfloat16 not tried")
-    assert preflight.auto_weight_formats(QUANT, quantized + 30 * GB, ("float32",), **room) == (("float32",), "")
+    assert memory.auto_weight_formats(QUANT, quantized + 30 * GB, ("float32",), **room) == (("float32",), "")
     # the preflight: the probe's peak when dense is tried; the quantized need alone (no refusal) when it is not
     roomy = preflight.check(QUANT, Resources(ram_free=64 * GB), dtype="auto", on_cuda=False,
                             dense=("float32", "bfloat16"))

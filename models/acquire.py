@@ -1,0 +1,198 @@
+"""Acquisition in one straight line: settings -> source -> device and dtype -> preflight -> download -> what to load.
+
+`acquire(settings)` is the one call a start makes per model (main.py for one, serving/start.py for each of
+several); it hands back a `Prepared`: the local files, the device and dtype chosen, the frozen engine config
+and where the embedding model is. Nothing is loaded here. `import_libraries` is the one place the loaders'
+heavy libraries are imported, before any loader thread starts.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from engine.types import EngineConfig
+
+if TYPE_CHECKING:
+    from config import Settings
+    from models.hub import DownloadPlan, ModelSource
+    from models.memory import ModelFootprint
+
+log = logging.getLogger("peregrine")
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What to load: local files, the device and dtype chosen for them, and the engine config that carries them."""
+
+    model_path: Path  # a folder, or a .gguf file
+    device: str  # "cpu", "cuda:0", "tt"
+    dtype: str  # "float32", "bfloat16", "float16"; "auto" on the CPU, chosen by the loader (models/autotune/dtype.py)
+    engine_config: EngineConfig
+    embedder_at: tuple[Path, str] | None = None  # the embedding model's folder and served name
+
+
+class StartError(RuntimeError):
+    """A start-up step failed in a way the user can fix; the message says how."""
+
+
+def acquire(settings: Settings) -> Prepared:
+    """Resolve the model source, device and dtype; refuse early if it will not fit; download if needed."""
+    from engine.backends.devices import DeviceError, resolve
+    from models.hub import HubError, download, plan_download, resolve_source
+
+    try:
+        source = resolve_source(settings.model, settings.revision)
+        resolved = resolve(settings.device, settings.dtype)  # the one resolution: EngineConfig carries it
+        device, dtype = resolved.device, resolved.dtype
+        plan = plan_download(source, **_hub_args(settings)) if source.kind == "hub" else None
+        log.info("model %s (%s), device %s, dtype %s, KV cache budget %s", settings.model, source.label, device,
+                 "auto (decode steps timed once loaded)" if dtype == "auto" else dtype,
+                 kv_budget_text(settings))  # fmt: skip
+        if not settings.skip_preflight:
+            run_preflight(settings, source, plan, device, dtype)
+        path = Path(str(download(plan, **_hub_args(settings, plan=False)) if plan else source.path))
+    except (DeviceError, HubError) as exc:
+        raise StartError(str(exc)) from None
+    return Prepared(path, device, dtype, engine_config(settings, path, device, dtype), embedder_location(settings))
+
+
+def kv_budget_text(settings: Settings) -> str:
+    if settings.kv_cache_bytes is not None:
+        return f"{settings.kv_cache_bytes.human_readable()} (--kv-cache-bytes)"
+    return f"{settings.kv_cache_memory_fraction:.0%} of the memory free after loading"
+
+
+def _hub_args(settings: Settings, plan: bool = True) -> dict[str, Any]:
+    args: dict[str, Any] = {"token": settings.hf_token_value, "download_dir": settings.download_dir}
+    return args | ({"trust_remote_code": settings.trust_remote_code} if plan else {})
+
+
+def run_preflight(settings: Settings, source: ModelSource, plan: DownloadPlan | None, device: str, dtype: str) -> None:
+    """Disk for the download (and a GGUF conversion), RAM or VRAM for weights + minimal KV cache."""
+    from engine.backends.devices import cuda_index
+    from models import preflight
+    from models.hub import default_download_dir
+
+    footprint, dense = source_footprint(settings, source, plan, device, dtype)
+    download_dir = settings.download_dir or default_download_dir()
+    gpu = cuda_index(device)
+    resources = preflight.measure_resources([download_dir, settings.cache_dir], gpu)
+    needs = preflight.check(
+        footprint, resources, dtype=dtype, on_cuda=gpu is not None, device_label=device,
+        download_dir=str(download_dir), cache_dir=str(settings.cache_dir),
+        max_model_len=settings.max_model_len, kv_cache_bytes=settings.kv_cache_bytes,
+        packed_copy=preflight.packed_copy_kept(device, settings.cpu_kernels, settings.cpu_isa), dense=dense,
+        kv_dtype=settings.kv_cache_dtype,
+    )  # fmt: skip
+    for need in needs:
+        log.info("preflight: %s", need.message)
+    refusal = preflight.refusal(needs)
+    if refusal:
+        raise StartError(refusal)
+
+
+def source_footprint(
+    settings: Settings, source: ModelSource, plan: DownloadPlan | None, device: str, dtype: str
+) -> tuple[ModelFootprint, tuple[str, ...]]:
+    """What the model needs, from its metadata, and the dense dtypes `--weight-format auto` would time beside a
+    GGUF kept quantized."""
+    from models import preflight
+    from models.hub import fetch_config
+    from models.loader import gguf_cache_folder, is_converted
+
+    dense: tuple[str, ...] = ()
+    try:
+        if source.kind == "gguf":
+            quantized = settings.weight_format != "dense" and device == "cpu"  # kept as the file holds them
+            cached = quantized or is_converted(gguf_cache_folder(source.path, settings.cache_dir))
+            footprint = preflight.gguf_footprint(source.path, cached=cached, quantized=quantized)
+            if quantized and settings.weight_format == "auto":  # dense copies timed beside it, where they fit
+                dense = ("float32", "bfloat16") if dtype == "auto" else (dtype,)
+        elif source.kind == "folder":
+            footprint = preflight.folder_footprint(source.path)
+        else:
+            config = fetch_config(plan, **_hub_args(settings, plan=False))
+            footprint = preflight.hub_footprint(plan.param_count, plan.files, plan.missing_bytes, config)
+    except (OSError, ValueError, KeyError) as exc:
+        raise StartError(f"preflight cannot read {source.label}: {exc} (--skip-preflight skips the check)") from None
+    return footprint, dense
+
+
+def local_footprint(prepared: Prepared, model: str) -> ModelFootprint:
+    """What the (now local) model needs, from its headers: a .gguf file or a transformers folder."""
+    from models import preflight
+
+    path = prepared.model_path
+    try:
+        if path.suffix == ".gguf":
+            return preflight.gguf_footprint(path, cached=True)
+        return preflight.folder_footprint(path)
+    except (OSError, ValueError, KeyError) as exc:
+        raise StartError(f"cannot read the size of {model} at {path}: {exc}") from None
+
+
+def engine_config(settings: Settings, path: Path, device: str, dtype: str) -> EngineConfig:
+    """The frozen engine config for the model at `path` on `device` in `dtype`."""
+    is_gguf = path.suffix == ".gguf"
+    return EngineConfig(
+        model_path=str(path.parent if is_gguf else path),
+        model_name=settings.model_id,
+        gguf_file=path.name if is_gguf else None,
+        device=device,
+        dtype=dtype,
+        max_num_seqs=settings.max_num_seqs,
+        max_model_len=settings.max_model_len,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        block_size=settings.block_size,
+        kv_cache_memory_fraction=settings.kv_cache_memory_fraction,
+        kv_cache_bytes=settings.kv_cache_bytes,
+        kv_cache_dtype=settings.kv_cache_dtype,
+        cache_dir=str(settings.cache_dir),
+        seed=settings.seed,
+        trust_remote_code=settings.trust_remote_code,
+        model_impl=settings.model_impl,
+        cpu_kernels=settings.cpu_kernels,
+        cpu_isa=settings.cpu_isa,
+        weight_format=settings.weight_format,
+        quantize=None if settings.quantize == "none" else settings.quantize,
+        prefix_caching=settings.prefix_caching,
+    )
+
+
+def embedder_location(settings: Settings) -> tuple[Path, str] | None:
+    """The embedding model's folder and served name, or None when --embedding-model none."""
+    if settings.embedding_model.strip().lower() in ("", "none", "off"):
+        return None
+    from models.embedder import discoverable_name, resolve_embedding_model
+
+    try:
+        path, name = resolve_embedding_model(settings.embedding_model)
+    except (ValueError, FileNotFoundError) as exc:
+        raise StartError(f"--embedding-model: {exc}") from None
+    return path, settings.embedding_served_name or discoverable_name(name)
+
+
+def import_libraries() -> None:
+    """Import what the loaders use, once, in the calling thread, before any loader thread starts. Two threads
+    importing transformers at once can find it half-initialised: the several-models start, whose default model
+    and embedding model load in two threads, once left its default model unloaded with "ImportError: cannot
+    import name 'AutoTokenizer' from 'transformers'" (issue 34)."""
+    import gguf  # noqa: F401 - the GGUF readers (models/gguf_weights.py, engine/model/quant.py)
+    from transformers import (  # noqa: F401 - transformers' lazy names, resolved here once
+        AutoConfig,
+        AutoModel,
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        GenerationConfig,
+        PreTrainedModel,
+        PreTrainedTokenizerFast,
+    )
+
+    import engine.async_engine  # noqa: F401 - the engine, its model runner and kernels' Python side
+    import engine.llm_engine  # noqa: F401
+    import models.embedder  # noqa: F401
+    import models.gguf_weights  # noqa: F401
+    import models.loader  # noqa: F401
