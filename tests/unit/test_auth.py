@@ -318,7 +318,7 @@ def test_mint_cli_runs_as_a_module() -> None:
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=300,
         check=True,
     )
     claims = jwt.decode(result.stdout.strip(), SECRET, algorithms=["HS256"])
