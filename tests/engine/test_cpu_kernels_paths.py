@@ -240,7 +240,7 @@ def test_the_avx2_path_is_what_a_capped_engine_uses(monkeypatch: pytest.MonkeyPa
         pytest.skip(f"avx2 path: {_path_reason('avx2')}")
     monkeypatch.setenv(cpu_features.ENV, "avx2")
     engine = engine_factory(tiny)
-    assert engine.backends.kernels.path == "avx2" and engine.runner.decode_attention is not None
+    assert engine.kernels.path == "avx2" and engine.runner.decode_attention is not None
 
 
 @pytest.mark.slow
@@ -253,7 +253,7 @@ def test_bundled_model_float32_greedy_is_the_same_with_kernels_on_and_off(smollm
     for enabled in (True, False):
         engine = engine_factory(smollm2_fp32, kv_cache_bytes=32 << 20, max_num_batched_tokens=256,
                                 cpu_kernels=enabled)
-        assert (engine.backends.kernels.path == "torch") is not enabled
+        assert (engine.kernels.path == "torch") is not enabled
         outs = run_all(engine, {f"r{i}": (p, SamplingParams(temperature=0.0, max_tokens=12))
                                 for i, p in enumerate(prompts)})
         answers[enabled] = [tokens_of(outs[f"r{i}"]) for i in range(len(prompts))]
