@@ -175,7 +175,7 @@ def _llama_server(name: str, opts: PeerOptions, port: int) -> Peer:
     cmd = [str(binary), "-m", str(opts.gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(opts.threads),
            "-tb", str(opts.threads), "-np", str(slots), "-kvu", "-c", str(ctx), "--no-webui", "--no-warmup"]
     if _cpu_has("amx_tile"):
-        cmd.append("--no-repack")  # extra buffer types off only where they crash: ggml's AMX kernels (see README)
+        cmd.append("--no-repack")  # extra buffer types off only where they crash: ggml's AMX kernels (see docs/benchmarks.md, "The peers")
     return Peer(name, desc, cmd, model=GGUF_NAME, ready_path="/health")
 
 

@@ -1,6 +1,6 @@
 """A real Llama Stack server (llama-stack 0.7.x, Python 3.12) whose only inference provider is Peregrine.
 
-The stack runs `examples/llama-stack-run.yaml` (the file the README shows) with `PEREGRINE_URL` pointing at
+The stack runs `examples/llama-stack-run.yaml` (the file docs/llama-stack.md shows) with `PEREGRINE_URL` pointing at
 the test server's /v1, on a free loopback port, from its own cached virtual environment; it is stopped by
 its PID. llama-stack-client 0.7.x then talks to the stack only, and must get Peregrine's answers; the openai
 SDK, pointed at the stack's OpenAI-compatible routes, gets tool calls and JSON-schema answers through it.

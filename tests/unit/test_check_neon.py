@@ -1,7 +1,7 @@
 """scripts/check_neon.py: the kernels' NEON backend compiles for aarch64 (zig's clang, from any x86 machine).
 
-Needs a Python with the `ziglang` package: this one, or the one `PEREGRINE_ZIG_PYTHON` names (README "CPU
-kernels"); skipped, with the reason, where there is none. One kernel file plus the probe that vec.h picked NEON
+Needs a Python with the `ziglang` package: this one, or the one `PEREGRINE_ZIG_PYTHON` names (docs/testing.md, "The
+aarch64 build"); skipped, with the reason, where there is none. One kernel file plus the probe that vec.h picked NEON
 keep it short; `python scripts/check_neon.py` checks every file."""
 
 from __future__ import annotations
