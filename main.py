@@ -75,13 +75,11 @@ def quiet_openmp_waits() -> None:
 
 
 def apply_cpu_isa(cap: str) -> None:
-    """Make --cpu-isa the process-wide ceiling the kernels read (child processes inherit it), and log it."""
+    """Log the instruction set --cpu-isa leaves the kernels (the cap itself travels in EngineConfig.cpu_isa)."""
     from engine.backends import cpu_features
 
-    if cap != "auto":
-        os.environ[cpu_features.ENV] = cap
     detected = cpu_features.detected_level()
-    log.info("CPU kernels' instruction set: %s (this CPU: %s%s)", cpu_features.isa_level(), detected,
+    log.info("CPU kernels' instruction set: %s (this CPU: %s%s)", cpu_features.isa_level(cap=cap), detected,
              "" if cap == "auto" else f", capped by --cpu-isa {cap}")  # fmt: skip
 
 
@@ -157,7 +155,7 @@ def run_preflight(settings: Settings, source: Any, plan: Any, device: str, dtype
         footprint, resources, dtype=dtype, on_cuda=gpu is not None, device_label=device,
         download_dir=str(download_dir), cache_dir=str(settings.cache_dir),
         max_model_len=settings.max_model_len, kv_cache_bytes=settings.kv_cache_bytes,
-        packed_copy=preflight.packed_copy_kept(device, settings.cpu_kernels), dense=dense,
+        packed_copy=preflight.packed_copy_kept(device, settings.cpu_kernels, settings.cpu_isa), dense=dense,
         kv_dtype=settings.kv_cache_dtype,
     )  # fmt: skip
     for need in needs:
@@ -191,6 +189,7 @@ def engine_config(settings: Settings, prepared: Prepared) -> Any:
         trust_remote_code=settings.trust_remote_code,
         model_impl=settings.model_impl,
         cpu_kernels=settings.cpu_kernels,
+        cpu_isa=settings.cpu_isa,
         weight_format=settings.weight_format,
         quantize=None if settings.quantize == "none" else settings.quantize,
         prefix_caching=settings.prefix_caching,
@@ -270,10 +269,10 @@ class Loader:
             self.server.should_exit = True
 
     def _load(self) -> None:
-        from engine import AsyncEngine
+        from models.engine_factory import build_async_engine
 
         load_embedder(self.app, self.embedder_at, self.device)
-        engine = AsyncEngine.from_config(self.cfg)
+        engine = build_async_engine(self.cfg)
         engine.start()
         self.engine = engine
         self.app.state.engine = engine

@@ -52,7 +52,7 @@ def model_spec(entry: ModelEntry, prepared: Prepared) -> Any:
     settings = settings.model_copy(update={"kv_cache_bytes": kv})
     need, words = preflight.memory_need(
         footprint, prepared.dtype, max_model_len=settings.max_model_len, kv_cache_bytes=kv,
-        packed_copy=preflight.packed_copy_kept(prepared.device, settings.cpu_kernels),
+        packed_copy=preflight.packed_copy_kept(prepared.device, settings.cpu_kernels, settings.cpu_isa),
         kv_dtype=settings.kv_cache_dtype,
     )  # fmt: skip
     return ModelSpec(
@@ -88,9 +88,9 @@ def memory_budget(settings: Settings, device: str) -> int:
 
 def start_engine(cfg: Any) -> Any:
     """Load one model and start its engine loop (blocking: the registry runs it in a worker thread)."""
-    from engine import AsyncEngine
+    from models.engine_factory import build_async_engine
 
-    engine = AsyncEngine.from_config(cfg)
+    engine = build_async_engine(cfg)
     engine.start()
     stats = engine.stats()
     log.info("%s: max_model_len %d, KV cache %d tokens", engine.model_name, engine.max_model_len,

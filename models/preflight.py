@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+from engine.types import DTYPE_BYTES  # the engine's one dtype table
+
 # A model config's context length, under the names model families use (the loader reads the same list).
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 
@@ -374,18 +375,21 @@ def _prod(shape: Iterable[int]) -> int:
 # --- measuring what the machine has -------------------------------------------------------------------
 
 
-def cpu_has_amx(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
-    """Whether the kernels may use AMX here (the CPU reports it and PEREGRINE_CPU_ISA does not hide it),
-    without building them."""
+def cpu_has_amx(cpuinfo: Path = Path("/proc/cpuinfo"), cpu_isa: str = "auto") -> bool:
+    """Whether the kernels may use AMX here (the CPU reports it and the ISA cap does not hide it), without
+    building them: the CPU backend's one AMX decision (engine/backends/cpu_features.amx)."""
     from engine.backends import cpu_features
 
-    return cpu_features.has("amx", flags=cpu_features.cpu_flags.__wrapped__(cpuinfo))
+    return cpu_features.amx(cpu_isa, flags=cpu_features.cpu_flags.__wrapped__(cpuinfo))
 
 
-def packed_copy_kept(device: str, cpu_kernels: bool) -> bool:
-    """Whether bfloat16 decode steps keep a packed copy of the weights (the CPU with the kernels on and AMX
-    usable, as engine/backends/cpu_kernels.py decides): the one place the preflight, the loader and main.py ask."""
-    return device == "cpu" and cpu_kernels and cpu_has_amx()
+def packed_copy_kept(device: str, cpu_kernels: bool, cpu_isa: str = "auto") -> bool:
+    """Whether bfloat16 decode steps keep a packed copy of the weights: the CPU backend's answer
+    (engine/backends/cpu.py, `keeps_packed_copy`); the one place the preflight, the loader and main.py ask."""
+    from engine.backends.cpu import keeps_packed_copy
+    from engine.backends.kernels import KernelOptions
+
+    return device == "cpu" and keeps_packed_copy(KernelOptions(cpu_kernels, None, cpu_isa))
 
 
 def disk_of(path: Path) -> Disk:

@@ -1,7 +1,7 @@
 """The engine-only baseline for the server-overhead comparison (`scripts/bench.py --peers engine,peregrine`).
 
 It loads the engine in this process exactly as `main.py` would with the same flags (`config.Settings` ->
-`main.prepare` -> `main.engine_config` -> `AsyncEngine.from_config`) and drives the same requests through
+`main.prepare` -> `main.engine_config` -> `models.engine_factory.build_async_engine`) and drives the same requests through
 `AsyncEngine.generate` directly, with the same concurrency and timing rules as the HTTP client (TTFT at
 the first output carrying text, ITL between such outputs). The ratio of Peregrine's HTTP+SSE throughput
 to this one is the server's overhead.
@@ -33,14 +33,14 @@ def load_engine(server_args: Sequence[str]) -> Any:
     sys.path.insert(0, str(REPO))
     import main as peregrine_main
     from config import settings_or_exit
-    from engine import AsyncEngine
+    from models.engine_factory import build_async_engine
 
     settings = settings_or_exit(list(server_args))
     prepared = peregrine_main.prepare(settings)
     built: list[Any] = []
 
     def build() -> None:
-        engine = AsyncEngine.from_config(peregrine_main.engine_config(settings, prepared))
+        engine = build_async_engine(peregrine_main.engine_config(settings, prepared))
         engine.start()
         built.append(engine)
 
