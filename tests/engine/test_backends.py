@@ -133,3 +133,32 @@ def test_an_engine_starts_on_tt_and_answers_through_the_compiled_graph(fake_tt: 
     out = run_all(engine, {"r": (prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))})
     assert tokens_of(out["r"]) == hf_greedy(tiny.model, prompt, 6)
     assert torch_ttnn.compiled, "the forward did not go through torch_ttnn's backend"
+
+
+@pytest.mark.slow
+def test_main_py_starts_with_device_tt_and_answers_a_chat_request(tiny_model_dir: Any, tmp_path: Path) -> None:
+    """`python main.py --device tt` as a user starts it, with the fake ttnn / torch_ttnn on its PYTHONPATH (no
+    Tenstorrent card is here): ready, then one chat completion through the real OpenAI SDK."""
+    import subprocess
+
+    import openai
+
+    from tests.support import free_port, server_env, stop_process, wait_http_ok
+
+    port = free_port()
+    env = server_env() | {"PYTHONPATH": str(FAKE_TT)}
+    cmd = [sys.executable, str(Path(__file__).resolve().parents[2] / "main.py"), "--model", str(tiny_model_dir.path),
+           "--host", "127.0.0.1", "--port", str(port), "--device", "tt", "--dtype", "float32",
+           "--embedding-model", "none", "--skip-preflight", "--served-model-name", "tiny"]  # fmt: skip
+    log_path = tmp_path / "server.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_http_ok(f"http://127.0.0.1:{port}/ready", proc, log_path, 600.0)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
+        chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                              max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+        assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 4
+        assert "forward pass: generic" in log_path.read_text(errors="replace")  # the TT backend's forward
+    finally:
+        stop_process(proc)
