@@ -121,11 +121,11 @@ class Loader:
             self.server.should_exit = True
 
     def _load(self) -> None:
-        from engine import AsyncEngine
+        from models.engine_factory import build_async_engine
         from serving.start import load_embedder
 
         load_embedder(self.app, self.prepared.embedder_at, self.prepared.device)
-        engine = AsyncEngine.from_config(self.cfg)
+        engine = build_async_engine(self.cfg)
         engine.start()
         self.engine = engine
         self.app.state.engine = engine

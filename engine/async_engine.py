@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import queue
 import threading
 import time
@@ -28,7 +27,6 @@ import torch
 from engine.llm_engine import LLMEngine
 from engine.sampling import grammar
 from engine.types import (
-    EngineConfig,
     EngineDeadError,
     EngineError,
     EngineStats,
@@ -67,7 +65,7 @@ class AsyncEngine:
         """hand_off_s: how long a step may wait for the event loop to take the last step's outputs (module
         docstring); None: HAND_OFF_WAIT_S where the engine's threads take every CPU, else 0 (no wait)."""
         self.engine = engine
-        self.hand_off_s = (HAND_OFF_WAIT_S if team_fills_cpus(engine.device) else 0.0) if hand_off_s is None \
+        self.hand_off_s = (HAND_OFF_WAIT_S if engine.backend.team_fills_cpus() else 0.0) if hand_off_s is None \
             else hand_off_s
         if self.hand_off_s:
             log.info("each step waits up to %.0f ms for the event loop to stream the last one's tokens: the "
@@ -82,10 +80,6 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._alive = True
         self._last_step_end = time.monotonic()
-
-    @classmethod
-    def from_config(cls, cfg: EngineConfig) -> AsyncEngine:
-        return cls(LLMEngine.from_config(cfg), cfg.model_name)
 
     @property
     def tokenizer(self) -> Any:
@@ -275,11 +269,3 @@ class AsyncEngine:
 def _deliver(stream: _Stream, outs: list[RequestOutput]) -> None:
     with contextlib.suppress(RuntimeError):  # the consumer's event loop is closed: nobody is listening
         stream.loop.call_soon_threadsafe(stream.queue.put_nowait, outs)
-
-
-def team_fills_cpus(device: Any) -> bool:
-    """True when the engine computes on the CPU with as many threads as the CPUs this process may use."""
-    if getattr(device, "type", str(device)) != "cpu":
-        return False
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return torch.get_num_threads() >= cpus

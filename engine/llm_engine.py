@@ -1,7 +1,8 @@
 """The synchronous engine: one `step()` serves every running request by one token (or one prefill chunk).
 
 `AsyncEngine` (engine/async_engine.py) runs `step()` in its own thread; tests and benchmarks may drive it
-directly.
+directly. The engine is built from a loaded model (models/engine_factory.py loads one from an `EngineConfig`: the
+engine imports neither models/ nor config/).
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -51,14 +51,14 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.device = device
         self.dtype = dtype
-        backend = devices.backend_for(cfg.device, device)
+        self.backend = backend = devices.backend_for(cfg, device)  # every device decision: engine/backends/
         self.kv_cache = _allocate_kv(model, cfg, backend.free_memory_bytes(), dtype, device, max_model_len)
         self.max_model_len = min(max_model_len, self.kv_cache.num_slots)
         self.blocks = BlockManager(self.kv_cache.num_blocks, cfg.block_size, cfg.prefix_caching)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        kernel_cache = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else None
-        self.kernels = backend.kernels(dtype, cfg.cpu_kernels, kernel_cache)  # chosen once, passed once
-        self.runner = ModelRunner(backend.prepare(model), self.kv_cache, device, cfg.model_impl, self.kernels)
+        self.kernels = backend.kernels(dtype)  # chosen once, passed once
+        self.runner = ModelRunner(backend.prepare(model, self.kernels), self.kv_cache, device,
+                                  backend.forward_impl(cfg.model_impl), self.kernels)
         head = model.get_output_embeddings()
         self.vocab_size = int(getattr(head, "out_features", None) or head.weight.shape[0])  # quantized: no .weight
         self.eos_token_ids = eos_token_ids(model, tokenizer)
@@ -71,13 +71,6 @@ class LLMEngine:
         self._grammars: dict[tuple[str, int], grammar.GrammarState] = {}
         self._filler: grammar.BitmaskFiller | None = None
         self._mask_thread: ThreadPoolExecutor | None = None
-
-    @classmethod
-    def from_config(cls, cfg: EngineConfig) -> LLMEngine:
-        from models.loader import load_model
-
-        loaded = load_model(cfg)
-        return cls(loaded.model, loaded.tokenizer, cfg, loaded.device, loaded.dtype, loaded.max_model_len)
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model, sample, update and emit."""

@@ -19,6 +19,17 @@ aborted by the caller (client gone, timeout) -> "abort"; the engine failed -> "e
 MAX_LOGPROBS = 20
 """The most alternatives `logprobs` / `prompt_logprobs` may ask for (the OpenAI API's bound)."""
 
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
+"""The one dtype table: the dtypes a model, its activations or its KV cache may be kept in (by torch's names), and
+the bytes of one element. engine.backends.devices.DTYPES maps the names to torch dtypes; models/ imports this."""
+
+
+def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype: str) -> int:
+    """The one KV arithmetic: bytes one token's keys and values take across all layers, in `dtype` (a DTYPE_BYTES
+    name). The engine sizes its cache with it (engine.model.kv_cache.KVCacheSpec); the preflight calls it too."""
+    return 2 * layers * kv_heads * head_dim * DTYPE_BYTES[dtype]
+
+
 ConstraintKind = Literal["json_schema", "json_object", "regex", "choice", "lark", "gbnf"]
 
 
@@ -179,12 +190,12 @@ class EngineConfig:
     kv_cache_memory_fraction: float = 0.5  # of the memory free after the model loads
     kv_cache_bytes: int | None = None  # explicit size; overrides the fraction
     kv_cache_dtype: str = "auto"  # auto (the model dtype) | float32 | bfloat16 | float16
-    cache_dir: str | None = None  # where converted GGUF models are cached (needed for GGUF; config.DEFAULT_CACHE_DIR)
+    cache_dir: str | None = None  # converted GGUF models and compiled kernels (needed for both; config's default)
     seed: int = 0
     trust_remote_code: bool = False
     model_impl: str = "auto"  # auto | generic | llama: the forward pass (auto: Llama fast path when it applies)
-    cpu_kernels: bool = True  # Peregrine's AVX512-BF16 decode kernel (engine.backends.cpu_kernels) where it applies
-    cpu_isa: str = "auto"  # auto | amx | avx512 | avx2 | none: the highest instruction set the CPU kernels may use
+    cpu_kernels: bool = True  # Peregrine's CPU kernels (engine.backends.cpu_kernels, quant_kernels) where they apply
+    cpu_isa: str = "auto"  # auto | amx | avx512 | avx2 | none: the highest ISA the CPU kernels may use (--cpu-isa)
     weight_format: str = "auto"  # auto | quantized | dense: a GGUF's weights kept quantized in RAM, or dense
     quantize: str | None = None  # "int8": linear weights of a dense model to Q8_0 blocks at load
     prefix_caching: bool = True  # reuse the KV of full blocks whose prefix was computed before (block_manager)

@@ -162,7 +162,7 @@ class Embedder:
         from transformers import AutoModel, AutoTokenizer
 
         path = Path(path)
-        torch_device = torch.device(device if devices.kind_of(device) == "cuda" else "cpu")  # tt, auto: the host
+        torch_device = devices.aux_device(device)  # the backend's choice: a CUDA device's own, else the host
         torch_dtype = torch.float32 if dtype == "auto" else getattr(torch, dtype)
         model = AutoModel.from_pretrained(str(path), dtype=torch_dtype).to(torch_device).eval()
         tokenizer = AutoTokenizer.from_pretrained(str(path))

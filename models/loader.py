@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from engine.backends.devices import placement
+from engine.backends.devices import backend_for, placement
 from engine.backends.huge_pages import release_freed_memory
 from engine.types import EngineConfig
 from models import memory, preflight
@@ -59,10 +59,12 @@ def load_model(cfg: EngineConfig) -> LoadedModel:
     cache); eval, no grad. The one place the dtype is decided: `--dtype auto` on the CPU loads float32 and times
     decode steps in each candidate (models/autotune/dtype.py); the returned `dtype` is the one served."""
     device, dtype = placement(cfg.device, cfg.dtype)
+    backend = backend_for(cfg, device)  # every device decision (placement, kernels) is the backend's
     start, asked = time.perf_counter(), dtype
     loaded = load_quantized_gguf(cfg, device, dtype) if serves_quantized_gguf(cfg, device) else None
     if loaded is not None:
         (model, tokenizer, dtype, folder), loaded = loaded, None  # the model only: a dense one may replace it
+        backend.prepare_weights(model)  # the quantized-weight kernels the config allows (none: --cpu-kernels off)
         if cfg.weight_format == "auto":  # `--dtype auto` (placement's None) gives float32 and bfloat16 candidates
             model, dtype = fastest_format(model, tokenizer, cfg, device, dtype, auto_dtype=asked is None)
     else:
@@ -71,9 +73,9 @@ def load_model(cfg: EngineConfig) -> LoadedModel:
         if dtype is None:
             model, dtype = load_fastest(folder, tokenizer, cfg, device)
         else:
-            model = load_weights(folder, dtype, device, cfg.trust_remote_code)
+            model = load_weights(folder, dtype, device, cfg)
         if cfg.quantize == "int8":
-            quantize_int8(model, device)
+            quantize_int8(model, device, cfg)
     log_resident(model)
     max_len = context_length(model.config, cfg.max_model_len)
     log.info(
@@ -98,8 +100,8 @@ def load_fastest(folder: Path, tokenizer: Any, cfg: EngineConfig, device: torch.
     )  # fmt: skip
     if len(dtypes) == 1:
         log.info("dtype auto: bfloat16 (%s)", why)
-        return load_weights(folder, torch.bfloat16, device, cfg.trust_remote_code), torch.bfloat16
-    model = load_weights(folder, torch.float32, device, cfg.trust_remote_code)
+        return load_weights(folder, torch.bfloat16, device, cfg), torch.bfloat16
+    model = load_weights(folder, torch.float32, device, cfg)
     chosen = dtype_probe.choose(model, tokenizer, cfg, device, context_length(model.config, cfg.max_model_len))
     del model
     gc.collect()  # the other dtype's copy and the probe's engines: the KV cache is sized from the RAM free after this
@@ -142,7 +144,7 @@ def serves_quantized_gguf(cfg: EngineConfig, device: torch.device) -> bool:
         if cfg.weight_format == "quantized" and cfg.gguf_file is None and cfg.quantize is None:
             raise LoadError("--weight-format quantized needs a .gguf model (or --quantize int8 for safetensors)")
         return False
-    if device.type != "cpu":
+    if not backend_for(cfg, device).serves_quantized:
         if cfg.weight_format == "quantized":
             raise LoadError(f"--weight-format quantized runs on the CPU only, not on {device}")
         return False
@@ -178,12 +180,13 @@ def load_quantized_gguf(
     return model, tokenizer, dtype, folder
 
 
-def quantize_int8(model: Any, device: torch.device) -> None:
+def quantize_int8(model: Any, device: torch.device, cfg: EngineConfig) -> None:
     """`--quantize int8`: every Linear of the decoder layers and the LM head to Q8_0 blocks, the same kernels as
     GGUF weights (CPU only; a tied LM head shares the embedding's one quantized copy)."""
     from engine.model.quant import QuantEmbedding, QuantLinear, quantize_q8_0
 
-    if device.type != "cpu":
+    backend = backend_for(cfg, device)
+    if not backend.serves_quantized:
         raise LoadError(f"--quantize int8 runs on the CPU only, not on {device}")
     names = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear and m.in_features % 32 == 0]
     embed = model.get_input_embeddings()
@@ -199,6 +202,7 @@ def quantize_int8(model: Any, device: torch.device) -> None:
         weight = quantize_q8_0(embed.weight).repack()
         model.set_input_embeddings(QuantEmbedding(weight, embed.weight.dtype))
         model.lm_head = QuantLinear(weight)
+    backend.prepare_weights(model)
     gc.collect()
     release_freed_memory()
     log.info("--quantize int8: linear weights quantized to Q8_0 (%s)", quant_summary(model))
@@ -240,21 +244,19 @@ def load_tokenizer(folder: Path, trust_remote_code: bool = False) -> Any:
     return tokenizer
 
 
-def load_weights(
-    folder: Path, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False
-) -> Any:
-    """AutoModelForCausalLM in eval mode with gradients off, placed straight on a CUDA device when used."""
+def load_weights(folder: Path, dtype: torch.dtype, device: torch.device, cfg: EngineConfig) -> Any:
+    """AutoModelForCausalLM in eval mode with gradients off, placed as the device's backend says (straight onto a
+    CUDA device while loading)."""
     from transformers import AutoModelForCausalLM
 
-    placement = {"device_map": {"": str(device)}} if device.type == "cuda" else {}
+    backend = backend_for(cfg, device)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            folder, dtype=dtype, trust_remote_code=trust_remote_code, **placement
+            folder, dtype=dtype, trust_remote_code=cfg.trust_remote_code, **backend.load_kwargs()
         )
     except (ValueError, OSError) as exc:
         raise LoadError(f"transformers cannot load {folder} as a causal LM: {exc}") from exc
-    if device.type != "cuda":
-        model = model.to(device)
+    model = backend.place(model)
     model.eval()
     model.requires_grad_(False)
     return model

@@ -1,7 +1,7 @@
 """The engine-only baseline for the server-overhead comparison (`scripts/bench.py --peers engine,peregrine`).
 
 It loads the engine in this process exactly as `main.py` would with the same flags (`config.Settings` ->
-`models.acquire.acquire` -> `AsyncEngine.from_config`) and drives the same requests through
+`models.acquire.acquire` -> `models.engine_factory.build_async_engine`) and drives the same requests through
 `AsyncEngine.generate` directly, with the same concurrency and timing rules as the HTTP client (TTFT at
 the first output carrying text, ITL between such outputs). The ratio of Peregrine's HTTP+SSE throughput
 to this one is the server's overhead.
@@ -32,15 +32,15 @@ def load_engine(server_args: Sequence[str]) -> Any:
     """
     sys.path.insert(0, str(REPO))
     from config import settings_or_exit
-    from engine import AsyncEngine
     from models.acquire import acquire
+    from models.engine_factory import build_async_engine
 
     settings = settings_or_exit(list(server_args))
     prepared = acquire(settings)
     built: list[Any] = []
 
     def build() -> None:
-        engine = AsyncEngine.from_config(prepared.engine_config)
+        engine = build_async_engine(prepared.engine_config)
         engine.start()
         built.append(engine)
 

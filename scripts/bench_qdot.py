@@ -9,7 +9,7 @@ is bound by compute, not by memory. Prints a table, then one JSON object. Not a 
 
     python scripts/bench_qdot.py                 # the build for this CPU
     python scripts/bench_qdot.py --format Q8_0 --rows 16   # packed Q8_0 rows, 16 activation rows
-    PEREGRINE_CPU_ISA=avx2 python scripts/bench_qdot.py   # the AVX2 build on an AVX-512 machine
+    python scripts/bench_qdot.py --cpu-isa avx2  # the AVX2 build on an AVX-512 machine
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from config import tool_cache_dir  # noqa: E402
 from engine.backends import cpu_kernels  # noqa: E402
 from engine.model.quant import FORMATS, PACKS, QuantWeight  # noqa: E402
 
@@ -60,10 +61,11 @@ def main() -> None:
     parser.add_argument("--format", choices=sorted(TYPES), default="Q4_1", help="the GGUF format (packed at load)")
     parser.add_argument("--rows", type=int, default=1, help="activation rows (a decode step's sequences)")
     parser.add_argument("--repeats", type=int, default=7, help="timed batches of 500 calls; the best is reported")
+    parser.add_argument("--cpu-isa", default="auto", help="the ISA cap, as the server's --cpu-isa")
     args = parser.parse_args()
-    module = cpu_kernels.load()
+    module = cpu_kernels.load(tool_cache_dir(), cap=args.cpu_isa)
     if module is None:
-        sys.exit(f"the CPU kernels did not build: {cpu_kernels.unsupported_reason()}")
+        sys.exit(f"the CPU kernels did not build: {cpu_kernels.unsupported_reason(args.cpu_isa)}")
     torch.set_num_threads(1)
     results = [time_rows(module, args.format, k, args.rows, args.repeats) for k in args.k]
     print(f"qlinear, {args.format} rows packed, {args.rows} activation row(s), one thread, {module.isa()} build")

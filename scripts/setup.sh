@@ -114,7 +114,7 @@ install_browser
 # Peregrine's CPU decode kernel is compiled once into the cache, here rather than on the first start. It is
 # optional: where the CPU or the compiler cannot build it, the engine logs why and uses torch's kernels.
 "$VENV/bin/python" -c 'import logging; logging.basicConfig(level=logging.INFO, format="setup: %(message)s")
-from engine.backends import cpu_kernels; cpu_kernels.load()' || echo "setup: CPU kernel not built (the engine falls back to torch)"
+from config import tool_cache_dir; from engine.backends import cpu_kernels; cpu_kernels.load(tool_cache_dir())' || echo "setup: CPU kernel not built (the engine falls back to torch)"
 
 echo "$want" > "$STAMP"
 echo "$EXTRAS" > "$EXTRAS_STAMP"

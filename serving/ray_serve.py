@@ -249,14 +249,14 @@ class PeregrineReplica:
     """One replica: its own engine (and embedder), built once, serving `create_app`'s app."""
 
     def __init__(self, plan: ReplicaPlan) -> None:
-        from engine import AsyncEngine
+        from models.engine_factory import build_async_engine
 
         self.plan = plan
         self.replica_id = serve.get_replica_context().replica_tag
         self.engine_config = replica_config(plan)
         log.info("replica %s (pid %d) loading %s on %s", self.replica_id, os.getpid(), plan.engine_config.model_path,
                  self.engine_config.device)  # fmt: skip
-        self.engine = AsyncEngine.from_config(self.engine_config)
+        self.engine = build_async_engine(self.engine_config)
         self.engine.start()
         self.embedder = self._load_embedder(self.engine.device)
 

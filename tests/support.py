@@ -177,11 +177,13 @@ def make_engine(loaded: Loaded, **overrides: Any) -> Any:
     """A synchronous LLMEngine over an already loaded model, with a small explicit KV budget."""
     import torch
 
+    from config import tool_cache_dir
     from engine.llm_engine import LLMEngine
     from engine.types import EngineConfig
 
     settings: dict[str, Any] = {"model_path": "in-memory", "model_name": "test", "device": "cpu",
-                                "kv_cache_bytes": 4 << 20, "max_num_seqs": 16, "max_num_batched_tokens": 64}
+                                "kv_cache_bytes": 4 << 20, "max_num_seqs": 16, "max_num_batched_tokens": 64,
+                                "cache_dir": str(tool_cache_dir())}  # where the CPU kernels were built
     settings.update(overrides)
     cfg = EngineConfig(**settings)
     dtype = next(loaded.model.parameters()).dtype

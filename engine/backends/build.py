@@ -1,4 +1,11 @@
-"""Building Peregrine's C++ extensions: one compiled module per ISA level, cached, and one guard around each build.
+"""Building and loading Peregrine's C++ extensions: one compiled module per ISA level, cached, one guard around each
+build, and the one loader (`load_extension`) that both the CPU kernels (engine/backends/cpu_kernels.py) and the
+quantized-weight kernels (engine/backends/quant_kernels.py) go through.
+
+`load_extension(name, sources, level, cache_dir)` gives the module, built on first use, or None with the reason
+when it cannot build (the caller logs it once and keeps torch's ops). One module per name, level and source set in
+a process, wherever it was built: pybind11 refuses to register the same classes twice, so another cache folder
+reuses the module already loaded; a failed build is not retried in the same process.
 
 `build_extension(name, sources, level, cache_dir)` compiles `sources` with torch's extension builder
 (`torch.utils.cpp_extension.load`) and the flags of `level` (`LEVEL_FLAGS`), into
@@ -129,6 +136,34 @@ def build_extension(name: str, sources: Sequence[Path], level: str, cache_dir: P
             built.touch()  # the library is whole: only now may a later process import it without the builder
     log.debug("%s (%s) ready in %.1f s", name, level, time.perf_counter() - started)
     return module
+
+
+_loaded: dict[tuple[str, str, str], ModuleType | None] = {}  # (name, level, build key) -> module; None: failed
+_failures: dict[tuple[str, str, str], str] = {}  # why each failed build failed
+
+
+def load_extension(name: str, sources: Sequence[Path], level: str,
+                   cache_dir: Path) -> tuple[ModuleType | None, str | None]:
+    """(the module `<name>_<level>`, None) built once into `cache_dir/kernels`, or (None, why) when the build fails:
+    a failed build must never stop the server, the caller falls back to torch's ops."""
+    key = (name, level, build_key(sources, level_flags(level)))
+    if key in _loaded:
+        module = _loaded[key]
+        return (module, None) if module is not None else (None, _failures[key])
+    try:
+        module, reason = build_extension(name, sources, level, cache_dir), None
+    except Exception as exc:
+        text = str(exc).strip()
+        module, reason = None, f"build failed: {text.splitlines()[-1] if text else type(exc).__name__}"
+        _failures[key] = reason
+    _loaded[key] = module
+    return module, reason
+
+
+def forget_failures() -> None:
+    """Let failed builds be tried again (tests that repair a build folder)."""
+    for key in [k for k, module in _loaded.items() if module is None]:
+        del _loaded[key]
 
 
 def import_library(module_name: str, library: Path) -> ModuleType:

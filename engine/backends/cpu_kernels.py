@@ -21,37 +21,39 @@ family, `bindings.cpp`), for the decode steps torch's general kernels serve badl
   decode-only steps through it: at batch 1 the ~450 small ops per step that remain around the weight reads, and the
   thread wake-ups between them, are what keep the Python-level path from the memory roofline.
 
-The sources are compiled once per ISA level (`engine.backends.build.build_extension`: "avx512" with the AMX
-flags, "avx2", "neon") with torch's extension builder on first use (a C++ compiler is needed; about a minute on
-a quiet machine) and cached under `<cache>/kernels/`, keyed by the sources' bytes, the flags and torch's version
-(not their path: another clone loads the same build), so later starts load it in milliseconds. `build_level()`
-picks the best level the CPU has under the PEREGRINE_CPU_ISA ceiling, and the path taken is logged once. When no
-level applies, no compiler is found, or the build fails, `load()` logs why once and the engine keeps torch's ops.
-Which kernels serve which dtype on which level is measured (`LINEAR_ROWS`, `DECODER_DTYPES`, `ADD_NORM_DTYPES`;
-the figures are in README "CPU kernels").
+The sources are compiled once per ISA level ("avx512" with the AMX flags, "avx2", "neon"; `cpu_features.kernel_build`
+picks the best the CPU has under the configured cap, the one ISA map) with torch's extension builder on first use
+(a C++ compiler is needed; about a minute on a quiet machine), through the one loader `build.load_extension`, and
+cached under `<cache>/kernels/`, keyed by the sources' bytes, the flags and torch's version (not their path: another
+clone loads the same build), so later starts load it in milliseconds. The path taken is logged once. When no level
+applies, no compiler is found, or the build fails, `load()` logs why once and the engine keeps torch's ops. Which
+kernels serve which dtype on which level is measured (`LINEAR_ROWS`, `DECODER_DTYPES`, `ADD_NORM_DTYPES`; the
+figures are in docs). Everything here is chosen under the engine's `KernelOptions` (enabled, cache dir, ISA cap),
+by the CPU backend (engine/backends/cpu.py), which also loads the quantized-weight kernels into the same set.
 """
 
 from __future__ import annotations
 
 import logging
-import platform
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
-from engine.backends import cpu_features
-from engine.backends.build import build_extension, build_key, level_flags
+from engine.backends import cpu_features, quant_kernels
+from engine.backends.build import load_extension
 from engine.backends.kernels import (
     AddRMSNorm,
     Argmax,
     DecodeAttention,
     DecoderFactory,
+    KernelOptions,
     Kernels,
     Linear,
     add_rms_norm_torch,
     argmax_torch,
     linear_torch,
+    onednn_linear,
 )
 
 log = logging.getLogger(__name__)
@@ -69,37 +71,21 @@ LINEAR_ROWS: dict[tuple[str, torch.dtype], tuple[int, int]] = {
     ("neon", torch.bfloat16): (1, MAX_ROWS), ("neon", torch.float32): (1, MAX_ROWS),
 }
 
-_loaded: dict[tuple[str, str], ModuleType | None] = {}  # (level, build key) -> module, None: failed
 _said: set[str | None] = set()  # paths and reasons logged already: each once
 
 
-def default_cache_dir() -> Path:
-    """Where kernels build when the caller names no cache dir (the engine always passes EngineConfig.cache_dir):
-    config's, the one default (config imports nothing of Peregrine's, so this adds no cycle)."""
-    from config import tool_cache_dir
-
-    return tool_cache_dir()
+def build_level(cap: str = "auto") -> str | None:
+    """The build the kernels use here under `cap`: "avx512" (AMX picked at run time inside it), "avx2" or "neon";
+    None where there is none."""
+    return cpu_features.kernel_build(cap)
 
 
-def build_level() -> str | None:
-    """The build the kernels use here: "avx512" (AMX picked at run time inside it), "avx2" or "neon", the best the
-    CPU has under the PEREGRINE_CPU_ISA ceiling; None where there is none."""
-    level = cpu_features.isa_level()
-    if level in ("avx512", "amx"):
-        return "avx512"
-    if level == "avx2":
-        return "avx2"
-    if platform.machine() in ("aarch64", "arm64") and cpu_features.ceiling() != "none":
-        return "neon"  # every aarch64 CPU has NEON
-    return None
-
-
-def unsupported_reason() -> str | None:
-    """Why the kernels cannot run on this machine, or None when they can."""
-    if build_level() is None:
+def unsupported_reason(cap: str = "auto") -> str | None:
+    """Why the kernels cannot run on this machine under `cap`, or None when they can."""
+    if build_level(cap) is None:
         detected = cpu_features.detected_level()
         if detected != "none":
-            return f"hidden by {cpu_features.ENV}={cpu_features.ceiling()} (this CPU: {detected})"
+            return f"hidden by --cpu-isa {cpu_features.ceiling(cap)} (this CPU: {detected})"
         return "this CPU has neither AVX2 + FMA + F16C nor NEON"
     from torch.utils.cpp_extension import get_cxx_compiler
 
@@ -110,32 +96,22 @@ def unsupported_reason() -> str | None:
     return None
 
 
-def load(cache_dir: Path | None = None, level: str | None = None) -> ModuleType | None:
-    """The compiled extension for `level` (default: `build_level()`), built on first use, or None when this machine
-    cannot run it (logged once). The path taken is logged once per process."""
-    level = level or build_level()  # the ceiling can change between calls (tests); each level is its own build
-    reason = unsupported_reason() if level is None or level == build_level() else None
-    if level is not None and level not in LEVELS:  # extension_build's "none": not a build of these kernels
+def load(cache_dir: Path, level: str | None = None, cap: str = "auto") -> ModuleType | None:
+    """The compiled extension for `level` (default: `build_level(cap)`), built into `cache_dir` on first use, or
+    None when this machine cannot run it (logged once). The path taken is logged once per process."""
+    level = level or build_level(cap)
+    reason = unsupported_reason(cap) if level is None or level == build_level(cap) else None
+    if level is not None and level not in LEVELS:  # build's "none": not a build of these kernels
         reason = f"no {level} build (the kernels are built for {', '.join(LEVELS)})"
     if level is None or reason is not None:
         return _off(reason)
-    cache = cache_dir or default_cache_dir()
     sources = sorted(p for p in CSRC.glob("*.cpp") if not p.name.startswith("quant"))  # quant*: quant_kernels.py
-    # One module per level and source set in a process, wherever it was built: pybind11 refuses to register the
-    # same classes twice, so another cache folder reuses the module already loaded.
-    key = (level, build_key(sources, level_flags(level)))
-    if key in _loaded:
-        return _loaded[key] or _off(f"the {level} build failed earlier")
-    module = None
-    try:
-        module = build_extension(NAME, sources, level, cache)
-        _once(f"CPU kernels: {module.isa()} path (built for {level}; this CPU: {cpu_features.detected_level()}, "
-              f"ceiling {cpu_features.ceiling()})")
-    except Exception as exc:  # a failed build must never stop the server: torch's ops still work
-        text = str(exc).strip()
-        reason = f"build failed: {text.splitlines()[-1] if text else type(exc).__name__}"
-    _loaded[key] = module
-    return module if module is not None else _off(reason)
+    module, reason = load_extension(NAME, sources, level, cache_dir)
+    if module is None:
+        return _off(reason)
+    _once(f"CPU kernels: {module.isa()} path (built for {level}; this CPU: {cpu_features.detected_level()}, "
+          f"cap {cpu_features.ceiling(cap)})")
+    return module
 
 
 def _once(message: str) -> None:
@@ -150,20 +126,20 @@ def _off(reason: str | None) -> None:
         log.warning("Peregrine's CPU kernels off (%s); using torch's own", reason)
 
 
-def _for(device: torch.device, enabled: bool, cache_dir: Path | None,
-         dtype: torch.dtype | None = None) -> ModuleType | None:
-    """The kernels, when they are wanted here (on, on CPU, float32 or bfloat16 when `dtype` is given) and load."""
-    if not enabled or device.type != "cpu" or (dtype is not None and dtype not in (torch.bfloat16, torch.float32)):
+def _for(opts: KernelOptions, dtype: torch.dtype | None = None) -> ModuleType | None:
+    """The kernels, when they are wanted (on; float32 or bfloat16 when `dtype` is given) and load."""
+    if not opts.enabled or (dtype is not None and dtype not in (torch.bfloat16, torch.float32)):
         return None
-    return load(cache_dir)
+    if opts.cache_dir is None:  # main.py always passes one (config's); an engine built by hand may not
+        return _off("no cache dir to build them into: EngineConfig.cache_dir is unset")
+    return load(opts.cache_dir, cap=opts.isa)
 
 
-def linear_for(device: torch.device, dtype: torch.dtype, enabled: bool = True,
-               cache_dir: Path | None = None) -> Linear:
+def linear_for(dtype: torch.dtype, opts: KernelOptions) -> Linear:
     """The linear the forward pass should call: the kernel for small CPU batches (`LINEAR_ROWS` for the dtype and
     build) when it loads, else torch's (`engine.backends.kernels.linear_torch`: float32 through oneDNN)."""
-    module = _for(device, enabled, cache_dir, dtype)
-    first, last = LINEAR_ROWS.get((build_level() or "", dtype), (0, 0)) if module is not None else (0, 0)
+    module = _for(opts, dtype)
+    first, last = LINEAR_ROWS.get((build_level(opts.isa) or "", dtype), (0, 0)) if module is not None else (0, 0)
     if module is None or last == 0:
         return linear_torch
     kernel = module.linear_small
@@ -177,18 +153,17 @@ def linear_for(device: torch.device, dtype: torch.dtype, enabled: bool = True,
     return linear
 
 
-def decode_attention_for(device: torch.device, enabled: bool = True,
-                         cache_dir: Path | None = None) -> DecodeAttention | None:
+def decode_attention_for(opts: KernelOptions) -> DecodeAttention | None:
     """`paged_decode_attention(q, k_cache, v_cache, block_tables, lengths, block_size, scale)` on CPU when the
     kernels load, else None (attention then gathers and runs SDPA)."""
-    module = _for(device, enabled, cache_dir)
+    module = _for(opts)
     return None if module is None else module.paged_decode_attention
 
 
-def argmax_for(device: torch.device, enabled: bool = True, cache_dir: Path | None = None) -> Argmax:
+def argmax_for(opts: KernelOptions) -> Argmax:
     """Row-wise argmax of [rows, vocab] logits with torch.argmax's answers (first maximum; NaN counts as the
     largest): the kernel for contiguous float32 CPU tensors when it loads, else torch's."""
-    module = _for(device, enabled, cache_dir)
+    module = _for(opts)
     if module is None:
         return argmax_torch
     kernel = module.argmax_rows
@@ -212,23 +187,23 @@ ADD_NORM_DTYPES: dict[str, tuple[torch.dtype, ...]] = {
 }
 
 
-def _serves(table: dict[str, tuple[torch.dtype, ...]], dtype: torch.dtype) -> bool:
-    return dtype in table.get(build_level() or "", ())
+def _serves(table: dict[str, tuple[torch.dtype, ...]], dtype: torch.dtype, opts: KernelOptions) -> bool:
+    return dtype in table.get(build_level(opts.isa) or "", ())
 
 
-def llama_decoder_for(device: torch.device, dtype: torch.dtype, enabled: bool = True,
-                      cache_dir: Path | None = None, amx: bool | None = None) -> DecoderFactory | None:
+def llama_decoder_for(dtype: torch.dtype, opts: KernelOptions, amx: bool | None = None) -> DecoderFactory | None:
     """A builder of `LlamaDecoder_<dtype>(embed, layers, final_norm, head, head_bias, heads, kv_heads, head_dim,
     eps, block_size, scale)` (`LlamaDecoder_<dtype>_kv_float16` where the caches are float16) for float32 or
     bfloat16 on CPU when the kernels load and serve that dtype (`DECODER_DTYPES`), else None. bf16 matmuls use AMX
-    when the CPU has it (`amx`: None; the decoder then keeps a packed copy of the weights) or as told (False: the
-    vector rows of `linear_small` on the model's own weights)."""
-    module = _for(device, enabled, cache_dir, dtype)
-    if module is None or not _serves(DECODER_DTYPES, dtype):
+    where `cpu_features.amx` (the one AMX decision) says so and the OS grants the tiles (`amx`: None; the decoder
+    then keeps a packed copy of the weights) or as told (False: the vector rows of `linear_small` on the model's
+    own weights)."""
+    module = _for(opts, dtype)
+    if module is None or not _serves(DECODER_DTYPES, dtype, opts):
         return None
     if dtype != torch.bfloat16:
         amx = False
-    amx = bool(module.amx_available()) and cpu_features.has("amx") if amx is None else amx
+    amx = bool(module.amx_available()) and cpu_features.amx(opts.isa) if amx is None else amx
     log.info("decode steps: one kernel call per step, %s matmuls on %s", str(dtype).removeprefix("torch."),
              "AMX" if amx else module.isa())
     name = f"LlamaDecoder_{str(dtype).removeprefix('torch.')}"
@@ -243,11 +218,10 @@ def llama_decoder_for(device: torch.device, dtype: torch.dtype, enabled: bool = 
     return build
 
 
-def add_rms_norm_for(device: torch.device, dtype: torch.dtype, enabled: bool = True,
-                     cache_dir: Path | None = None) -> AddRMSNorm:
+def add_rms_norm_for(dtype: torch.dtype, opts: KernelOptions) -> AddRMSNorm:
     """The fused kernel on CPU when it loads and serves `dtype` (`ADD_NORM_DTYPES`); else `add_rms_norm_torch`."""
-    module = _for(device, enabled, cache_dir, dtype)
-    if module is None or not _serves(ADD_NORM_DTYPES, dtype):
+    module = _for(opts, dtype)
+    if module is None or not _serves(ADD_NORM_DTYPES, dtype, opts):
         return add_rms_norm_torch
     kernel = module.add_rms_norm_
 
@@ -259,16 +233,18 @@ def add_rms_norm_for(device: torch.device, dtype: torch.dtype, enabled: bool = T
     return add_rms_norm
 
 
-def kernels_for(device: torch.device, dtype: torch.dtype, enabled: bool = True,
-                cache_dir: Path | None = None) -> Kernels:
-    """The kernel set for a model in `dtype` on `device`: Peregrine's CPU kernels where they load and serve the
-    dtype, torch's ops for the rest."""
-    module = _for(device, enabled, cache_dir)
+def kernels_for(dtype: torch.dtype, opts: KernelOptions) -> Kernels:
+    """The kernel set for a model in `dtype` on the CPU: Peregrine's CPU kernels where they load and serve the
+    dtype, torch's ops for the rest; the quantized-weight kernels when the kernels are on (`opts.enabled`)."""
+    onednn_linear()  # the one oneDNN probe, here rather than at import
+    module = _for(opts)
+    quant = quant_kernels.load(opts.cache_dir, cap=opts.isa) if opts.enabled and opts.cache_dir else None
     return Kernels(
-        linear=linear_for(device, dtype, enabled, cache_dir),
-        decode_attention=decode_attention_for(device, enabled, cache_dir),
-        add_rms_norm=add_rms_norm_for(device, dtype, enabled, cache_dir),
-        argmax=argmax_for(device, enabled, cache_dir),
-        decoder=llama_decoder_for(device, dtype, enabled, cache_dir),
+        linear=linear_for(dtype, opts),
+        decode_attention=decode_attention_for(opts),
+        add_rms_norm=add_rms_norm_for(dtype, opts),
+        argmax=argmax_for(opts),
+        decoder=llama_decoder_for(dtype, opts),
+        quant=quant,
         path="torch" if module is None else str(module.isa()),
     )

@@ -1,135 +1,33 @@
-"""Which device and dtype the model runs on: the one registry of device kinds (cpu, cuda, tt).
-
-`DEVICES` maps each kind to a `DeviceKind`: its probe and its backend (engine/backends/device_backends.py), whose `kernels()`
-is the kernel set (engine/backends/kernels.py) the model runner computes with. Every probe answers four questions:
-  - `missing()`: None when it can run here, else a sentence naming exactly what is missing;
-  - `torch_device(index)`: the torch device that holds the model's tensors;
-  - `device_name(device)`: the resolved name `EngineConfig.device` carries ("cpu", "cuda:0", "tt");
-  - `auto_dtype(device)`: the dtype `--dtype auto` picks, with the reason (logged); None on the CPU, where
-    the loader times decode steps of the loaded model in each candidate dtype (models/autotune/dtype.py).
+"""Which device and dtype the model runs on: `--device` and `--dtype` resolved through the one registry of device
+kinds (`engine.backends.BACKENDS`: cpu, cuda, tt; each kind's probe and backend live in cpu.py, cuda.py, tt.py).
 
 The device and dtype are resolved once (`resolve`, called by main.py, or on a Ray replica by the loader
-when its config still says "auto"); `EngineConfig` carries the result and the rest only translates it.
-
-`tt` (Tenstorrent) runs through torch-ttnn, a torch.compile backend: tensors live on the host (cpu) and
-compiled graphs run on the card, so its torch device is the cpu and its name is "tt".
+when its config still says "auto"); `EngineConfig` carries the result and the rest only translates it
+(`placement`, `backend_for`).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from pathlib import Path
 
 import torch
 
-from engine.backends.device_backends import Backend, CpuBackend, CudaBackend, TTBackend
+from engine.backends import BACKENDS, Backend, DeviceProbe
+from engine.backends.kernels import KernelOptions
+from engine.types import DTYPE_BYTES, EngineConfig
 
 log = logging.getLogger(__name__)
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_BYTES}  # engine.types' table
 
 
 class DeviceError(RuntimeError):
     """The requested device or dtype cannot be used here. The message says why, for the user."""
 
 
-class DeviceProbe(Protocol):
-    name: str
-
-    def missing(self) -> str | None: ...
-
-    def torch_device(self, index: int | None) -> torch.device: ...
-
-    def device_name(self, device: torch.device) -> str: ...
-
-    def auto_dtype(self, device: torch.device) -> tuple[torch.dtype, str] | None: ...
-
-
-class CpuProbe:
-    name = "cpu"
-
-    def missing(self) -> str | None:
-        return None
-
-    def torch_device(self, index: int | None) -> torch.device:
-        return torch.device("cpu")
-
-    def device_name(self, device: torch.device) -> str:
-        return "cpu"
-
-    def auto_dtype(self, device: torch.device) -> None:
-        return None  # decided on the loaded model: models/autotune/dtype.py
-
-
-class CudaProbe:
-    name = "cuda"
-
-    def missing(self) -> str | None:
-        if torch.version.cuda is None:
-            return f"torch {torch.__version__} is a CPU-only build (reinstall torch with CUDA support)"
-        if not torch.cuda.is_available():
-            return "no CUDA device is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES)"
-        return None
-
-    def torch_device(self, index: int | None) -> torch.device:
-        count = torch.cuda.device_count()
-        index = torch.cuda.current_device() if index is None else index
-        if index >= count:
-            raise DeviceError(f"cuda:{index} requested but only {count} CUDA device(s) are visible")
-        return torch.device("cuda", index)
-
-    def device_name(self, device: torch.device) -> str:
-        return str(device)
-
-    def auto_dtype(self, device: torch.device) -> tuple[torch.dtype, str]:
-        if torch.cuda.is_bf16_supported():
-            return torch.bfloat16, f"{torch.cuda.get_device_name(device)} supports bfloat16"
-        return torch.float16, f"{torch.cuda.get_device_name(device)} has no bfloat16"
-
-
-class TtProbe:
-    name = "tt"
-
-    def missing(self) -> str | None:
-        for module, package in (("torch_ttnn", "torch-ttnn"), ("ttnn", "ttnn")):
-            if importlib.util.find_spec(module) is None:
-                return f"the {module} package is not installed (pip install {package})"
-        if tt_device_count() == 0:
-            return "no Tenstorrent device found (ttnn sees no card; check /dev/tenstorrent and tt-smi)"
-        return None
-
-    def torch_device(self, index: int | None) -> torch.device:
-        return torch.device("cpu")
-
-    def device_name(self, device: torch.device) -> str:
-        return "tt"  # its torch device is the host's
-
-    def auto_dtype(self, device: torch.device) -> tuple[torch.dtype, str]:
-        return torch.bfloat16, "Tenstorrent cards compute in bfloat16"
-
-
-@dataclass(frozen=True)
-class DeviceKind:
-    """One kind of device: whether and how it runs here (probe), and what runs on it (backend; the backend's
-    `kernels()` is the kernel set the model runner computes with)."""
-
-    probe: DeviceProbe
-    backend: Callable[[torch.device], Backend]
-
-
-DEVICES: dict[str, DeviceKind] = {
-    "cpu": DeviceKind(CpuProbe(), CpuBackend),
-    "cuda": DeviceKind(CudaProbe(), CudaBackend),
-    "tt": DeviceKind(TtProbe(), TTBackend),
-}
-PROBES: dict[str, DeviceProbe] = {kind: entry.probe for kind, entry in DEVICES.items()}
+PROBES: dict[str, DeviceProbe] = {kind: entry.probe for kind, entry in BACKENDS.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,11 +52,23 @@ def placement(device: str, dtype: str) -> tuple[torch.device, torch.dtype | None
     return torch_dev, resolve_dtype(dtype, torch_dev, probe)
 
 
-def backend_for(device: str, torch_dev: torch.device) -> Backend:
+def backend_for(cfg: EngineConfig, torch_dev: torch.device) -> Backend:
     """The backend for an engine on `torch_dev`: by the configured kind ("tt" runs from host tensors), or by
-    the torch device's type when the config says "auto"."""
-    kind = parse_device(device)[0]
-    return DEVICES[torch_dev.type if kind == "auto" else kind].backend(torch_dev)
+    the torch device's type when the config says "auto"; with the config's kernel options."""
+    kind = parse_device(cfg.device)[0]
+    return BACKENDS[torch_dev.type if kind == "auto" else kind].backend(torch_dev, kernel_options(cfg))
+
+
+def kernel_options(cfg: EngineConfig) -> KernelOptions:
+    """What the config says about kernels: on or off, where they build, the ISA cap."""
+    return KernelOptions(cfg.cpu_kernels, Path(cfg.cache_dir).expanduser() if cfg.cache_dir else None, cfg.cpu_isa)
+
+
+def aux_device(device: str) -> torch.device:
+    """Where a helper torch model (the embedder) runs for an engine on `device`: a CUDA device's own, else the
+    host (tt, auto: the embedder is small and not compiled for the card)."""
+    kind, index = parse_device(device)
+    return torch.device(device.strip().lower()) if kind == "cuda" else torch.device("cpu")
 
 
 def kind_of(device: str) -> str:
@@ -170,16 +80,6 @@ def cuda_index(device: str) -> int | None:
     """The CUDA device index of a resolved name ('cuda' is 0), None for any other kind."""
     kind, index = parse_device(device)
     return (index or 0) if kind == "cuda" else None
-
-
-def tt_device_count() -> int:
-    """Tenstorrent cards ttnn can open (0 when ttnn cannot tell)."""
-    import ttnn  # type: ignore[import-not-found]
-
-    for getter in ("GetNumAvailableDevices", "get_num_devices"):
-        if hasattr(ttnn, getter):
-            return int(getattr(ttnn, getter)())
-    return 0
 
 
 def parse_device(name: str) -> tuple[str, int | None]:

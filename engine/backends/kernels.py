@@ -1,8 +1,9 @@
 """The kernel set a backend hands the engine: one `Kernels` object, chosen once, passed once.
 
-The forward pass (`engine.model.forward`, `engine.model.attention`) and the sampler call these five things and nothing
-device-specific. The defaults are torch's own ops, which run everywhere; `engine.backends.cpu_kernels.kernels_for` swaps
-in Peregrine's CPU kernels where they load (`engine.backends.device_backends.CpuBackend.kernels`). Each kernel takes exactly what
+The forward pass (`engine.model.forward`, `engine.model.attention`), the quantized weights (`engine.model.quant`) and
+the sampler call these things and nothing device-specific. The defaults are torch's own ops, which run everywhere;
+`engine.backends.cpu_kernels.kernels_for` swaps in Peregrine's CPU kernels where they load (the CPU backend's
+`kernels()`, engine/backends/cpu.py, under the engine's `KernelOptions`). Each kernel takes exactly what
 the torch default takes and gives its answers within the bounds its tests state; a kernel that cannot take a
 given input (a shape, a dtype) passes it on to the torch op itself.
 """
@@ -11,6 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +36,16 @@ Argmax = Callable[[torch.Tensor], torch.Tensor]
 DecoderFactory = Callable[..., object]
 
 
+@dataclass(frozen=True, slots=True)
+class KernelOptions:
+    """What the engine's config says about kernels, handed to the backend once: `enabled` (--cpu-kernels),
+    `cache_dir` (where extensions build: EngineConfig.cache_dir), `isa` (the cap, EngineConfig.cpu_isa)."""
+
+    enabled: bool
+    cache_dir: Path | None
+    isa: str = "auto"
+
+
 def _onednn_float32() -> Callable[..., torch.Tensor] | None:
     """torch's oneDNN linear (`torch.ops.mkldnn._linear_pointwise`, the op torch.compile's CPU backend fuses
     linears into), where this torch has it and it runs in float32."""
@@ -51,7 +65,11 @@ def float32_linear_for(vendor: str) -> Callable[..., torch.Tensor] | None:
     return _onednn_float32() if vendor == "AuthenticAMD" else None
 
 
-_onednn_linear = float32_linear_for(cpu_features.cpu_vendor())
+@cache
+def onednn_linear() -> Callable[..., torch.Tensor] | None:
+    """This CPU's float32 oneDNN linear, probed once on first use (the CPU backend asks when it builds its kernel
+    set), never at import."""
+    return float32_linear_for(cpu_features.cpu_vendor())
 
 
 def linear_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -59,10 +77,11 @@ def linear_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     runs its AVX2 code there, where oneDNN uses the CPU's best ISA. Prefill-size GEMMs on an AMD EPYC Zen 5
     (AVX-512, two cores): 460-500 against 200-230 GFLOPS (130 x 576 x 1536 up to 1024^3); with oneDNN held to AVX2
     (as on a Zen 3) still 1.1x. The same float32 products; the summation order is oneDNN's."""
-    if (_onednn_linear is not None and x.dtype == torch.float32 and weight.dtype == torch.float32
+    onednn = onednn_linear()
+    if (onednn is not None and x.dtype == torch.float32 and weight.dtype == torch.float32
             and x.device.type == "cpu" and x.dim() >= 2 and x.numel() > 0 and weight.dim() == 2
             and (bias is None or bias.dtype == torch.float32)):
-        return _onednn_linear(x, weight, bias, "none", [], "")
+        return onednn(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
@@ -83,13 +102,15 @@ def argmax_torch(logits: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True, slots=True)
 class Kernels:
     """What the engine computes with. `decode_attention` None: gather the context and run a masked SDPA;
-    `decoder` None: decode steps run op by op."""
+    `decoder` None: decode steps run op by op; `quant` None: quantized weights dequantize for torch's matmul (the
+    portable reference), else the quantized-weight kernels' module (engine/backends/quant_kernels.py)."""
 
     linear: Linear = linear_torch
     decode_attention: DecodeAttention | None = None
     add_rms_norm: AddRMSNorm = add_rms_norm_torch
     argmax: Argmax = argmax_torch
     decoder: DecoderFactory | None = None
+    quant: ModuleType | None = None
     path: str = "torch"  # which kernels: "torch", or the CPU build's ISA ("avx2", "avx512", "amx", "neon")
 
 

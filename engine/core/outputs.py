@@ -6,10 +6,9 @@ from collections.abc import Collection
 from typing import Any
 
 from engine.core.detokenizer import IncrementalDetokenizer
-from engine.core.sequence import Sequence
+from engine.core.prompt_logprobs import PromptLogprobs, Scored
+from engine.core.sequence import SampledToken, Sequence
 from engine.core.stopping import StopDecision, StopStringMatcher, check_token_stop
-from engine.sampling.prompt_logprobs import PromptLogprobs, Scored
-from engine.sampling.sampler import SampledToken
 from engine.types import PromptTokenLogprob, RequestOutput, TokenLogprob, TopLogprob
 
 

@@ -80,3 +80,10 @@ class Sequence:
 
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+
+@dataclass(frozen=True, slots=True)
+class SampledToken:
+    token_id: int
+    logprob: float | None = None  # set when the sequence asked for logprobs
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first

@@ -12,7 +12,11 @@ Decode-only steps on CPU go further: `engine.backends.cpu_kernels`' LlamaDecoder
 all layers, the final norm and the LM head) in one kernel call, built on the first such step over the KV cache it
 writes to, in float32 or bfloat16, over dense weights or GGUF weights kept quantized (each projection handed over
 as its parts: dense tensors or quantized blocks with their ggml type; int8 activations, `engine/backends/csrc/qdot.h`).
-Prefill and mixed steps, other dtypes and devices keep the op-by-op pass below.
+Prefill and mixed steps, other dtypes and devices keep the op-by-op pass below. The two are one forward at two
+granularities (same weights, same KV cache, same RoPE table), not two models: the op-by-op pass must stay because
+the decoder takes decode-only steps (a prefill chunk's attention is causal over the chunk, which the one-call step
+does not do) and only exists where the backend built the C++ kernels (`Kernels.decoder` None elsewhere). The
+generic path (engine/model/runner.py) says why it stays too.
 """
 
 from __future__ import annotations

@@ -15,19 +15,21 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.types import DTYPE_BYTES, kv_bytes_per_token
+
 log = logging.getLogger(__name__)
 
 ZERO_STEP_BLOCKS = 64
-KV_CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The KV cache's element type for `--kv-cache-dtype name`: auto is the model dtype."""
+    """The KV cache's element type for `--kv-cache-dtype name` (engine.types.DTYPE_BYTES' names): auto is the model
+    dtype."""
     if name == "auto":
         return model_dtype
-    if name not in KV_CACHE_DTYPES:
-        raise ValueError(f"unknown kv_cache_dtype {name!r}: use auto, {', '.join(KV_CACHE_DTYPES)}")
-    return KV_CACHE_DTYPES[name]
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"unknown kv_cache_dtype {name!r}: use auto, {', '.join(DTYPE_BYTES)}")
+    return getattr(torch, name)
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +41,8 @@ class KVCacheSpec:
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim,
+                                  str(self.dtype).removeprefix("torch."))
 
     @classmethod
     def from_hf_config(cls, config: object, dtype: torch.dtype) -> KVCacheSpec:

@@ -4,7 +4,9 @@ and the modules that multiply by them.
 - `QuantWeight`: one [N, K] matrix as uint8 rows of blocks (`blocks`, [N, bytes per row]) and its ggml type.
   `matmul(x)` runs Peregrine's kernel (engine/backends/quant_kernels.py) for decode-size batches (<= 16 rows): the
   weights are read once per step and dequantized in L1; more rows (prefill) dequantize tiles of weight rows into
-  float32 and use torch's GEMM. Output in x's dtype; the kernel computes in float32.
+  float32 and use torch's GEMM. Output in x's dtype; the kernel computes in float32. The kernels are the ones the
+  engine's backend chose and handed over (`kernels`, set by engine.backends.cpu.use_quant_kernels at load and
+  prepare; None, as with `--cpu-kernels off`: gguf's numpy reference dequantizes, torch multiplies).
 - `QuantLinear` / `QuantEmbedding`: drop-in modules for nn.Linear and nn.Embedding (the embedding dequantizes
   only the rows it looks up, so a tied LM head and embedding share one quantized copy).
 - `quantize_q8_0`: a dense matrix to Q8_0 blocks (per-32 float16 scale, int8 values), for `--quantize int8`.
@@ -17,11 +19,12 @@ and the modules that multiply by them.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 from torch import nn
 
-from engine.backends import quant_kernels
 from engine.backends.kernels import linear_torch
 
 # ggml type id -> (name, weights per block, bytes per block)
@@ -47,12 +50,13 @@ PREFILL_TILE_ELEMS = 1 << 22  # float32 weights dequantized at a time for many-r
 class QuantWeight:
     """A [N, K] weight as rows of quantized blocks. `blocks` may be a view (a slice of a fused weight)."""
 
-    def __init__(self, blocks: torch.Tensor, qtype: int, shape: tuple[int, int]) -> None:
+    def __init__(self, blocks: torch.Tensor, qtype: int, shape: tuple[int, int], kernels: Any = None) -> None:
         name, per_block, block_bytes = LAYOUTS[qtype]
         rows, cols = shape
         if cols % per_block or tuple(blocks.shape) != (rows, cols // per_block * block_bytes):
             raise ValueError(f"{name} blocks {tuple(blocks.shape)} do not hold a [{rows}, {cols}] matrix")
         self.blocks, self.qtype, self.shape = blocks, qtype, (rows, cols)
+        self.kernels = kernels  # the quantized-weight kernels' module the backend handed over; None: the reference
 
     @property
     def type_name(self) -> str:
@@ -66,9 +70,8 @@ class QuantWeight:
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """float32 [N, K] (or the given rows, [len(rows), K])."""
         blocks = self.blocks if rows is None else self.blocks.index_select(0, rows.reshape(-1))
-        kernels = quant_kernels.load()
-        if kernels is not None:
-            return kernels.dequantize(blocks, self.qtype, self.shape[1])
+        if self.kernels is not None:
+            return self.kernels.dequantize(blocks, self.qtype, self.shape[1])
         from gguf import quants  # no compiler: gguf's numpy reference (slow, exact)
 
         plain = QuantWeight(blocks, self.qtype, (blocks.shape[0], self.shape[1])).unpack()
@@ -78,7 +81,7 @@ class QuantWeight:
         """x [..., K] @ W^T -> [..., N], in x's dtype."""
         lead, k = x.shape[:-1], x.shape[-1]
         flat = x.reshape(-1, k).to(torch.float32).contiguous()
-        kernels = quant_kernels.load()
+        kernels = self.kernels
         if kernels is not None and 0 < flat.shape[0] <= kernels.max_rows:
             out = kernels.linear(flat, self.blocks, self.qtype)
         else:
@@ -97,7 +100,7 @@ class QuantWeight:
         return out
 
     def slice_rows(self, start: int, end: int) -> QuantWeight:
-        return QuantWeight(self.blocks[start:end], self.qtype, (end - start, self.shape[1]))
+        return QuantWeight(self.blocks[start:end], self.qtype, (end - start, self.shape[1]), self.kernels)
 
     def repack(self) -> QuantWeight:
         """Q4_0 / Q4_1 / Q8_0 rows packed for the decode kernels (module docstring, quant.h: kQ4_0R / kQ4_1R /
@@ -110,14 +113,15 @@ class QuantWeight:
         if self.qtype == Q8_0:  # the values, then the scales
             b = self.blocks.reshape(rows, cols // 32, 34)
             values = b[..., 2:].reshape(rows, cols)
-            return QuantWeight(torch.cat([values, b[..., :2].reshape(rows, -1)], dim=1), packed_type, self.shape)
+            return QuantWeight(torch.cat([values, b[..., :2].reshape(rows, -1)], dim=1), packed_type, self.shape,
+                               self.kernels)
         head = 2 if self.qtype == 2 else 4  # d, or d and m (f16 each)
         b = self.blocks.reshape(rows, cols // 32, 16 + head)
         nibbles = b[..., head:].reshape(rows, cols // 64, 2, 16)
         values = torch.cat([nibbles & 0xF, nibbles >> 4], dim=-1)  # [rows, pairs, 2, 32]: each group's values in order
         packed = (values[:, :, 0] | (values[:, :, 1] << 4)).reshape(rows, cols // 2)
         scales = b[..., :head].reshape(rows, cols // 32, head // 2, 2).transpose(1, 2).reshape(rows, -1)  # d..., m...
-        return QuantWeight(torch.cat([packed, scales], dim=1), packed_type, self.shape)
+        return QuantWeight(torch.cat([packed, scales], dim=1), packed_type, self.shape, self.kernels)
 
     def unpack(self) -> QuantWeight:
         """The GGUF blocks of a packed weight (`repack` undone); any other weight as it is."""
@@ -128,14 +132,14 @@ class QuantWeight:
         if gguf == Q8_0:
             values = self.blocks[:, :cols].reshape(rows, cols // 32, 32)
             scales = self.blocks[:, cols:].reshape(rows, cols // 32, 2)
-            return QuantWeight(torch.cat([scales, values], dim=-1).reshape(rows, -1), gguf, self.shape)
+            return QuantWeight(torch.cat([scales, values], dim=-1).reshape(rows, -1), gguf, self.shape, self.kernels)
         head = 2 if gguf == 2 else 4
         packed = self.blocks[:, : cols // 2].reshape(rows, cols // 64, 32)
         values = torch.stack([packed & 0xF, packed >> 4], dim=2)  # [rows, pairs, 2, 32]
         nibbles = (values[..., :16] | (values[..., 16:] << 4)).reshape(rows, cols // 32, 16)
         scales = self.blocks[:, cols // 2 :].reshape(rows, head // 2, cols // 32, 2).transpose(1, 2)
         blocks = torch.cat([scales.reshape(rows, cols // 32, head), nibbles], dim=-1)
-        return QuantWeight(blocks.reshape(rows, -1), gguf, self.shape)
+        return QuantWeight(blocks.reshape(rows, -1), gguf, self.shape, self.kernels)
 
 
 def concat(weights: list[QuantWeight]) -> QuantWeight | None:
@@ -144,7 +148,7 @@ def concat(weights: list[QuantWeight]) -> QuantWeight | None:
     if any(w.qtype != first.qtype or w.shape[1] != first.shape[1] for w in weights):
         return None
     blocks = stack_rows([w.blocks for w in weights])
-    return QuantWeight(blocks, first.qtype, (sum(w.shape[0] for w in weights), first.shape[1]))
+    return QuantWeight(blocks, first.qtype, (sum(w.shape[0] for w in weights), first.shape[1]), first.kernels)
 
 
 def stack_rows(parts: list[torch.Tensor]) -> torch.Tensor:

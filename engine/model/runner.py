@@ -1,11 +1,17 @@
 """Turns a scheduled step into one forward pass and returns the logits of the sequences that sample.
 
-Two forward passes, same inputs and outputs:
+The forward passes, same inputs and outputs, and why there is more than one:
+- llama: `engine.model.forward.LlamaFastForward`, the Llama family's forward on the model's own weights; picked by
+  "auto" wherever it applies. Its decode-only steps run as one call of the C++ decoder (the same module's
+  whole-step form, `Kernels.decoder`) where the backend has one (the CPU with Peregrine's kernels); prefill, mixed
+  steps and devices without the kernels run the same module op by op. One forward, two granularities.
 - generic: any Hugging Face causal LM whose attention goes through transformers' `AttentionInterface`
-  (Llama, Mistral, Qwen, Phi, Gemma, ...). The model is switched to the `peregrine_paged` implementation and
-  called on one packed row of tokens with explicit positions, `use_cache=False` (the paged cache is ours), and
-  `logits_to_keep` set to the rows that sample, so the LM head only runs where a token is drawn.
-- llama: `engine.model.forward`, a leaner forward for the Llama family (picked by "auto" when it applies).
+  (Llama, Mistral, Qwen, Phi, Gemma, ...). It must stay beside the fast one: the families and features the fast
+  forward does not take (sliding windows, other blocks: `forward.supports`), and devices that compile the model as a
+  whole (the TT backend's `forward_impl` says "generic": torch-ttnn compiles the Hugging Face module). The model is
+  switched to the `peregrine_paged` attention and called on one packed row of tokens with explicit positions,
+  `use_cache=False` (the paged cache is ours), and `logits_to_keep` set to the rows that sample, so the LM head
+  only runs where a token is drawn.
 """
 
 from __future__ import annotations

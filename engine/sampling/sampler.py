@@ -14,25 +14,17 @@ masked distribution: its mask is applied first, to that row only.
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from engine.backends.kernels import Argmax, argmax_torch
-from engine.core.sequence import Sequence
+from engine.core.sequence import SampledToken, Sequence
 from engine.sampling.grammar import apply_mask
 from engine.types import SamplingParams
 
 SeqKey = tuple[str, int]
 MIN_LOGPROB = -9999.0  # a token a grammar forbids has logprob -inf; reported as this (JSON has no -inf), as vLLM
-
-
-@dataclass(frozen=True, slots=True)
-class SampledToken:
-    token_id: int
-    logprob: float | None = None  # set when the sequence asked for logprobs
-    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
 
 
 class Sampler:

@@ -172,9 +172,11 @@ async def test_shutdown_aborts_in_flight_requests(tiny: Any) -> None:
 
 
 async def test_from_config_loads_a_model_folder(tiny_model_dir: Any, tiny: Any) -> None:
+    from models.engine_factory import build_async_engine
+
     cfg = EngineConfig(model_path=str(tiny_model_dir.path), model_name="tiny-llama", device="cpu",
                        dtype="float32", kv_cache_bytes=1 << 20)
-    engine = AsyncEngine.from_config(cfg)
+    engine = build_async_engine(cfg)
     assert (engine.model_name, engine.device, engine.dtype) == ("tiny-llama", "cpu", "float32")
     assert engine.vocab_size == len(tiny.tokenizer) and engine.max_model_len <= 512
     try:
@@ -235,8 +237,12 @@ def test_the_hand_off_is_on_where_the_engine_threads_take_every_cpu() -> None:
 
     import torch
 
-    from engine.async_engine import team_fills_cpus
+    from engine.backends.cpu import CpuBackend
+    from engine.backends.cuda import CudaBackend
+    from engine.backends.kernels import KernelOptions
+    from engine.backends.tt import TTBackend
 
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    assert team_fills_cpus(torch.device("cpu")) == (torch.get_num_threads() >= cpus)
-    assert not team_fills_cpus(torch.device("cuda")) and not team_fills_cpus("tt")
+    cpu = CpuBackend(torch.device("cpu"), KernelOptions(False, None))
+    assert cpu.team_fills_cpus() == (torch.get_num_threads() >= cpus)
+    assert not object.__new__(CudaBackend).team_fills_cpus() and not object.__new__(TTBackend).team_fills_cpus()

@@ -14,12 +14,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from config import tool_cache_dir
+from engine.backends import build as extension_build
 from engine.backends import cpu_kernels
 from engine.backends import kernels as kernels_module
-from engine.backends.kernels import float32_linear_for, linear_torch
+from engine.backends.kernels import KernelOptions, float32_linear_for, linear_torch
 from engine.types import SamplingParams
 from tests.support import chat_ids, run_all, tokens_of
 
+CACHE = tool_cache_dir()
+ON, OFF = KernelOptions(True, CACHE), KernelOptions(False, CACHE)
 REASON = cpu_kernels.unsupported_reason()
 needs_kernel = pytest.mark.skipif(REASON is not None, reason=f"CPU kernel unavailable: {REASON}")
 
@@ -29,7 +33,7 @@ SHAPES = [(1, 576, 960), (1, 1536, 576), (2, 576, 3072), (3, 64, 7), (4, 576, 49
 
 @pytest.fixture(scope="module")
 def kernel() -> Any:
-    module = cpu_kernels.load()
+    module = cpu_kernels.load(CACHE)
     assert module is not None, "unsupported_reason() said the kernel can run, so it must build"
     return module
 
@@ -79,7 +83,7 @@ def test_kernel_rejects_what_it_cannot_compute(kernel: Any) -> None:
 
 @needs_kernel
 def test_linear_for_sends_small_bf16_batches_to_the_kernel_and_the_rest_to_torch(kernel: Any) -> None:
-    linear = cpu_kernels.linear_for(torch.device("cpu"), torch.bfloat16)
+    linear = cpu_kernels.linear_for(torch.bfloat16, ON)
     assert linear is not F.linear
     _, last = cpu_kernels.LINEAR_ROWS[(cpu_kernels.build_level(), torch.bfloat16)]
     x, w, b = _case(last + 1, 576, 96)
@@ -91,10 +95,9 @@ def test_linear_for_sends_small_bf16_batches_to_the_kernel_and_the_rest_to_torch
 
 
 def test_linear_for_keeps_torch_where_the_kernel_does_not_apply() -> None:
-    cpu = torch.device("cpu")
-    assert cpu_kernels.linear_for(cpu, torch.float16) is linear_torch
-    assert cpu_kernels.linear_for(cpu, torch.bfloat16, enabled=False) is linear_torch
-    assert cpu_kernels.linear_for(torch.device("meta"), torch.bfloat16) is linear_torch
+    assert cpu_kernels.linear_for(torch.float16, ON) is linear_torch
+    assert cpu_kernels.linear_for(torch.bfloat16, OFF) is linear_torch
+    # other devices: their backends hand out torch's kernels (tests/engine/test_backends.py)
 
 
 @pytest.mark.skipif(float32_linear_for("AuthenticAMD") is None, reason="this torch has no oneDNN float32 linear")
@@ -112,7 +115,7 @@ def test_torch_linear_runs_float32_on_onednn_within_float32_rounding(monkeypatch
         calls.append(tuple(x.shape))
         return onednn(x, *rest)
 
-    monkeypatch.setattr(kernels_module, "_onednn_linear", counted)
+    monkeypatch.setattr(kernels_module, "onednn_linear", lambda: counted)
     g = torch.Generator().manual_seed(5)
     w, b = torch.randn(96, 576, generator=g), torch.randn(96, generator=g)
     inputs = (torch.randn(130, 576, generator=g), torch.randn(2, 7, 576, generator=g), torch.randn(1, 576, generator=g))
@@ -138,7 +141,8 @@ def use_broken_sources(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (broken / "bindings.cpp").write_text("this is not C++;\n")
     monkeypatch.setattr(cpu_kernels, "CSRC", broken)
     monkeypatch.setattr(cpu_kernels, "NAME", "broken_kernels")  # torch's builder versions modules by name
-    monkeypatch.setattr(cpu_kernels, "_loaded", {})
+    monkeypatch.setattr(extension_build, "_loaded", {})
+    monkeypatch.setattr(extension_build, "_failures", {})
     monkeypatch.setattr(cpu_kernels, "_said", set())
 
 
@@ -147,7 +151,7 @@ def test_a_failed_build_falls_back_to_torch_with_the_reason(tmp_path: Path, monk
                                                             caplog: pytest.LogCaptureFixture) -> None:
     use_broken_sources(tmp_path, monkeypatch)
     with caplog.at_level(logging.WARNING, logger="engine.backends.cpu_kernels"):
-        linear = cpu_kernels.linear_for(torch.device("cpu"), torch.bfloat16, cache_dir=tmp_path / "cache")
+        linear = cpu_kernels.linear_for(torch.bfloat16, KernelOptions(True, tmp_path / "cache"))
     assert linear is linear_torch
     assert "CPU kernels off (build failed" in caplog.text
 
@@ -159,13 +163,12 @@ def test_a_build_left_locked_by_a_killed_builder_does_not_hang(tmp_path: Path, m
     forever (the build here fails at once: the source is broken)."""
     use_broken_sources(tmp_path, monkeypatch)
     cache = tmp_path / "cache"
-    first = cpu_kernels.linear_for(torch.device("cpu"), torch.bfloat16, cache_dir=cache)  # makes the build folder
+    first = cpu_kernels.linear_for(torch.bfloat16, KernelOptions(True, cache))  # makes the build folder
     (build_dir,) = (cache / "kernels").iterdir()
     (build_dir / "lock").touch()  # what a killed torch builder leaves
-    for key in [k for k, module in cpu_kernels._loaded.items() if module is None]:  # retry the failed build
-        del cpu_kernels._loaded[key]
+    extension_build.forget_failures()  # retry the failed build
     with caplog.at_level(logging.WARNING):
-        again = cpu_kernels.linear_for(torch.device("cpu"), torch.bfloat16, cache_dir=cache)
+        again = cpu_kernels.linear_for(torch.bfloat16, KernelOptions(True, cache))
     assert first is again is linear_torch
     assert "left by a build that was stopped midway" in caplog.text and not (build_dir / "lock").exists()
 
@@ -288,14 +291,13 @@ def test_fused_add_rms_norm_matches_the_torch_ops(kernel: Any, dtype: torch.dtyp
 
 
 def test_add_rms_norm_for_keeps_torch_for_other_dtypes_and_when_off() -> None:
-    cpu = torch.device("cpu")
-    assert cpu_kernels.add_rms_norm_for(cpu, torch.float16) is cpu_kernels.add_rms_norm_torch
-    assert cpu_kernels.add_rms_norm_for(cpu, torch.bfloat16, enabled=False) is cpu_kernels.add_rms_norm_torch
+    assert cpu_kernels.add_rms_norm_for(torch.float16, ON) is cpu_kernels.add_rms_norm_torch
+    assert cpu_kernels.add_rms_norm_for(torch.bfloat16, OFF) is cpu_kernels.add_rms_norm_torch
 
 
 # --- LlamaDecoder: the whole decode step in one call -------------------------------------------------------
 
-_MODULE = cpu_kernels.load() if REASON is None else None
+_MODULE = cpu_kernels.load(CACHE) if REASON is None else None
 AMX = bool(_MODULE is not None and _MODULE.amx_available())
 
 
@@ -329,7 +331,7 @@ def test_one_call_decode_step_matches_the_op_by_op_forward(byte_level_tokenizer:
     vocab = -(-len(byte_level_tokenizer) // 16) * 16
     loaded = Loaded(_decoder_model(model_type, vocab), byte_level_tokenizer, 512)
     engine = engine_factory(loaded, kv_cache_bytes=8 << 20, block_size=4)
-    factory = cpu_kernels.llama_decoder_for(torch.device("cpu"), torch.bfloat16, amx=amx)
+    factory = cpu_kernels.llama_decoder_for(torch.bfloat16, ON, amx=amx)
     prompts = {f"r{i}": (list(range(3 + 5 * i, 10 + 9 * i)), SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
                for i in range(3)}
     steps = decoder_against_op_by_op(engine, factory, prompts)
@@ -351,7 +353,7 @@ def test_one_call_decode_step_over_a_float16_kv_cache(byte_level_tokenizer: Any,
     loaded = Loaded(_decoder_model("llama", vocab).to(dtype), byte_level_tokenizer, 512)
     engine = engine_factory(loaded, kv_cache_bytes=4 << 20, block_size=4, kv_cache_dtype="float16")
     assert engine.kv_cache.k[0].dtype == torch.float16
-    factory = cpu_kernels.llama_decoder_for(torch.device("cpu"), dtype, amx=False)
+    factory = cpu_kernels.llama_decoder_for(dtype, ON, amx=False)
     prompts = {f"r{i}": (list(range(3 + 5 * i, 10 + 9 * i)), SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
                for i in range(3)}
     fast = engine.runner._forward
@@ -382,10 +384,8 @@ def test_the_decoder_declines_shapes_it_cannot_take_and_the_op_by_op_pass_runs(
 
 
 def test_no_decoder_for_float16_other_devices_or_when_off() -> None:
-    cpu = torch.device("cpu")
-    assert cpu_kernels.llama_decoder_for(cpu, torch.float16) is None
-    assert cpu_kernels.llama_decoder_for(cpu, torch.bfloat16, enabled=False) is None
-    assert cpu_kernels.llama_decoder_for(torch.device("meta"), torch.bfloat16) is None
+    assert cpu_kernels.llama_decoder_for(torch.float16, ON) is None
+    assert cpu_kernels.llama_decoder_for(torch.bfloat16, OFF) is None
 
 
 def test_decoder_rope_rows_are_the_rotary_modules_values(tiny: Any) -> None:
@@ -448,10 +448,8 @@ def test_argmax_rows_gives_torch_argmax_answers(kernel: Any) -> None:
 
 
 def test_argmax_for_uses_the_kernel_where_it_applies() -> None:
-    cpu = torch.device("cpu")
-    assert cpu_kernels.argmax_for(cpu, enabled=False) is cpu_kernels.argmax_torch
-    assert cpu_kernels.argmax_for(torch.device("cuda"), enabled=True) is cpu_kernels.argmax_torch
-    argmax = cpu_kernels.argmax_for(cpu)
+    assert cpu_kernels.argmax_for(OFF) is cpu_kernels.argmax_torch
+    argmax = cpu_kernels.argmax_for(ON)
     assert (argmax is cpu_kernels.argmax_torch) == (REASON is not None)
     x = torch.randn(3, 50)
     for t in (x, x.t().contiguous().t(), x.bfloat16(), x[0]):  # contiguous float32; strided; bf16; 1-D

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import torch
 
+from config import tool_cache_dir
 from engine.backends import cpu_features, cpu_kernels
 from engine.types import SamplingParams
 from tests.support import chat_ids, run_all, tokens_of
@@ -50,7 +51,7 @@ PATHS = [pytest.param(level, marks=pytest.mark.skipif(_path_reason(level) is not
 
 @pytest.fixture(scope="module", params=PATHS)
 def path(request: pytest.FixtureRequest) -> tuple[str, Any]:
-    module = cpu_kernels.load(level=request.param)
+    module = cpu_kernels.load(tool_cache_dir(), level=request.param)
     assert module is not None, f"the {request.param} build must load where the CPU has it"
     assert module.isa() == request.param
     return request.param, module
@@ -235,11 +236,10 @@ def test_one_call_decoder_with_many_rows_gives_a_row_the_bits_it_gets_alone(
 
 def test_the_avx2_path_is_what_a_capped_engine_uses(monkeypatch: pytest.MonkeyPatch, tiny: Any,
                                                     engine_factory: Any) -> None:
-    """PEREGRINE_CPU_ISA=avx2 on any x86 CPU with AVX2 gives the engine the AVX2 build's kernels."""
+    """The cap avx2 (EngineConfig.cpu_isa) on any x86 CPU with AVX2 gives the engine the AVX2 build's kernels."""
     if _path_reason("avx2") is not None:
         pytest.skip(f"avx2 path: {_path_reason('avx2')}")
-    monkeypatch.setenv(cpu_features.ENV, "avx2")
-    engine = engine_factory(tiny)
+    engine = engine_factory(tiny, cpu_isa="avx2")
     assert engine.kernels.path == "avx2" and engine.runner.decode_attention is not None
 
 

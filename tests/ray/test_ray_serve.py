@@ -156,8 +156,8 @@ class Reference:
 
         from app import create_app
         from config import Settings
-        from engine import AsyncEngine
         from engine.types import EngineConfig
+        from models.engine_factory import build_async_engine
 
         torch.set_num_threads(
             1
@@ -165,7 +165,7 @@ class Reference:
         settings = Settings(model=str(self.model_dir), device="cpu", dtype="float32", embedding_model="none",
                             max_model_len=MAX_MODEL_LEN)  # fmt: skip
         self.model_id = settings.model_id
-        self.engine = AsyncEngine.from_config(EngineConfig(
+        self.engine = build_async_engine(EngineConfig(
             model_path=str(self.model_dir), model_name=self.model_id, device="cpu", dtype="float32",
             max_model_len=MAX_MODEL_LEN, kv_cache_bytes=64 << 20))  # fmt: skip
         self.engine.start()

@@ -33,7 +33,8 @@ def test_stream_read_sums_like_torch_and_the_engine_kernels_do_not_carry_it() ->
     assert reader.isa() in ("avx512", "avx2", "scalar")
     with pytest.raises(RuntimeError, match="% 64"):
         reader.stream_read(torch.ones(65))
+    from config import tool_cache_dir
     from engine.backends import cpu_kernels
 
-    module = cpu_kernels.load()
+    module = cpu_kernels.load(tool_cache_dir())
     assert module is None or not hasattr(module, "stream_read")

@@ -1,4 +1,4 @@
-"""The CPU feature probe and the PEREGRINE_CPU_ISA ceiling the kernel pickers obey."""
+"""The CPU feature probe, the ISA cap the kernel pickers obey (EngineConfig.cpu_isa), the one ISA map."""
 
 from __future__ import annotations
 
@@ -13,11 +13,6 @@ AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"
 AMX = AVX512 | {"amx_tile", "amx_bf16"}
 
 
-@pytest.fixture(autouse=True)
-def no_ceiling(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(cpu_features.ENV, raising=False)
-
-
 @pytest.mark.parametrize(("flags", "level"), [
     (frozenset(), "none"), (frozenset({"avx", "avx2"}), "none"), (AVX2, "avx2"),
     (AVX2 | {"avx512f", "avx512bw", "avx512vl"}, "avx2"),  # AVX-512 without BF16: the kernels' AVX2 level
@@ -29,23 +24,20 @@ def test_detected_level_needs_every_lower_level(flags: frozenset[str], level: st
 
 @pytest.mark.parametrize(("cap", "level"), [("auto", "amx"), ("amx", "amx"), ("avx512", "avx512"),
                                             ("avx2", "avx2"), ("none", "none")])  # fmt: skip
-def test_ceiling_caps_the_level(monkeypatch: pytest.MonkeyPatch, cap: str, level: str) -> None:
-    monkeypatch.setenv(cpu_features.ENV, cap)
-    assert cpu_features.isa_level(AMX) == level
-    assert cpu_features.has("avx2", AMX) == (level != "none")
-    assert cpu_features.has("amx", AMX) == (level == "amx")
+def test_ceiling_caps_the_level(cap: str, level: str) -> None:
+    assert cpu_features.isa_level(AMX, cap) == level
+    assert cpu_features.has("avx2", AMX, cap) == (level != "none")
+    assert cpu_features.has("amx", AMX, cap) == (level == "amx") == cpu_features.amx(cap, AMX)
 
 
-def test_ceiling_never_raises_the_level(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(cpu_features.ENV, "amx")
-    assert cpu_features.isa_level(AVX2) == "avx2"
-    assert not cpu_features.has("avx512", AVX2)
+def test_ceiling_never_raises_the_level() -> None:
+    assert cpu_features.isa_level(AVX2, "amx") == "avx2"
+    assert not cpu_features.has("avx512", AVX2, "amx")
 
 
-def test_unknown_ceiling_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(cpu_features.ENV, "sse9")
+def test_unknown_ceiling_is_refused() -> None:
     with pytest.raises(ValueError, match="PEREGRINE_CPU_ISA='sse9'"):
-        cpu_features.isa_level(AMX)
+        cpu_features.isa_level(AMX, "sse9")
 
 
 def test_flags_are_read_from_cpuinfo(tmp_path: Path) -> None:
@@ -60,18 +52,17 @@ def test_kernels_follow_a_lowered_ceiling(monkeypatch: pytest.MonkeyPatch) -> No
     with AVX-512 hidden they pick the AVX2 build."""
     import torch
 
+    from config import tool_cache_dir
     from engine.backends import cpu_kernels
-    from engine.backends.kernels import linear_torch
+    from engine.backends.kernels import KernelOptions, linear_torch
 
-    monkeypatch.setenv(cpu_features.ENV, "avx2")
-    assert cpu_kernels.build_level() == ("avx2" if cpu_features.detected_level() != "none" else None)
-    monkeypatch.setenv(cpu_features.ENV, "none")
-    cpu = torch.device("cpu")
-    assert cpu_kernels.build_level() is None
-    assert cpu_kernels.load() is None
-    assert cpu_kernels.linear_for(cpu, torch.bfloat16) is linear_torch
-    assert cpu_kernels.llama_decoder_for(cpu, torch.bfloat16) is None
-    assert cpu_kernels.argmax_for(cpu) is cpu_kernels.argmax_torch
+    assert cpu_kernels.build_level("avx2") == ("avx2" if cpu_features.detected_level() != "none" else None)
+    off = KernelOptions(True, tool_cache_dir(), "none")
+    assert cpu_kernels.build_level("none") is None
+    assert cpu_kernels.load(tool_cache_dir(), cap="none") is None
+    assert cpu_kernels.linear_for(torch.bfloat16, off) is linear_torch
+    assert cpu_kernels.llama_decoder_for(torch.bfloat16, off) is None
+    assert cpu_kernels.argmax_for(off) is cpu_kernels.argmax_torch
 
 
 def test_cpu_vendor_reads_the_vendor_id(tmp_path: Path) -> None:

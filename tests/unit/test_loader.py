@@ -1,4 +1,4 @@
-"""models/loader.py and engine/backends/devices.py: device and dtype choice, folder loading, the GGUF conversion cache.
+"""models/loader.py and engine/backends/devices.py (with the probes of engine/backends/cpu.py, cuda.py, tt.py): device and dtype choice, folder loading, the GGUF conversion cache.
 
 The fast tests use the tiny random Llama from tests/conftest.py and small files made here; the slow one
 converts the bundled SmolLM2 GGUF for real into a fresh cache and checks it is faithful and reused.
@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.backends import devices
+from engine.backends import devices, tt
 from engine.backends.devices import DeviceError
 from engine.types import EngineConfig
 from models import loader
@@ -46,7 +46,7 @@ def test_cuda_missing_says_why() -> None:
 def test_tt_missing_names_the_missing_piece(monkeypatch: pytest.MonkeyPatch) -> None:
     present: set[str] = set()
     monkeypatch.setattr(
-        devices.importlib.util, "find_spec", lambda name: object() if name in present else None
+        tt.importlib.util, "find_spec", lambda name: object() if name in present else None
     )
     with pytest.raises(DeviceError, match="the torch_ttnn package is not installed"):
         devices.resolve_device("tt")
@@ -54,10 +54,10 @@ def test_tt_missing_names_the_missing_piece(monkeypatch: pytest.MonkeyPatch) -> 
     with pytest.raises(DeviceError, match="the ttnn package is not installed"):
         devices.resolve_device("tt")
     present.add("ttnn")
-    monkeypatch.setattr(devices, "tt_device_count", lambda: 0)
+    monkeypatch.setattr(tt, "tt_device_count", lambda: 0)
     with pytest.raises(DeviceError, match="no Tenstorrent device found"):
         devices.resolve_device("tt")
-    monkeypatch.setattr(devices, "tt_device_count", lambda: 1)
+    monkeypatch.setattr(tt, "tt_device_count", lambda: 1)
     probe, device = devices.resolve_probe("tt")
     assert probe.name == "tt" and device == torch.device("cpu")  # host tensors; the card runs compiled graphs
 

@@ -291,9 +291,9 @@ def test_cpu_has_amx_reads_the_flags(tmp_path: Path) -> None:
 def test_cpu_has_amx_follows_the_isa_ceiling(tmp_path: Path) -> None:
     with_amx = tmp_path / "a"
     with_amx.write_text(f"flags\t\t: {AMX_FLAGS}\n")
-    assert preflight.cpu_has_amx(with_amx, cap="amx")
-    assert not preflight.cpu_has_amx(with_amx, cap="avx512")  # the packed AMX copy is not counted when AMX is hidden
-    assert not preflight.packed_copy_kept("cpu", True, "avx512")
+    assert preflight.cpu_has_amx(with_amx, cpu_isa="amx")
+    assert not preflight.cpu_has_amx(with_amx, cpu_isa="avx512")  # the packed AMX copy is not counted when hidden
+    assert not preflight.packed_copy_kept("cpu", True, "avx512")  # the cap (EngineConfig.cpu_isa) reaches it
 
 
 # A 7.5B GGUF kept quantized (about 4.4 GB of Q4 blocks): --weight-format auto may time dense copies beside it.
