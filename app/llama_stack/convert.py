@@ -1,6 +1,7 @@
 """The legacy Llama Stack API's one converter: wire request -> (messages, SamplingParams), engine outputs -> wire.
 
-`to_sampling_params` is the only place a legacy request becomes engine `SamplingParams`:
+`to_sampling_params` is the only place a legacy request becomes engine `SamplingParams` (`chat_plan` and
+`completion_plan` hand it to the request plan every family shares, `app/chat/plan.py`):
 
 | `sampling_params.strategy`                          | temperature            | top_p          | top_k |
 |-----------------------------------------------------|------------------------|----------------|-------|

@@ -1,6 +1,7 @@
 """The OpenAI API's one converter: wire request -> (prompt token ids, SamplingParams), engine outputs -> wire.
 
-`to_sampling_params` is the only place an OpenAI request becomes engine `SamplingParams`. The prompt side
+`to_sampling_params` is the only place an OpenAI request becomes engine `SamplingParams`; `chat_plan` and
+`completion_plan` hand the request to the request plan every family shares (`app/chat/plan.py`). The prompt side
 (chat template, raw prompts) is `app/chat/prompts.py`, shared with the Llama Stack routes. The output side folds engine `RequestOutput`s into the non-stream response objects
 (`ChatResult`, `CompletionResult`) or maps them to stream chunks (`chat_chunks`, `completion_chunks`).
 No generation logic lives here.
