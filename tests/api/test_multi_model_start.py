@@ -80,7 +80,7 @@ def test_the_default_model_loads_at_start_every_time(start: int, other_gguf: Pat
     env = {k: v for k, v in os.environ.items() if not k.startswith("PEREGRINE_")}
     cmd = [sys.executable, str(REPO / "main.py"), "--model", "bundled:smollm2", "--model", str(other_gguf),
            "--host", "127.0.0.1", "--port", str(port), "--weight-format", "quantized", "--kv-cache-bytes", "64MiB",
-           "--max-model-len", "2048", "--models-memory-budget", "2GiB", "--cache-dir", str(tmp_path / "cache")]  # fmt: skip
+           "--max-model-len", "2048", "--models-memory-budget", "2GiB"]  # fmt: skip
     log_path = tmp_path / "server.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
