@@ -5,8 +5,8 @@ loading behind it.
     python main.py                            # the bundled SmolLM2-135M-Instruct on 127.0.0.1:8000
     python main.py --model Qwen/Qwen2.5-7B-Instruct --device cuda --dtype bfloat16
 
-The HTTP server starts before the model is loaded: `/health` answers at once and readiness
-(`/health/ready`) is 503 until the engine runs. Nothing heavy (torch, transformers) is imported before
+The HTTP server starts before the model is loaded (once the loaders' libraries are imported): `/health`
+answers while it loads and readiness (`/health/ready`) is 503 until the engine runs. Nothing heavy (torch, transformers) is imported before
 the flags are parsed, so `--help` and a bad flag answer fast. Several models (`--model` more than once,
 `--models-file`) start in serving/start.py; several replicas (`--ray-replicas`) in serving/ray_serve.py.
 """
