@@ -279,6 +279,10 @@ class Settings(BaseSettings):
         10_000, ge=0, description="Most stored responses (and, apart, chat completions) kept; the oldest are "
         "dropped first. 0: no limit.",
     )
+    store_chat_completions: bool = Field(
+        False, description="Store every chat completion whose request does not say store: false (as Llama Stack "
+        "does); off: only those that say store: true (as OpenAI).",
+    )
     store_max_age: str = Field(
         "720h", description="How long a stored response or chat completion is kept (1h, 720h, or seconds; negative: "
         "forever).",
