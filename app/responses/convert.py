@@ -27,7 +27,7 @@ from pydantic import ValidationError
 
 from app.errors import BadRequestError
 from app.openai.schemas import ChatCompletionRequest
-from app.responses.schemas import InputItem, ResponsesRequest
+from app.responses.schemas import InputItem, ResponsesRequest, Tool
 
 TEXT_PARTS = ("input_text", "output_text", "text")
 ROLES = ("user", "system", "developer", "assistant")
@@ -167,7 +167,7 @@ def _stored_item(item: InputItem) -> dict[str, Any]:
 def _tools(req: ResponsesRequest) -> dict[str, Any]:
     out: dict[str, Any] = {}
     functions = []
-    for i, tool in enumerate(req.tools or []):
+    for i, tool in _flat_tools(req.tools or []):
         if tool.type != "function":
             raise BadRequestError(
                 f"tools[{i}] is a hosted {tool.type!r} tool, which a local server cannot run; only function tools "
@@ -187,6 +187,25 @@ def _tools(req: ResponsesRequest) -> dict[str, Any]:
                                   "required or {type: function, name}.", param="tool_choice")
         out["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
     return out
+
+
+def _flat_tools(tools: list[Tool]) -> list[tuple[str, Tool]]:
+    """(index, tool) with each `namespace` tool's function tools in its place (the Codex CLI groups some so)."""
+    out = []
+    for i, tool in enumerate(tools):
+        inner = getattr(tool, "tools", None) if tool.type == "namespace" else None
+        if isinstance(inner, list):
+            out += [(f"{i}].tools[{j}", _tool(t, f"tools[{i}].tools[{j}]")) for j, t in enumerate(inner)]
+        else:
+            out.append((str(i), tool))
+    return out
+
+
+def _tool(data: Any, param: str) -> Tool:
+    try:
+        return Tool.model_validate(data)
+    except ValidationError:
+        raise BadRequestError(f"{param} must be a tool object with a type.", param=param) from None
 
 
 def _response_format(req: ResponsesRequest) -> dict[str, Any] | None:
