@@ -29,8 +29,8 @@ def check_responses_stream(ctx: Any) -> str:
     client: openai.OpenAI = ctx.client
     with client.responses.stream(model=ctx.model, input=QUESTION, max_output_tokens=ctx.max_tokens,
                                  temperature=0, store=False) as stream:
-        types = [event.type for event in stream]
-        final = stream.get_final_response()
+        events = list(stream)
+    types, final = [event.type for event in events], events[-1].response  # completed or incomplete
     expect(types[0] == "response.created" and types[-1] in ("response.completed", "response.incomplete"),
            f"events {types[:2]} ... {types[-2:]}")
     return f"{final.output_text!r} ({len(types)} events, {final.status})"

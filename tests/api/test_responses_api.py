@@ -55,7 +55,7 @@ def test_create_returns_a_finished_message(client: openai.OpenAI, model_id: str)
 def test_stream_sends_the_event_sequence(client: openai.OpenAI, model_id: str) -> None:
     with client.responses.stream(model=model_id, input="Count to three.", max_output_tokens=12) as stream:
         events = list(stream)
-        final = stream.get_final_response()
+    final = events[-1].response  # the SDK's get_final_response() accepts only response.completed
     types = [e.type for e in events]
     assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added",
                          "response.content_part.added"]
@@ -105,8 +105,8 @@ def test_function_tool_round_trip_and_three_turns(client: openai.OpenAI, model_i
 def test_streamed_function_call_events(client: openai.OpenAI, model_id: str) -> None:
     with client.responses.stream(model=model_id, input="Weather in Oslo?", tools=[WEATHER],
                                  tool_choice=FORCE_WEATHER, max_output_tokens=40) as stream:
-        types = [e.type for e in stream]
-        final = stream.get_final_response()
+        events = list(stream)
+    types, final = [e.type for e in events], events[-1].response
     assert "response.function_call_arguments.delta" in types
     done = types.index("response.function_call_arguments.done")
     assert types[done + 1] == "response.output_item.done" and types[-1] == "response.completed"
