@@ -59,12 +59,12 @@ def test_codex_exec_finishes_a_turn(codex_server: str, tmp_path: Path) -> None:
     home.mkdir()
     work.mkdir()
     instructions = home / "instructions.md"
-    instructions.write_text("You are a coding assistant. Answer in one short sentence.\n")
+    instructions.write_text("You are a coding assistant. Reply with one short sentence.\n")
     model = "smollm2"
     (home / "config.toml").write_text(CONFIG.format(model=model, instructions=instructions, base_url=codex_server))
     env = {**os.environ, "CODEX_HOME": str(home), "NO_COLOR": "1"}
     done = subprocess.run([str(codex), "exec", "--skip-git-repo-check", "Say hi."], cwd=work, env=env,
-                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600)
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=900)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-3000:]
     assert "ERROR" not in output and "tokens used" in output, output[-3000:]
