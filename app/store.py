@@ -127,12 +127,11 @@ class Store:
         sql, args = "SELECT * FROM objects WHERE kind = ?", [kind]
         if model is not None:
             sql, args = sql + " AND model = ?", [*args, model]
-        for key, value in (metadata or {}).items():
-            sql, args = sql + " AND json_extract(metadata, '$.' || json_quote(?)) = ?", [*args, key, value]
         direction = "DESC" if order == "desc" else "ASC"
         with self._lock:
             rows = self._db.execute(f"{sql} ORDER BY created_at {direction}, rowid {direction}", args).fetchall()
-        found = [_stored(r) for r in rows]
+        wanted = (metadata or {}).items()  # filtered here: any key is fine, and the store is bounded
+        found = [s for s in map(_stored, rows) if all(s.metadata.get(k) == v for k, v in wanted)]
         if after is not None:
             ids = [s.id for s in found]
             found = found[ids.index(after) + 1:] if after in ids else found

@@ -65,8 +65,8 @@ def to_turn(req: ResponsesRequest, earlier: list[dict[str, Any]]) -> Turn:
         chat = ChatCompletionRequest.model_validate(body)
     except ValidationError as exc:
         err = exc.errors()[0]
-        field = ".".join(str(p) for p in err["loc"])
-        raise BadRequestError(f"{field}: {err['msg']}", param=str(err["loc"][0])) from None
+        loc = [str(p) for p in err.get("loc", ())] or ["input"]
+        raise BadRequestError(f"{'.'.join(loc)}: {err['msg']}", param=loc[0]) from None
     if not history:
         raise BadRequestError("input holds no message to answer.", param="input")
     return Turn(chat, history, [_stored_item(i) for i in items])
