@@ -21,6 +21,7 @@ import httpx
 import openai
 
 from use_llama_stack import LLAMA_STACK_CHECKS, QUESTION, expect, http_json
+from use_responses import RESPONSES_CHECKS
 
 
 @dataclass
@@ -275,6 +276,7 @@ CHECKS: list[tuple[str, Check]] = [
     ("embeddings", check_embeddings),
     ("tokenize + detokenize", check_tokenize),
     *LLAMA_STACK_CHECKS,
+    *RESPONSES_CHECKS,
     ("unknown model -> 404", check_error_envelope),
 ]
 

@@ -25,10 +25,11 @@ from app.leases import ModelLeaseMiddleware
 from app.limits import generation_paths
 from app.llama_stack import routes as llama_stack
 from app.metrics import install_metrics
-from app.openai import embeddings
+from app.openai import embeddings, stored
 from app.openai import routes as openai_routes
 from app.openai import tokenize as tokenize_routes
 from app.openapi import install_openapi
+from app.responses import routes as responses_routes
 from app.ui import install_ui
 
 log = logging.getLogger("peregrine.app")
@@ -49,7 +50,8 @@ def create_app(engine: Engine | None = None, settings: Any = None, embedder: Any
     app.state.embedder = embedder
     install_error_handlers(app)
     install_openapi(app)  # /docs shows the 400 envelope Peregrine sends, not FastAPI's unused 422
-    routers = [health.router, openai_routes.router, embeddings.router, llama_stack.router, tokenize_routes.router]
+    routers = [health.router, openai_routes.router, embeddings.router, llama_stack.router, tokenize_routes.router,
+               responses_routes.router, stored.router]
     for router in routers:
         app.include_router(router)
     install_ui(app)  # GET / (the chat page) and /ui/ (its static files)

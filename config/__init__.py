@@ -269,6 +269,24 @@ class Settings(BaseSettings):
         0, ge=0, description="With several models: most loaded at once; 0: as many as the memory budget allows."
     )
 
+    # --- stored responses and chat completions (app/store.py) -----------------------------------------
+    store_path: Path | None = Field(
+        None, description="The SQLite database of stored responses (/v1/responses) and stored chat completions. "
+        "Default: api-store.sqlite3 in --cache-dir.",
+    )
+    store_max_objects: int = Field(
+        10_000, ge=0, description="Most stored responses (and, apart, chat completions) kept; the oldest are "
+        "dropped first. 0: no limit.",
+    )
+    store_chat_completions: bool = Field(
+        False, description="Store every chat completion whose request does not say store: false (as Llama Stack "
+        "does); off: only those that say store: true (as OpenAI).",
+    )
+    store_max_age: str = Field(
+        "720h", description="How long a stored response or chat completion is kept (1h, 720h, or seconds; negative: "
+        "forever).",
+    )
+
     # --- scale out -----------------------------------------------------------------------------------
     ray_replicas: int = Field(1, ge=1, description="Replicas on Ray Serve; more than 1 serves through Ray.")
     ray_autoscale: str | None = Field(
@@ -302,7 +320,7 @@ class Settings(BaseSettings):
             raise ValueError("must not be empty")
         return value.strip()
 
-    @field_validator("cache_dir", "download_dir", "api_keys_file")
+    @field_validator("cache_dir", "download_dir", "api_keys_file", "store_path")
     @classmethod
     def _expand_home(cls, value: Path | None) -> Path | None:
         return value.expanduser() if value is not None else None
@@ -323,7 +341,7 @@ class Settings(BaseSettings):
             raise ValueError("must be MIN:MAX replicas with 0 <= MIN <= MAX and MAX >= 1, e.g. 1:4")
         return f"{int(low)}:{int(high)}"
 
-    @field_validator("model_keep_alive")
+    @field_validator("model_keep_alive", "store_max_age")
     @classmethod
     def _check_keep_alive(cls, value: str) -> str:
         parse_duration(value)
@@ -378,6 +396,11 @@ class Settings(BaseSettings):
     def model_keep_alive_s(self) -> float:
         """Seconds a model stays loaded when idle; negative: forever."""
         return parse_duration(self.model_keep_alive)
+
+    @property
+    def store_max_age_s(self) -> float:
+        """Seconds a stored object is kept; negative: forever."""
+        return parse_duration(self.store_max_age)
 
     @property
     def hf_token_value(self) -> str | None:

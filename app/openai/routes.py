@@ -32,7 +32,7 @@ from app.engine_client import generate
 from app.errors import model_not_found
 from app.llama_stack.schemas import native_model_fields
 from app.openai import convert as conv
-from app.openai import embeddings
+from app.openai import embeddings, stored
 from app.openai import tools as openai_tools
 from app.openai.schemas import (
     ChatCompletionRequest,
@@ -86,12 +86,18 @@ async def create_chat_completion(
             events = reasoning.split_chunks(events, splitter)
         if plan.parses_tools:
             events = openai_tools.split_chunks(events, tool_plan.new_stream)
+        if stored.wanted(request, body):
+            events = stored.remember_stream(request, body, events)
         return stream_response(events, stream_format(request, openai=True), request_id=request_id(request))
     result = conv.ChatResult(id=rid, model=model, n=params.n, want_logprobs=params.logprobs is not None)
     async for _, out in outputs:
         result.add(out)
     response = result.response() if splitter is None else reasoning.split_response(result.response(), splitter)
-    return openai_tools.split_response(response, tool_plan) if plan.parses_tools else response
+    if plan.parses_tools:
+        response = openai_tools.split_response(response, tool_plan)
+    if stored.wanted(request, body):
+        await stored.remember(request, body, response)
+    return response
 
 
 @router.post("/completions", response_model=CompletionResponse)

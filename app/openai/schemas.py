@@ -158,6 +158,9 @@ class ChatCompletionRequest(SamplingRequest):
     )
     parallel_tool_calls: bool | None = Field(None, description="false: at most one call. Default true.")
     max_completion_tokens: int | None = Field(None, ge=1, description="Alias of max_tokens; wins if both.")
+    store: bool | None = Field(None, description="Keep this completion (GET /v1/chat/completions/{id}); default: "
+                               "the server's --store-chat-completions (off).")
+    metadata: dict[str, str] | None = Field(None, max_length=16, description="Up to 16 string pairs, stored with it.")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
