@@ -24,6 +24,7 @@ from app.hardening import install_hardening
 from app.limits import generation_paths
 from app.llama_stack import routes as llama_stack
 from app.metrics import install_metrics
+from app.ollama import routes as ollama
 from app.openai import embeddings
 from app.openai import routes as openai_routes
 from app.openai import tokenize as tokenize_routes
@@ -49,7 +50,8 @@ def create_app(engine: Engine | None = None, settings: Any = None, embedder: Any
     app.state.embedder = embedder
     install_error_handlers(app)
     install_openapi(app)  # /docs shows the 400 envelope Peregrine sends, not FastAPI's unused 422
-    routers = [health.router, openai_routes.router, embeddings.router, llama_stack.router, tokenize_routes.router]
+    routers = [health.router, openai_routes.router, embeddings.router, llama_stack.router, tokenize_routes.router,
+               ollama.router, ollama.root_router]
     for router in routers:
         app.include_router(router)
     install_ui(app)  # GET / (the chat page) and /ui/ (its static files)
