@@ -58,6 +58,7 @@ def create_app(engine: Engine | None = None, settings: Any = None, embedder: Any
     app.add_middleware(ModelLeaseMiddleware)  # several models: leases end when the response is complete
     generation = generation_paths(route for router in routers for route in router.routes)
     install_hardening(app, settings, generation)  # auth, limits, draining, disconnect/timeout cancellation
+    ollama.install_envelope(app)  # /api paths: those refusals in Ollama's envelope
     install_metrics(app)  # GET /metrics; its middleware sits outside hardening, so 401/429 are counted
     app.add_middleware(RequestIdMiddleware)  # added last: outermost, so every answer carries the id
     _build_openapi_at_start(app)

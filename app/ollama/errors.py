@@ -10,6 +10,7 @@ JSON whatever their Content-Type says.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
@@ -19,8 +20,10 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import APIError, _validation_message, classify
+from app.limits import route_path
 from engine.types import EngineError
 
 
@@ -82,3 +85,55 @@ async def stream_errors(events: AsyncIterator[dict[str, Any]], request_id: str |
         aclose = getattr(events, "aclose", None)
         if aclose is not None:
             await aclose()
+
+
+class OllamaEnvelopeMiddleware:
+    """Rewrites the OpenAI envelope the app's middlewares answer with before any route runs (app/limits.py: 401,
+    413, 429, 503 while draining, a body that is not JSON) into Ollama's, for /api paths only."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not route_path(scope).startswith("/api/"):
+            await self.app(scope, receive, send)
+            return
+        held: Message | None = None
+        body = b""
+
+        async def rewrite(message: Message) -> None:
+            nonlocal held, body
+            if message["type"] == "http.response.start" and message["status"] >= 400 and _is_json(message):
+                held = message
+                return
+            if held is None or message["type"] != "http.response.body":
+                await send(message)
+                return
+            body += message.get("body", b"")
+            if not message.get("more_body", False):
+                payload = _flatten(body)
+                headers = [(k, v) for k, v in held["headers"] if k.lower() != b"content-length"]
+                await send({**held, "headers": [*headers, (b"content-length", str(len(payload)).encode())]})
+                await send({"type": "http.response.body", "body": payload})
+
+        await self.app(scope, receive, rewrite)
+
+
+def _is_json(message: Message) -> bool:
+    return any(k.lower() == b"content-type" and b"json" in v for k, v in message.get("headers", []))
+
+
+def _flatten(body: bytes) -> bytes:
+    """`{"error": {"message": ...}}` -> `{"error": "..."}`; anything else as it was."""
+    try:
+        error = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return body
+    if isinstance(error, dict) and isinstance(error.get("message"), str):
+        return json.dumps({"error": error["message"]}).encode()
+    return body
+
+
+def install_envelope(app: Any) -> None:
+    """Ollama's envelope for what the app's middlewares refuse on /api paths (call after install_hardening)."""
+    app.add_middleware(OllamaEnvelopeMiddleware)

@@ -46,9 +46,10 @@ def source_of(model: str) -> ModelSource:
         raise NotFoundError(str(exc), param="model") from None
 
 
-async def pull_events(model: str, settings: Any) -> AsyncIterator[dict[str, Any]]:
+async def pull_events(model: str, settings: Any, endpoint: str | None = None) -> AsyncIterator[dict[str, Any]]:
     """Ollama's progress lines: `pulling manifest`, one `pulling <file>` per file with `total` and `completed`,
-    then `success`. Errors (the Hub's, the preflight's) are raised; the route turns them into an error line."""
+    then `success`. Errors (the Hub's, the preflight's) are raised; the route turns them into an error line.
+    `endpoint`: another Hub than huggingface.co's (tests use a local stand-in)."""
     yield {"status": "pulling manifest"}
     source = source_of(model)
     if source.kind != "hub":
@@ -56,9 +57,9 @@ async def pull_events(model: str, settings: Any) -> AsyncIterator[dict[str, Any]
         yield {"status": f"using local model {source.path}"}
         yield {"status": "success"}
         return
-    args = _hub_args(settings)
+    args = _hub_args(settings) | {"endpoint": endpoint}
     plan = await _to_thread(plan_download, source, **args)
-    await _to_thread(_preflight, plan, settings)
+    await _to_thread(_preflight, plan, settings, args)
     for name, size in sorted(plan.files.items()):
         progress = {"status": f"pulling {name}", "digest": _digest(plan, name), "total": size}
         yield progress | {"completed": 0 if name in plan.missing else size}
@@ -86,11 +87,11 @@ def _digest(plan: DownloadPlan, name: str) -> str:
     return "sha256:" + hashlib.sha256(f"{plan.repo_id}@{plan.commit or plan.revision}/{name}".encode()).hexdigest()
 
 
-def _preflight(plan: DownloadPlan, settings: Any) -> None:
+def _preflight(plan: DownloadPlan, settings: Any, args: dict[str, Any]) -> None:
     """The start-up preflight's arithmetic (main.run_preflight) for a Hub model: refuse what cannot fit."""
     download_dir = Path(getattr(settings, "download_dir", None) or default_download_dir())
     cache_dir = Path(getattr(settings, "cache_dir", None) or download_dir)
-    config = fetch_config(plan, **_hub_args(settings))
+    config = fetch_config(plan, **args)
     footprint = preflight.hub_footprint(plan.param_count, plan.files, plan.missing_bytes, config)
     _refuse(footprint, settings, download_dir, cache_dir)
 

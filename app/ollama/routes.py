@@ -19,11 +19,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from app.deps import generates, request_id
-from app.errors import BadRequestError, model_not_found
+from app.errors import BadRequestError, NotFoundError, model_not_found
 from app.ollama import catalog, pull
 from app.ollama import convert as conv
 from app.ollama import pipeline as shared
-from app.ollama.errors import OllamaRoute, stream_errors
+from app.ollama.errors import OllamaRoute, install_envelope, stream_errors
 from app.ollama.schemas import (
     ChatRequest,
     EmbeddingsRequest,
@@ -39,6 +39,7 @@ from serving.registry import request_keep_alive
 
 router = APIRouter(prefix="/api", tags=["ollama"], route_class=OllamaRoute)
 root_router = APIRouter(tags=["ollama"], route_class=OllamaRoute)
+__all__ = ["install_envelope", "root_router", "router"]
 VERSION = "0.12.0"  # the Ollama API this follows; clients such as Open WebUI read it
 LIVENESS = "Ollama is running"
 
@@ -128,6 +129,7 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
 
 
 async def _answer(body: GenerationRequest, request: Request, started: int, kind: conv.Kind, wire: Any) -> Response:
+    request_keep_alive(body.keep_alive)  # a 400 when unreadable, with one model served too
     engine, model = await shared.engine_for(request, body.model, body.keep_alive)
     turn = conv.Turn(kind, model, started, time.perf_counter_ns() - started)
     raw = isinstance(body, GenerateRequest) and body.raw
@@ -220,3 +222,10 @@ async def delete_model(body: ModelRequest, request: Request) -> Response:
         raise BadRequestError("model is required.", param="model")
     await pull.delete(body.target, request.app.state.settings, [m.name for m in catalog.served(request)])
     return Response(status_code=200)
+
+
+@router.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD"], include_in_schema=False)
+async def unknown(path: str, request: Request) -> Response:
+    """Routes of Ollama's API this server does not have (/api/create, /api/copy, /api/push, ...): 404, Ollama's way."""
+    raise NotFoundError(f"{request.method} /api/{path} is not served here (Peregrine serves Ollama's inference and "
+                        "model listing routes; docs/ollama.md has the list)")
