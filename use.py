@@ -21,6 +21,7 @@ import httpx
 import openai
 
 from use_llama_stack import LLAMA_STACK_CHECKS, QUESTION, expect, http_json
+from use_ollama import OLLAMA_CHECKS
 
 
 @dataclass
@@ -275,6 +276,7 @@ CHECKS: list[tuple[str, Check]] = [
     ("embeddings", check_embeddings),
     ("tokenize + detokenize", check_tokenize),
     *LLAMA_STACK_CHECKS,
+    *OLLAMA_CHECKS,
     ("unknown model -> 404", check_error_envelope),
 ]
 
