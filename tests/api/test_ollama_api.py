@@ -93,7 +93,7 @@ class City(BaseModel):
 
 
 def test_structured_format(client: ollama.Client, model: str) -> None:
-    options = {"num_predict": 48, "temperature": 0}
+    options = {"num_predict": 32, "temperature": 0}
     answer = client.chat(model=model, messages=[{"role": "user", "content": "A city, as JSON."}],
                          format=City.model_json_schema(), options=options)  # fmt: skip
     if answer.done_reason == "stop":  # a cut answer cannot parse; the constraint still held token by token
