@@ -18,7 +18,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from app.deps import generates, request_id
+from app.deps import generates, request_id, request_keep_alive  # re-exported there on every branch
 from app.errors import BadRequestError, NotFoundError, model_not_found
 from app.ollama import catalog, pull
 from app.ollama import convert as conv
@@ -35,7 +35,6 @@ from app.ollama.schemas import (
 )
 from app.streaming import NDJSON, stream_response
 from app.ui import chat_page
-from serving.registry import request_keep_alive
 
 router = APIRouter(prefix="/api", tags=["ollama"], route_class=OllamaRoute)
 root_router = APIRouter(tags=["ollama"], route_class=OllamaRoute)
