@@ -108,7 +108,7 @@ def served(request: Request) -> list[Served]:
 
 def _slot(registry: Any, slot: Any) -> Served:
     engine = slot.engine
-    max_len = engine.max_model_len if engine is not None else slot.spec.max_model_len
+    max_len = getattr(engine, "max_model_len", None) or slot.spec.max_model_len
     return Served(slot.spec.name, _config_path(slot.spec.config), engine, slot.spec.need_bytes,
                   registry.expires_in(slot), max_len)  # fmt: skip
 
