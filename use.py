@@ -21,6 +21,7 @@ import httpx
 import openai
 
 from use_llama_stack import LLAMA_STACK_CHECKS, QUESTION, expect, http_json
+from use_ollama import OLLAMA_CHECKS
 from use_responses import RESPONSES_CHECKS
 
 
@@ -277,6 +278,7 @@ CHECKS: list[tuple[str, Check]] = [
     ("tokenize + detokenize", check_tokenize),
     *LLAMA_STACK_CHECKS,
     *RESPONSES_CHECKS,
+    *OLLAMA_CHECKS,
     ("unknown model -> 404", check_error_envelope),
 ]
 

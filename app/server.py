@@ -25,6 +25,7 @@ from app.leases import ModelLeaseMiddleware
 from app.limits import generation_paths
 from app.llama_stack import routes as llama_stack
 from app.metrics import install_metrics
+from app.ollama import routes as ollama
 from app.openai import embeddings, stored
 from app.openai import routes as openai_routes
 from app.openai import tokenize as tokenize_routes
@@ -51,13 +52,14 @@ def create_app(engine: Engine | None = None, settings: Any = None, embedder: Any
     install_error_handlers(app)
     install_openapi(app)  # /docs shows the 400 envelope Peregrine sends, not FastAPI's unused 422
     routers = [health.router, openai_routes.router, embeddings.router, llama_stack.router, tokenize_routes.router,
-               responses_routes.router, stored.router]
+               responses_routes.router, stored.router, ollama.router, ollama.root_router]
     for router in routers:
         app.include_router(router)
     install_ui(app)  # GET / (the chat page) and /ui/ (its static files)
     app.add_middleware(ModelLeaseMiddleware)  # several models: leases end when the response is complete
     generation = generation_paths(route for router in routers for route in router.routes)
     install_hardening(app, settings, generation)  # auth, limits, draining, disconnect/timeout cancellation
+    ollama.install_envelope(app)  # /api paths: those refusals in Ollama's envelope
     install_metrics(app)  # GET /metrics; its middleware sits outside hardening, so 401/429 are counted
     app.add_middleware(RequestIdMiddleware)  # added last: outermost, so every answer carries the id
     _build_openapi_at_start(app)

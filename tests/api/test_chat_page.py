@@ -267,7 +267,7 @@ def test_behind_root_path_with_auth_the_key_stays_in_the_tab(page, proxied_auth_
 
 def test_chat_page_route_is_open_and_relative(server: str) -> None:
     """No browser needed: `/` is HTML with a <base> and relative asset URLs, and needs no credentials."""
-    r = httpx.get(f"{server}/", timeout=30)
+    r = httpx.get(f"{server}/", headers={"Accept": "text/html"}, timeout=30)  # what browsers send (others: Ollama's liveness)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
     assert '<base href="/">' in r.text and 'src="ui/render.js"' in r.text and 'src="ui/chat.js"' in r.text
     assert "http" not in r.text.split("<body>")[0].replace('name="viewport"', "")  # nothing from a CDN

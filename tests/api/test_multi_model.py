@@ -173,3 +173,33 @@ def test_memory_budget_unloads_idle_models_and_refuses_what_cannot_fit(multi: ht
     assert refused and all(int(r.headers["retry-after"]) >= 1 for r in refused)
     states = _states(multi)
     assert states["smollm2"] == "loaded" and states["tiny-wide"] == "unloaded"
+
+
+def _ollama(http: httpx.Client, route: str, body: dict) -> dict:
+    """An Ollama /api answer, retrying its 503s (the model loading) after their Retry-After."""
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        r = http.post(route, json={"stream": False, **body})
+        if r.status_code != 503:
+            assert r.status_code == 200, r.text
+            return r.json()
+        assert isinstance(r.json()["error"], str)  # Ollama's envelope
+        time.sleep(min(float(r.headers.get("retry-after", "1")), 2.0))
+    pytest.fail(f"{route} never answered")
+
+
+def test_ollama_keep_alive_loads_and_unloads_through_the_registry(multi: httpx.Client) -> None:
+    """Ollama's keep_alive on the registry: an empty request loads the model, `keep_alive: 0` unloads it (at once
+    when idle), and a request with `keep_alive: 0` leaves it unloaded after its answer."""
+    assert [m["name"] for m in multi.get("/api/tags").json()["models"]] == ["smollm2", "tiny", "tiny-wide", "huge"]
+    loaded = _ollama(multi, "/api/generate", {"model": "tiny"})
+    assert loaded["done"] and loaded["done_reason"] == "load" and _states(multi)["tiny"] == "loaded"
+    running = {m["name"]: m for m in multi.get("/api/ps").json()["models"]}
+    assert "tiny" in running and running["tiny"]["expires_at"] > "2026"
+    unloaded = _ollama(multi, "/api/chat", {"model": "tiny", "messages": [], "keep_alive": 0})
+    assert unloaded["done_reason"] == "unload" and _states(multi)["tiny"] == "unloaded"
+    assert "tiny" not in {m["name"] for m in multi.get("/api/ps").json()["models"]}
+    answer = _ollama(multi, "/api/chat", {"model": "tiny", "keep_alive": 0, "options": {"num_predict": 4},
+                                          "messages": [{"role": "user", "content": "hello"}]})  # fmt: skip
+    assert answer["done"] and answer["eval_count"] <= 4
+    wait_until(lambda: _states(multi)["tiny"] == "unloaded", 120, "tiny to be unloaded after keep_alive 0")

@@ -104,6 +104,11 @@ def test_schemathesis_finds_no_server_error(server: TinyServer) -> None:
                 case.body["n"] = min(abs(case.body["n"]) if isinstance(case.body["n"], int) else 1, 2) or 1
             case.body["max_tokens"] = 4
             case.body["max_output_tokens"] = 4  # /v1/responses
+            if case.path.startswith("/api/"):  # Ollama's routes: short answers, and never a pull from the Hub
+                options = case.body.get("options")
+                case.body["options"] = (options if isinstance(options, dict) else {}) | {"num_predict": 4}
+                if case.path == "/api/pull":
+                    case.body["model"] = "/nonexistent/model.gguf"
 
     for operation in operations:
 
