@@ -4,7 +4,8 @@
 
 The shared layers (validation, auth, limits, body size, model lookup, the 500 handler) answer in OpenAI's
 envelope; `AnthropicErrors`, the outermost middleware, rewrites any JSON error answer on these routes into
-Anthropic's, with the error type Anthropic uses for its status. Status codes are kept as they are.
+Anthropic's, with the error type Anthropic uses for its status. Status codes are kept as they are. A stream the
+limits middleware cuts (request_timeout) gets its last event as Anthropic's `error` event.
 """
 
 from __future__ import annotations
@@ -80,13 +81,27 @@ class AnthropicErrors:
                 start = message
                 return
             if start is None or message["type"] != "http.response.body":
-                await send(message)
+                await send(_stream_error(message))
                 return
             chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
                 await _send_translated(send, start, b"".join(chunks))
 
         await self.app(scope, receive, rewrite)
+
+
+def _stream_error(message: Message) -> Message:
+    """A stream cut by the limits middleware (request_timeout) ends with the shared error event, unnamed:
+    Anthropic's clients dispatch on the event name, so it goes out as an `error` event."""
+    body = message.get("body", b"") if message["type"] == "http.response.body" else b""
+    if not body.startswith(b'data: {"error"'):
+        return message
+    try:
+        error = json.loads(body[len(b"data: "):])["error"]
+    except (ValueError, KeyError, TypeError):
+        return message
+    event = envelope(type_of_openai_error(str(error.get("type"))), str(error.get("message")))
+    return {**message, "body": f"event: error\ndata: {json.dumps(event)}\n\n".encode()}
 
 
 def _is_json(message: Message) -> bool:

@@ -17,14 +17,14 @@ from fastapi.responses import Response
 from app.anthropic import pipeline
 from app.anthropic.convert import Finish, to_chat_request, to_message
 from app.anthropic.events import AnthropicSSE, message_events
-from app.anthropic.schemas import CountTokensRequest, Message, MessagesRequest, TokenCount
+from app.anthropic.schemas import ERROR_RESPONSES, CountTokensRequest, Message, MessagesRequest, TokenCount
 from app.deps import generates, request_id
 from app.streaming import stream_response
 
 router = APIRouter(prefix="/v1", tags=["anthropic"])
 
 
-@router.post("/messages", response_model=Message)
+@router.post("/messages", response_model=Message, responses=ERROR_RESPONSES)
 @generates
 async def create_message(body: MessagesRequest, request: Request) -> Response | Message:
     """A message (Anthropic `POST /v1/messages`).
@@ -50,7 +50,7 @@ async def create_message(body: MessagesRequest, request: Request) -> Response | 
     return to_message(response, finish, body)
 
 
-@router.post("/messages/count_tokens", response_model=TokenCount)
+@router.post("/messages/count_tokens", response_model=TokenCount, responses=ERROR_RESPONSES)
 async def count_message_tokens(body: CountTokensRequest, request: Request) -> TokenCount:
     """The prompt's size in tokens (Anthropic `POST /v1/messages/count_tokens`): the conversation, `system` and
     `tools` rendered by the model's chat template exactly as `POST /v1/messages` would feed them to the model."""

@@ -176,3 +176,24 @@ class Message(BaseModel):
 
 class TokenCount(BaseModel):
     input_tokens: int
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str = Field(..., description="invalid_request_error, authentication_error, permission_error, "
+                      "not_found_error, request_too_large, rate_limit_error, api_error, overloaded_error, ...")
+    message: str
+
+
+class AnthropicErrorResponse(BaseModel):
+    """Anthropic's error envelope, on every error these routes answer."""
+
+    type: Literal["error"] = "error"
+    error: AnthropicErrorDetail
+    request_id: str | None = None
+
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": AnthropicErrorResponse, "description": text}
+    for status, text in ((400, "Invalid request (Anthropic's error envelope)"), (404, "Unknown model"),
+                         (413, "Body too large"), (429, "Rate limited"))
+}

@@ -173,3 +173,27 @@ async def test_shared_layers_errors_in_anthropics_envelope() -> None:
         r = await client.post("/v1/messages", content=b"{not json", headers={"content-type": "application/json"})
         assert "JSON" in _anthropic_error(r, 400, "invalid_request_error")
         _anthropic_error(await client.post("/v1/messages", json=BODY), 429, "rate_limit_error")
+
+
+async def test_a_stream_cut_by_the_timeout_ends_with_an_error_event() -> None:
+    """The limits middleware's unnamed timeout event becomes Anthropic's `error` event on these routes."""
+    from app.anthropic.errors import AnthropicErrors
+
+    timeout = json.dumps({"error": {"message": "Timed out", "type": "timeout_error", "param": None, "code": None}})
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        await send({"type": "http.response.body", "body": b"event: ping\ndata: {}\n\n", "more_body": True})
+        await send({"type": "http.response.body", "body": f"data: {timeout}\n\n".encode(), "more_body": False})
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await AnthropicErrors(app)({"type": "http", "path": "/v1/messages"}, None, send)
+    assert sent[1]["body"] == b"event: ping\ndata: {}\n\n"
+    event, data = sent[2]["body"].decode().split("\n")[:2]
+    assert event == "event: error"
+    assert json.loads(data.removeprefix("data: ")) == {"type": "error", "error": {"type": "timeout_error",
+                                                                                   "message": "Timed out"}}
