@@ -41,13 +41,24 @@ async def plan(request: Request, chat: ChatCompletionRequest, *, for_counting: b
     tool_plan = tools.plan(chat, engine.tokenizer, tool_call_parser(request))
     if tool_plan is not None:
         params = tool_plan.sampling_params(params)
-    prompt = prompts.chat_prompt_ids(engine.tokenizer, chat.messages, tool_plan)
+    prompt = _prompt_ids(engine.tokenizer, chat, tool_plan)
     if for_counting:
         return Plan(engine, model, params, tool_plan, prompt)
     params = _fit(params, len(prompt), engine.max_model_len)
     if tool_plan is not None:  # after the length check: compiling many tools' grammar takes a while
         await structured.check(tool_plan.constraint, engine.tokenizer, "tools")
     return Plan(engine, model, params, tool_plan, prompt)
+
+
+def _prompt_ids(tokenizer: Any, chat: ChatCompletionRequest, tool_plan: ToolPlan | None) -> list[int]:
+    """The rendered conversation. A last assistant turn of text is a prefill (Anthropic's): the answer continues
+    it rather than starting a new turn."""
+    last = chat.messages[-1]
+    if last.role != "assistant" or last.tool_calls:
+        return prompts.chat_prompt_ids(tokenizer, chat.messages, tool_plan)
+    text = prompts.chat_prompt_text(tokenizer, chat.messages, add_generation_prompt=False,
+                                    continue_final_message=True, tool_plan=tool_plan)
+    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def _fit(params: SamplingParams, prompt_len: int, context: int) -> SamplingParams:

@@ -63,6 +63,20 @@ def test_stop_sequence_ends_the_turn(claude: anthropic.Anthropic, model_id: str)
     assert text.startswith(message.content[0].text if message.content else "") and stop not in message.content[0].text
 
 
+def test_a_last_assistant_turn_is_continued(claude: anthropic.Anthropic, model_id: str) -> None:
+    """Anthropic's prefill: the answer continues the last assistant turn (greedy: the same tokens as the answer
+    given without it), and count_tokens counts that prompt."""
+    first = claude.messages.create(model=model_id, max_tokens=16, messages=HI, extra_body=GREEDY).content[0].text
+    prefill = " ".join(first.split()[:2])
+    assert prefill, first
+    history = [*HI, {"role": "assistant", "content": prefill}]
+    message = claude.messages.create(model=model_id, max_tokens=8, messages=history, extra_body=GREEDY)
+    rest = message.content[0].text
+    assert first.startswith(prefill) and first[len(prefill):].startswith(rest[:12]) and rest.strip(), (first, rest)
+    counted = claude.messages.count_tokens(model=model_id, messages=history).input_tokens
+    assert counted == message.usage.input_tokens + message.usage.cache_read_input_tokens
+
+
 def test_stream_events_in_order_and_the_sdk_assembles_the_message(claude: anthropic.Anthropic, model_id: str) -> None:
     with claude.messages.stream(model=model_id, max_tokens=16, messages=HI, extra_body=GREEDY) as stream:
         events = list(stream)
