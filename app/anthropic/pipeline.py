@@ -38,7 +38,8 @@ async def plan(request: Request, chat: ChatCompletionRequest, *, for_counting: b
     """Find the engine, build the params, check the constraints and render the prompt (tools included)."""
     engine, model = await engine_for(request, chat.model)
     params = conv.to_sampling_params(chat, engine.vocab_size)
-    tool_plan = tools.plan(chat, engine.tokenizer, tool_call_parser(request))
+    tool_plan = _lenient(tools.plan(chat, engine.tokenizer, tool_call_parser(request)), chat, engine.tokenizer,
+                         tool_call_parser(request))
     if tool_plan is not None:
         params = tool_plan.sampling_params(params)
     prompt = _prompt_ids(engine.tokenizer, chat, tool_plan)
@@ -48,6 +49,21 @@ async def plan(request: Request, chat: ChatCompletionRequest, *, for_counting: b
     if tool_plan is not None:  # after the length check: compiling many tools' grammar takes a while
         await structured.check(tool_plan.constraint, engine.tokenizer, "tools")
     return Plan(engine, model, params, tool_plan, prompt)
+
+
+LENIENT = {"x-guidance": {"lenient": True}}  # the grammar library skips JSON Schema keywords it does not implement
+
+
+def _lenient(plan: ToolPlan | None, chat: ChatCompletionRequest, tokenizer: Any, parser: str) -> ToolPlan | None:
+    """The plan with a grammar that ignores the schema keywords the grammar library lacks (Claude Code's tools use
+    `propertyNames`, which would make the whole request a 400; Anthropic does not constrain calls at all). The
+    prompt keeps the schemas as the client sent them."""
+    if plan is None or plan.constraint is None:
+        return plan
+    tools_ = [t.model_copy(update={"function": t.function.model_copy(
+        update={"parameters": {**(t.function.parameters or {}), **LENIENT}})}) for t in chat.tools or ()]
+    lenient = tools.plan(chat.model_copy(update={"tools": tools_}), tokenizer, parser)
+    return replace(plan, constraint=lenient.constraint if lenient is not None else plan.constraint)
 
 
 def _prompt_ids(tokenizer: Any, chat: ChatCompletionRequest, tool_plan: ToolPlan | None) -> list[int]:

@@ -118,6 +118,20 @@ def test_tool_round_trip(claude: anthropic.Anthropic, model_id: str) -> None:
     assert [b.type for b in answer.content] == ["text"]
 
 
+def test_schema_keywords_the_grammar_lacks_do_not_fail_the_request(claude: anthropic.Anthropic, model_id: str) -> None:
+    """Claude Code's tool schemas use `propertyNames`, which the grammar library does not implement: the call is
+    still constrained by the rest of the schema, not refused."""
+    tool = {"name": "tag", "description": "Tag a city.", "input_schema": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                         "labels": {"type": "object", "propertyNames": {"pattern": "^[a-z]+$"}}},
+        "required": ["city"]}}  # fmt: skip
+    message = claude.messages.create(model=model_id, max_tokens=60, messages=ASK, tools=[tool],
+                                     tool_choice={"type": "tool", "name": "tag"})
+    assert message.stop_reason == "tool_use"
+    [call] = [b for b in message.content if b.type == "tool_use"]
+    assert call.name == "tag" and isinstance(call.input.get("city"), str)
+
+
 def test_tool_choice_any_returns_a_call(claude: anthropic.Anthropic, model_id: str) -> None:
     message = claude.messages.create(model=model_id, max_tokens=60, messages=ASK, tools=[WEATHER],
                                      tool_choice={"type": "any", "disable_parallel_tool_use": True})
