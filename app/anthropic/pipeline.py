@@ -38,8 +38,10 @@ async def plan(request: Request, chat: ChatCompletionRequest, *, for_counting: b
     """Find the engine, build the params, check the constraints and render the prompt (tools included)."""
     engine, model = await engine_for(request, chat.model)
     params = conv.to_sampling_params(chat, engine.vocab_size)
-    tool_plan = _lenient(tools.plan(chat, engine.tokenizer, tool_call_parser(request)), chat, engine.tokenizer,
-                         tool_call_parser(request))
+    parser = tool_call_parser(request)
+    tool_plan = tools.plan(chat, engine.tokenizer, parser)
+    if not for_counting:  # the constraint matters only to generate
+        tool_plan = _lenient(tool_plan, chat, engine.tokenizer, parser)
     if tool_plan is not None:
         params = tool_plan.sampling_params(params)
     prompt = _prompt_ids(engine.tokenizer, chat, tool_plan)
