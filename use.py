@@ -2,7 +2,8 @@
 
     python use.py --base-url http://127.0.0.1:8000 [--api-key KEY]
 
-Each check is one small function in `CHECKS` (the Llama Stack ones in `use_llama_stack.py`); it prints what the server answered and raises on anything
+Each check is one small function in `CHECKS` (the Llama Stack ones in `use_llama_stack.py`, Anthropic's in
+`use_anthropic.py`); it prints what the server answered and raises on anything
 wrong. The OpenAI routes go through the real `openai` SDK; the rest through httpx. Exit status: 0 when
 every check passed, 1 otherwise. To cover a new route, write a check and append it to `CHECKS`.
 """
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 import httpx
 import openai
 
+from use_anthropic import ANTHROPIC_CHECKS
 from use_llama_stack import LLAMA_STACK_CHECKS, QUESTION, expect, http_json
 from use_ollama import OLLAMA_CHECKS
 from use_responses import RESPONSES_CHECKS
@@ -279,6 +281,7 @@ CHECKS: list[tuple[str, Check]] = [
     *LLAMA_STACK_CHECKS,
     *RESPONSES_CHECKS,
     *OLLAMA_CHECKS,
+    *ANTHROPIC_CHECKS,
     ("unknown model -> 404", check_error_envelope),
 ]
 

@@ -1,6 +1,7 @@
 """Authentication and per-client rate limiting, as one ASGI middleware in front of every route.
 
-Two kinds of credentials, both sent as `Authorization: Bearer <credential>`:
+Two kinds of credentials, both sent as `Authorization: Bearer <credential>` (or as `x-api-key: <credential>`,
+the header Anthropic's clients send):
 
 - API keys: `settings.api_keys` (comma-separated) and/or `settings.api_keys_file` (one key per line, `#`
   comments). A presented key is compared with *every* configured key in constant time
@@ -225,7 +226,9 @@ class AuthMiddleware:
         if not self.authenticator.enabled:
             client = scope.get("client") or ("unknown", 0)
             return Principal("anonymous", f"peer-{client[0]}")
-        return self.authenticator.authenticate(header(scope, b"authorization"))
+        api_key = header(scope, b"x-api-key")
+        authorization = header(scope, b"authorization") or (f"Bearer {api_key}" if api_key else None)
+        return self.authenticator.authenticate(authorization)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -18,6 +18,8 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app import health
+from app.anthropic import errors as anthropic_errors
+from app.anthropic import routes as anthropic
 from app.deps import Engine
 from app.errors import classify, install_error_handlers
 from app.hardening import install_hardening
@@ -52,7 +54,7 @@ def create_app(engine: Engine | None = None, settings: Any = None, embedder: Any
     install_error_handlers(app)
     install_openapi(app)  # /docs shows the 400 envelope Peregrine sends, not FastAPI's unused 422
     routers = [health.router, openai_routes.router, embeddings.router, llama_stack.router, tokenize_routes.router,
-               responses_routes.router, stored.router, ollama.router, ollama.root_router]
+               responses_routes.router, stored.router, ollama.router, ollama.root_router, anthropic.router]
     for router in routers:
         app.include_router(router)
     install_ui(app)  # GET / (the chat page) and /ui/ (its static files)
@@ -61,7 +63,8 @@ def create_app(engine: Engine | None = None, settings: Any = None, embedder: Any
     install_hardening(app, settings, generation)  # auth, limits, draining, disconnect/timeout cancellation
     ollama.install_envelope(app)  # /api paths: those refusals in Ollama's envelope
     install_metrics(app)  # GET /metrics; its middleware sits outside hardening, so 401/429 are counted
-    app.add_middleware(RequestIdMiddleware)  # added last: outermost, so every answer carries the id
+    app.add_middleware(RequestIdMiddleware)  # outermost but one, so every answer carries the id
+    app.add_middleware(anthropic_errors.AnthropicErrors)  # Anthropic's envelope on its routes, whoever raised
     _build_openapi_at_start(app)
     return app
 

@@ -98,6 +98,9 @@ def test_every_non_health_route_refuses_bad_credentials(auth_server: TinyServer)
                 if path.startswith("/api/"):  # Ollama's routes answer in Ollama's envelope
                     assert r.status_code == 401 and isinstance(r.json()["error"], str), (label, path, r.text)
                     continue
+                if path.startswith("/v1/messages"):  # Anthropic's routes answer in Anthropic's envelope
+                    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", r.text
+                    continue
                 error = envelope(r, 401, "authentication_error")
                 if label == "expired jwt":
                     assert error["code"] == "token_expired"

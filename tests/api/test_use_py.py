@@ -33,7 +33,8 @@ def test_use_py_passes(server: str) -> None:
     for route in ("embeddings", "tokenize", "legacy chat_completion SSE", "legacy chat_completion NDJSON",
                   "legacy completion SSE", "legacy completion NDJSON", "/v1/health", "/v1/version",
                   "/v1/providers", "models/{id}", "chat stream", "completions stream", "chat json_schema",
-                  "chat tool call", "chat tool call stream"):
+                  "chat tool call", "chat tool call stream", "anthropic messages", "anthropic messages stream",
+                  "anthropic count_tokens"):
         assert route in names, route
 
 
