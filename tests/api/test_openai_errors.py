@@ -102,7 +102,7 @@ def test_context_overflow_is_400_before_streaming(
 
 def test_unknown_route_and_wrong_method(http: httpx.Client) -> None:
     assert _envelope(http.get("/v1/nothing-here"), 404)["type"] == "not_found_error"
-    _envelope(http.get("/v1/chat/completions"), 405)
+    _envelope(http.put("/v1/chat/completions"), 405)  # GET lists the stored chat completions (app/openai/stored.py)
 
 
 def test_models_list_and_retrieve(client: openai.OpenAI, http: httpx.Client, model_id: str) -> None:
