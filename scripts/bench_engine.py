@@ -183,7 +183,7 @@ def step_bytes(engine: LLMEngine, args: argparse.Namespace) -> dict[str, int] | 
     forward = engine.runner.forward
     if not isinstance(forward, LlamaFastForward):
         return None
-    kv = round(engine.model.kv_cache.spec.bytes_per_token * mean_context(args))
+    kv = round(engine.kv_cache.spec.bytes_per_token * mean_context(args))
     return {"weights": forward.decode_weight_bytes(), "kv_at_mean_context": kv}
 
 

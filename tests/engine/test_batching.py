@@ -45,7 +45,7 @@ def test_decode_steps_get_the_same_inputs_from_the_fast_path(tiny: Any, engine_f
         engine.add_request(f"r{i}", enc(text), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
     checked = 0
     while engine.has_work:
-        out = engine.core.scheduler.schedule()
+        out = engine.scheduler.schedule()
         if all(s.num_tokens == 1 for s in out.scheduled) and len(out.scheduled) == 3:
             fast, general = engine.runner.prepare_decodes(out.scheduled), engine.runner.prepare_mixed(out)
             for name in ("input_ids", "positions", "logits_indices"):
@@ -55,7 +55,7 @@ def test_decode_steps_get_the_same_inputs_from_the_fast_path(tiny: Any, engine_f
             assert fast.meta.num_decodes == general.meta.num_decodes == 3 and fast.meta.prefills == ()
             checked += 1
         logits = engine.runner.run(out)
-        sampled = engine.sampling.sampler.sample(logits, [s.seq for s in out.sampling])
-        for seq, tok in zip(engine.core.scheduler.update(out, [s.token_id for s in sampled]), sampled, strict=True):
+        sampled = engine.sampler.sample(logits, [s.seq for s in out.sampling])
+        for seq, tok in zip(engine.scheduler.update(out, [s.token_id for s in sampled]), sampled, strict=True):
             engine._emit(seq, tok)
     assert checked >= 30

@@ -352,7 +352,7 @@ def test_one_call_decode_step_over_a_float16_kv_cache(byte_level_tokenizer: Any,
     vocab = -(-len(byte_level_tokenizer) // 16) * 16
     loaded = Loaded(_decoder_model("llama", vocab).to(dtype), byte_level_tokenizer, 512)
     engine = engine_factory(loaded, kv_cache_bytes=4 << 20, block_size=4, kv_cache_dtype="float16")
-    assert engine.model.kv_cache.k[0].dtype == torch.float16
+    assert engine.kv_cache.k[0].dtype == torch.float16
     factory = cpu_kernels.llama_decoder_for(dtype, ON, amx=False)
     prompts = {f"r{i}": (list(range(3 + 5 * i, 10 + 9 * i)), SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
                for i in range(3)}

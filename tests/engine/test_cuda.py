@@ -35,7 +35,7 @@ def test_cuda_greedy_matches_hf_and_frees_kv(tiny_cuda: Loaded) -> None:
     for i, p in enumerate(prompts):
         assert tokens_of(outs[f"r{i}"]) == hf_greedy(tiny_cuda.model, p, 16)
     assert engine.blocks.num_used_blocks == 0
-    assert engine.model.kv_cache.k[0].device.type == "cuda"
+    assert engine.kv_cache.k[0].device.type == "cuda"
 
 
 def test_cuda_seeded_sampling_and_bf16(tiny: Any) -> None:

@@ -111,7 +111,7 @@ def test_abort_mid_generation_frees_kv_now(engine: Any, tiny: Any) -> None:
     assert engine.blocks.num_used_blocks > 0
     (out,) = engine.abort_request("a")
     assert out.finish_reason == "abort" and out.request_id == "a"
-    used_by_b = len(engine.core.scheduler.running[0].block_table)
+    used_by_b = len(engine.scheduler.running[0].block_table)
     assert engine.blocks.num_used_blocks == used_by_b
     engine.abort_request("b")
     assert engine.blocks.num_used_blocks == 0 and not engine.has_work

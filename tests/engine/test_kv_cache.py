@@ -45,8 +45,8 @@ def test_engine_logs_kv_size_and_reports_usage(tiny: Any, engine_factory: Any,
         engine = engine_factory(tiny, kv_cache_bytes=1 << 20)
     assert any("KV cache:" in r.message and "tokens" in r.message and "MiB" in r.message for r in caplog.records)
     stats = engine.stats()
-    assert stats.kv_total_tokens == engine.model.kv_cache.num_slots and stats.kv_used_blocks == 0
-    assert engine.model.kv_cache.nbytes <= 1 << 20
+    assert stats.kv_total_tokens == engine.kv_cache.num_slots and stats.kv_used_blocks == 0
+    assert engine.kv_cache.nbytes <= 1 << 20
 
 
 def test_blocks_are_zeroed_before_first_use() -> None:
