@@ -166,13 +166,13 @@ def fill(engine: LLMEngine, rows: int, plan: ProbePlan) -> None:
         engine.add_request(f"dtype-probe-{row}", [(7 + 13 * (row + i)) % vocab for i in range(plan.prompt_tokens)],
                            params)
     for _ in range(rows + plan.prompt_tokens):  # one step when the token budget allows; bounded in any case
-        if not engine.core.scheduler.waiting and not any(seq.is_prefill for seq in engine.core.scheduler.running):
+        if not engine.scheduler.waiting and not any(seq.is_prefill for seq in engine.scheduler.running):
             break
         engine.step()
     if plan.prompt_tokens > 1:
         engine.step()
-    if len(engine.core.scheduler.running) != rows:  # the KV cache above is sized for every row: a bug if not
-        raise RuntimeError(f"dtype probe: {len(engine.core.scheduler.running)} of {rows} rows decoding")
+    if len(engine.scheduler.running) != rows:  # the KV cache above is sized for every row: a bug if not
+        raise RuntimeError(f"dtype probe: {len(engine.scheduler.running)} of {rows} rows decoding")
 
 
 def timed_window(engine: LLMEngine, steps: int) -> float:
