@@ -282,19 +282,20 @@ def _prod(shape: Iterable[int]) -> int:
 # --- measuring what the machine has -------------------------------------------------------------------
 
 
-def cpu_has_amx(cpuinfo: Path = Path("/proc/cpuinfo"), cap: str = "auto") -> bool:
-    """Whether the CPU backend's kernels may use AMX here under the ISA cap `cap` (--cpu-isa), without building
-    them. MERGE POINT: this asks engine/backends/cpu_features directly; once the CPU backend has its own AMX
-    decision (issue 34: every device decision in engine/backends/), point this one call at it."""
+def cpu_has_amx(cpuinfo: Path = Path("/proc/cpuinfo"), cpu_isa: str = "auto") -> bool:
+    """Whether the kernels may use AMX here (the CPU reports it and the ISA cap `cpu_isa` does not hide it), without
+    building them. MERGE POINT: this asks engine/backends/cpu_features directly; the engine branch gives the CPU
+    backend its one AMX decision (`cpu_features.amx`, `engine.backends.cpu.keeps_packed_copy`): take its bodies
+    of this function and of `packed_copy_kept`."""
     from engine.backends import cpu_features
 
-    return cpu_features.has("amx", flags=cpu_features.cpu_flags.__wrapped__(cpuinfo), cap=cap)
+    return cpu_features.has("amx", flags=cpu_features.cpu_flags.__wrapped__(cpuinfo), cap=cpu_isa)
 
 
 def packed_copy_kept(device: str, cpu_kernels: bool, cpu_isa: str = "auto") -> bool:
     """Whether bfloat16 decode steps keep a packed copy of the weights (the CPU with the kernels on and AMX
     usable, as engine/backends/cpu_kernels.py decides): the one place the preflight and the loader ask."""
-    return device == "cpu" and cpu_kernels and cpu_has_amx(cap=cpu_isa)
+    return device == "cpu" and cpu_kernels and cpu_has_amx(cpu_isa=cpu_isa)
 
 
 def disk_of(path: Path) -> Disk:

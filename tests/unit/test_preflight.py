@@ -291,8 +291,8 @@ def test_cpu_has_amx_reads_the_flags(tmp_path: Path) -> None:
 def test_cpu_has_amx_follows_the_isa_ceiling(tmp_path: Path) -> None:
     with_amx = tmp_path / "a"
     with_amx.write_text(f"flags\t\t: {AMX_FLAGS}\n")
-    assert preflight.cpu_has_amx(with_amx, cap="amx")
-    assert not preflight.cpu_has_amx(with_amx, cap="avx512")  # the packed AMX copy is not counted when AMX is hidden
+    assert preflight.cpu_has_amx(with_amx, cpu_isa="amx")
+    assert not preflight.cpu_has_amx(with_amx, cpu_isa="avx512")  # the packed AMX copy is not counted when AMX is hidden
     assert not preflight.packed_copy_kept("cpu", True, "avx512")
 
 
