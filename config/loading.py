@@ -1,24 +1,16 @@
-"""Reading Settings from their sources: the command line (with a repeated `--model`), the conventional
-environment variables (HF_TOKEN, RAY_ADDRESS), Ollama-style durations, and a bad value as one clean line.
-
-Nothing here imports `config.Settings` at module level (`config/__init__.py` imports this module).
-"""
+"""The sources Settings reads beside its own fields: the command line (with a repeated `--model`), the conventional
+environment variables (HF_TOKEN, RAY_ADDRESS), Ollama-style durations. Imports nothing of ours
+(config/settings.py and config/cli.py import this module)."""
 
 from __future__ import annotations
 
 import os
 import re
-import sys
-from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from pydantic import ValidationError
 from pydantic.fields import FieldInfo
-from pydantic_settings import PydanticBaseSettingsSource, SettingsError
-
-if TYPE_CHECKING:
-    from config import Settings
+from pydantic_settings import PydanticBaseSettingsSource
 
 ENV_PREFIX = "PEREGRINE_"
 DEFAULT_CACHE_DIR = Path("~/.cache/peregrine")  # the one default; callers of the engine pass it on
@@ -59,24 +51,8 @@ def _dotenv_value(path: str, key: str) -> str | None:
     return dotenv_values(path).get(key)
 
 
-_SECRET_FIELDS = frozenset({"hf_token", "api_keys", "jwt_secret"})
-
-
 class ConfigError(Exception):
     """A setting has a bad value. The message names the setting and is meant for the user as is."""
-
-
-def load_settings(argv: Sequence[str] | None = None) -> Settings:
-    """Build Settings from flags (argv; None means sys.argv[1:]), env and .env. Raises ConfigError."""
-    from config import Settings
-
-    args = repeated_model_flags(list(sys.argv[1:] if argv is None else argv))
-    try:
-        return Settings(_cli_parse_args=args)
-    except ValidationError as exc:
-        raise ConfigError(_describe(exc)) from None
-    except SettingsError as exc:
-        raise ConfigError(f"bad settings: {exc}") from None
 
 
 def repeated_model_flags(args: list[str]) -> list[str]:
@@ -121,28 +97,3 @@ def parse_duration(value: object) -> float:
         raise ValueError("must be a duration such as 30s, 5m, 1h, or a number of seconds")
     seconds = sum(float(n) * _DURATION_UNITS[u] for n, u in parts)
     return -1.0 if text.startswith("-") else seconds
-
-
-def _describe(exc: ValidationError) -> str:
-    """One line per bad setting, naming the flag and the environment variable, e.g.
-    `--port (PEREGRINE_PORT): Input should be less than or equal to 65535, got 70000`."""
-    lines = []
-    for err in exc.errors():
-        name = str(err["loc"][0]) if err["loc"] else ""
-        message = err["msg"].removeprefix("Value error, ")
-        if name:
-            flag = "--" + name.replace("_", "-")
-            shown = "a secret" if name in _SECRET_FIELDS else repr(err.get("input"))
-            lines.append(f"{flag} ({ENV_PREFIX}{name.upper()}): {message}, got {shown}")
-        else:
-            lines.append(message)
-    return "; ".join(lines)
-
-
-def settings_or_exit(argv: Sequence[str] | None = None) -> Settings:
-    """load_settings for a command line: a bad value prints one clean line and exits with status 2."""
-    try:
-        return load_settings(argv)
-    except ConfigError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from engine.model.quant import FORMATS, QuantEmbedding, QuantLinear, QuantWeight
+from models.fingerprint import gguf_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,6 @@ def unpermute_rows(rows: int, heads: int) -> torch.Tensor:
 
 def metadata_folder(gguf_path: Path, cache_dir: Path) -> Path:
     """config.json, tokenizer and generation config of `gguf_path`, converted once (atomic publish)."""
-    from models.loader import gguf_fingerprint
 
     target = cache_dir / "gguf" / f"{gguf_path.stem}-{gguf_fingerprint(gguf_path)}-quantized"
     if _ready(target):

@@ -16,7 +16,6 @@ does not. Serving in bfloat16 casts from that copy at load time.
 from __future__ import annotations
 
 import gc
-import hashlib
 import json
 import logging
 import os
@@ -34,11 +33,11 @@ from engine.backends.huge_pages import release_freed_memory
 from engine.types import EngineConfig
 from models import memory, preflight
 from models.autotune import dtype as dtype_probe
+from models.fingerprint import gguf_fingerprint
 
 log = logging.getLogger(__name__)
 
 GGUF_CACHE_FORMAT = 1  # bump when the cached layout changes; old folders are then ignored
-_HASH_CHUNK = 4 * 1024 * 1024
 
 
 @dataclass
@@ -276,17 +275,6 @@ def context_length(config: Any, requested: int | None) -> int:
 
 
 # --- GGUF conversion cache ----------------------------------------------------------------------------
-
-
-def gguf_fingerprint(path: Path) -> str:
-    """A short content hash: size + first and last 4 MiB (the header and tensor data both change)."""
-    size = path.stat().st_size
-    digest = hashlib.sha256(str(size).encode())
-    with open(path, "rb") as f:
-        digest.update(f.read(_HASH_CHUNK))
-        f.seek(max(0, size - _HASH_CHUNK))
-        digest.update(f.read(_HASH_CHUNK))
-    return digest.hexdigest()[:16]
 
 
 def gguf_cache_folder(gguf_path: Path, cache_dir: Path) -> Path:

@@ -1,5 +1,5 @@
 """Write docs/configuration.md from `config.Settings`: every setting's flag, environment variable, default,
-accepted values and help text, grouped as config/__init__.py groups them (its `# --- name ---` lines).
+accepted values and help text, grouped as config/settings.py groups them (its `# --- name ---` lines).
 
 The page is generated so that it cannot drift from the code: tests/unit/test_config_docs.py fails when the file
 differs from what this script renders. After changing a setting, run
@@ -24,7 +24,7 @@ from pydantic.fields import FieldInfo
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import config  # noqa: E402
+import config.settings  # noqa: E402
 from config import CONVENTIONAL_ENV, ENV_PREFIX, Settings  # noqa: E402
 
 OUTPUT = REPO / "docs" / "configuration.md"
@@ -56,10 +56,10 @@ main.py: error: --port (PEREGRINE_PORT): Input should be less than or equal to 6
 
 
 def sections() -> dict[str, str]:
-    """Field name -> the section comment above it in config/__init__.py."""
+    """Field name -> the section comment above it in config/settings.py."""
     found: dict[str, str] = {}
     current = "general"
-    for line in inspect.getsource(config).splitlines():
+    for line in inspect.getsource(config.settings).splitlines():
         if match := _SECTION.match(line):
             # "several models (README: ...)" -> "several models"
             current = re.sub(r"\s*\(.*\)$", "", match["name"])

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from engine.backends.errors import DeviceError
 from engine.backends.kernels import TORCH, KernelOptions, Kernels
 
 
@@ -21,8 +22,6 @@ class CudaProbe:
         return None
 
     def torch_device(self, index: int | None) -> torch.device:
-        from engine.backends.devices import DeviceError
-
         count = torch.cuda.device_count()
         index = torch.cuda.current_device() if index is None else index
         if index >= count:

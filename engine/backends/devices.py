@@ -15,16 +15,13 @@ from pathlib import Path
 import torch
 
 from engine.backends import BACKENDS, Backend, DeviceProbe
+from engine.backends.errors import DeviceError
 from engine.backends.kernels import KernelOptions
 from engine.types import DTYPE_BYTES, EngineConfig
 
 log = logging.getLogger(__name__)
 
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_BYTES}  # engine.types' table
-
-
-class DeviceError(RuntimeError):
-    """The requested device or dtype cannot be used here. The message says why, for the user."""
 
 
 PROBES: dict[str, DeviceProbe] = {kind: entry.probe for kind, entry in BACKENDS.items()}

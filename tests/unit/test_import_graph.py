@@ -12,11 +12,9 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("app", "serving", "engine", "models", "config")
-TOP_MODULES = ("main", "main_models")
+TOP_MODULES = ("main",)
 
 
 def module_name(path: Path) -> str:
@@ -146,16 +144,12 @@ def test_app_and_serving_have_no_cycle_between_them():
     assert edges_between(graph, "app", ("serving",)) == [], "app/ reaches the registry through app.deps.ModelRouter"
 
 
-@pytest.mark.xfail(strict=False, reason="engine/ still imports models/ and config/: being removed on another "
-                                         "branch of issue 34; the lead makes this strict at merge")
 def test_engine_imports_neither_models_nor_config():
     assert edges_between(import_graph(), "engine", ("models", "config")) == []
 
 
-@pytest.mark.xfail(strict=False, reason="config/ still imports our packages: being removed on another branch of "
-                                         "issue 34; the lead makes this strict at merge")
 def test_config_imports_nothing_of_ours():
-    assert edges_between(import_graph(), "config", ("app", "serving", "engine", "models", "main", "main_models")) == []
+    assert edges_between(import_graph(), "config", ("app", "serving", "engine", "models", "main")) == []
 
 
 def test_nothing_below_imports_the_http_edge():
