@@ -27,7 +27,8 @@ import pytest
 from engine.backends import cpu_features
 from tests.support import free_port, server_env, stop_process, wait_http_ok
 
-pytestmark = pytest.mark.slow
+# slow; the time limit covers starting two servers per level on a loaded 2-core machine (the suite's 900 s did not)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2 * 900 + 600)]
 REPO = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 900.0
 LEVELS = cpu_features.LEVELS[: cpu_features.LEVELS.index(cpu_features.detected_level()) + 1]
@@ -54,35 +55,30 @@ def question(tag: str) -> list[dict[str, str]]:
     return [{"role": "system", "content": system}, {"role": "user", "content": user}]
 
 
-def start(workdir: Path, level: str, *extra: str) -> tuple[subprocess.Popen, str]:
+def launch(workdir: Path, level: str, *extra: str) -> tuple[subprocess.Popen, str, Path]:
     port = free_port()
     env = {**server_env(), cpu_features.ENV: level}
     cmd = [sys.executable, str(REPO / "main.py"), "--host", "127.0.0.1", "--port", str(port), *ARGS, *extra]
     log_path = workdir / f"server-{port}.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_http_ok(f"http://127.0.0.1:{port}/ready", proc, log_path, READY_TIMEOUT_S)
-    except BaseException:
-        stop_process(proc)
-        raise
-    return proc, f"http://127.0.0.1:{port}"
+    return proc, f"http://127.0.0.1:{port}", log_path
 
 
 @pytest.fixture(scope="module", params=LEVELS)
 def servers(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
-    """Per ISA level: clients of a server with the default step size and of one whose steps take 32 tokens."""
+    """Per ISA level: clients of a server with the default step size and of one whose steps take 32 tokens
+    (started together, each awaited with the suite's generous start timeout)."""
     workdir = tmp_path_factory.mktemp(f"same-{request.param}")
-    procs = []
+    started = {name: launch(workdir, request.param, *extra)
+               for name, extra in (("default", ()), ("chunked", ("--max-num-batched-tokens", "32")))}
     try:
-        clients = {}
-        for name, extra in (("default", ()), ("chunked", ("--max-num-batched-tokens", "32"))):
-            proc, url = start(workdir, request.param, *extra)
-            procs.append(proc)
-            clients[name] = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
-        yield clients
+        for proc, url, log_path in started.values():
+            wait_http_ok(f"{url}/ready", proc, log_path, READY_TIMEOUT_S)
+        yield {name: openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
+               for name, (_, url, _) in started.items()}
     finally:
-        for proc in procs:
+        for proc, _, _ in started.values():
             stop_process(proc)
 
 
