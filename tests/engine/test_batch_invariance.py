@@ -18,6 +18,8 @@ from engine.backends import cpu_features, cpu_kernels
 from engine.types import SamplingParams
 from tests.support import SMOLLM2_GGUF, Loaded, chat_ids, make_engine, run_all, smollm2_dir
 
+# the op-by-op pass of the none level attends token by token: minutes on a loaded 2-core machine
+pytestmark = pytest.mark.timeout(3 * 900)
 LEVELS = [lv for lv in cpu_features.LEVELS[: cpu_features.LEVELS.index(cpu_features.detected_level()) + 1]
           if lv in ("none", "avx2", "avx512")]
 STEPS = 6
