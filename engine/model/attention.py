@@ -30,7 +30,7 @@ class PrefillChunk:
     offset: int  # first index of the chunk in the packed token row
     length: int  # tokens in the chunk
     start: int  # position of the chunk's first token in its sequence
-    context_blocks: torch.Tensor | None  # [ceil((start + length) / block_size)] block ids, None when start == 0
+    context_blocks: torch.Tensor  # [ceil((start + length) / block_size)] block ids of the sequence's context
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +73,8 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: 
     k_cache, v_cache = meta.kv_cache.k[layer], meta.kv_cache.v[layer]
     k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
     v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    if meta.decode_kernel is None and q.device.type == "cpu":  # torch's ops on CPU: every token as a row of its own
+        return _rows(q, k_cache, v_cache, meta, q.shape[-1] ** -0.5 if scaling is None else scaling)
     if not meta.prefills:
         return _decode(q, k_cache, v_cache, meta, scaling)
     if not meta.num_decodes and len(meta.prefills) == 1:
@@ -101,6 +103,38 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta:
     return out.squeeze(2)
 
 
+def _rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+          scale: float) -> torch.Tensor:
+    """Each token, decode or prompt, attends alone over its sequence's cached context (this step's keys included:
+    they are stored first), by ops whose shapes depend on that token's context length only, so its result does not
+    depend on its batch mates, on how its prompt was chunked or on which blocks came from the prefix cache (the
+    one-call step's guarantee, docs/determinism.md, for the op-by-op pass: CPU kernels off or at the `none`
+    level). A Python loop over tokens: slower than one SDPA per chunk, the price of that guarantee there."""
+    rows: list[tuple[int, torch.Tensor, int]] = []
+    if meta.num_decodes:
+        lengths = meta.decode_lengths.tolist()
+        rows += [(i, meta.decode_block_tables[i], lengths[i]) for i in range(meta.num_decodes)]
+    for chunk in meta.prefills:
+        rows += [(chunk.offset + j, chunk.context_blocks, chunk.start + j + 1) for j in range(chunk.length)]
+    out = torch.empty_like(q)
+    for i, table, length in rows:
+        out[i] = _row(q[i], k_cache, v_cache, table, length, meta.kv_cache.block_size, scale)
+    return out
+
+
+def _row(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, length: int,
+         block_size: int, scale: float) -> torch.Tensor:
+    """q [heads, dim] over the first `length` positions of the blocks in `table`: softmax in float32."""
+    blocks = table[None, : -(-length // block_size)]
+    keys = gather_blocks(k_cache, blocks, block_size)[0, :length].float()  # [length, kv_heads, dim]
+    values = gather_blocks(v_cache, blocks, block_size)[0, :length].float()
+    group = q.shape[0] // keys.shape[1]
+    if group > 1:
+        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    probs = torch.softmax((keys * q.float()).sum(-1) * scale, dim=0)  # [length, heads]
+    return (probs[:, :, None] * values).sum(0).to(q.dtype)
+
+
 def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
     """cache: [slots, kv_heads, dim]; block_tables: [batch, blocks] -> [batch, blocks * block_size, kv_heads, dim]."""
     blocks = cache.view(-1, block_size, *cache.shape[1:])[block_tables]  # [batch, blocks, block_size, h, d]
@@ -110,7 +144,7 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, block_size: i
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              chunk: PrefillChunk, block_size: int, scaling: float | None) -> torch.Tensor:
     query = q.transpose(0, 1).unsqueeze(0)  # [1, heads, chunk, dim]
-    if chunk.context_blocks is None:  # this chunk's own keys and values, rounded as the cache holds them
+    if chunk.start == 0:  # this chunk's own keys and values, rounded as the cache holds them
         keys, values, mask = k.to(k_cache.dtype), v.to(k_cache.dtype), None
     else:
         end = chunk.start + chunk.length

@@ -12,11 +12,12 @@ Decode-only steps on CPU go further: `engine.backends.cpu_kernels`' LlamaDecoder
 all layers, the final norm and the LM head) in one kernel call, built on the first such step over the KV cache it
 writes to, in float32 or bfloat16, over dense weights or GGUF weights kept quantized (each projection handed over
 as its parts: dense tensors or quantized blocks with their ggml type; int8 activations, `engine/backends/csrc/qdot.h`).
-Prefill and mixed steps, other dtypes and devices keep the op-by-op pass below. The two are one forward at two
-granularities (same weights, same KV cache, same RoPE table), not two models: the op-by-op pass must stay because
-the decoder takes decode-only steps (a prefill chunk's attention is causal over the chunk, which the one-call step
-does not do) and only exists where the backend built the C++ kernels (`Kernels.decoder` None elsewhere). The
-generic path (engine/model/runner.py) says why it stays too.
+With quantized weights, prefill and mixed steps go through it too: each prompt token is a row like a decode, with
+its sequence's block table and its position + 1 as its context (`step_rows`), so every token is computed by the
+same instructions whatever its step holds, and a prompt gives the same bits whole, in chunks or after cached
+blocks (docs/determinism.md). Prefill with dense weights, other dtypes and devices keep the op-by-op pass below
+(the second forward path: torch's GEMM is much faster than the decoder's rows for dense prompts, and it serves
+devices and dtypes the C++ step does not).
 """
 
 from __future__ import annotations
@@ -143,7 +144,8 @@ class LlamaFastForward:
         self.model = model
         # torch's linear (engine.backends.kernels.linear_torch) or engine.backends.cpu_kernels' small-batch kernel; with quantized
         # weights, wrapped to route those to theirs
-        self.linear = quant_aware(kernels.linear) if is_quantized(model) else kernels.linear
+        self._quantized = is_quantized(model)
+        self.linear = quant_aware(kernels.linear) if self._quantized else kernels.linear
         self.add_norm = kernels.add_rms_norm  # residual add + RMSNorm: torch ops, or engine.backends.cpu_kernels' fused one
         self.hidden = config.hidden_size
         self.heads = config.num_attention_heads
@@ -186,6 +188,14 @@ class LlamaFastForward:
                 return None
             self._decoder = (kv_cache, built)
         return self._decoder[1]
+
+    def _whole_step(self, meta: AttentionMetadata) -> bool:
+        """Whether the one-call step computes this step: decode steps always; prefill and mixed steps too with
+        quantized weights, so that every token of every step, prompt or output, goes through the same
+        instructions (the int8-activation matmuls, the paged attention in fixed chunks): a prompt's logits and KV
+        are then the same bits whole, in chunks or after cached blocks, whatever its batch mates. Dense weights
+        keep torch's GEMM for prompts (much faster there than the decoder's few-row kernels)."""
+        return not meta.prefills or self._quantized
 
     def decode_weight_bytes(self) -> int:
         """Bytes of weights one decode step reads: every matmul's, the LM head's included (the embedding lookup reads
@@ -244,10 +254,10 @@ class LlamaFastForward:
         """input_ids, positions: [tokens]. Returns logits [len(logits_indices), vocab]: in the model dtype op by op,
         float32 (holding the model dtype's values) from the one-call decode step."""
         inner = self.model.model
-        decoder = self.decoder(meta.kv_cache) if not meta.prefills else None
+        decoder = self.decoder(meta.kv_cache) if self._whole_step(meta) else None
         if decoder is not None:
-            logits = decoder.step(input_ids, *self.decoder_rope(positions), meta.slot_mapping,
-                                  meta.decode_block_tables, meta.decode_lengths)
+            tables, lengths = step_rows(meta, positions)
+            logits = decoder.step(input_ids, *self.decoder_rope(positions), meta.slot_mapping, tables, lengths)
             return logits if logits.shape[0] == 1 else logits[logits_indices]
         h = inner.embed_tokens(input_ids)  # [tokens, hidden], the residual stream, updated in place
         cos, sin = inner.rotary_emb(h[None], positions[None])  # [1, tokens, dim]
@@ -275,6 +285,20 @@ class LlamaFastForward:
     def _mlp(self, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
         return self.linear(F.silu(gate) * up, w.down, w.down_bias)
+
+
+def step_rows(meta: AttentionMetadata, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one-call step's block table and context length of every token of the step: a decode's own, and each
+    prompt token its sequence's blocks up to the chunk's end and its position + 1 (it attends to the tokens before
+    it, those of its own chunk included, exactly as a decode at that position would)."""
+    if not meta.prefills:
+        return meta.decode_block_tables, meta.decode_lengths
+    parts = [] if not meta.num_decodes else [meta.decode_block_tables]
+    parts += [chunk.context_blocks[None].expand(chunk.length, -1) for chunk in meta.prefills]
+    width = max(p.shape[1] for p in parts)
+    null = meta.kv_cache.null_block
+    tables = torch.cat([F.pad(p, (0, width - p.shape[1]), value=null) for p in parts])
+    return tables, positions + 1
 
 
 def _parts(weight: Weight) -> tuple[list[torch.Tensor], list[int]]:

@@ -2,11 +2,13 @@
 and the modules that multiply by them.
 
 - `QuantWeight`: one [N, K] matrix as uint8 rows of blocks (`blocks`, [N, bytes per row]) and its ggml type.
-  `matmul(x)` runs Peregrine's kernel (engine/backends/quant_kernels.py) for decode-size batches (<= 16 rows): the
-  weights are read once per step and dequantized in L1; more rows (prefill) dequantize tiles of weight rows into
-  float32 and use torch's GEMM. Output in x's dtype; the kernel computes in float32. The kernels are the ones the
+  `matmul(x)` runs Peregrine's kernel (engine/backends/quant_kernels.py), 16 rows at a time: the weights are
+  dequantized in L1 and each row's dot products are summed in the same order whatever the number of rows, so a
+  prompt's rows get the same bits as decode rows (batch invariance on the op-by-op pass; the one-call step of
+  engine/backends/cpu_kernels.py, the default path, multiplies in int8 instead). The kernels are the ones the
   engine's backend chose and handed over (`kernels`, set by engine.backends.cpu.use_quant_kernels at load and
-  prepare; None, as with `--cpu-kernels off`: gguf's numpy reference dequantizes, torch multiplies).
+  prepare); None, as with `--cpu-kernels off` or without a compiler: tiles of weight rows dequantized by gguf's
+  reference into torch's GEMM. Output in x's dtype; the kernel computes in float32.
 - `QuantLinear` / `QuantEmbedding`: drop-in modules for nn.Linear and nn.Embedding (the embedding dequantizes
   only the rows it looks up, so a tied LM head and embedding share one quantized copy).
 - `quantize_q8_0`: a dense matrix to Q8_0 blocks (per-32 float16 scale, int8 values), for `--quantize int8`.
@@ -82,8 +84,10 @@ class QuantWeight:
         lead, k = x.shape[:-1], x.shape[-1]
         flat = x.reshape(-1, k).to(torch.float32).contiguous()
         kernels = self.kernels
-        if kernels is not None and 0 < flat.shape[0] <= kernels.max_rows:
-            out = kernels.linear(flat, self.blocks, self.qtype)
+        if kernels is not None and flat.shape[0]:  # any number of rows, max_rows at a time: each row alike
+            step = kernels.max_rows
+            out = torch.cat([kernels.linear(flat[i : i + step], self.blocks, self.qtype)
+                             for i in range(0, flat.shape[0], step)])
         else:
             out = self._matmul_tiles(flat)
         return out.to(x.dtype).reshape(*lead, self.shape[0])

