@@ -3,16 +3,17 @@ load-time probes' room (models/loader.py) and the several-models KV sizing (serv
 
 Memory is weights in the serving dtype plus the smallest useful KV cache: one sequence of the full context (or
 the explicit --kv-cache-bytes when larger), plus the copies the load-time probes time beside them. The bytes of
-a dtype and of one token's K and V come from the engine (`engine.backends.devices.DTYPES`,
-`engine.model.kv_cache.KVCacheSpec.bytes_per_token`), so the preflight counts what the engine allocates.
+a dtype and of one token's K and V come from the engine (`engine.types.DTYPE_BYTES`,
+`engine.types.kv_bytes_per_token`, what the KV cache is sized with), so the preflight counts what the engine
+allocates.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.backends.devices import DTYPES
-from engine.model.kv_cache import KVCacheSpec
+from engine import types as engine_types
+from engine.types import DTYPE_BYTES
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,14 +48,14 @@ def fmt_bytes(n: int | float) -> str:
 def dtype_bytes(name: str, default: int | None = None) -> int:
     """Bytes per element of dtype `name` ("float32", "bfloat16", "float16"), from the engine's dtype table;
     `default` for a name it does not know (a checkpoint's torch_dtype), else KeyError."""
-    if name not in DTYPES and default is not None:
+    if name not in DTYPE_BYTES and default is not None:
         return default
-    return DTYPES[name].itemsize
+    return DTYPE_BYTES[name]
 
 
 def kv_bytes_per_token(kv: KVShape, dtype: str) -> int:
     """One token's K and V over every layer, in `dtype`: the engine's own formula."""
-    return KVCacheSpec(kv.layers, kv.kv_heads, kv.head_dim, DTYPES[dtype]).bytes_per_token
+    return engine_types.kv_bytes_per_token(kv.layers, kv.kv_heads, kv.head_dim, dtype)
 
 
 def kv_cache_need(fp: ModelFootprint, kv_dtype: str, max_model_len: int | None, kv_cache_bytes: int | None) -> int:
