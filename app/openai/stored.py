@@ -21,6 +21,7 @@ from pydantic import BaseModel, Field
 
 from app.errors import NotFoundError
 from app.openai.schemas import ChatCompletionRequest, ChatCompletionResponse
+from app.paging import ListPage, list_page, page_after
 from app.store import Store, Stored, app_store
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -83,32 +84,22 @@ async def _put(request: Request, body: ChatCompletionRequest, completion: dict[s
 # ---------------------------------------------------------------- routes
 
 
-class CompletionList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[dict[str, Any]]
-    first_id: str | None
-    last_id: str | None
-    has_more: bool
-
-
 class MetadataUpdate(BaseModel):
     metadata: dict[str, str] | None = Field(..., description="The new metadata (replaces the old).")
 
 
-@router.get("/chat/completions", response_model=CompletionList)
+@router.get("/chat/completions", response_model=ListPage)
 async def list_chat_completions(
     request: Request, model: str | None = None, after: str | None = None,
     limit: int = Query(20, ge=1, le=1000), order: Literal["asc", "desc"] = "asc",
-) -> CompletionList:
+) -> ListPage:
     """Stored chat completions (OpenAI `GET /v1/chat/completions`), oldest first unless `order=desc`;
     `metadata[key]=value` query parameters filter on metadata."""
     metadata = {k[len("metadata["):-1]: v for k, v in request.query_params.items()
                 if k.startswith("metadata[") and k.endswith("]")}
     found = await _run(request, lambda s: s.list(KIND, model=model, metadata=metadata, after=after,
                                                  limit=limit + 1, order=order))
-    page = [_with_inputs(s) for s in found[:limit]]
-    return CompletionList(data=page, first_id=page[0]["id"] if page else None,
-                          last_id=page[-1]["id"] if page else None, has_more=len(found) > limit)
+    return list_page([_with_inputs(s) for s in found[:limit]], has_more=len(found) > limit)
 
 
 @router.get("/chat/completions/{completion_id}")
@@ -117,22 +108,16 @@ async def retrieve_chat_completion(completion_id: str, request: Request) -> dict
     return _with_inputs(await _get(request, completion_id))
 
 
-@router.get("/chat/completions/{completion_id}/messages", response_model=CompletionList)
+@router.get("/chat/completions/{completion_id}/messages", response_model=ListPage)
 async def list_chat_completion_messages(
     completion_id: str, request: Request, after: str | None = None,
     limit: int = Query(20, ge=1, le=1000), order: Literal["asc", "desc"] = "asc",
-) -> CompletionList:
+) -> ListPage:
     """The messages of a stored chat completion: its input, then its reply; ids are `{id}-{i}`."""
     stored = await _get(request, completion_id)
     replies = [c["message"] for c in stored.body["choices"][:1]]
     messages = [m | {"id": f"{completion_id}-{i}"} for i, m in enumerate([*stored.extra["input_messages"], *replies])]
-    if order == "desc":
-        messages.reverse()
-    ids = [m["id"] for m in messages]
-    start = ids.index(after) + 1 if after in ids else 0
-    page = messages[start:start + limit]
-    return CompletionList(data=page, first_id=page[0]["id"] if page else None,
-                          last_id=page[-1]["id"] if page else None, has_more=start + limit < len(messages))
+    return page_after(messages, order, after, limit)
 
 
 @router.post("/chat/completions/{completion_id}")

@@ -21,10 +21,11 @@ from fastapi.responses import JSONResponse, Response
 
 from app.deps import generates, request_id
 from app.errors import APIError, BadRequestError, NotFoundError, classify
+from app.paging import ListPage, page_after
 from app.responses import pipeline
 from app.responses.convert import Turn, new_id, output_messages, to_turn
 from app.responses.events import ResponseBuilder, response_base
-from app.responses.schemas import DeletedResponse, InputItemList, ResponsesRequest
+from app.responses.schemas import DeletedResponse, ResponsesRequest
 from app.store import Store, Stored, app_store
 from app.streaming import StreamFormat, stream_response
 from engine.types import EngineError
@@ -139,24 +140,18 @@ async def delete_response(response_id: str, request: Request) -> DeletedResponse
     return DeletedResponse(id=response_id)
 
 
-@router.get("/responses/{response_id}/input_items", response_model=InputItemList)
+@router.get("/responses/{response_id}/input_items", response_model=ListPage)
 async def list_input_items(
     response_id: str,
     request: Request,
     after: str | None = None,
     limit: int = Query(20, ge=1, le=100),
     order: Literal["asc", "desc"] = "desc",
-) -> InputItemList:
+) -> ListPage:
     """The input items of a stored response's turn (OpenAI `GET /v1/responses/{id}/input_items`), newest first
     unless `order=asc`; `after` (an item id) and `limit` page through them."""
     items = list((await _get(request, response_id)).extra["input_items"])
-    if order == "desc":
-        items.reverse()
-    ids = [i["id"] for i in items]
-    start = ids.index(after) + 1 if after in ids else 0
-    page = items[start:start + limit]
-    return InputItemList(data=page, first_id=page[0]["id"] if page else None,
-                         last_id=page[-1]["id"] if page else None, has_more=start + limit < len(items))
+    return page_after(items, order, after, limit)
 
 
 async def _get(request: Request, response_id: str) -> Stored:

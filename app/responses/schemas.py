@@ -123,14 +123,6 @@ class ResponsesRequest(BaseModel):
         return value
 
 
-class InputItemList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[dict[str, Any]]
-    first_id: str | None
-    last_id: str | None
-    has_more: bool
-
-
 class DeletedResponse(BaseModel):
     id: str
     object: Literal["response"] = "response"
