@@ -3,6 +3,7 @@ completion prompts (strings or token ids) checked against the vocabulary."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,13 +44,23 @@ def chat_prompt_text(tokenizer: Any, messages: Sequence[ChatMessage], add_genera
         )
     conversation = [_template_message(i, m) for i, m in enumerate(messages)]
     conversation, tool_defs = tools.template_input(conversation, tool_plan, own if isinstance(own, str) else None)
+    options = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
+               "tools": tool_defs, "tokenize": False}
     try:
-        return tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=add_generation_prompt, tokenize=False,
-            continue_final_message=continue_final_message, tools=tool_defs,
-        )
+        return tokenizer.apply_chat_template(conversation, **options)
     except Exception as exc:  # jinja's TemplateError, or a template's own raise_exception(...)
+        merged = _system_in_first_user(conversation)
+        if merged is not None:  # Gemma's template takes no system turn: it goes first in the user's, as Gemma 3's does
+            with contextlib.suppress(Exception):
+                return tokenizer.apply_chat_template(merged, **options)
         raise BadRequestError(f"The chat template rejected these messages: {exc}", param="messages") from None
+
+
+def _system_in_first_user(conversation: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    if len(conversation) < 2 or conversation[0]["role"] != "system" or conversation[1]["role"] != "user":
+        return None
+    first = conversation[1] | {"content": f"{conversation[0]['content']}\n\n{conversation[1]['content']}"}
+    return [first, *conversation[2:]]
 
 
 def _template_message(i: int, msg: ChatMessage) -> dict[str, Any]:

@@ -194,6 +194,7 @@ class _Open:
     args_at: int = -1  # where the arguments start in `text`
     sent: int = 0  # argument characters sent
     rejected: bool = False  # names no tool: not a call, never streamed
+    args_end: int = -1  # where the arguments end in `text`, once they have (keys may follow: Mistral's "id")
 
 
 @dataclass(slots=True)
@@ -254,6 +255,8 @@ class CallStream:
                 self._open, self._depth, self._in_string = _Open(), 0, False
             self._open.text += ch
             self._track(ch)
+            if self._depth == 1 and ch in "}]" and not self._in_string and self._open.args_end < 0:
+                self._open.args_end = len(self._open.text)  # back in the call object: the arguments are whole
             if self.fmt.args_tag is not None and self._depth == 1 and ch in "}]" and not self._in_string:
                 self._open.text += "}"  # the arguments closed: so does the call object `_tagged_head` opened
                 self._depth = 0
@@ -270,7 +273,7 @@ class CallStream:
         self._name += ch
         if not self._name.endswith(self.fmt.args_tag):
             return
-        name = self._name[: -len(self.fmt.args_tag)].replace(self.fmt.trigger, "").strip()
+        name = self._name[: -len(self.fmt.args_tag)].replace(self.fmt.trigger, "").split("[CALL_ID]")[0].strip()
         self._name = ""
         self._open, self._depth, self._in_string = _Open(), 1, False
         self._open.text = f'{{"name": {json.dumps(name)}, "arguments": '
@@ -306,7 +309,8 @@ class CallStream:
                 return
             call.args_at, call.id = match.end(), new_call_id()
             deltas.append(CallDelta(len(self.calls), call.id, name, ""))
-        new = call.text[call.args_at + call.sent:].rstrip()
+        end = call.args_end if call.args_end >= 0 else len(call.text)
+        new = call.text[call.args_at + call.sent:end].rstrip()
         if call.id and new:
             call.sent += len(new)
             deltas.append(CallDelta(len(self.calls), arguments=new))
@@ -324,7 +328,8 @@ class CallStream:
             return  # not a call (free text after the trigger)
         index = len(self.calls)
         if call.id:
-            raw = call.text[call.args_at:-1].rstrip()  # the arguments, without the call's closing brace
+            end = call.args_end if call.args_end >= 0 else len(call.text) - 1  # without the call's closing brace
+            raw = call.text[call.args_at:end].rstrip()
             if len(raw) > call.sent:
                 deltas.append(CallDelta(index, arguments=raw[call.sent:]))
             self.calls.append(ParsedCall(call.id, name, raw))
