@@ -7,6 +7,7 @@ chosen (`--chat-template`, the model's own, the architecture's family, none) and
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -153,3 +154,13 @@ def test_without_a_template_chat_is_a_400_that_says_how_to_pass_one(base_tokeniz
     with pytest.raises(BadRequestError, match="--chat-template") as err:
         chat_prompt_text(base_tokenizer, [ChatMessage.model_validate({"role": "user", "content": "hi"})])
     assert "qwen3" in str(err.value) and "/v1/completions" in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["mistral-nemo", "mistral-small"])
+def test_mistral_templates_take_the_servers_call_ids(base_tokenizer: Any, name: str) -> None:
+    """Peregrine's ids (`call_` + 24 hex) become the 9 alphanumeric characters Mistral's templates demand, the
+    same on the call and on its result."""
+    history = json.loads(json.dumps(HISTORY).replace(CALL_ID, "call_0123456789abcdef01234567"))
+    text = render(with_template(base_tokenizer, name), history)
+    short = hashlib.sha256(b"call_0123456789abcdef01234567").hexdigest()[:9]
+    assert text.count(short) == 2 and "call_0123" not in text
