@@ -2,7 +2,8 @@
 removed: without `--chat-template` it is served with its architecture's family format (llama -> llama3.1, said in
 the start log) and completions work; with `--chat-template qwen2.5` (the real Qwen2.5 template Peregrine ships) a
 forced tool call (tool_choice naming the function: the grammar forces the call's JSON) streams through the `openai`
-SDK and round-trips: the call, the tool's result, an answer."""
+SDK and round-trips: the call, the tool's result, an answer. A tiny random GPT-2 (an architecture that names no
+family format) without a template: chat routes answer 400 saying how to pass one, completions work."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -36,6 +38,22 @@ def bare_model(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Path
     model_config = json.loads((path / "config.json").read_text())  # the real templates' system prompts are long
     (path / "config.json").write_text(json.dumps(model_config | {"max_position_embeddings": 2048}))
     return path
+
+
+@pytest.fixture(scope="module")
+def gpt2_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TinyServer]:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from tests.support import build_byte_level_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny-gpt2") / "model"
+    tokenizer = build_byte_level_tokenizer()
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(path)
+    config = GPT2Config(vocab_size=len(tokenizer), n_embd=64, n_layer=2, n_head=4, n_positions=512,
+                        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    GPT2LMHeadModel(config).save_pretrained(path)
+    yield from serve(path, tmp_path_factory.mktemp("gpt2"))
 
 
 def serve(model: Path, workdir: Path, *args: str) -> Iterator[TinyServer]:
@@ -89,3 +107,15 @@ def test_a_forced_tool_call_streams_and_round_trips(qwen_server: TinyServer) -> 
                                          max_tokens=8)  # fmt: skip
     assert answer.choices[0].message.tool_calls in (None, [])
     assert answer.choices[0].finish_reason in ("length", "stop") and answer.usage.prompt_tokens > 0
+
+
+def test_no_template_and_no_family_chat_is_a_400_completions_work(gpt2_server: TinyServer) -> None:
+    assert "architecture names no family format" in gpt2_server.log_tail(200_000)
+    with pytest.raises(openai.BadRequestError) as err:
+        client(gpt2_server).chat.completions.create(model="tiny", messages=ASK, max_tokens=4)
+    assert err.value.body["param"] == "messages" and "--chat-template" in err.value.body["message"]
+    legacy = httpx.post(f"{gpt2_server.url}/v1/inference/chat-completion", timeout=60, json={
+        "model_id": "tiny", "messages": ASK})  # fmt: skip
+    assert legacy.status_code == 400 and "--chat-template" in legacy.text
+    done = client(gpt2_server).completions.create(model="tiny", prompt="Hello", max_tokens=4)
+    assert done.choices[0].finish_reason == "length" and done.usage.completion_tokens == 4
