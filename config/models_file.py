@@ -9,6 +9,7 @@ A models file is YAML (or JSON, which YAML reads too):
         kv_cache_bytes: 256MiB
       - model: /models/qwen2.5-0.5b
         max_model_len: 4096
+        chat_template: qwen2.5          # a file or a name the server knows (docs/chat-templates.md)
 
 Each entry may set the keys in `ENTRY_KEYS`; the rest of the server's settings apply to every model. Models
 given with `--model` come first, then the file's; the first one is the default (a request without `model`)
@@ -37,6 +38,7 @@ ENTRY_KEYS = {
     "kv_cache_bytes": "kv_cache_bytes",
     "kv_cache_memory_fraction": "kv_cache_memory_fraction",
     "model_impl": "model_impl",
+    "chat_template": "chat_template",  # a file or a known name (docs/chat-templates.md): per model, not per server
 }
 """Keys a models-file entry may set (besides `keep_alive`), and the Settings field each one sets."""
 

@@ -165,6 +165,13 @@ class Settings(BaseSettings):
         "llama-stack-client <= 0.6.0; never on the legacy Llama Stack routes. A request's ?done=true|false "
         "or X-Peregrine-Done header wins.",
     )
+    chat_template: str | None = Field(
+        None,
+        description="The chat template to serve with, instead of the model's own: a Jinja file, or a name the "
+        "server knows (llama3.1, llama3.2, qwen2.5, qwen3, gemma, phi3.5, mistral-nemo, mistral-small, granite3.3, "
+        "granite4, deepseek-r1, hermes3; docs/chat-templates.md). Unset: the model's own, else its architecture's "
+        "family format, else chat routes answer 400.",
+    )
     reasoning_parser: Literal["auto", "none", "deepseek_r1", "qwen3"] = Field(
         "auto",
         description="Split a reasoning model's <think>...</think> into message.reasoning_content (and "
@@ -172,12 +179,13 @@ class Settings(BaseSettings):
         "until </think>; qwen3: reasoning only when the answer starts with <think>; auto: on when the tokenizer "
         "or chat template knows the markers, deepseek_r1 when the prompt ends with <think>, else qwen3; none: off.",
     )
-    tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral", "smollm2"] = Field(
+    tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral", "mistral_args", "granite", "smollm2"] = Field(
         "auto",
         description="How the model writes tool calls (parsed into message.tool_calls). hermes: <tool_call>{json}"
         "</tool_call> (Qwen, Hermes); llama3_json: {\"name\", \"parameters\"} JSON (Llama 3.x); mistral: "
-        "[TOOL_CALLS][...]; smollm2: <tool_call>[...]</tool_call> with Peregrine's default tool prompt (for "
-        "templates without tool support). auto: picked from the chat template.",
+        "[TOOL_CALLS][...] (Mistral Nemo); mistral_args: [TOOL_CALLS]name[ARGS]{...} (Mistral Small 3.2); granite: "
+        "<|tool_call|>[...]; smollm2: <tool_call>[...]</tool_call> with Peregrine's default tool prompt (for "
+        "templates without tool support). auto: picked from the chat template's text (docs/chat-templates.md).",
     )
     max_queue: int = Field(
         256,

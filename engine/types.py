@@ -193,6 +193,7 @@ class EngineConfig:
     cache_dir: str | None = None  # converted GGUF models and compiled kernels (needed for both; config's default)
     seed: int = 0
     trust_remote_code: bool = False
+    chat_template: str | None = None  # --chat-template: a file or a known name (models/chat_templates); None: own
     model_impl: str = "auto"  # auto | generic | llama: the forward pass (auto: Llama fast path when it applies)
     cpu_kernels: bool = True  # Peregrine's CPU kernels (engine.backends.cpu_kernels, quant_kernels) where they apply
     cpu_isa: str = "auto"  # auto | amx | avx512 | avx2 | none: the highest ISA the CPU kernels may use (--cpu-isa)

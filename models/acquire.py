@@ -153,6 +153,7 @@ def engine_config(settings: Settings, path: Path, device: str, dtype: str) -> En
         cache_dir=str(settings.cache_dir),
         seed=settings.seed,
         trust_remote_code=settings.trust_remote_code,
+        chat_template=settings.chat_template,
         model_impl=settings.model_impl,
         cpu_kernels=settings.cpu_kernels,
         cpu_isa=settings.cpu_isa,

@@ -31,7 +31,7 @@ import torch
 from engine.backends.devices import backend_for, placement
 from engine.backends.huge_pages import release_freed_memory
 from engine.types import EngineConfig
-from models import memory, preflight
+from models import chat_templates, memory, preflight
 from models.autotune import dtype as dtype_probe
 from models.fingerprint import gguf_fingerprint
 
@@ -68,7 +68,7 @@ def load_model(cfg: EngineConfig) -> LoadedModel:
             model, dtype = fastest_format(model, tokenizer, cfg, device, dtype, auto_dtype=asked is None)
     else:
         folder = model_folder(cfg)
-        tokenizer = load_tokenizer(folder, cfg.trust_remote_code)
+        tokenizer = load_tokenizer(folder, cfg.trust_remote_code, cfg.chat_template)
         if dtype is None:
             model, dtype = load_fastest(folder, tokenizer, cfg, device)
         else:
@@ -168,7 +168,7 @@ def load_quantized_gguf(
         dtype = torch.float32
     try:
         folder = gguf_weights.metadata_folder(path, cache_dir)
-        tokenizer = load_tokenizer(folder, cfg.trust_remote_code)
+        tokenizer = load_tokenizer(folder, cfg.trust_remote_code, cfg.chat_template)
         model = gguf_weights.load(path, folder, dtype, cfg.trust_remote_code)
     except gguf_weights.Unsupported as exc:
         if cfg.weight_format == "quantized":
@@ -234,13 +234,31 @@ def model_folder(cfg: EngineConfig) -> Path:
     return ensure_gguf_converted(path / cfg.gguf_file, Path(cfg.cache_dir).expanduser())
 
 
-def load_tokenizer(folder: Path, trust_remote_code: bool = False) -> Any:
+def load_tokenizer(folder: Path, trust_remote_code: bool = False, chat_template: str | None = None) -> Any:
+    """The model's tokenizer, with the chat template it is served with (models/chat_templates: `--chat-template`,
+    else its own, else its family's; None leaves the chat routes answering 400)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
-    if not getattr(tokenizer, "chat_template", None):
-        log.warning("%s has no chat template: chat requests will be refused by the template step", folder)
+    try:
+        chosen = chat_templates.choose(chat_template, tokenizer.chat_template, model_type(folder))
+    except chat_templates.ChatTemplateError as exc:
+        raise LoadError(str(exc)) from None
+    tokenizer.chat_template = chosen.text
+    if chosen.text is None:
+        log.warning("%s has no chat template and its architecture names no family format: chat requests answer "
+                    "400 until the server is started with --chat-template FILE|NAME (completions work)", folder)
+    else:
+        log.info("chat template: %s", chosen.source)
     return tokenizer
+
+
+def model_type(folder: Path) -> str | None:
+    """`model_type` of the folder's config.json (a GGUF's `general.architecture`, as its conversion writes it)."""
+    try:
+        return json.loads((folder / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError):
+        return None
 
 
 def load_weights(folder: Path, dtype: torch.dtype, device: torch.device, cfg: EngineConfig) -> Any:

@@ -3,6 +3,7 @@ completion prompts (strings or token ids) checked against the vocabulary."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -10,11 +11,7 @@ from app.chat import tools
 from app.chat.tools import ToolPlan
 from app.errors import BadRequestError
 from app.openai.schemas import ChatMessage
-
-CHATML_TEMPLATE = (  # used only when the tokenizer ships no chat template of its own
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
-    "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
+from models import chat_templates
 
 
 def check_token_ids(ids: Sequence[int], vocab_size: int, param: str) -> Sequence[int]:
@@ -35,19 +32,35 @@ def chat_prompt_ids(tokenizer: Any, messages: Sequence[ChatMessage], tool_plan: 
 
 def chat_prompt_text(tokenizer: Any, messages: Sequence[ChatMessage], add_generation_prompt: bool = True,
                      continue_final_message: bool = False, tool_plan: ToolPlan | None = None) -> str:
-    """The conversation rendered with the model's chat template (ChatML when the tokenizer has none); tool
-    definitions and tool-call turns as `app/chat/tools.py` prepares them for that template."""
-    conversation = [_template_message(i, m) for i, m in enumerate(messages)]
+    """The conversation rendered with the chat template the model is served with (models/chat_templates); tool
+    definitions and tool-call turns as `app/chat/tools.py` prepares them for that template. A model without one
+    gets a 400 that says how to pass one: a format it was not trained on would make it answer garbage."""
     own = getattr(tokenizer, "chat_template", None)
-    template = None if own else CHATML_TEMPLATE
-    conversation, tool_defs = tools.template_input(conversation, tool_plan, own if isinstance(own, str) else None)
-    try:
-        return tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=add_generation_prompt, tokenize=False, chat_template=template,
-            continue_final_message=continue_final_message, tools=tool_defs,
+    if not own:
+        raise BadRequestError(
+            "This model has no chat template, so chat messages cannot be formatted for it. Start the server with "
+            f"--chat-template FILE (a Jinja chat template) or a known name ({', '.join(chat_templates.NAMES)}); "
+            "/v1/completions works without one.", param="messages",
         )
+    conversation = [_template_message(i, m) for i, m in enumerate(messages)]
+    conversation, tool_defs = tools.template_input(conversation, tool_plan, own if isinstance(own, str) else None)
+    options = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
+               "tools": tool_defs, "tokenize": False}
+    try:
+        return tokenizer.apply_chat_template(conversation, **options)
     except Exception as exc:  # jinja's TemplateError, or a template's own raise_exception(...)
+        merged = _system_in_first_user(conversation)
+        if merged is not None:  # Gemma's template takes no system turn: it goes first in the user's, as Gemma 3's does
+            with contextlib.suppress(Exception):
+                return tokenizer.apply_chat_template(merged, **options)
         raise BadRequestError(f"The chat template rejected these messages: {exc}", param="messages") from None
+
+
+def _system_in_first_user(conversation: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    if len(conversation) < 2 or conversation[0]["role"] != "system" or conversation[1]["role"] != "user":
+        return None
+    first = conversation[1] | {"content": f"{conversation[0]['content']}\n\n{conversation[1]['content']}"}
+    return [first, *conversation[2:]]
 
 
 def _template_message(i: int, msg: ChatMessage) -> dict[str, Any]:

@@ -4,8 +4,10 @@ reads calls back out of the generated text (whole answers and streams alike).
 | parser        | the model writes                                                        | picked when the template |
 |---------------|-------------------------------------------------------------------------|--------------------------|
 | `hermes`      | `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` per call | writes `<tool_call>`; or takes `tools` |
-| `llama3_json` | `{"name": ..., "parameters": {...}}` (after `<|python_tag|>` or not), `;` between calls | writes `<|python_tag|>` |
-| `mistral`     | `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`                  | writes `[TOOL_CALLS]`    |
+| `llama3_json` | `{"name": ..., "parameters": {...}}` (after `<|python_tag|>` or not), `;` between calls | writes `<|python_tag|>`, or `"parameters"` in a Llama 3 header format (3.2) |
+| `mistral`     | `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (Mistral Nemo)   | writes `[TOOL_CALLS]`    |
+| `mistral_args`| `[TOOL_CALLS]name[ARGS]{...}` per call (Mistral Small 3.2, Ministral 3)  | writes `[ARGS]`          |
+| `granite`     | `<|tool_call|>[{"name": ..., "arguments": {...}}, ...]` (Granite 3.x)   | writes `<|tool_call|>`   |
 | `smollm2`     | `<tool_call>[{"name": ..., "arguments": {...}}, ...]</tool_call>`       | takes no `tools` (default prompt) |
 
 `smollm2` is the format SmolLM2-Instruct was trained on (its model card's tool prompt), and the format of the
@@ -37,6 +39,7 @@ class ToolFormat:
     trigger: str  # the text that opens the calls (the lazy grammar's trigger)
     args_key: Literal["arguments", "parameters"] = "arguments"
     trigger_in_call: bool = False  # the trigger is the start of the call itself (llama3_json's `{"name":`)
+    args_tag: str | None = None  # calls written `name<args_tag>{...}` rather than as JSON objects (mistral_args)
 
     def grammar(self, tools: list[dict[str, Any]], parallel: bool, *, lazy: bool,
                 term: Callable[[str], str] = json.dumps) -> str:
@@ -44,6 +47,8 @@ class ToolFormat:
         feeds the matcher the text after it); else from the first token, trigger included. `term`: a tag as a
         Lark terminal (its text quoted, or `<[id]>` where the tokenizer has it as one token)."""
         rules = _call_rules(tools, self.args_key)
+        if self.args_tag is not None:
+            rules += _tagged_call_rule(tools, term(self.args_tag))
         if self.trigger_in_call:  # llama3_json: the trigger is the first call's own opening characters
             first = "call_rest" if lazy else "call"
             return f"start: {_BODIES[self.name](first, parallel, term)}\n{rules}"
@@ -70,17 +75,25 @@ def _mistral(call: str, parallel: bool, term: Term) -> str:
     return f'"[" {call}{more} "]"'
 
 
+def _mistral_args(call: str, parallel: bool, term: Term) -> str:
+    more = f' ({term("[TOOL_CALLS]")} tagged_call)*' if parallel else ""
+    return f"tagged_call{more}"
+
+
 def _llama3(first: str, parallel: bool, term: Term) -> str:
     more = ' ("; " call)*' if parallel else ""
     return f"{first}{more}"
 
 
-_BODIES = {"hermes": _hermes, "smollm2": _smollm2, "mistral": _mistral, "llama3_json": _llama3}
+_BODIES = {"hermes": _hermes, "smollm2": _smollm2, "mistral": _mistral, "llama3_json": _llama3,
+           "mistral_args": _mistral_args, "granite": _mistral}
 
 FORMATS: dict[str, ToolFormat] = {
     "hermes": ToolFormat("hermes", "<tool_call>"),
     "smollm2": ToolFormat("smollm2", "<tool_call>"),
     "mistral": ToolFormat("mistral", "[TOOL_CALLS]"),
+    "mistral_args": ToolFormat("mistral_args", "[TOOL_CALLS]", args_tag="[ARGS]"),
+    "granite": ToolFormat("granite", "<|tool_call|>"),
     "llama3_json": ToolFormat("llama3_json", '{"name": ', args_key="parameters", trigger_in_call=True),
 }
 
@@ -102,6 +115,12 @@ def _call_rules(tools: list[dict[str, Any]], args_key: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _tagged_call_rule(tools: list[dict[str, Any]], tag: str) -> str:
+    """`tagged_call`: `<name><tag><arguments JSON>` (mistral_args), reusing `call_rules`' `args_<i>`."""
+    alts = [f"({_lark_str(tool['name'])} {tag} args_{i})" for i, tool in enumerate(tools)]
+    return "tagged_call: " + " | ".join(alts) + "\n"
+
+
 def _arguments_schema(parameters: dict[str, Any] | None) -> dict[str, Any]:
     """The tool's parameters schema, written compactly; an object with declared properties admits no others
     (a call is meant for the declared parameters; small models otherwise invent keys without end)."""
@@ -118,15 +137,20 @@ def _lark_str(text: str) -> str:
 
 
 def detect(template: str | None) -> str:
-    """The parser for a model, from its chat template (see the module table)."""
+    """The parser for a model, from the text of its chat template (see the module table): the markers the
+    template writes in assistant turns are the ones the model was trained to generate."""
     template = template or ""
     if "[TOOL_CALLS]" in template:
-        return "mistral"
+        return "mistral_args" if "[ARGS]" in template else "mistral"
+    if "<|tool_call|>" in template:
+        return "granite"
     if "<|python_tag|>" in template:
         return "llama3_json"
-    if "<tool_call>" in template or template_takes_tools(template):
+    if "<tool_call>" in template:
         return "hermes"
-    return "smollm2"
+    if '"parameters"' in template and "<|start_header_id|>" in template:  # Llama 3.2: JSON calls, no python_tag
+        return "llama3_json"
+    return "hermes" if template_takes_tools(template) else "smollm2"
 
 
 def template_takes_tools(template: str | None) -> bool:
@@ -170,6 +194,7 @@ class _Open:
     args_at: int = -1  # where the arguments start in `text`
     sent: int = 0  # argument characters sent
     rejected: bool = False  # names no tool: not a call, never streamed
+    args_end: int = -1  # where the arguments end in `text`, once they have (keys may follow: Mistral's "id")
 
 
 @dataclass(slots=True)
@@ -189,6 +214,7 @@ class CallStream:
     _depth: int = 0
     _in_string: bool = False
     _escape: bool = False
+    _name: str = ""  # mistral_args: the call's name, read up to its `[ARGS]`
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[CallDelta]]:
         """(content delta, tool-call deltas) for this much more text; `final` on the last piece."""
@@ -221,16 +247,36 @@ class CallStream:
             if self.max_calls is not None and len(self.calls) >= self.max_calls:
                 break
             if self._open is None:
+                if self.fmt.args_tag is not None:
+                    self._tagged_head(ch)
+                    continue
                 if ch != "{":
                     continue
                 self._open, self._depth, self._in_string = _Open(), 0, False
             self._open.text += ch
             self._track(ch)
+            if self._depth == 1 and ch in "}]" and not self._in_string and self._open.args_end < 0:
+                self._open.args_end = len(self._open.text)  # back in the call object: the arguments are whole
+            if self.fmt.args_tag is not None and self._depth == 1 and ch in "}]" and not self._in_string:
+                self._open.text += "}"  # the arguments closed: so does the call object `_tagged_head` opened
+                self._depth = 0
             if self._depth == 0:
                 self._close(deltas)
             else:
                 self._progress(deltas)
         self._buffer = ""
+
+    def _tagged_head(self, ch: str) -> None:
+        """mistral_args: read `name[ARGS]` (later calls behind their own `[TOOL_CALLS]`), then go on as if the
+        model had written `{"name": "name", "arguments": ` so the JSON path streams the arguments."""
+        assert self.fmt.args_tag is not None
+        self._name += ch
+        if not self._name.endswith(self.fmt.args_tag):
+            return
+        name = self._name[: -len(self.fmt.args_tag)].replace(self.fmt.trigger, "").split("[CALL_ID]")[0].strip()
+        self._name = ""
+        self._open, self._depth, self._in_string = _Open(), 1, False
+        self._open.text = f'{{"name": {json.dumps(name)}, "arguments": '
 
     def _track(self, ch: str) -> None:
         if self._in_string:
@@ -263,7 +309,8 @@ class CallStream:
                 return
             call.args_at, call.id = match.end(), new_call_id()
             deltas.append(CallDelta(len(self.calls), call.id, name, ""))
-        new = call.text[call.args_at + call.sent:].rstrip()
+        end = call.args_end if call.args_end >= 0 else len(call.text)
+        new = call.text[call.args_at + call.sent:end].rstrip()
         if call.id and new:
             call.sent += len(new)
             deltas.append(CallDelta(len(self.calls), arguments=new))
@@ -281,7 +328,8 @@ class CallStream:
             return  # not a call (free text after the trigger)
         index = len(self.calls)
         if call.id:
-            raw = call.text[call.args_at:-1].rstrip()  # the arguments, without the call's closing brace
+            end = call.args_end if call.args_end >= 0 else len(call.text) - 1  # without the call's closing brace
+            raw = call.text[call.args_at:end].rstrip()
             if len(raw) > call.sent:
                 deltas.append(CallDelta(index, arguments=raw[call.sent:]))
             self.calls.append(ParsedCall(call.id, name, raw))

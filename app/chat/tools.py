@@ -23,6 +23,7 @@ Reading calls back out of the answer is each family's: `app/openai/tools.py`, `a
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 from dataclasses import dataclass, replace
 from typing import Any, Literal
@@ -165,6 +166,8 @@ def template_input(conversation: list[dict[str, Any]], tool_plan: ToolPlan | Non
     """(messages, tools) for `apply_chat_template`: as they are for a template that takes tools; with the
     default tool prompt and the calls written as text for one that does not."""
     conversation = [_json_arguments(m) for m in conversation]
+    if template and "alphanumeric strings with length 9" in template:  # Mistral's templates refuse other ids
+        conversation = [_nine_char_ids(m) for m in conversation]
     if template_takes_tools(template):
         tools = [{"type": "function", "function": f} for f in tool_plan.functions] if tool_plan else None
         return conversation, tools
@@ -191,6 +194,22 @@ def _json_arguments(message: dict[str, Any]) -> dict[str, Any]:
                 function["arguments"] = json.loads(function["arguments"])
         fixed.append(call | {"function": function})
     return message | {"tool_calls": fixed}
+
+
+def _nine_char_id(call_id: str) -> str:
+    """The same id on the call and on its result, in the 9 alphanumeric characters Mistral's templates take."""
+    if len(call_id) == 9 and call_id.isalnum():
+        return call_id
+    return hashlib.sha256(call_id.encode()).hexdigest()[:9]
+
+
+def _nine_char_ids(message: dict[str, Any]) -> dict[str, Any]:
+    if message.get("tool_call_id"):
+        message = message | {"tool_call_id": _nine_char_id(message["tool_call_id"])}
+    if message.get("tool_calls"):
+        calls = [c | {"id": _nine_char_id(c["id"])} if c.get("id") else c for c in message["tool_calls"]]
+        message = message | {"tool_calls": calls}
+    return message
 
 
 def _plain_message(message: dict[str, Any]) -> dict[str, Any]:

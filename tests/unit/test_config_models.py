@@ -36,13 +36,14 @@ def test_models_file_yaml_with_per_model_values(clean_env: Path) -> None:
     (clean_env / "models.yaml").write_text(
         "models:\n"
         "  - model: bundled:smollm2\n    kv_cache_bytes: 256MiB\n    keep_alive: 10m\n"
-        "  - model: /models/tiny\n    name: tiny\n    max_model_len: 256\n"
+        "  - model: /models/tiny\n    name: tiny\n    max_model_len: 256\n    chat_template: qwen3\n"
         "  - org/other\n"
     )
     entries = model_entries(load_settings(["--models-file", "models.yaml", "--max-model-len", "1024"]))
     assert [e.name for e in entries] == ["smollm2", "tiny", "org/other"]  # no --model: the file's only
     assert int(entries[0].settings.kv_cache_bytes) == 256 * 2**20 and entries[0].keep_alive_s == 600.0
     assert entries[1].settings.max_model_len == 256 and entries[1].keep_alive_s is None
+    assert entries[1].settings.chat_template == "qwen3" and entries[0].settings.chat_template is None
     assert entries[2].settings.max_model_len == 1024  # the server's value where the entry sets none
 
 

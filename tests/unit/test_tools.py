@@ -60,6 +60,15 @@ ANSWERS = {  # format -> (model output, content, [(name, arguments)])
         '{"name": "get_weather", "parameters": {"city": "Rome"}}; {"name": "get_time", "parameters": {"tz": 1}}',
         "", [("get_weather", {"city": "Rome"}), ("get_time", {"tz": 1})],
     ),
+    "mistral_args": (  # Mistral Small 3.2 / Ministral 3: each call behind its own [TOOL_CALLS]
+        'Let me check.[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo {x}", "unit": "c"}[TOOL_CALLS]get_time[ARGS]{"tz": 2}',
+        "Let me check.", [("get_weather", {"city": "Oslo {x}", "unit": "c"}), ("get_time", {"tz": 2})],
+    ),
+    "granite": (
+        '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Lima"}}, '
+        '{"name": "get_time", "arguments": {"tz": -5}}]',
+        "", [("get_weather", {"city": "Lima"}), ("get_time", {"tz": -5})],
+    ),
 }
 
 
@@ -122,6 +131,9 @@ def test_parallel_false_keeps_the_first_call() -> None:
 
 def test_detect_from_template() -> None:
     assert detect("{{ '[TOOL_CALLS]' }}") == "mistral"
+    assert detect("{{ '[TOOL_CALLS]' + name + '[ARGS]' }}") == "mistral_args"
+    assert detect("{{ '<|tool_call|>' }}") == "granite"
+    assert detect("<|start_header_id|>{{ '\"parameters\": ' }}{{ tools }}") == "llama3_json"
     assert detect("{{ '<|python_tag|>' }}") == "llama3_json"
     assert detect("{% if tools %}<tool_call>{% endif %}") == "hermes"
     assert detect("{% for tool in tools %}{{ tool }}{% endfor %}") == "hermes"
