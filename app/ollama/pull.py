@@ -133,7 +133,10 @@ async def delete(model: str, settings: Any, served: list[str]) -> None:
     if source.kind != "hub" or source.repo_id is None:
         raise BadRequestError(f"'{model}' is a local {source.kind}: only models Peregrine downloaded are deleted.",
                               param="model")
-    folder = _repo_folder(source.repo_id, settings)
+    try:
+        folder = _repo_folder(source.repo_id, settings)
+    except ValueError as exc:  # huggingface_hub's HFValidationError: not a Hub repo id at all
+        raise BadRequestError(f"'{model}' is not a Hub model id: {exc}", param="model") from None
     if not folder.is_dir():
         raise NotFoundError(f"model '{model}' not found", param="model")
     await asyncio.to_thread(shutil.rmtree, folder)

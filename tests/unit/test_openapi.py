@@ -17,7 +17,8 @@ def test_no_route_documents_a_422_and_body_routes_document_the_400_envelope() ->
     assert with_body, "expected POST routes with a JSON body"
     for path, op in with_body:
         ref = op["responses"]["400"]["content"]["application/json"]["schema"]["$ref"]
-        envelope = "AnthropicErrorResponse" if path.startswith("/v1/messages") else "ErrorResponse"  # its family's
+        envelope = ("AnthropicErrorResponse" if path.startswith("/v1/messages")  # each family's own
+                    else "OllamaErrorResponse" if path.startswith("/api/") else "ErrorResponse")
         assert ref == f"#/components/schemas/{envelope}", path
     assert "HTTPValidationError" not in spec["components"]["schemas"]
 
