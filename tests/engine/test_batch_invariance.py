@@ -48,7 +48,9 @@ def quantized() -> Loaded:
 @pytest.fixture(params=LEVELS)
 def level(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     monkeypatch.setenv(cpu_features.ENV, request.param)
-    if request.param != "none" and cpu_kernels.load() is None:
+    from config import DEFAULT_CACHE_DIR
+
+    if request.param != "none" and cpu_kernels.load(DEFAULT_CACHE_DIR.expanduser(), cap=request.param) is None:
         pytest.skip(f"no CPU kernels at {request.param}: {cpu_kernels.unsupported_reason()}")
     yield request.param
 
