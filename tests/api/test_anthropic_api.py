@@ -103,7 +103,7 @@ def test_tool_round_trip(claude: anthropic.Anthropic, model_id: str) -> None:
     """A forced call (streamed: input_json_delta assembled by the SDK), its result sent back, a finished turn."""
     choice = {"type": "tool", "name": "get_weather"}
     with claude.messages.stream(model=model_id, max_tokens=60, messages=ASK, tools=[WEATHER],
-                                tool_choice=choice) as stream:
+                                tool_choice=choice, extra_body=GREEDY) as stream:
         events = list(stream)
         first = stream.get_final_message()
     assert first.stop_reason == "tool_use"
@@ -125,8 +125,8 @@ def test_schema_keywords_the_grammar_lacks_do_not_fail_the_request(claude: anthr
         "type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
                                          "labels": {"type": "object", "propertyNames": {"pattern": "^[a-z]+$"}}},
         "required": ["city"]}}  # fmt: skip
-    message = claude.messages.create(model=model_id, max_tokens=60, messages=ASK, tools=[tool],
-                                     tool_choice={"type": "tool", "name": "tag"})
+    message = claude.messages.create(model=model_id, max_tokens=120, messages=ASK, tools=[tool],
+                                     tool_choice={"type": "tool", "name": "tag"}, extra_body=GREEDY)
     assert message.stop_reason == "tool_use"
     [call] = [b for b in message.content if b.type == "tool_use"]
     assert call.name == "tag" and isinstance(call.input.get("city"), str)
@@ -134,7 +134,7 @@ def test_schema_keywords_the_grammar_lacks_do_not_fail_the_request(claude: anthr
 
 def test_tool_choice_any_returns_a_call(claude: anthropic.Anthropic, model_id: str) -> None:
     message = claude.messages.create(model=model_id, max_tokens=60, messages=ASK, tools=[WEATHER],
-                                     tool_choice={"type": "any", "disable_parallel_tool_use": True})
+                                     tool_choice={"type": "any", "disable_parallel_tool_use": True}, extra_body=GREEDY)
     assert message.stop_reason == "tool_use"
     assert [_check_call(b) for b in message.content if b.type == "tool_use"]
 

@@ -104,7 +104,7 @@ def test_function_tool_round_trip_and_three_turns(client: openai.OpenAI, model_i
 
 def test_streamed_function_call_events(client: openai.OpenAI, model_id: str) -> None:
     with client.responses.stream(model=model_id, input="Weather in Oslo?", tools=[WEATHER],
-                                 tool_choice=FORCE_WEATHER, max_output_tokens=40) as stream:
+                                 tool_choice=FORCE_WEATHER, max_output_tokens=80, temperature=0) as stream:
         events = list(stream)
     types, final = [e.type for e in events], events[-1].response
     assert "response.function_call_arguments.delta" in types
