@@ -46,8 +46,7 @@ def quantized() -> Loaded:
 
 
 @pytest.fixture(params=LEVELS)
-def level(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    monkeypatch.setenv(cpu_features.ENV, request.param)
+def level(request: pytest.FixtureRequest) -> Iterator[str]:
     from config import DEFAULT_CACHE_DIR
 
     if request.param != "none" and cpu_kernels.load(DEFAULT_CACHE_DIR.expanduser(), cap=request.param) is None:
@@ -80,12 +79,11 @@ def assert_same_bits(got: list[torch.Tensor], want: list[torch.Tensor], what: st
         assert torch.equal(a, b), f"{what}: step {step} differs by up to {(a - b).abs().max().item():.3g}"
 
 
-@pytest.mark.xfail(strict=False, reason="issue 35 merge (open): the kernels branch met the engine branch's hand-over of quantized kernels; this check fails on merged main and is tracked in the closing note")
 def test_prompt_logits_are_the_same_whole_chunked_cached_and_batched(quantized: Loaded, level: str) -> None:
     tok = quantized.tokenizer
     prompt = chat_ids(tok, QUESTION)
     assert len(prompt) > 4 * 16  # several KV blocks, and chunks of 32 split it
-    whole = make_engine(quantized, max_num_batched_tokens=512, kv_cache_bytes=32 << 20)
+    whole = make_engine(quantized, max_num_batched_tokens=512, kv_cache_bytes=32 << 20, cpu_isa=level)
     # the one-call step where the kernels build (every ISA level but none); the op-by-op pass at none
     one_call = whole.runner._forward.decoder(whole.runner.kv_cache) is not None
     assert one_call is (level != "none")
@@ -96,7 +94,7 @@ def test_prompt_logits_are_the_same_whole_chunked_cached_and_batched(quantized: 
     run_all(whole, {**mates, "batched": (prompt, greedy())})
     one = (len(prompt) - 1) // 16 * 16 + 1  # whole cached blocks and one token: a decode-size step
     run_all(whole, {"one-short": (prompt[:one], greedy())})
-    chunked = make_engine(quantized, max_num_batched_tokens=32, kv_cache_bytes=32 << 20, prefix_caching=False)
+    chunked = make_engine(quantized, max_num_batched_tokens=32, kv_cache_bytes=32 << 20, prefix_caching=False, cpu_isa=level)
     logits_chunked = recorded(chunked)
     run_all(chunked, {"chunked": (prompt, greedy())})
     run_all(chunked, {"one-short": (prompt[:one], greedy())})
@@ -107,7 +105,6 @@ def test_prompt_logits_are_the_same_whole_chunked_cached_and_batched(quantized: 
     assert_same_bits(logits["one-short"], logits_chunked["one-short"], "one token after cached blocks")
 
 
-@pytest.mark.xfail(strict=False, reason="issue 35 merge (open): the kernels branch met the engine branch's hand-over of quantized kernels; this check fails on merged main and is tracked in the closing note")
 def test_mates_do_not_change_each_other(quantized: Loaded, level: str) -> None:
     """Each of several different prompts gets the same bits alone and sharing its steps with the others (mixed
     prefill and decode steps, rows at different places)."""
@@ -115,11 +112,11 @@ def test_mates_do_not_change_each_other(quantized: Loaded, level: str) -> None:
     prompts = {f"p{i}": chat_ids(tok, text) for i, text in enumerate([QUESTION, *MATES])}
     alone: dict[str, list[torch.Tensor]] = {}
     for rid, prompt in prompts.items():
-        engine = make_engine(quantized, max_num_batched_tokens=512, kv_cache_bytes=64 << 20, prefix_caching=False)
+        engine = make_engine(quantized, max_num_batched_tokens=512, kv_cache_bytes=64 << 20, prefix_caching=False, cpu_isa=level)
         logits = recorded(engine)
         run_all(engine, {rid: (prompt, greedy())})
         alone[rid] = logits[rid]
-    engine = make_engine(quantized, max_num_batched_tokens=64, kv_cache_bytes=64 << 20, prefix_caching=False)
+    engine = make_engine(quantized, max_num_batched_tokens=64, kv_cache_bytes=64 << 20, prefix_caching=False, cpu_isa=level)
     logits = recorded(engine)
     run_all(engine, {rid: (prompt, greedy()) for rid, prompt in prompts.items()})
     for rid in prompts:
