@@ -259,6 +259,18 @@ def tokens_of(outputs: list, index: int = 0) -> list[int]:
     return [t for o in outputs if o.index == index for t in o.token_ids]
 
 
+def part_at_near_ties(mine: list, ref: list, tie: float = 0.5) -> tuple[int, float]:
+    """Two greedy runs of one request (RequestOutputs with logprobs >= 2) computed with different arithmetic: they
+    may part only where the reference's top two are within `tie` of each other. Returns (the length of the shared
+    prefix, the largest logprob difference of the chosen tokens over it)."""
+    a, b = ([lp for o in run for lp in o.logprobs] for run in (mine, ref))
+    shared = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x.token_id != y.token_id), min(len(a), len(b)))
+    if shared < min(len(a), len(b)):
+        first, second = b[shared].top[:2]
+        assert first.logprob - second.logprob <= tie, (shared, first, second)
+    return shared, max([0.0, *(abs(x.logprob - y.logprob) for x, y in zip(a[:shared], b[:shared], strict=True))])
+
+
 
 def text_of(outputs: list, index: int = 0) -> str:
     return "".join(o.text for o in outputs if o.index == index)

@@ -2,9 +2,10 @@
 `gguf` package in each format, and the bundled SmolLM2 Q4_1 file.
 
 Stated quality of the bundled model, quantized kernels against the float32 model dequantized from the same file
-(the dense path): the kernels change only the order of float32 sums, so the logits agree to about 1e-4 of their
-range (bound here: 2e-3 absolute on logits of magnitude ~20) and greedy decoding agrees
-token for token (8 prompts x 8 tokens; bound: >= 7 of 8 sequences identical, every first token identical)."""
+(the dense path): the op-by-op kernels change only the order of float32 sums, so the logits agree to about 1e-4 of
+their range (bound here: 2e-3 absolute on logits of magnitude ~20); the engine's default step multiplies in int8
+activations, and its greedy runs part from the float32 model's only at near ties (8 prompts x 8 tokens; measured on
+Zen 3 / avx2: 6 of 8 identical, chosen logprobs within 0.165 over the shared prefixes)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,16 @@ from engine.model.quant import QuantLinear, resident_bytes
 from engine.types import SamplingParams
 from models import gguf_weights
 from tests.quant_blocks import FORMATS, llama_cpp_order, write_tiny_gguf
-from tests.support import SMOLLM2_GGUF, Loaded, chat_ids, make_engine, run_all, smollm2_dir, tokens_of
+from tests.support import (
+    SMOLLM2_GGUF,
+    Loaded,
+    chat_ids,
+    make_engine,
+    part_at_near_ties,
+    run_all,
+    smollm2_dir,
+    tokens_of,
+)
 
 pytestmark = pytest.mark.timeout(900)
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Count from one to five.",
@@ -158,15 +168,8 @@ def test_bundled_logits_and_greedy_match_float32_reference(bundled: tuple[Loaded
     requests = {f"p{i}": (chat_ids(quantized.tokenizer, p), params) for i, p in enumerate(PROMPTS)}
     ours = run_all(make_engine(quantized, max_num_batched_tokens=512), requests)
     theirs = run_all(make_engine(dense, max_num_batched_tokens=512), requests)
-    same, worst = 0, 0.0
-    for r in requests:
-        mine, ref = ([lp for o in run[r] for lp in o.logprobs] for run in (ours, theirs))
-        shared = next((i for i, (a, b) in enumerate(zip(mine, ref, strict=True)) if a.token_id != b.token_id), 8)
-        same += shared == 8
-        worst = max(worst, 0.0, *(abs(a.logprob - b.logprob) for a, b in zip(mine[:shared], ref[:shared], strict=True)))
-        if shared < 8:
-            first, second = ref[shared].top[:2]
-            assert first.logprob - second.logprob <= 0.5, (r, shared, first, second)
+    parted = [part_at_near_ties(ours[r], theirs[r]) for r in requests]
+    same, worst = sum(shared == 8 for shared, _ in parted), max(diff for _, diff in parted)
     assert worst <= 0.4, f"logprob difference {worst:.3g}"  # measured (Zen 3, avx2): 0.165, 6 of 8 identical
     assert same >= 4, f"greedy agreement {same}/8"
 
