@@ -23,8 +23,10 @@ from pathlib import Path
 
 CSRC = Path(__file__).resolve().parent.parent / "engine" / "backends" / "csrc"
 OMP_STUB = "#pragma once\nextern \"C\" {\nint omp_get_num_threads(void);\nint omp_get_thread_num(void);\n}\n"
-# Compiled first: the check must see vec.h's NEON backend, not its scalar fallback.
-NEON_PROBE = f'#include "{CSRC / "vec.h"}"\nstatic_assert(peregrine::Vec::W == 4, "vec.h did not pick NEON");\n'
+# Compiled first: the check must see vec.h's NEON backend, not its scalar fallback. It also compiles the int8 dot
+# products (qdot.h and what it includes), which need no torch header: seconds, where a file with torch's take minutes.
+NEON_PROBE = (f'#include "{CSRC / "vec.h"}"\n#include "{CSRC / "qdot.h"}"\n'
+              'static_assert(peregrine::Vec::W == 4, "vec.h did not pick NEON");\n')
 
 
 def command(zig_python: str, source: Path, stub_dir: Path) -> list[str]:
