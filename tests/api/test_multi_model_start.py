@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 WAIT_S = 600.0  # a SmolLM2 load beside the embedding model on a busy 2-core machine can take a while
-STARTS = 3
+STARTS = 2
 
 
 @pytest.fixture(scope="module")
