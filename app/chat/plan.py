@@ -9,13 +9,17 @@ Each API family's converter maps its own wire fields, and only those, into a `Pl
                        and its tool choice (`ToolsRequest`); None for an API without tools (completions)
     conversations      chat: one list of messages (`app.openai.schemas.ChatMessage`) per prompt
     prompt_ids         completions: the prompts, already token ids (`app/chat/prompts.py` makes them)
+    options            what one family's API means differently (`Options`: Anthropic's prefill turn, its
+                       `max_tokens` as a cap, calls never refused for a schema keyword; counting without generating)
 
 `build_plan` then does the same steps in the same order for every family, before anything is queued:
 
-    1. compile the structured constraint (off the event loop; a 400 naming `constraint_field`)
-    2. the `ToolPlan` (`app/chat/tools.py`): tool choice checked, its constraint set on the params (a tool
-       constraint beside a structured one is a 400), compiled (a 400 naming `tools`)
-    3. the prompt token ids: each conversation through the model's chat template with the tools, or the ids given
+    1. the `ToolPlan` (`app/chat/tools.py`): tool choice checked, its constraint set on the params (a tool
+       constraint beside a structured one is a 400)
+    2. the prompt token ids: each conversation through the model's chat template with the tools, or the ids given;
+       with `Options.cap_to_context`, `max_tokens` cut to the room the prompt leaves (none left: a 400)
+    3. the structured and tool constraints compiled (off the event loop; a 400 naming `constraint_field` or
+       `tools`), last because compiling many tools' grammar takes a while; skipped when only counting
 
 and answers a `RequestPlan` (params, tool plan, prompts) for the family's route to run and to convert back.
 This module's names (`PlanRequest`, `ToolsRequest`, `RequestPlan`, `build_plan`) are the stable entry point
@@ -25,12 +29,13 @@ for API families; see docs/app-layout.md.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from app.chat import structured
-from app.chat.prompts import chat_prompt_ids
+from app.chat.prompts import chat_prompt_ids, chat_prompt_text
 from app.chat.tools import NamedChoice, ToolPlan, plan_for
+from app.errors import BadRequestError
 from app.openai.schemas import ChatMessage
 from engine.types import SamplingParams
 
@@ -48,6 +53,20 @@ class ToolsRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class Options:
+    """A family's own meanings (all off: OpenAI's). `continue_final_message`: a last assistant turn of text is
+    continued, not answered (Anthropic's prefill). `cap_to_context`: the model's context length when `max_tokens`
+    is only a cap (Anthropic's clients send 32000). `lenient_tools`: tool calls are constrained by the schema
+    keywords the grammar library implements, the others skipped (Claude Code's tools use `propertyNames`; the
+    prompt keeps the schemas as sent). `count_only`: the prompt is wanted, not an answer (nothing compiled)."""
+
+    continue_final_message: bool = False
+    cap_to_context: int | None = None
+    lenient_tools: bool = False
+    count_only: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class PlanRequest:
     """What a family's converter hands over (see the module docstring). Give `conversations` for a chat
     request or `prompt_ids` for a completion, not both."""
@@ -57,6 +76,7 @@ class PlanRequest:
     tools: ToolsRequest | None = None
     conversations: Sequence[Sequence[ChatMessage]] = ()
     prompt_ids: Sequence[list[int]] = ()
+    options: Options = Options()
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,13 +102,56 @@ def plan_tools(tools: ToolsRequest | None, tokenizer: Any, parser: str = "auto")
 
 
 async def build_plan(tokenizer: Any, request: PlanRequest, tool_call_parser: str = "auto") -> RequestPlan:
-    """The one request plan (module docstring): constraint checked, tools planned, prompts tokenised.
+    """The one request plan (module docstring): tools planned, prompts tokenised, constraints checked.
     Raises BadRequestError (the family's error envelope maps it) for anything the request cannot have."""
-    params = request.params
-    await structured.check(params.constraint, tokenizer, request.constraint_field)
+    options, params = request.options, request.params
     tool_plan = plan_tools(request.tools, tokenizer, tool_call_parser)
     if tool_plan is not None:
         params = tool_plan.sampling_params(params)
+    prompts = [_prompt_ids(tokenizer, messages, tool_plan, options.continue_final_message)
+               for messages in request.conversations] or [list(ids) for ids in request.prompt_ids]
+    if options.count_only:
+        return RequestPlan(params, tool_plan, prompts)
+    if options.cap_to_context is not None:
+        params = _fit(params, max(map(len, prompts)), options.cap_to_context)
+    await structured.check(request.params.constraint, tokenizer, request.constraint_field)
+    if tool_plan is not None:
+        if options.lenient_tools:
+            tool_plan = _lenient(tool_plan, request.tools, tokenizer, tool_call_parser)
+            params = replace(params, constraint=tool_plan.constraint or params.constraint)
         await structured.check(tool_plan.constraint, tokenizer, "tools")
-    prompts = [chat_prompt_ids(tokenizer, messages, tool_plan) for messages in request.conversations]
-    return RequestPlan(params, tool_plan, prompts or [list(ids) for ids in request.prompt_ids])
+    return RequestPlan(params, tool_plan, prompts)
+
+
+def _prompt_ids(tokenizer: Any, messages: Sequence[ChatMessage], tool_plan: ToolPlan | None,
+                continue_final: bool) -> list[int]:
+    """The rendered conversation; with `continue_final`, a last assistant turn of text is continued."""
+    last = messages[-1] if messages else None
+    if not continue_final or last is None or last.role != "assistant" or last.tool_calls:
+        return chat_prompt_ids(tokenizer, messages, tool_plan)
+    text = chat_prompt_text(tokenizer, messages, add_generation_prompt=False, continue_final_message=True,
+                            tool_plan=tool_plan)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _fit(params: SamplingParams, prompt_len: int, context: int) -> SamplingParams:
+    """`max_tokens` as a cap: at most what the context has room for. A prompt that leaves no room is a 400."""
+    room = context - prompt_len
+    if room < 1:
+        raise BadRequestError(
+            f"The prompt ({prompt_len} tokens, tools and system included) does not fit this model's context of "
+            f"{context} tokens.", param="messages", code="context_length_exceeded",
+        )
+    return replace(params, max_tokens=min(params.max_tokens or room, room))
+
+
+LENIENT = {"x-guidance": {"lenient": True}}  # the grammar library skips JSON Schema keywords it does not implement
+
+
+def _lenient(plan: ToolPlan, tools: ToolsRequest | None, tokenizer: Any, parser: str) -> ToolPlan:
+    """The plan with a grammar that skips the schema keywords the grammar library lacks (`Options.lenient_tools`)."""
+    if plan.constraint is None or tools is None:
+        return plan
+    functions = [{**f, "parameters": {**(f.get("parameters") or {}), **LENIENT}} for f in tools.functions]
+    lenient = plan_tools(replace(tools, functions=functions), tokenizer, parser)
+    return replace(plan, constraint=lenient.constraint if lenient is not None else plan.constraint)

@@ -30,7 +30,7 @@ RUN_TIMEOUT_S = 600.0
 OFFLINE_ENV = {
     "DISABLE_TELEMETRY": "1", "DISABLE_ERROR_REPORTING": "1", "DISABLE_AUTOUPDATER": "1",
     "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_NON_ESSENTIAL_MODEL_CALLS": "1",
-    "DISABLE_BUG_COMMAND": "1", "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "48",  # a short turn on a busy 2-core machine
+    "DISABLE_BUG_COMMAND": "1", "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "400",  # room to end a sampled turn (at 48 one ran out: an error)
 }  # fmt: skip
 
 
