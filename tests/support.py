@@ -11,12 +11,15 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 
@@ -349,3 +352,21 @@ def stop_process(proc: subprocess.Popen, timeout: float = 60.0) -> None:
     except subprocess.TimeoutExpired:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=timeout)
+
+
+@contextmanager
+def main_server(workdir: Path, *args: str, env: dict[str, str] | None = None, ready_timeout: float = 900.0,
+                log_name: str = "server.log") -> Iterator[tuple[str, Path]]:
+    """`python main.py *args` on a free loopback port, run in `workdir` (so no developer's `.env` is read), awaited
+    on GET /ready; yields (its base URL, its log) and stops it by its PID afterwards."""
+    port = free_port()
+    cmd = [sys.executable, str(REPO / "main.py"), "--host", "127.0.0.1", "--port", str(port), *args]
+    log_path = workdir / log_name
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=workdir, env=server_env() if env is None else env, stdout=log,
+                                stderr=subprocess.STDOUT)
+    try:
+        wait_http_ok(f"http://127.0.0.1:{port}/ready", proc, log_path, ready_timeout)
+        yield f"http://127.0.0.1:{port}", log_path
+    finally:
+        stop_process(proc, 60)

@@ -13,11 +13,8 @@ goes on); `chat` retries as a client should, and reports whether it had to.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -25,11 +22,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.api._browser import browser_fixture, page_fixture  # noqa: F401 - the browser and page fixtures
 from tests.api._tiny_server import wait_until
-from tests.support import free_port, stop_process, wait_http_ok
+from tests.support import main_server
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
 WAIT_S = 600.0  # a SmolLM2 load on a busy 2-core machine can take a while
 
 
@@ -44,21 +40,13 @@ def multi(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         f"  - {{model: '{tiny}', name: tiny-wide, kv_cache_bytes: 500MiB}}\n"
         f"  - {{model: '{tiny}', name: huge, kv_cache_bytes: 2GiB}}\n"
     )
-    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PEREGRINE_")}
-    cmd = [sys.executable, str(REPO / "main.py"), "--models-file", "models.yaml", "--host", "127.0.0.1",
-           "--port", str(port), "--dtype", "float32", "--embedding-model", "none", "--models-memory-budget", "1GiB",
-           "--model-load-wait", "0.001", "--model-keep-alive", "5m"]  # fmt: skip
-    log_path = workdir / "server.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_http_ok(f"http://127.0.0.1:{port}/ready", proc, log_path, WAIT_S)
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300) as client:
-            wait_until(lambda: _states(client)["smollm2"] == "loaded", WAIT_S, "the default model to load")
-            yield client
-    finally:
-        stop_process(proc, 60)
+    args = ("--models-file", "models.yaml", "--dtype", "float32", "--embedding-model", "none",
+            "--models-memory-budget", "1GiB", "--model-load-wait", "0.001", "--model-keep-alive", "5m")
+    with main_server(workdir, *args, env=env, ready_timeout=WAIT_S) as (url, _), \
+            httpx.Client(base_url=url, timeout=300) as client:
+        wait_until(lambda: _states(client)["smollm2"] == "loaded", WAIT_S, "the default model to load")
+        yield client
 
 
 def _states(http: httpx.Client) -> dict[str, str]:

@@ -12,8 +12,6 @@ without an error, every time.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,11 +19,10 @@ import httpx
 import pytest
 
 from models.hub import bundled_path
-from tests.support import free_port, stop_process, wait_http_ok
+from tests.support import main_server
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
 WAIT_S = 600.0  # a SmolLM2 load beside the embedding model on a busy 2-core machine can take a while
 STARTS = 2
 
@@ -76,22 +73,14 @@ def _embeds(http: httpx.Client, log_path: Path) -> None:
 
 @pytest.mark.parametrize("start", range(STARTS))
 def test_the_default_model_loads_at_start_every_time(start: int, other_gguf: Path, tmp_path: Path) -> None:
-    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PEREGRINE_")}
-    cmd = [sys.executable, str(REPO / "main.py"), "--model", "bundled:smollm2", "--model", str(other_gguf),
-           "--host", "127.0.0.1", "--port", str(port), "--weight-format", "quantized", "--kv-cache-bytes", "64MiB",
-           "--max-model-len", "2048", "--models-memory-budget", "2GiB"]  # fmt: skip
-    log_path = tmp_path / "server.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_http_ok(f"http://127.0.0.1:{port}/ready", proc, log_path, WAIT_S)
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300, trust_env=False) as http:
-            model = _settled(http, log_path)
-            assert model["state"] == "loaded", f"start {start}: {model['status']}\n{_log(log_path)}"
-            assert model["status"]["last_error"] is None and model["status"]["loads_total"] == 1
-            assert _default_model(http)["state"] == "loaded"  # loaded at start, before any request named it
-            _embeds(http, log_path)
-            assert "Traceback" not in _log(log_path), _log(log_path)
-    finally:
-        stop_process(proc, 60)
+    args = ("--model", "bundled:smollm2", "--model", str(other_gguf), "--weight-format", "quantized",
+            "--kv-cache-bytes", "64MiB", "--max-model-len", "2048", "--models-memory-budget", "2GiB")
+    with main_server(tmp_path, *args, env=env, ready_timeout=WAIT_S) as (url, log_path), \
+            httpx.Client(base_url=url, timeout=300, trust_env=False) as http:
+        model = _settled(http, log_path)
+        assert model["state"] == "loaded", f"start {start}: {model['status']}\n{_log(log_path)}"
+        assert model["status"]["last_error"] is None and model["status"]["loads_total"] == 1
+        assert _default_model(http)["state"] == "loaded"  # loaded at start, before any request named it
+        _embeds(http, log_path)
+        assert "Traceback" not in _log(log_path), _log(log_path)

@@ -16,6 +16,7 @@ import json
 import socket
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -177,13 +178,21 @@ def fake_hub() -> Iterator[FakeHub]:
             "org/noweights": Repo({"config.json": CONFIG, "README.md": b"x"}),
         }
     )
+    with serving(state):
+        yield state
+
+
+@contextmanager
+def serving(state: FakeHub) -> Iterator[FakeHub]:
+    """The stand-in Hub on a free loopback port (its URL in `state.url`) while the block runs."""
     server = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(state))
     state.url = f"http://127.0.0.1:{server.server_address[1]}"
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield state
-    server.shutdown()
-    server.server_close()
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield state
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 @pytest.fixture

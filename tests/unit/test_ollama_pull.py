@@ -5,9 +5,7 @@ removes or refuses. The routes themselves are exercised against a live server in
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Iterator
-from http.server import ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,19 +13,15 @@ import pytest
 
 from app.errors import APIError
 from app.ollama import pull
-from tests.unit.test_hub import FakeHub, Repo, make_handler, model_repo
+from tests.unit.test_hub import FakeHub, Repo, model_repo, serving
 
 
 @pytest.fixture
 def hub() -> Iterator[FakeHub]:
     state = FakeHub(repos={"org/model": Repo(model_repo(), params=2000),
                            "org/huge": Repo(model_repo(), params=10**14)})  # fmt: skip
-    server = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(state))
-    state.url = f"http://127.0.0.1:{server.server_address[1]}"
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield state
-    server.shutdown()
-    server.server_close()
+    with serving(state):
+        yield state
 
 
 @pytest.fixture
