@@ -116,7 +116,8 @@ class Settings(BaseSettings):
         "Q4_K, Q6_K; about the file's size in RAM), on Peregrine's kernels (CPU, Llama-block models). dense: "
         "converted once to float32 in cache_dir, served in --dtype. auto: on CPU quantized, timed on decode steps "
         "against dense copies made in memory where they fit in RAM, a dense one kept only when >= 1.2x faster at "
-        "the configured concurrency and >= 0.9x at one row.",
+        "the configured concurrency and >= 0.9x at one row; the decision is remembered per file, CPU and settings "
+        "in cache_dir/autotune (later starts do not time again).",
     )
     quantize: Literal["none", "int8"] = Field(
         "none",

@@ -33,6 +33,7 @@ from engine.backends.huge_pages import release_freed_memory
 from engine.types import EngineConfig
 from models import chat_templates, memory, preflight
 from models.autotune import dtype as dtype_probe
+from models.autotune import remembered
 from models.fingerprint import gguf_fingerprint
 
 log = logging.getLogger(__name__)
@@ -127,13 +128,23 @@ def fastest_format(model: Any, tokenizer: Any, cfg: EngineConfig, device: torch.
         return model, dtype
     if why:
         log.info("weight format auto: %s", why)
-    chosen = weight_format_probe.choose(model, tokenizer, cfg, device, dtype,
-                                        context_length(model.config, cfg.max_model_len),
-                                        [getattr(torch, d) for d in dense])  # fmt: skip
+    digest = remembered.key(file=gguf_fingerprint(path), candidates=dense, dtype=str(dtype), rows=cfg.max_num_seqs,
+                            cpu_kernels=cfg.cpu_kernels, cpu_isa=cfg.cpu_isa, kv=cfg.kv_cache_dtype)
+    cache = Path(cfg.cache_dir) if cfg.cache_dir else None  # where nothing is cached, nothing is remembered
+    kept = remembered.recall(cache, "weight-format", digest) if cache else None
+    if kept is not None and kept.choice in weight_format_probe.names(dense):
+        log.info("weight format auto: %s, as timed on this CPU for this file at %s (%s; delete %s to time again)",
+                 kept.choice, kept.decided_at, kept.reason, kept.path)
+        return weight_format_probe.apply(model, kept.choice, dtype)
+    *chosen, name, reason = weight_format_probe.choose(model, tokenizer, cfg, device, dtype,
+                                                      context_length(model.config, cfg.max_model_len),
+                                                      [getattr(torch, d) for d in dense])  # fmt: skip
+    if cache:
+        remembered.remember(cache, "weight-format", digest, name, reason)
     del model
     gc.collect()  # the candidates not kept and the probe's engines
     release_freed_memory()
-    return chosen
+    return chosen[0], chosen[1]
 
 
 def serves_quantized_gguf(cfg: EngineConfig, device: torch.device) -> bool:

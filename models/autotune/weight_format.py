@@ -47,9 +47,9 @@ def dense_name(dtype: torch.dtype) -> str:
 
 def choose(model: nn.Module, tokenizer: Any, cfg: EngineConfig, device: torch.device, dtype: torch.dtype,
            max_model_len: int, dense: Iterable[torch.dtype], plan: ProbePlan | None = None,
-           ) -> tuple[nn.Module, torch.dtype]:
+           ) -> tuple[nn.Module, torch.dtype, str, str]:
     """The quantized `model` (activations in `dtype`) or a dense copy in one of the `dense` dtypes, whichever `pick`
-    keeps, logged with the figures behind the choice."""
+    keeps, logged with the figures behind the choice: (model, dtype, the candidate's name, why)."""
     plan = plan or ProbePlan.for_config(cfg)
     start = time.perf_counter()
     models, dtypes = {QUANTIZED: model}, {QUANTIZED: dtype}
@@ -60,7 +60,20 @@ def choose(model: nn.Module, tokenizer: Any, cfg: EngineConfig, device: torch.de
     timings = measure(models, tokenizer, cfg, device, max_model_len, plan, dtypes)
     name, reason = pick(timings, plan.rows[-1])
     log.info("weight format auto: %s, timed in %.1f s (%s)", name, time.perf_counter() - start, reason)
-    return models[name], dtypes[name]
+    return models[name], dtypes[name], name, reason
+
+
+def names(dense: Iterable[str]) -> tuple[str, ...]:
+    """The candidates' names for dense dtypes given by name ("float32", "bfloat16"), quantized first."""
+    return (QUANTIZED, *(dense_name(getattr(torch, d)) for d in dense))
+
+
+def apply(model: nn.Module, choice: str, dtype: torch.dtype) -> tuple[nn.Module, torch.dtype]:
+    """The model a remembered `choice` names, without timing: `model` itself (quantized) or its dense copy."""
+    if choice == QUANTIZED:
+        return model, dtype
+    dense = getattr(torch, choice.removeprefix("dense "))
+    return densify(model, dense), dense
 
 
 def pick(timings: Iterable[Timing], rows: int, margin: float = DENSE_MARGIN) -> tuple[str, str]:

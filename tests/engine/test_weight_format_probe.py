@@ -19,6 +19,7 @@ from config import DEFAULT_CACHE_DIR
 from engine.model.quant import QuantEmbedding, QuantLinear, is_quantized
 from engine.types import EngineConfig
 from models import gguf_weights, loader, memory, preflight
+from models.autotune import remembered
 from models.autotune import weight_format as weight_format_probe
 from models.autotune.dtype import BF16_MARGIN, ProbePlan, Timing
 from models.autotune.weight_format import DENSE_MARGIN, LONE_MARGIN, densify, pick
@@ -114,10 +115,13 @@ def test_densify_dequantizes_every_weight_and_keeps_the_logits(tiny_gguf: tuple[
 
 @pytest.fixture
 def gguf_cfg(tiny_gguf: tuple[Path, dict[str, Any]], byte_level_tokenizer: Any,
-             monkeypatch: pytest.MonkeyPatch) -> Any:
+             monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
     """EngineConfig factory for the tiny GGUF, loaded quantized (its metadata folder is the test's own; the kernels
-    are the ones built once in the default cache)."""
+    are the ones built once in the default cache; the probe's remembered decisions are the test's own)."""
     folder, _ = tiny_gguf
+    recall, remember = remembered.recall, remembered.remember
+    monkeypatch.setattr(remembered, "recall", lambda cache, *a: recall(tmp_path / "decisions", *a))
+    monkeypatch.setattr(remembered, "remember", lambda cache, *a: remember(tmp_path / "decisions", *a))
 
     def load(cfg: EngineConfig, device: torch.device, dtype: torch.dtype | None) -> tuple:
         dtype = dtype or torch.float32
@@ -148,6 +152,36 @@ def test_weight_format_auto_times_each_candidate_and_serves_the_choice(
     assert re.search(rf"is( not)? >= {DENSE_MARGIN:.2f}x quantized at 4 rows({lone})?\)$", line), line
 
 
+def test_the_decision_is_timed_once_per_file_and_machine(gguf_cfg: Any, monkeypatch: pytest.MonkeyPatch,
+                                                         caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
+    """The second start with the same file, CPU and settings serves what the first one timed, without timing; another
+    concurrency (a different probe) times again; a remembered dense choice is served dense."""
+    timed: list[int] = []
+    choose = weight_format_probe.choose
+
+    def counted(*a: Any) -> Any:
+        timed.append(1)
+        return choose(*a, plan=ProbePlan(rows=(1, 2), steps=1, repeats=1, settle=math.inf))
+
+    monkeypatch.setattr(weight_format_probe, "choose", counted)
+    first = loader.load_model(gguf_cfg())
+    [kept] = list((tmp_path / "decisions" / "autotune").glob("weight-format-*.json"))
+    with caplog.at_level(logging.INFO):
+        again = loader.load_model(gguf_cfg())
+    assert len(timed) == 1 and is_quantized(again.model) == is_quantized(first.model)
+    assert again.dtype is first.dtype
+    assert "as timed on this CPU for this file at" in caplog.text and str(kept) in caplog.text
+    loader.load_model(gguf_cfg(max_num_seqs=2))
+    assert len(timed) == 2
+    kept.write_text(kept.read_text().replace('"choice": "quantized"', '"choice": "dense bfloat16"')
+                    .replace('"choice": "dense float32"', '"choice": "dense bfloat16"'))
+    dense = loader.load_model(gguf_cfg())
+    assert len(timed) == 2 and not is_quantized(dense.model) and dense.dtype is torch.bfloat16
+    kept.write_text("not json")  # a damaged file: timed again, then rewritten
+    loader.load_model(gguf_cfg())
+    assert len(timed) == 3 and '"choice"' in kept.read_text()
+
+
 def test_explicit_weight_formats_time_nothing(gguf_cfg: Any, monkeypatch: pytest.MonkeyPatch,
                                               caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(weight_format_probe, "choose", lambda *a, **k: pytest.fail("an explicit format was timed"))
@@ -161,7 +195,7 @@ def test_dense_is_tried_only_where_it_fits_in_ram(gguf_cfg: Any, monkeypatch: py
                                                   caplog: pytest.LogCaptureFixture) -> None:
     tried: list[tuple[torch.dtype, ...]] = []
     monkeypatch.setattr(weight_format_probe, "choose", lambda m, t, c, d, dt, n, dense: tried.append(tuple(dense))
-                        or (m, dt))  # fmt: skip
+                        or (m, dt, Q, "not timed"))  # fmt: skip
     cfg = gguf_cfg()
     fp = preflight.gguf_footprint(Path(cfg.model_path) / "tiny.gguf", cached=True, quantized=True)
     room = dict(max_model_len=None, kv_cache_bytes=None, packed_copy=preflight.packed_copy_kept("cpu", True))
