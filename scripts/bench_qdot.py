@@ -29,18 +29,36 @@ from config import tool_cache_dir  # noqa: E402
 from engine.backends import cpu_kernels  # noqa: E402
 from engine.model.quant import FORMATS, PACKS, QuantWeight  # noqa: E402
 
-TYPES = {FORMATS[t][0]: t for t in PACKS}  # the formats packed at load (QuantWeight.repack): name -> ggml type
+TYPES = {name: t for t, (name, _, _) in FORMATS.items() if name in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")}
+# (Q4_0 / Q4_1 / Q8_0 are packed at load, QuantWeight.repack; the K-quants are served as the file stores them)
 ROWS_BYTES = 550_000  # about half of a 1 MiB L2
 
 
+# The K-quants' f16 scale fields (byte offset in a block): gguf's numpy code cannot quantize to them, so their blocks
+# are random bytes with these fields set to a small normal value (random ones could be NaN or subnormal: slow floats).
+K_SCALES = {"Q4_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_blocks(fmt: str, n: int, k: int) -> np.ndarray:
+    """uint8 [n, bytes a row] of `fmt` (the values do not change the speed)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+
+    qtype = getattr(GGMLQuantizationType, fmt)
+    rng = np.random.default_rng(0)
+    if fmt not in K_SCALES:
+        return quants.quantize(rng.standard_normal((n, k)).astype(np.float32), qtype).view(np.uint8).reshape(n, -1)
+    per_block, block_bytes = GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (n, k // per_block, block_bytes), dtype=np.uint8)
+    for offset in K_SCALES[fmt]:
+        blocks[..., offset : offset + 2] = np.full(blocks.shape[:2] + (1,), 0.001, np.float16).view(np.uint8)
+    return blocks.reshape(n, -1)
+
+
 def time_rows(module: object, fmt: str, k: int, rows: int, repeats: int) -> dict[str, float]:
-    from gguf import GGMLQuantizationType, quants
 
     block_bytes = FORMATS[TYPES[fmt]][2]
     n = max(16, ROWS_BYTES // (k // 32 * block_bytes) // 16 * 16)
-    w = np.random.default_rng(0).standard_normal((n, k)).astype(np.float32)
-    qtype = getattr(GGMLQuantizationType, fmt)
-    blocks = torch.from_numpy(quants.quantize(w, qtype).view(np.uint8).reshape(n, -1).copy())
+    blocks = torch.from_numpy(random_blocks(fmt, n, k))
     packed = QuantWeight(blocks, TYPES[fmt], (n, k)).repack()
     x = torch.randn(rows, k)
     for _ in range(200):  # warm: rows into L2, the thread pool up
@@ -58,7 +76,7 @@ def time_rows(module: object, fmt: str, k: int, rows: int, repeats: int) -> dict
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--k", type=int, nargs="+", default=[576, 1536, 4608, 9216])
-    parser.add_argument("--format", choices=sorted(TYPES), default="Q4_1", help="the GGUF format (packed at load)")
+    parser.add_argument("--format", choices=sorted(TYPES), default="Q4_1", help="the GGUF format (as the loader keeps it)")
     parser.add_argument("--rows", type=int, default=1, help="activation rows (a decode step's sequences)")
     parser.add_argument("--repeats", type=int, default=7, help="timed batches of 500 calls; the best is reported")
     parser.add_argument("--cpu-isa", default="auto", help="the ISA cap, as the server's --cpu-isa")
