@@ -77,6 +77,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None
     constraint: Constraint | None = None  # structured output: the text must match this grammar
+    keep_prefix: bool = False  # a conversation likely to be continued: its cached KV outlives colder prefixes
 
     @property
     def greedy(self) -> bool:

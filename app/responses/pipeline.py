@@ -30,17 +30,19 @@ async def resolve(request: Request, model: str | None, keep_alive: float | str |
     return await engine_for(request, model, keep_alive)
 
 
-async def chat_chunks(request: Request, engine: Engine, model: str,
-                      body: ChatCompletionRequest) -> AsyncIterator[dict[str, Any]]:
+async def chat_chunks(request: Request, engine: Engine, model: str, body: ChatCompletionRequest,
+                      keep: bool = False) -> AsyncIterator[dict[str, Any]]:
     """Start `body` (a streamed chat request) on `engine`; its chunks, reasoning and tool calls split out.
-    Bad input raises (a 400) before anything is generated."""
+    Bad input raises (a 400) before anything is generated. `keep`: a stored turn, which a next turn may continue
+    (`previous_response_id`): its KV blocks outlive colder cached prefixes (`SamplingParams.keep_prefix`)."""
     chat = chat_convert.chat_plan(body, engine.vocab_size)
     if chat.params.constraint is not None:
         chat = replace(chat, constraint_field="text.format")  # the Responses name of the structured-output field
     plan = await build_plan(engine.tokenizer, chat, tool_call_parser(request))
     prompt, tool_plan = plan.prompts[0], plan.tool_plan
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    outputs = generate(engine, [prompt], plan.params, rid, prompt_param="input")
+    params = replace(plan.params, keep_prefix=keep)
+    outputs = generate(engine, [prompt], params, rid, prompt_param="input")
     events = chat_convert.chat_chunks(outputs, id=rid, model=model, n=1, include_usage=True)
     splitter = reasoning.splitter_factory(reasoning_parser(request), engine.tokenizer, prompt)
     if splitter is not None:

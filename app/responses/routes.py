@@ -69,7 +69,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
             f"previous_response_id {previous.id!r} was answered by the model {previous.model!r}, not {model!r}.",
             param="previous_response_id",
         )
-    chunks = await pipeline.chat_chunks(request, engine, model, turn.chat)
+    chunks = await pipeline.chat_chunks(request, engine, model, turn.chat, keep=body.store)
     builder = ResponseBuilder(response_base(new_id("resp"), model, body))
 
     async def save(response: dict[str, Any]) -> None:

@@ -12,6 +12,11 @@ tokens takes those blocks instead of computing them (`cached_prefix` + `allocate
 counts; a block no sequence uses keeps its K/V and its key, and is evicted, least recently used first, only
 when a fresh block is needed and none is free. A published block is never written again: a sequence only
 writes positions at or after its computed count, and a full computed block lies wholly before it.
+
+Conversations likely to be continued (`SamplingParams.keep_prefix`: a stored Responses turn, which the next turn's
+`previous_response_id` extends) leave their cached blocks in a second LRU, evicted only once the first is empty,
+so the next turn's prefill covers only its new input even after other traffic. At most `kept_share` of the cache
+is held that way; past it the oldest kept blocks go back to the common LRU, first in line.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ def block_key(parent: BlockKey, tokens: list[int]) -> BlockKey:
 class BlockManager:
     """Hands out and takes back fixed-size KV blocks. All operations are O(blocks touched)."""
 
-    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False, kept_share: float = 0.5) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"need num_blocks > 0 and block_size > 0, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
@@ -45,6 +50,8 @@ class BlockManager:
         self.prefix_caching = prefix_caching
         self._free: deque[int] = deque(range(num_blocks))  # unreferenced, holding nothing worth keeping
         self._evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced cached blocks, LRU first
+        self._kept: OrderedDict[int, None] = OrderedDict()  # the same, of conversations to be continued
+        self.max_kept = int(num_blocks * kept_share)
         self._refs = [0] * num_blocks
         self._key_of: list[BlockKey | None] = [None] * num_blocks
         self._cached: dict[BlockKey, int] = {}  # published key -> block id
@@ -53,7 +60,7 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         """Blocks that can be handed out now: free ones plus cached ones nobody uses (evicted on demand)."""
-        return len(self._free) + len(self._evictable)
+        return len(self._free) + len(self._evictable) + len(self._kept)
 
     @property
     def num_used_blocks(self) -> int:
@@ -106,7 +113,7 @@ class BlockManager:
             return False
         for block in prefix:
             if self._refs[block] == 0:
-                del self._evictable[block]
+                (self._evictable if block in self._evictable else self._kept).pop(block)
             self._refs[block] += 1
         seq.block_table = list(prefix)
         seq.num_published_blocks = len(prefix)
@@ -131,31 +138,38 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s references. Its last blocks are released first, so the LRU order evicts a prefix's
         tail before its head (the head is what other requests are likeliest to share)."""
+        lru = self._kept if seq.params.keep_prefix else self._evictable
         for block in reversed(seq.block_table):
             self._refs[block] -= 1
             if self._refs[block] > 0:
                 continue
             if self._key_of[block] is not None:
-                self._evictable[block] = None
+                lru[block] = None
             else:
                 self._free.append(block)
+        overflow = [self._kept.popitem(last=False)[0] for _ in range(len(self._kept) - self.max_kept)]
+        for block in reversed(overflow):  # the oldest kept blocks join the common LRU, first to go, in their order
+            self._evictable[block] = None
+            self._evictable.move_to_end(block, last=False)
         seq.block_table = []
         seq.num_published_blocks = 0
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (blocks in use stay with their sequences)."""
-        for block in list(self._evictable):
+        for block in [*self._evictable, *self._kept]:
             self._free.append(block)
         self._evictable.clear()
+        self._kept.clear()
         self._cached.clear()
         self._key_of = [None] * self.num_blocks
 
     def _take(self) -> int:
-        """A block for new K/V: a free one, else the least recently used cached one, whose key is dropped."""
+        """A block for new K/V: a free one, else the least recently used cached one (a kept conversation's only
+        when no other is left), whose key is dropped."""
         if self._free:
             block = self._free.popleft()
         else:
-            block, _ = self._evictable.popitem(last=False)
+            block, _ = (self._evictable or self._kept).popitem(last=False)
             key = self._key_of[block]
             self._key_of[block] = None
             if key is not None:

@@ -205,3 +205,37 @@ def test_reset_forgets_cached_prefixes() -> None:
     assert sched.blocks.num_cached_blocks > 0
     sched.blocks.reset_prefix_cache()
     assert sched.blocks.num_cached_blocks == 0 and sched.blocks.num_free_blocks == 32
+
+
+def test_a_kept_conversation_outlives_colder_prefixes_within_its_share() -> None:
+    """A conversation to be continued (keep_prefix) keeps its cached blocks while other traffic evicts colder
+    ones, although it ran first; the kept share bounds it: past it, its oldest blocks are the first to go."""
+    keep = SamplingParams(temperature=0.0, keep_prefix=True)
+    bm = BlockManager(8, 2, prefix_caching=True, kept_share=0.5)
+    sched = Scheduler(bm, 8, 100)
+    sched.add(seq("turn1", [1, 2, 3, 4, 5], max_tokens=1, params=keep))  # 2 full blocks published, then kept
+    run_to_end(sched)
+    for rid, prompt in (("a", [10, 11, 12, 13, 14]), ("b", [20, 21, 22, 23, 24])):  # colder, but later
+        sched.add(seq(rid, prompt, max_tokens=1))
+        run_to_end(sched)
+    sched.add(seq("big", list(range(30, 41)), max_tokens=1))  # 6 blocks: 2 free, then 4 evicted: a's and b's
+    run_to_end(sched)
+    assert len(bm.cached_prefix(seq("turn2", [1, 2, 3, 4, 5, 6]))) == 2  # the conversation's whole prefix
+    assert bm.cached_prefix(seq("p", [10, 11, 0])) == [] and bm.cached_prefix(seq("p", [20, 21, 0])) == []
+    plain = BlockManager(8, 2, prefix_caching=True)  # without keep_prefix, LRU alone: turn1 ran first, went first
+    sched = Scheduler(plain, 8, 100)
+    for rid, prompt in (("turn1", [1, 2, 3, 4, 5]), ("a", [10, 11, 12, 13, 14]), ("b", [20, 21, 22, 23, 24]),
+                        ("big", list(range(30, 41)))):
+        sched.add(seq(rid, prompt, max_tokens=1))
+        run_to_end(sched)
+    assert plain.cached_prefix(seq("turn2", [1, 2, 3, 4, 5, 6])) == []
+    bounded = BlockManager(8, 2, prefix_caching=True, kept_share=0.25)  # room for 2 kept blocks
+    sched = Scheduler(bounded, 8, 100)
+    for rid, prompt in (("c1", [1, 2, 3, 4, 5]), ("c2", [6, 7, 8, 9, 5])):
+        sched.add(seq(rid, prompt, max_tokens=1, params=keep))
+        run_to_end(sched)
+    assert len(bounded._kept) == 2 and bounded.num_free_blocks == 8  # c1's blocks moved to the common LRU
+    sched.add(seq("x", list(range(50, 59)), max_tokens=1))  # 5 blocks: 4 free, then one evicted: c1's tail
+    run_to_end(sched)
+    assert len(bounded.cached_prefix(seq("p", [1, 2, 3, 4, 0]))) == 1  # its head is left
+    assert len(bounded.cached_prefix(seq("p", [6, 7, 8, 9, 0]))) == 2
