@@ -2,7 +2,8 @@
 
 Each step has a token budget (`max_num_batched_tokens`) and a sequence cap (`max_num_seqs`).
 Order of service:
-1. running sequences that are decoding (one token each), oldest first;
+1. running sequences that are decoding (one token each, plus their speculative proposals, if any, as far as the
+   budget and the free blocks allow: engine/core/speculative.py), oldest first;
 2. running sequences still in prefill, oldest first, each getting as large a chunk as the budget allows,
    so a long prompt is split over several steps instead of stalling the decodes;
 3. waiting sequences, first come first served, while the budget, the cap and the free KV blocks allow.
@@ -37,11 +38,19 @@ class ScheduledSeq:
     seq: Sequence
     start: int
     num_tokens: int
+    # speculative decoding: the proposed tokens that follow the sequence's last token in this chunk (the last
+    # len(draft) of its num_tokens positions); each position of a chunk with a draft gets a logits row
+    draft: tuple[int, ...] = ()
 
     @property
     def samples(self) -> bool:
         """True when this chunk reaches the end of the sequence, so a next token is sampled."""
-        return self.start + self.num_tokens == self.seq.num_tokens
+        return self.start + self.num_tokens - len(self.draft) == self.seq.num_tokens
+
+    @property
+    def num_rows(self) -> int:
+        """Logits rows this item samples from: one per proposal plus one (0 when it does not sample)."""
+        return 1 + len(self.draft) if self.samples else 0
 
 
 @dataclass(slots=True)
@@ -102,7 +111,7 @@ class Scheduler:
 
         Returns the sequences that received a new token."""
         for item in out.scheduled:
-            item.seq.num_computed_tokens += item.num_tokens
+            item.seq.num_computed_tokens += item.num_tokens - len(item.draft)  # proposals count once accepted
             self.computed_tokens_total += item.num_tokens
             self.blocks.publish(item.seq)
         grown = []
@@ -110,6 +119,13 @@ class Scheduler:
             item.seq.output_token_ids.append(token)
             grown.append(item.seq)
         return grown
+
+    def accept(self, seq: Sequence, token: int) -> None:
+        """Speculative decoding: the token last appended to `seq` was a proposal this step computed (its K/V are
+        in the cache), and `token` is the sampled token after it."""
+        seq.num_computed_tokens += 1
+        self.blocks.publish(seq)
+        seq.output_token_ids.append(token)
 
     def finish(self, seq: Sequence, reason: FinishReason, stop_reason: str | int | None = None) -> None:
         """End `seq` and free its KV blocks now."""
@@ -147,8 +163,19 @@ class Scheduler:
             out.preempted.append(victim)
             if victim is seq:
                 return 0
-        out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
-        return n
+        draft = self._fit_draft(seq, n, budget)
+        out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n + len(draft), draft))
+        return n + len(draft)
+
+    def _fit_draft(self, seq: Sequence, n: int, budget: int) -> tuple[int, ...]:
+        """The part of a decoding sequence's proposals that fits the step's budget and the blocks free now (a
+        proposal never preempts anyone)."""
+        if not seq.draft or n != 1 or seq.num_uncomputed_tokens != 1:
+            return ()
+        k = min(len(seq.draft), budget - n)
+        while k > 0 and not self.blocks.grow(seq, seq.num_computed_tokens + n + k):
+            k -= 1
+        return tuple(seq.draft[:k])
 
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
