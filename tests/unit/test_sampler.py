@@ -143,6 +143,7 @@ def test_seeded_rows_do_not_depend_on_batch_mates(own: dict, mates_params: dict,
         for _ in range(10):
             logits = torch.cat([torch.randn(batch_mates, 100), row]).to(device)
             out.append(s.sample(logits, [*mates, target])[-1].token_id)
+            target.output_token_ids.append(out[-1])  # as the engine does: the next draw is the next position's
         return out
 
     assert draws(0) == draws(3) == draws(7)
