@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from engine.backends.kernels import Argmax, argmax_torch
-from engine.core.sequence import SampledToken, SampleRow, Sequence
+from engine.core.sequence import DraftRow, SampledToken, SampleRow, Sequence
 from engine.sampling.grammar import apply_mask
 from engine.types import SamplingParams
 
@@ -89,8 +89,12 @@ class Sampler:
         if len(free) == len(seqs):
             return torch.rand(len(seqs), device=device, generator=self._global)
         shared = iter(torch.rand(len(free), device=device, generator=self._global).split(1)) if free else iter(())
-        return torch.cat([next(shared) if s.params.seed is None else self._stream(s).at(len(s.output_token_ids))
-                          for s in seqs])
+        return torch.cat([next(shared) if s.params.seed is None else self._seeded_uniform(s) for s in seqs])
+
+    def _seeded_uniform(self, row: SampleRow) -> torch.Tensor:
+        """The number of the row's output position; positions before the sequence's own output length are done."""
+        done = len(row.seq.output_token_ids) if isinstance(row, DraftRow) else len(row.output_token_ids)
+        return self._stream(row).at(len(row.output_token_ids), done)
 
     def _stream(self, seq: SampleRow) -> SeededStream:
         stream = self._seeded.get(seq.seq_id)
@@ -266,9 +270,10 @@ class SeededStream:
         self._base = 0  # the output position of ahead[0]
         self._ahead: list[torch.Tensor] = []  # drawn, for positions base, base + 1, ...
 
-    def at(self, position: int) -> torch.Tensor:
-        """The [1] uniform number of output `position` (positions asked for never go backwards)."""
-        drop = min(max(0, position - self._base), len(self._ahead))
+    def at(self, position: int, done: int) -> torch.Tensor:
+        """The [1] uniform number of output `position`; the numbers of positions before `done` are forgotten (no
+        row asks for them again: a sequence's output only grows)."""
+        drop = min(max(0, done - self._base), len(self._ahead))
         del self._ahead[:drop]
         self._base += drop
         while self._base + len(self._ahead) <= position:
