@@ -20,7 +20,7 @@ from engine.core.block_manager import BlockManager
 from engine.core.outputs import SequenceOutput
 from engine.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from engine.core.sequence import DraftRow, SampledToken, SampleRow, Sequence
-from engine.core.speculative import Adaptive, NgramProposer, Proposer, accepted_prefix
+from engine.core.speculative import Adaptive, NgramProposer, Proposer, StepCost, accepted_prefix
 from engine.model.kv_cache import KVCache, KVCacheSpec, kv_cache_dtype, plan_num_blocks
 from engine.model.runner import ModelRunner
 from engine.sampling import grammar, prompt_logprobs
@@ -77,6 +77,7 @@ class LLMEngine:
         # speculative decoding (engine/core/speculative.py, docs/speculative.md): None when off
         self.proposer: Proposer | None = make_proposer(cfg)
         self._adaptive: dict[tuple[str, int], Adaptive] = {}
+        self.step_cost = StepCost()  # what a row costs: how many proposals pay
 
     def step(self) -> list[RequestOutput]:
         """Propose, schedule, run the model, sample, update and emit."""
@@ -89,10 +90,13 @@ class LLMEngine:
         sampling = batch.sampling  # before `update` grows the sequences
         rows = sample_rows(sampling)
         masks = self._start_masks(rows)
+        started = time.perf_counter()
         logits = self.runner.run(batch)
         self._score_prompt(batch, logits[len(rows):])
         sampled = iter(self.sampler.sample(logits[: len(rows)], rows, masks.result() if masks is not None else None))
         per_item = [[next(sampled) for _ in range(item.num_rows)] for item in sampling]
+        if self.proposer is not None:
+            self.step_cost.observe(batch.num_batched_tokens, time.perf_counter() - started)
         grown = self.scheduler.update(batch, [tokens[0].token_id for tokens in per_item])
         self.counters.steps += 1
         outputs = []
@@ -106,13 +110,16 @@ class LLMEngine:
     def _propose(self) -> list[Sequence]:
         """Set the proposals of the decoding sequences that speculate this step; returns those sequences. None for
         a constrained sequence (its grammar state only follows accepted tokens), none past max_tokens or the
-        context, none while its acceptance rate says proposals do not pay (`Adaptive`)."""
+        context; as many as pay given the sequence's acceptance rate and what a row costs in a step of this many
+        decodes (`Adaptive.length`, `StepCost`)."""
         if self.proposer is None:
             return []
         drafted = []
         k = self.cfg.speculative_tokens
-        for seq in self.scheduler.running:
-            if seq.num_uncomputed_tokens != 1 or seq.seq_id in self._grammars:
+        decoding = [s for s in self.scheduler.running if s.num_uncomputed_tokens == 1]
+        share = self.step_cost.row_share(len(decoding))
+        for seq in decoding:
+            if seq.seq_id in self._grammars:
                 continue
             room = min(k, seq.max_tokens - len(seq.output_token_ids) - 1, self.max_model_len - seq.num_tokens - 1)
             if room <= 0:
@@ -120,11 +127,11 @@ class LLMEngine:
             adaptive = self._adaptive.get(seq.seq_id)
             if adaptive is None:
                 adaptive = self._adaptive[seq.seq_id] = Adaptive()
-            if not adaptive.wants():
-                continue
-            seq.draft = self.proposer.propose(seq, room)
-            if seq.draft:
-                drafted.append(seq)
+            n = adaptive.length(room, share)
+            if n > 0:
+                seq.draft = self.proposer.propose(seq, n)
+                if seq.draft:
+                    drafted.append(seq)
         return drafted
 
     def _accept(self, draft: tuple[int, ...], seq: Sequence, tokens: list[SampledToken]) -> list[RequestOutput]:

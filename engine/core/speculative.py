@@ -95,38 +95,92 @@ class NgramProposer:
         self._index.pop(seq.seq_id, None)
 
 
+class StepCost:
+    """A step's time as fixed + per_row x rows, fitted online (least squares, older steps forgotten geometrically).
+    On a CPU the one-call step reads the weights once whatever the rows (fixed) and computes each row (per row);
+    `row_share` is the share of a step of `rows` rows that its rows cost: what one more row costs relative to
+    what a row yields. Before the steps vary enough to fit, rows are assumed to cost `prior` of the fixed part."""
+
+    def __init__(self, decay: float = 0.98, prior: float = 0.3) -> None:
+        self.decay = decay
+        self.prior = prior
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+
+    def observe(self, rows: int, seconds: float) -> None:
+        if self._w == 0.0:  # a pseudo-point that says: each row costs `prior` of the fixed part
+            fixed = seconds / (1 + self.prior * rows)
+            self._add(rows + 8, fixed * (1 + self.prior * (rows + 8)))
+        self._add(rows, seconds)
+
+    def _add(self, x: float, y: float) -> None:
+        d = self.decay
+        self._w, self._x, self._y = d * self._w + 1, d * self._x + x, d * self._y + y
+        self._xx, self._xy = d * self._xx + x * x, d * self._xy + x * y
+
+    def fit(self) -> tuple[float, float]:
+        """(fixed, per_row) seconds; (0, 0) before any step."""
+        if self._w == 0.0:
+            return 0.0, 0.0
+        mx, my = self._x / self._w, self._y / self._w
+        var = self._xx / self._w - mx * mx
+        per_row = max(0.0, (self._xy / self._w - mx * my) / var) if var > 1e-9 else 0.0
+        fixed = my - per_row * mx
+        if fixed <= 0.05 * my:  # noise fitted a line through (almost) zero: keep a fixed part
+            fixed = 0.05 * my
+            per_row = (my - fixed) / max(mx, 1.0)
+        return fixed, per_row
+
+    def row_share(self, rows: int) -> float:
+        """per_row x rows / (fixed + per_row x rows): the share of such a step its rows cost (prior before data)."""
+        fixed, per_row = self.fit()
+        if fixed + per_row == 0.0:
+            return self.prior * rows / (1 + self.prior * rows)
+        return per_row * rows / (fixed + per_row * rows)
+
+
 @dataclass(slots=True)
 class Adaptive:
-    """Per sequence: whether proposing pays. Each verification feeds (proposed, accepted); the acceptance rate is
-    a moving average. When it falls below `floor`, the sequence stops proposing for `pause` steps (doubling at each
-    failed retry, up to `max_pause`; reset once proposals pay again), then tries again. A step with no proposal
-    (the proposer found nothing) costs nothing and changes nothing."""
+    """Per sequence: how many proposals pay. `alpha` estimates the chance that a proposal is accepted given that
+    the one before it was (verifications' accepted and tried proposals, older ones forgotten geometrically, from a
+    prior of 2 in 3). The j-th proposal is accepted with chance alpha^j and costs one row; a row pays when that
+    chance exceeds the share of the step rows cost (`StepCost.row_share`: one token per row is what decoding
+    yields). When not even one proposal pays, the sequence stops proposing for `pause` steps, then tries one
+    (pauses double on each failed try up to `max_pause`, and start over once proposals pay)."""
 
-    floor: float = 0.3
-    weight: float = 0.5  # of the newest verification in the moving average
-    start_pause: int = 8
-    max_pause: int = 256
-    rate: float = 1.0
+    decay: float = 0.8
+    hits: float = 2.0
+    tries: float = 3.0
+    start_pause: int = 4
+    max_pause: int = 128
     pause: int = 0  # steps left without proposals
-    next_pause: int = 8
+    next_pause: int = 4
 
-    def wants(self) -> bool:
-        """Whether to propose this step (counts a paused step down)."""
+    @property
+    def alpha(self) -> float:
+        return self.hits / self.tries
+
+    def length(self, k: int, row_share: float) -> int:
+        """How many of up to `k` proposals to verify this step (0: none; counts a paused step down)."""
+        n, chance = 0, self.alpha
+        while n < k and chance > row_share:
+            n += 1
+            chance *= self.alpha
+        if n > 0:
+            self.pause, self.next_pause = 0, self.start_pause
+            return n
         if self.pause > 0:
             self.pause -= 1
-            return False
-        return True
-
-    def record(self, proposed: int, accepted: int) -> None:
-        if proposed <= 0:
-            return
-        self.rate = (1 - self.weight) * self.rate + self.weight * accepted / proposed
-        if self.rate >= self.floor:
-            self.next_pause = self.start_pause
-            return
+            return 0
         self.pause = self.next_pause
         self.next_pause = min(2 * self.next_pause, self.max_pause)
-        self.rate = min(1.0, 1.5 * self.floor)  # a retry starts near the floor: one failed step pauses again
+        return 1  # a try: one proposal, to learn whether they pay again
+
+    def record(self, proposed: int, accepted: int) -> None:
+        """A verification of `proposed` proposals kept `accepted` (each kept one was tried after a kept one)."""
+        if proposed <= 0:
+            return
+        self.hits = self.decay * self.hits + accepted
+        self.tries = self.decay * self.tries + accepted + (1 if accepted < proposed else 0)
 
 
 def accepted_prefix(draft: list[int] | tuple[int, ...], sampled: list[int]) -> int:

@@ -9,7 +9,14 @@ from fractions import Fraction
 from engine.core.block_manager import BlockManager
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import Sequence
-from engine.core.speculative import Adaptive, NgramIndex, NgramProposer, accepted_prefix, ngram_propose
+from engine.core.speculative import (
+    Adaptive,
+    NgramIndex,
+    NgramProposer,
+    StepCost,
+    accepted_prefix,
+    ngram_propose,
+)
 from engine.types import SamplingParams
 
 
@@ -49,20 +56,44 @@ def test_proposer_follows_a_growing_sequence() -> None:
     assert proposer._index == {}
 
 
-def test_adaptive_pauses_a_failing_sequence_and_retries_with_growing_pauses() -> None:
-    a = Adaptive(floor=0.3, start_pause=4, max_pause=16)
-    a.record(4, 4)
-    assert a.wants()
-    a.record(4, 0)  # one failure after a success: the average stays above the floor
-    assert a.wants()
-    a.record(4, 0)
-    assert [a.wants() for _ in range(5)] == [False] * 4 + [True]
-    a.record(4, 0)  # the retry fails: a longer pause
-    assert [a.wants() for _ in range(9)] == [False] * 8 + [True]
-    a.record(5, 5)  # proposals pay again: the pause length starts over
-    assert a.next_pause == 4
+def test_adaptive_verifies_as_many_proposals_as_pay() -> None:
+    a = Adaptive()
+    assert a.alpha == 2 / 3
+    assert a.length(8, row_share=0.25) == 3  # (2/3)^3 > 0.25 > (2/3)^4
+    for _ in range(5):
+        a.record(5, 5)
+    assert a.alpha > 0.9 and a.length(5, 0.25) == 5 and a.length(8, 0.5) >= 6
+    assert a.length(2, 0.25) == 2  # never more than asked (k, max_tokens, the context)
+
+
+def test_adaptive_pauses_a_sequence_whose_proposals_fail_and_retries_with_growing_pauses() -> None:
+    a = Adaptive(start_pause=4, max_pause=16)
+    for _ in range(4):
+        a.record(3, 0)
+    assert a.alpha < 0.25
+    # not even one proposal pays: a try of one, then a pause of 4 steps, a try, a pause of 8, ...
+    assert [a.length(5, 0.25) for _ in range(6)] == [1, 0, 0, 0, 0, 1]
+    assert [a.length(5, 0.25) for _ in range(9)] == [0] * 8 + [1]
+    assert a.next_pause == 16
+    for _ in range(6):
+        a.record(1, 1)  # the tries pay again: proposals resume, pauses start over
+    assert a.length(5, 0.25) >= 2 and a.pause == 0 and a.next_pause == 4
     a.record(0, 0)  # nothing proposed: nothing learned
-    assert a.rate > 0.3
+    assert a.length(5, 0.25) >= 2
+
+
+def test_step_cost_fits_the_fixed_part_and_the_cost_per_row() -> None:
+    cost = StepCost(decay=0.99)
+    assert cost.row_share(1) == 0.3 / 1.3  # the prior before any step
+    for rows in [1, 1, 3, 1, 6, 1, 16, 2, 40, 1] * 20:
+        cost.observe(rows, 0.030 + 0.010 * rows)
+    fixed, per_row = cost.fit()
+    assert abs(fixed - 0.030) < 2e-3 and abs(per_row - 0.010) < 2e-4
+    assert abs(cost.row_share(1) - 0.25) < 0.02 and cost.row_share(16) > 0.8
+    flat = StepCost()
+    for _ in range(50):
+        flat.observe(1, 0.05)  # no spread in rows: the prior's pseudo-point keeps the fit sane
+    assert 0.0 < flat.row_share(1) < 0.5
 
 
 def test_accepted_prefix() -> None:
