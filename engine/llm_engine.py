@@ -1,4 +1,5 @@
-"""The synchronous engine: one `step()` serves every running request by one token (or one prefill chunk).
+"""The synchronous engine: one `step()` serves every running request by one token (or one prefill chunk; or, with
+speculative decoding, by the proposed tokens it confirms plus one: engine/core/speculative.py).
 
 `AsyncEngine` (engine/async_engine.py) runs `step()` in its own thread; tests and benchmarks may drive it
 directly. The engine is built from a loaded model (models/engine_factory.py loads one from an `EngineConfig`: the
