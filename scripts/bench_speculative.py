@@ -6,12 +6,14 @@
 Workloads (chat-templated, greedy, the model's own EOS ends an answer, at most --max-tokens):
 - grounded: input-grounded work, where the answer copies from its prompt: rewrite a passage with small edits,
   extract JSON from a document, summarize with quotes, edit code (four passages and four tasks);
-- open: open chat (questions whose answers are not in the prompt).
+- open: open chat (questions whose answers are not in the prompt);
+- copy (on request): copy a passage of about 100 tokens from the prompt, the issue's reference case.
 At 1 stream the prompts of a workload run one after another; at 16 streams all 16 at once. Each round runs every
 (workload, streams) cell with speculation off, then on (then on/off in the next round: A B, B A), in the same
 process on the same loaded model. Greedy answers are the same tokens either way (checked, or the run fails), so a
-cell's speed-up is its time ratio. Reported per cell: output tokens/s of the median round for each mode, the
-median of the per-round ratios, and the share of proposed tokens accepted. A JSON copy goes to --out.
+cell's speed-up is its time ratio. Reported per cell: output tokens/s (end to end, prefill included) of the median
+round for each mode, the median of the per-round ratios, the same for decoding alone (each request's first output to
+its last, summed: what speculation changes), and the share of proposed tokens accepted. A JSON copy goes to --out.
 """
 
 from __future__ import annotations
@@ -72,6 +74,18 @@ def grounded_texts() -> list[str]:
     return texts
 
 
+def one_stream(prompts: list[str], count: int) -> list[str]:
+    """`count` of the sixteen prompts, spread over them (a different task and passage each)."""
+    step = max(1, len(prompts) // count)
+    return [prompts[(i * step + i) % len(prompts)] for i in range(count)]
+
+
+def copy_texts() -> list[str]:
+    """The issue's case: a completion that copies a passage from its prompt (two passages, about 100 tokens)."""
+    return [f"Copy this text exactly, word for word:\n\n{PASSAGES[i % 4]} {PASSAGES[(i + 1 + i // 4) % 4]}"
+            for i in range(16)]
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
@@ -79,7 +93,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--one-stream-prompts", type=int, default=4, help="prompts per workload at 1 stream (of 16)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--speculative-tokens", type=int, default=None, help="k (default: the engine's)")
-    p.add_argument("--workloads", default="grounded,open")
+    p.add_argument("--workloads", default="grounded,open", help="grounded, open, copy (comma-separated)")
     p.add_argument("--out", default="bench_speculative.json")
     return p.parse_args(argv)
 
@@ -112,21 +126,30 @@ def load() -> Any:
     return load_model(cfg)
 
 
-def run(engine: Any, prompts: list[list[int]], streams: int, max_tokens: int) -> tuple[float, list[list[int]]]:
-    """Seconds to serve `prompts`, `streams` at a time (each group starts when the previous one is done)."""
+def run(engine: Any, prompts: list[list[int]], streams: int, max_tokens: int) -> tuple[float, float, list[list[int]]]:
+    """Serve `prompts`, `streams` at a time (each group starts when the previous one is done). Returns the
+    seconds it took, the decode seconds summed over requests (first output to last: what follows the prefill)
+    and each request's tokens."""
     from engine.types import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     tokens: dict[str, list[int]] = {}
+    first_at: dict[str, float] = {}
+    last_at: dict[str, float] = {}
     start = time.perf_counter()
     for first in range(0, len(prompts), streams):
         for i in range(first, min(first + streams, len(prompts))):
             engine.add_request(f"p{i}", prompts[i], params)
             tokens[f"p{i}"] = []
         while engine.has_work:
-            for out in engine.step():
+            outs = engine.step()
+            now = time.perf_counter()
+            for out in outs:
                 tokens[out.request_id] += out.token_ids
-    return time.perf_counter() - start, [tokens[f"p{i}"] for i in range(len(prompts))]
+                first_at.setdefault(out.request_id, now)
+                last_at[out.request_id] = now
+    decode = sum(last_at[r] - first_at[r] for r in tokens)
+    return time.perf_counter() - start, decode, [tokens[f"p{i}"] for i in range(len(prompts))]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     loaded_model = load()
     loaded = Loaded(loaded_model.model, loaded_model.tokenizer, loaded_model.max_model_len)
     tok = loaded.tokenizer
-    sets = {"grounded": [chat_ids(tok, t) for t in grounded_texts()], "open": [chat_ids(tok, t) for t in OPEN]}
+    sets = {"grounded": [chat_ids(tok, t) for t in grounded_texts()], "open": [chat_ids(tok, t) for t in OPEN],
+            "copy": [chat_ids(tok, t) for t in copy_texts()]}
     workloads = args.workloads.split(",")
     levels = [int(s) for s in args.streams.split(",")]
     extra = {} if args.speculative_tokens is None else {"speculative_tokens": args.speculative_tokens}
@@ -154,14 +178,15 @@ def main(argv: list[str] | None = None) -> int:
         order = ["off", "ngram"] if rnd % 2 == 0 else ["ngram", "off"]
         for workload in workloads:
             for streams in levels:
-                prompts = sets[workload][: args.one_stream_prompts] if streams == 1 else sets[workload][:streams]
+                prompts = one_stream(sets[workload], args.one_stream_prompts) if streams == 1 else sets[workload][
+                    :streams]
                 cell = cells.setdefault((workload, streams), {"off": [], "ngram": [], "tokens": 0, "ratios": [],
-                                                              "proposed": 0, "accepted": 0})
-                answers, seconds = {}, {}
+                                                              "decode_ratios": [], "proposed": 0, "accepted": 0})
+                answers, seconds, decode = {}, {}, {}
                 for mode in order:
                     engine = engines[mode]
                     before = engine.stats()
-                    seconds[mode], answers[mode] = run(engine, prompts, streams, args.max_tokens)
+                    seconds[mode], decode[mode], answers[mode] = run(engine, prompts, streams, args.max_tokens)
                     after = engine.stats()
                     if mode == "ngram":
                         cell["proposed"] += after.spec_proposed_tokens_total - before.spec_proposed_tokens_total
@@ -174,23 +199,26 @@ def main(argv: list[str] | None = None) -> int:
                 cell["off"].append(n / seconds["off"])
                 cell["ngram"].append(n / seconds["ngram"])
                 cell["ratios"].append(seconds["off"] / seconds["ngram"])
+                cell["decode_ratios"].append(decode["off"] / decode["ngram"])
                 print(f"round {rnd + 1} {workload:8s} x{streams:<3d} {n:5d} tokens: off {n / seconds['off']:7.1f} "
-                      f"tok/s, ngram {n / seconds['ngram']:7.1f} tok/s, x{seconds['off'] / seconds['ngram']:.2f}",
-                      flush=True)
+                      f"tok/s, ngram {n / seconds['ngram']:7.1f} tok/s, x{seconds['off'] / seconds['ngram']:.2f}; "
+                      f"decode x{decode['off'] / decode['ngram']:.2f}", flush=True)
     print(f"\n# {header}")
-    print("| workload | streams | output tokens | off tok/s | ngram tok/s | speed-up (median of rounds) | accepted |")
-    print("|---|---|---|---|---|---|---|")
+    print("| workload | streams | output tokens | off tok/s | ngram tok/s | speed-up (rounds) | decode speed-up "
+          "(rounds) | proposals accepted |")
+    print("|---|---|---|---|---|---|---|---|")
     rows = []
     for (workload, streams), c in cells.items():
         share = c["accepted"] / c["proposed"] if c["proposed"] else 0.0
         row = {"workload": workload, "streams": streams, "tokens": c["tokens"],
                "off_tok_s": statistics.median(c["off"]), "ngram_tok_s": statistics.median(c["ngram"]),
                "speedup": statistics.median(c["ratios"]), "ratios": c["ratios"], "accepted_share": share,
+               "decode_speedup": statistics.median(c["decode_ratios"]), "decode_ratios": c["decode_ratios"],
                "proposed": c["proposed"], "accepted": c["accepted"]}
         rows.append(row)
         print(f"| {workload} | {streams} | {c['tokens']} | {row['off_tok_s']:.1f} | {row['ngram_tok_s']:.1f} | "
-              f"{row['speedup']:.2f}x ({', '.join(f'{r:.2f}' for r in c['ratios'])}) | {share:.0%} of "
-              f"{c['proposed']} |")
+              f"{row['speedup']:.2f}x ({', '.join(f'{r:.2f}' for r in c['ratios'])}) | {row['decode_speedup']:.2f}x "
+              f"({', '.join(f'{r:.2f}' for r in c['decode_ratios'])}) | {share:.0%} of {c['proposed']} |")
     Path(args.out).write_text(json.dumps({"cpu": header, "args": vars(args), "rows": rows}, indent=2))
     return 0
 

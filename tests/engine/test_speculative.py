@@ -235,3 +235,23 @@ def test_constrained_requests_do_not_propose(quantized: Loaded) -> None:
     assert spec.stats().spec_proposed_tokens_total == stats.spec_proposed_tokens_total  # ... the constrained one not
     assert text_of(alone) == want
     check_clean(spec)
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["cpu-kernels", "torch-ops"])
+def test_tiny_dense_model_greedy_and_seeded_are_the_same(tiny: Any, engine_factory: Any, kernels: bool) -> None:
+    """Dense float32 weights: a step of decodes and verifications only goes through the one-call step (kernels on)
+    or the op-by-op pass (kernels off); either way the answers are those of plain decoding."""
+    enc = tiny.tokenizer.encode
+    prompts = {f"r{i}": enc(text) for i, text in enumerate(
+        ["one two three four one two three four one two", "abc abc abc abc abc", "The quick brown fox " * 3,
+         "Numbers: 0 1 2 3 0 1 2 3 0 1"])}
+    settings = {"max_num_batched_tokens": 64, "cpu_kernels": kernels, "kv_cache_bytes": 8 << 20}
+    plain = engine_factory(tiny, **settings)
+    spec = engine_factory(tiny, speculative="ngram", **settings)
+    for params in (greedy(40, ignore_eos=True),
+                   SamplingParams(temperature=0.9, seed=21, max_tokens=40, ignore_eos=True)):
+        requests = {r: (p, params) for r, p in prompts.items()}
+        want = run_all(plain, requests)
+        got = run_all(spec, requests)
+        assert {r: tokens_of(o) for r, o in got.items()} == {r: tokens_of(o) for r, o in want.items()}
+    assert spec.stats().spec_proposed_tokens_total > 0
