@@ -276,6 +276,12 @@ _ENGINE_SERIES: tuple[tuple[str, str, str, Any], ...] = (
     ("gauge", "peregrine_prefix_cache_cached_tokens",
      "KV cache capacity holding reusable prefixes, in tokens (in use or idle; idle ones are evictable).",
      lambda s: s.kv_cached_blocks * s.block_size),
+    ("counter", "peregrine_spec_proposed_tokens",
+     "Speculative decoding: proposed tokens verified (--speculative; 0 when off).",
+     lambda s: s.spec_proposed_tokens_total),
+    ("counter", "peregrine_spec_accepted_tokens",
+     "Speculative decoding: proposed tokens accepted (each a token gained without a step of its own).",
+     lambda s: s.spec_accepted_tokens_total),
     ("gauge", "peregrine_engine_alive", "1 while the engine loop runs, 0 once it died.", lambda s: int(s.alive)),
 )  # fmt: skip
 

@@ -153,6 +153,24 @@ class Settings(BaseSettings):
         "prompt, tool definitions, chat history) in whole blocks; idle cached blocks are evicted least recently "
         "used when memory is needed. --no-prefix-caching turns it off.",
     )
+    speculative: Literal["off", "ngram"] = Field(
+        "off",
+        description="Speculative decoding. ngram: prompt lookup (no second model): a decoding sequence proposes the "
+        "tokens that followed the latest earlier occurrence of its last few tokens in its prompt and output, and "
+        "one step checks them all; greedy output stays token for token the same and sampled output keeps its "
+        "distribution. Pays on output that copies its input (edits, extraction, quotes, code); a sequence whose "
+        "proposals keep failing stops proposing for a while. Constrained (structured) output does not speculate. "
+        "docs/speculative.md.",
+    )
+    speculative_tokens: int = Field(
+        5, ge=1, le=16, description="Most tokens a sequence proposes per step with --speculative ngram."
+    )
+    speculative_ngram_max: int = Field(
+        3, ge=1, le=8, description="Prompt lookup matches the last n tokens, n from this down to the minimum."
+    )
+    speculative_ngram_min: int = Field(
+        1, ge=1, le=8, description="The shortest match prompt lookup proposes from (at most the maximum)."
+    )
     skip_preflight: bool = Field(False, description="Skip the disk, RAM and VRAM checks before loading.")
 
     # --- HTTP ----------------------------------------------------------------------------------------

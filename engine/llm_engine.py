@@ -1,4 +1,5 @@
-"""The synchronous engine: one `step()` serves every running request by one token (or one prefill chunk).
+"""The synchronous engine: one `step()` serves every running request by one token (or one prefill chunk; or, with
+speculative decoding, by the proposed tokens it confirms plus one: engine/core/speculative.py).
 
 `AsyncEngine` (engine/async_engine.py) runs `step()` in its own thread; tests and benchmarks may drive it
 directly. The engine is built from a loaded model (models/engine_factory.py loads one from an `EngineConfig`: the
@@ -18,8 +19,9 @@ import torch
 from engine.backends import devices
 from engine.core.block_manager import BlockManager
 from engine.core.outputs import SequenceOutput
-from engine.core.scheduler import Scheduler, SchedulerOutput
-from engine.core.sequence import Sequence
+from engine.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from engine.core.sequence import DraftRow, SampledToken, SampleRow, Sequence
+from engine.core.speculative import Adaptive, NgramProposer, Proposer, StepCost, accepted_prefix
 from engine.model.kv_cache import KVCache, KVCacheSpec, kv_cache_dtype, plan_num_blocks
 from engine.model.runner import ModelRunner
 from engine.sampling import grammar, prompt_logprobs
@@ -42,6 +44,8 @@ class Counters:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     steps: int = 0
+    spec_proposed_tokens: int = 0  # speculative proposals verified
+    spec_accepted_tokens: int = 0  # of those, confirmed by the target model's own choice
 
 
 class LLMEngine:
@@ -71,24 +75,84 @@ class LLMEngine:
         self._grammars: dict[tuple[str, int], grammar.GrammarState] = {}
         self._filler: grammar.BitmaskFiller | None = None
         self._mask_thread: ThreadPoolExecutor | None = None
+        # speculative decoding (engine/core/speculative.py, docs/speculative.md): None when off
+        self.proposer: Proposer | None = make_proposer(cfg)
+        self._adaptive: dict[tuple[str, int], Adaptive] = {}
+        self.step_cost = StepCost()  # what a row costs: how many proposals pay
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model, sample, update and emit."""
+        """Propose, schedule, run the model, sample, update and emit."""
+        drafted = self._propose()
         batch = self.scheduler.schedule()
+        for seq in drafted:
+            seq.draft = []  # the scheduler took what fit (ScheduledSeq.draft)
         if batch.is_empty:
             return []
-        seqs = [item.seq for item in batch.sampling]
-        masks = self._start_masks(seqs)
+        sampling = batch.sampling  # before `update` grows the sequences
+        rows = sample_rows(sampling)
+        masks = self._start_masks(rows)
+        started = time.perf_counter()
         logits = self.runner.run(batch)
-        num_sampling = len(batch.sampling)
-        self._score_prompt(batch, logits[num_sampling:])
-        sampled = self.sampler.sample(logits[:num_sampling], seqs, masks.result() if masks is not None else None)
-        grown = self.scheduler.update(batch, [s.token_id for s in sampled])
+        self._score_prompt(batch, logits[len(rows):])
+        sampled = iter(self.sampler.sample(logits[: len(rows)], rows, masks.result() if masks is not None else None))
+        per_item = [[next(sampled) for _ in range(item.num_rows)] for item in sampling]
+        if self.proposer is not None:
+            self.step_cost.observe(batch.num_batched_tokens, time.perf_counter() - started)
+        grown = self.scheduler.update(batch, [tokens[0].token_id for tokens in per_item])
         self.counters.steps += 1
-        self.counters.generated_tokens += len(grown)
-        return [self._emit(seq, tok) for seq, tok in zip(grown, sampled, strict=True)]
+        outputs = []
+        for item, seq, tokens in zip(sampling, grown, per_item, strict=True):
+            outputs.append(self._emit(seq, tokens[0]))
+            if item.draft:
+                outputs += self._accept(item.draft, seq, tokens)
+        self.counters.generated_tokens += len(outputs)
+        return outputs
 
-    def _start_masks(self, seqs: list[Sequence]) -> Future[tuple[list[int], torch.Tensor]] | None:
+    def _propose(self) -> list[Sequence]:
+        """Set the proposals of the decoding sequences that speculate this step; returns those sequences. None for
+        a constrained sequence (its grammar state only follows accepted tokens), none past max_tokens or the
+        context; as many as pay given the sequence's acceptance rate and what a row costs in a step of this many
+        decodes (`Adaptive.length`, `StepCost`)."""
+        if self.proposer is None:
+            return []
+        drafted = []
+        k = self.cfg.speculative_tokens
+        decoding = [s for s in self.scheduler.running if s.num_uncomputed_tokens == 1]
+        share = self.step_cost.row_share(len(decoding))
+        for seq in decoding:
+            if seq.seq_id in self._grammars:
+                continue
+            room = min(k, seq.max_tokens - len(seq.output_token_ids) - 1, self.max_model_len - seq.num_tokens - 1)
+            if room <= 0:
+                continue
+            adaptive = self._adaptive.get(seq.seq_id)
+            if adaptive is None:
+                adaptive = self._adaptive[seq.seq_id] = Adaptive()
+            n = adaptive.length(room, share)
+            if n > 0:
+                seq.draft = self.proposer.propose(seq, n)
+                if seq.draft:
+                    drafted.append(seq)
+        return drafted
+
+    def _accept(self, draft: tuple[int, ...], seq: Sequence, tokens: list[SampledToken]) -> list[RequestOutput]:
+        """After a verification's first token (emitted): keep the sampled tokens while the one before each matched
+        its proposal, emitting them one by one (a stop ends the sequence there: the rest is dropped)."""
+        accepted = accepted_prefix(draft, [t.token_id for t in tokens])
+        self.counters.spec_proposed_tokens += len(draft)
+        self.counters.spec_accepted_tokens += accepted
+        adaptive = self._adaptive.get(seq.seq_id)
+        if adaptive is not None:
+            adaptive.record(len(draft), accepted)
+        outputs = []
+        for token in tokens[1 : accepted + 1]:
+            if seq.finished:
+                break
+            self.scheduler.accept(seq, token.token_id)
+            outputs.append(self._emit(seq, token))
+        return outputs
+
+    def _start_masks(self, seqs: list[SampleRow]) -> Future[tuple[list[int], torch.Tensor]] | None:
         """Start filling the token masks of this step's constrained rows (one llguidance call, GIL released)
         in a helper thread, so it runs beside the forward pass. None when no row is constrained now."""
         if not self._grammars:
@@ -189,6 +253,8 @@ class LLMEngine:
             prefix_cache_queries_total=self.scheduler.prefix_cache_queries_total,
             prefix_cache_hits_total=self.scheduler.prefix_cache_hits_total,
             kv_cached_blocks=self.blocks.num_cached_blocks,
+            spec_proposed_tokens_total=self.counters.spec_proposed_tokens,
+            spec_accepted_tokens_total=self.counters.spec_accepted_tokens,
         )
 
     def _score_prompt(self, batch: SchedulerOutput, rows: torch.Tensor) -> None:
@@ -214,8 +280,31 @@ class LLMEngine:
 
     def _release(self, seq: Sequence) -> SequenceOutput:
         self.sampler.release(seq)
+        if self.proposer is not None:
+            self.proposer.release(seq)
+            self._adaptive.pop(seq.seq_id, None)
         self._grammars.pop(seq.seq_id, None)
         return self._outputs.pop(seq.seq_id)
+
+
+def make_proposer(cfg: EngineConfig) -> Proposer | None:
+    """The speculative proposer `cfg.speculative` names; None when off. (A draft model would be built here.)"""
+    if cfg.speculative == "off":
+        return None
+    if cfg.speculative == "ngram":
+        return NgramProposer(cfg.speculative_ngram_max, cfg.speculative_ngram_min)
+    raise ValueError(f"unknown speculative kind {cfg.speculative!r}: use off or ngram")
+
+
+def sample_rows(items: list[ScheduledSeq]) -> list[SampleRow]:
+    """The sampler's rows of a step, aligned with the runner's logits: a sequence per sampling item, and after it
+    one row per proposal it verifies (row i sees the first i proposals as its output)."""
+    rows: list[SampleRow] = []
+    for item in items:
+        rows.append(item.seq)
+        for i in range(1, len(item.draft) + 1):
+            rows.append(DraftRow(item.seq, item.seq.output_token_ids + list(item.draft[:i])))
+    return rows
 
 
 def _validate_params(p: SamplingParams) -> None:

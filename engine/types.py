@@ -161,6 +161,8 @@ class EngineStats:
     prefix_cache_queries_total: int = 0  # tokens of admitted sequences looked up in the prefix cache
     prefix_cache_hits_total: int = 0  # of those, tokens taken from the cache instead of computed
     kv_cached_blocks: int = 0  # blocks holding a reusable prefix (in use or idle; idle ones are evictable)
+    spec_proposed_tokens_total: int = 0  # speculative decoding: proposed tokens verified
+    spec_accepted_tokens_total: int = 0  # of those, accepted (each one a token gained without a step of its own)
 
     @property
     def kv_used_tokens(self) -> int:
@@ -201,6 +203,10 @@ class EngineConfig:
     weight_format: str = "auto"  # auto | quantized | dense: a GGUF's weights kept quantized in RAM, or dense
     quantize: str | None = None  # "int8": linear weights of a dense model to Q8_0 blocks at load
     prefix_caching: bool = True  # reuse the KV of full blocks whose prefix was computed before (block_manager)
+    speculative: str = "off"  # off | ngram: speculative decoding's proposer (engine/core/speculative.py)
+    speculative_tokens: int = 5  # most tokens proposed per sequence and step
+    speculative_ngram_max: int = 3  # prompt lookup matches the last n tokens, n from this ...
+    speculative_ngram_min: int = 1  # ... down to this
 
 
 class EngineError(Exception):

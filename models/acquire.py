@@ -160,6 +160,10 @@ def engine_config(settings: Settings, path: Path, device: str, dtype: str) -> En
         weight_format=settings.weight_format,
         quantize=None if settings.quantize == "none" else settings.quantize,
         prefix_caching=settings.prefix_caching,
+        speculative=settings.speculative,
+        speculative_tokens=settings.speculative_tokens,
+        speculative_ngram_max=settings.speculative_ngram_max,
+        speculative_ngram_min=min(settings.speculative_ngram_min, settings.speculative_ngram_max),
     )
 
 

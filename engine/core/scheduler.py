@@ -5,7 +5,9 @@ Order of service:
 1. running sequences that are decoding (one token each), oldest first;
 2. running sequences still in prefill, oldest first, each getting as large a chunk as the budget allows,
    so a long prompt is split over several steps instead of stalling the decodes;
-3. waiting sequences, first come first served, while the budget, the cap and the free KV blocks allow.
+3. waiting sequences, first come first served, while the budget, the cap and the free KV blocks allow;
+4. speculative proposals of the decodes (engine/core/speculative.py), oldest first, from what is left of the
+   budget and the free blocks.
 When a running sequence needs a block and none is free, the newest running sequence is preempted: its blocks
 are freed and it goes back to the front of the queue, to be recomputed (prompt + tokens so far) later.
 No request ever fails for lack of KV memory.
@@ -37,11 +39,19 @@ class ScheduledSeq:
     seq: Sequence
     start: int
     num_tokens: int
+    # speculative decoding: the proposed tokens that follow the sequence's last token in this chunk (the last
+    # len(draft) of its num_tokens positions); each position of a chunk with a draft gets a logits row
+    draft: tuple[int, ...] = ()
 
     @property
     def samples(self) -> bool:
         """True when this chunk reaches the end of the sequence, so a next token is sampled."""
-        return self.start + self.num_tokens == self.seq.num_tokens
+        return self.start + self.num_tokens - len(self.draft) == self.seq.num_tokens
+
+    @property
+    def num_rows(self) -> int:
+        """Logits rows this item samples from: one per proposal plus one (0 when it does not sample)."""
+        return 1 + len(self.draft) if self.samples else 0
 
 
 @dataclass(slots=True)
@@ -94,7 +104,8 @@ class Scheduler:
                 continue
             budget -= self._schedule_running(seq, budget, out)
         if not out.preempted:
-            self._admit_waiting(budget, out)
+            budget = self._admit_waiting(budget, out)
+        self._add_drafts(out, budget)
         return out
 
     def update(self, out: SchedulerOutput, sampled: Seq[int]) -> list[Sequence]:
@@ -102,7 +113,7 @@ class Scheduler:
 
         Returns the sequences that received a new token."""
         for item in out.scheduled:
-            item.seq.num_computed_tokens += item.num_tokens
+            item.seq.num_computed_tokens += item.num_tokens - len(item.draft)  # proposals count once accepted
             self.computed_tokens_total += item.num_tokens
             self.blocks.publish(item.seq)
         grown = []
@@ -110,6 +121,13 @@ class Scheduler:
             item.seq.output_token_ids.append(token)
             grown.append(item.seq)
         return grown
+
+    def accept(self, seq: Sequence, token: int) -> None:
+        """Speculative decoding: the token last appended to `seq` was a proposal this step computed (its K/V are
+        in the cache), and `token` is the sampled token after it."""
+        seq.num_computed_tokens += 1
+        self.blocks.publish(seq)
+        seq.output_token_ids.append(token)
 
     def finish(self, seq: Sequence, reason: FinishReason, stop_reason: str | int | None = None) -> None:
         """End `seq` and free its KV blocks now."""
@@ -150,23 +168,43 @@ class Scheduler:
         out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
         return n
 
-    def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
+    def _add_drafts(self, out: SchedulerOutput, budget: int) -> None:
+        """Speculative decoding: extend the decodes scheduled this step with their proposals (`Sequence.draft`),
+        oldest first, as far as what the step left of its budget and the blocks free now allow. Proposals come
+        last: they never take a token of budget or a block from a decode, a prefill chunk or an admission, and
+        never preempt anyone."""
+        for i, item in enumerate(out.scheduled):
+            if budget <= 0:
+                return
+            seq = item.seq
+            if not seq.draft or item.num_tokens != 1 or seq.num_uncomputed_tokens != 1 or seq.status != "running":
+                continue
+            k = min(len(seq.draft), budget)
+            while k > 0 and not self.blocks.grow(seq, item.start + 1 + k):
+                k -= 1
+            if k > 0:
+                out.scheduled[i] = ScheduledSeq(seq, item.start, 1 + k, tuple(seq.draft[:k]))
+                budget -= k
+
+    def _admit_waiting(self, budget: int, out: SchedulerOutput) -> int:
+        """Admit waiting sequences while the budget, the cap and the blocks allow; returns the budget left."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if self._sibling_is_computing_prompt(seq):
-                return
+                return budget
             # prompt logprobs come from computing the prompt: a request asking for them takes no cached blocks
             prefix = [] if seq.params.prompt_logprobs is not None else self.blocks.cached_prefix(seq)
             cached = len(prefix) * self.blocks.block_size
             n = min(seq.num_tokens - cached, budget)
             if not self.blocks.allocate(seq, prefix, cached + n):
-                return  # first come first served: nobody overtakes the head of the queue
+                return budget  # first come first served: nobody overtakes the head of the queue
             self._count_prefix_hit(seq, cached)
             self.waiting.popleft()
             seq.status = "running"
             bisect.insort(self.running, seq, key=lambda s: s.arrival)
             out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
             budget -= n
+        return budget
 
     def _count_prefix_hit(self, seq: Sequence, cached: int) -> None:
         seq.num_computed_tokens = cached

@@ -42,6 +42,9 @@ class Sequence:
     block_keys: list[bytes] = field(default_factory=list)
     num_published_blocks: int = 0
     num_cached_tokens: int = 0
+    # speculative decoding (engine.core.speculative): tokens proposed to follow this sequence, checked in the next
+    # step (set by the engine before scheduling, cleared after; the scheduler may shorten it to fit)
+    draft: list[int] = field(default_factory=list)
 
     @property
     def seq_id(self) -> tuple[str, int]:
@@ -87,3 +90,31 @@ class SampledToken:
     token_id: int
     logprob: float | None = None  # set when the sequence asked for logprobs
     top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
+
+
+@dataclass(frozen=True, slots=True)
+class DraftRow:
+    """What the sampler reads of a sequence for one speculative verification row: the sequence as if the proposals
+    before this row were already its output (penalties, min_tokens and the row's random number see them)."""
+
+    seq: Sequence
+    output_token_ids: list[int]
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.seq.params
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.seq.prompt_token_ids
+
+    @property
+    def seq_id(self) -> tuple[str, int]:
+        return self.seq.seq_id
+
+    @property
+    def index(self) -> int:
+        return self.seq.index
+
+
+SampleRow = Sequence | DraftRow  # one logits row's sequence, for the sampler

@@ -31,6 +31,7 @@ class PrefillChunk:
     length: int  # tokens in the chunk
     start: int  # position of the chunk's first token in its sequence
     context_blocks: torch.Tensor  # [ceil((start + length) / block_size)] block ids of the sequence's context
+    verify: bool = False  # a decode's last token and its speculative proposals (engine/core/speculative.py)
 
 
 @dataclass(frozen=True, slots=True)

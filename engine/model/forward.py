@@ -194,8 +194,10 @@ class LlamaFastForward:
         quantized weights, so that every token of every step, prompt or output, goes through the same
         instructions (the int8-activation matmuls, the paged attention in fixed chunks): a prompt's logits and KV
         are then the same bits whole, in chunks or after cached blocks, whatever its batch mates. Dense weights
-        keep torch's GEMM for prompts (much faster there than the decoder's few-row kernels)."""
-        return not meta.prefills or self._quantized
+        keep torch's GEMM for prompts (much faster there than the decoder's few-row kernels), but not for a step
+        whose only chunks are speculative verifications (a few rows each: decode-like, and the same bits as
+        the decodes they stand for)."""
+        return not meta.prefills or self._quantized or all(chunk.verify for chunk in meta.prefills)
 
     def decode_weight_bytes(self) -> int:
         """Bytes of weights one decode step reads: every matmul's, the LM head's included (the embedding lookup reads

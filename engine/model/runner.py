@@ -69,8 +69,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> torch.Tensor:
-        """Returns logits [num_sampling, vocab] (float32) for `out.sampling`, in that order, followed by the rows of
-        `prompt_logprobs.spans(out)` when a sequence asked for prompt logprobs."""
+        """Returns logits [sum of num_rows, vocab] (float32) for `out.sampling`, in that order (an item with
+        speculative proposals has 1 + len(draft) rows: its last token's, then each proposal's), followed by the rows
+        of `prompt_logprobs.spans(out)` when a sequence asked for prompt logprobs."""
         inputs = self.prepare(out)
         logits = self._forward(inputs.input_ids[0], inputs.positions[0], inputs.meta, inputs.logits_indices)
         return logits.float()
@@ -98,12 +99,13 @@ class ModelRunner:
         offsets, ids, positions, slots = {}, [], [], []
         for item in items:
             offsets[id(item)] = len(ids)
-            ids += item.seq.tokens_in(item.start, item.start + item.num_tokens)
+            ids += _tokens(item)
             positions += range(item.start, item.start + item.num_tokens)
             slots += self._slots(item.seq.block_table, item.start, item.start + item.num_tokens)
         decodes = [s for s in items if s.num_tokens == 1]
         prefills = tuple(self._chunk(s, offsets[id(s)]) for s in items if s.num_tokens > 1)
-        logits_rows = [offsets[id(s)] + s.num_tokens - 1 for s in out.sampling]
+        logits_rows = [r for s in out.sampling for r in range(offsets[id(s)] + s.num_tokens - s.num_rows,
+                                                                offsets[id(s)] + s.num_tokens)]
         for span in prompt_logprobs.spans(out):
             first = offsets[id(span.item)] + span.offset
             logits_rows += range(first, first + span.count)
@@ -160,7 +162,7 @@ class ModelRunner:
     def _chunk(self, item: ScheduledSeq, offset: int) -> PrefillChunk:
         end = item.start + item.num_tokens
         return PrefillChunk(offset, item.num_tokens, item.start,
-                            self._tensor(item.seq.block_table[: -(-end // self.block_size)]))
+                            self._tensor(item.seq.block_table[: -(-end // self.block_size)]), bool(item.draft))
 
     def _decode_block_tables(self, decodes: list[ScheduledSeq]) -> torch.Tensor:
         """[batch, max_blocks] block tables of the decoding sequences, padded with the null block."""
@@ -180,6 +182,12 @@ class ModelRunner:
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+
+
+def _tokens(item: ScheduledSeq) -> list[int]:
+    """The token ids of an item's positions: the sequence's own, then its speculative proposals, if any."""
+    own = item.seq.tokens_in(item.start, item.start + item.num_tokens - len(item.draft))
+    return own + list(item.draft) if item.draft else own
 
 
 def choose_impl(model: torch.nn.Module, impl: str) -> str:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from engine.backends.kernels import Argmax, argmax_torch
-from engine.core.sequence import SampledToken, Sequence
+from engine.core.sequence import DraftRow, SampledToken, SampleRow, Sequence
 from engine.sampling.grammar import apply_mask
 from engine.types import SamplingParams
 
@@ -35,13 +35,13 @@ class Sampler:
         self._argmax = argmax or argmax_torch
         self._eos = sorted(eos_token_ids)
         self._global = torch.Generator(device=device).manual_seed(seed)
-        self._seeded: dict[SeqKey, torch.Generator] = {}
+        self._seeded: dict[SeqKey, SeededStream] = {}
 
     def release(self, seq: Sequence) -> None:
         self._seeded.pop(seq.seq_id, None)
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence],
+    def sample(self, logits: torch.Tensor, seqs: list[SampleRow],
                masks: tuple[list[int], torch.Tensor] | None = None) -> list[SampledToken]:
         """logits: [batch, vocab] float32, one row per sequence in `seqs`.
 
@@ -59,7 +59,7 @@ class Sampler:
         ids = self._choose(logits, seqs)  # [batch]
         return self._to_host(ids, raw, seqs)
 
-    def _process(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _process(self, logits: torch.Tensor, seqs: list[SampleRow]) -> torch.Tensor:
         if any(len(s.output_token_ids) < s.params.min_tokens for s in seqs):
             logits = suppress_stops(logits, seqs, self._eos)
         if any(_has_penalty(s) for s in seqs):
@@ -68,7 +68,7 @@ class Sampler:
             logits = apply_logit_bias(logits, seqs)
         return logits
 
-    def _choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _choose(self, logits: torch.Tensor, seqs: list[SampleRow]) -> torch.Tensor:
         rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if not rows:
             return self._argmax(logits)
@@ -82,24 +82,29 @@ class Sampler:
             return drawn
         return self._argmax(logits).index_copy_(0, at, drawn)
 
-    def _uniforms(self, seqs: list[Sequence], device: torch.device) -> torch.Tensor:
+    def _uniforms(self, seqs: list[SampleRow], device: torch.device) -> torch.Tensor:
         """One U[0, 1) number per row: a seeded sequence's from its own generator, the others' from the global one
         (one call for all of them, in row order)."""
         free = [s for s in seqs if s.params.seed is None]
         if len(free) == len(seqs):
             return torch.rand(len(seqs), device=device, generator=self._global)
         shared = iter(torch.rand(len(free), device=device, generator=self._global).split(1)) if free else iter(())
-        return torch.cat([next(shared) if s.params.seed is None
-                          else torch.rand(1, device=device, generator=self._generator(s)) for s in seqs])
+        return torch.cat([next(shared) if s.params.seed is None else self._seeded_uniform(s) for s in seqs])
 
-    def _generator(self, seq: Sequence) -> torch.Generator:
-        gen = self._seeded.get(seq.seq_id)
-        if gen is None:
+    def _seeded_uniform(self, row: SampleRow) -> torch.Tensor:
+        """The number of the row's output position; positions before the sequence's own output length are done."""
+        done = len(row.seq.output_token_ids) if isinstance(row, DraftRow) else len(row.output_token_ids)
+        return self._stream(row).at(len(row.output_token_ids), done)
+
+    def _stream(self, seq: SampleRow) -> SeededStream:
+        stream = self._seeded.get(seq.seq_id)
+        if stream is None:
+            assert seq.params.seed is not None
             gen = torch.Generator(device=self._device).manual_seed(seq.params.seed + seq.index)
-            self._seeded[seq.seq_id] = gen
-        return gen
+            stream = self._seeded[seq.seq_id] = SeededStream(gen)
+        return stream
 
-    def _to_host(self, ids: torch.Tensor, raw: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
+    def _to_host(self, ids: torch.Tensor, raw: torch.Tensor, seqs: list[SampleRow]) -> list[SampledToken]:
         wanted = [s.params.logprobs for s in seqs if s.params.logprobs is not None]
         if not wanted:
             return [SampledToken(t) for t in ids.tolist()]  # the one device-to-host copy
@@ -133,12 +138,12 @@ def _unpack(row: list[float], asked: int | None, k: int) -> SampledToken:
     return SampledToken(token_id, row[1], top)
 
 
-def _has_penalty(seq: Sequence) -> bool:
+def _has_penalty(seq: SampleRow) -> bool:
     p = seq.params
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
-def suppress_stops(logits: torch.Tensor, seqs: list[Sequence], eos: list[int]) -> torch.Tensor:
+def suppress_stops(logits: torch.Tensor, seqs: list[SampleRow], eos: list[int]) -> torch.Tensor:
     """Forbid EOS and stop token ids for sequences that have not reached min_tokens yet."""
     logits = logits.clone()
     for i, seq in enumerate(seqs):
@@ -148,7 +153,7 @@ def suppress_stops(logits: torch.Tensor, seqs: list[Sequence], eos: list[int]) -
     return logits
 
 
-def token_counts(seqs: list[Sequence], vocab: int, device: torch.device, prompt: bool) -> torch.Tensor:
+def token_counts(seqs: list[SampleRow], vocab: int, device: torch.device, prompt: bool) -> torch.Tensor:
     """[batch, vocab] counts of the output tokens (plus prompt tokens when `prompt`) of each sequence."""
     lists = [(s.prompt_token_ids if prompt else []) + s.output_token_ids for s in seqs]
     width = max(1, max(len(t) for t in lists))
@@ -160,7 +165,7 @@ def token_counts(seqs: list[Sequence], vocab: int, device: torch.device, prompt:
     return counts[:, :vocab]
 
 
-def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, seqs: list[SampleRow]) -> torch.Tensor:
     """Repetition (HF: divide positive / multiply negative logits of seen tokens, prompt included), then
     OpenAI presence and frequency penalties over the generated tokens."""
     vocab, device = logits.shape[1], logits.device
@@ -174,7 +179,7 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return logits - frequency * out_counts - presence * (out_counts > 0).float()
 
 
-def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+def apply_logit_bias(logits: torch.Tensor, seqs: list[SampleRow]) -> torch.Tensor:
     logits = logits.clone()
     for i, seq in enumerate(seqs):
         bias = seq.params.logit_bias
@@ -252,3 +257,25 @@ def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     total = cdf[:, -1:]
     target = torch.minimum(u[:, None].to(cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=probs.shape[1] - 1)  # NaN rows: in range
+
+
+class SeededStream:
+    """A seeded sequence's random numbers, indexed by output position: the token at position p is drawn with the
+    generator's p-th number, however many rows asked for it (speculative decoding samples rows for positions it
+    then discards; their numbers are kept for when those positions are sampled again). Plain decoding asks for
+    each position once, in order: one draw each, as before."""
+
+    def __init__(self, gen: torch.Generator) -> None:
+        self._gen = gen
+        self._base = 0  # the output position of ahead[0]
+        self._ahead: list[torch.Tensor] = []  # drawn, for positions base, base + 1, ...
+
+    def at(self, position: int, done: int) -> torch.Tensor:
+        """The [1] uniform number of output `position`; the numbers of positions before `done` are forgotten (no
+        row asks for them again: a sequence's output only grows)."""
+        drop = min(max(0, done - self._base), len(self._ahead))
+        del self._ahead[:drop]
+        self._base += drop
+        while self._base + len(self._ahead) <= position:
+            self._ahead.append(torch.rand(1, device=self._gen.device, generator=self._gen))
+        return self._ahead[position - self._base]

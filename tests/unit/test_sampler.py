@@ -143,6 +143,7 @@ def test_seeded_rows_do_not_depend_on_batch_mates(own: dict, mates_params: dict,
         for _ in range(10):
             logits = torch.cat([torch.randn(batch_mates, 100), row]).to(device)
             out.append(s.sample(logits, [*mates, target])[-1].token_id)
+            target.output_token_ids.append(out[-1])  # as the engine does: the next draw is the next position's
         return out
 
     assert draws(0) == draws(3) == draws(7)
@@ -186,3 +187,32 @@ def test_logprobs_are_the_raw_log_softmax_with_top_k() -> None:
     assert [lp for _, lp in first.top] == pytest.approx(ref[[1, 2]].tolist(), abs=1e-6)
     assert second.logprob is None and second.top == ()
     assert math.isclose(sum(math.exp(v) for v in ref.tolist()), 1.0, rel_tol=1e-6)
+
+
+def test_seeded_numbers_follow_the_output_position_through_verification_rows() -> None:
+    """Speculative decoding samples rows for positions it may then discard: a seeded sequence's token at output
+    position p is drawn with its generator's p-th number however many rows asked for p, so verification keeps
+    exactly the tokens plain decoding draws."""
+    from engine.core.sequence import DraftRow
+
+    torch.manual_seed(0)
+    logits = torch.randn(12, 50) * 2  # position p's logits: row p
+    params = SamplingParams(temperature=1.0, seed=9)
+    plain_seq, plain = seq(params), sampler()
+    want = []
+    for p in range(12):
+        want.append(plain.sample(logits[p : p + 1], [plain_seq])[0].token_id)
+        plain_seq.output_token_ids.append(want[-1])
+    spec_seq, spec = seq(params), sampler()
+    while len(spec_seq.output_token_ids) < 12:
+        n = len(spec_seq.output_token_ids)
+        depth = min(4, 12 - n)
+        draft = [want[n + i] if i % 3 != 2 else -1 for i in range(depth - 1)]  # some proposals wrong
+        rows = [spec_seq] + [DraftRow(spec_seq, spec_seq.output_token_ids + draft[:i]) for i in range(1, depth)]
+        got = [t.token_id for t in spec.sample(logits[n : n + depth], rows)]
+        keep = 1
+        while keep < depth and got[keep - 1] == draft[keep - 1]:
+            keep += 1
+        spec_seq.output_token_ids += got[:keep]
+    assert spec_seq.output_token_ids == want
+    assert len(set(want)) > 3  # it does sample

@@ -1,0 +1,192 @@
+"""Speculative decoding's pure-Python half: what to propose, and whether to keep proposing. No torch.
+
+A decoding sequence with proposals (`Sequence.draft`) is scheduled as a small chunk of 1 + k positions: its last
+token and the k proposed ones (engine/core/scheduler.py). The step computes their K/V and a logits row at each
+position, exactly as a prefill chunk does; the engine samples every row with the sequence's own sampling
+parameters as if the proposals before that row were already accepted, and keeps the sampled tokens up to and
+including the first that differs from its proposal (`accepted_prefix`). Each kept token is the token plain
+decoding would have drawn at that position (same logits, same sampler, the same random number: the sampler's
+numbers are indexed by output position), so greedy output is token for token the same, and sampled output has
+the target distribution; for a one-token proposal this acceptance rule is standard rejection sampling (accept t
+with probability p(t); on rejection, the draw from p conditioned on not t). docs/speculative.md has the argument.
+
+Proposers: `NgramProposer` (prompt lookup: no second model). A draft model would be another `Proposer`; the engine
+only calls `propose`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from engine.core.sequence import Sequence
+
+
+class Proposer(Protocol):
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        """Up to `k` tokens `seq` is likely to continue with (may be empty)."""
+        ...
+
+    def release(self, seq: Sequence) -> None:
+        """Forget any state kept for `seq` (it finished or was aborted)."""
+        ...
+
+
+class NgramIndex:
+    """Where each n-gram (n in [min_n, max_n]) of a token list last ended, kept up to date incrementally: proposing
+    costs O(max_n) dictionary operations per new token, whatever the length of the sequence."""
+
+    def __init__(self, max_n: int, min_n: int) -> None:
+        self.max_n = max_n
+        self.min_n = min_n
+        self._last: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_n + 1)]  # n -> n-gram -> end index
+        self._indexed = 0  # n-grams ending before this index are in `_last`
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        """The (up to) `k` tokens that followed the latest earlier occurrence of the longest suffix n-gram of
+        `tokens` found (n from max_n down to min_n), or []."""
+        end = len(tokens) - 1  # the suffix ends here; occurrences ending before it are indexed
+        while self._indexed < end:
+            i = self._indexed
+            for n in range(self.min_n, min(self.max_n, i + 1) + 1):
+                self._last[n][tuple(tokens[i - n + 1 : i + 1])] = i
+            self._indexed += 1
+        for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
+            at = self._last[n].get(tuple(tokens[len(tokens) - n :]))
+            if at is not None:
+                return tokens[at + 1 : min(at + 1 + k, end + 1)]
+        return []
+
+
+def ngram_propose(tokens: list[int], k: int, max_n: int = 3, min_n: int = 1) -> list[int]:
+    """`NgramIndex.lookup` from scratch (the reference the tests compare the incremental index with)."""
+    end = len(tokens) - 1
+    for n in range(min(max_n, len(tokens)), min_n - 1, -1):
+        suffix = tokens[len(tokens) - n :]
+        for i in range(end - 1, n - 2, -1):
+            if tokens[i - n + 1 : i + 1] == suffix:
+                return tokens[i + 1 : min(i + 1 + k, end + 1)]
+    return []
+
+
+class NgramProposer:
+    """Prompt lookup: match the sequence's last n tokens (n = max_n down to min_n) against its own prompt and
+    output; propose the tokens that followed the latest match."""
+
+    def __init__(self, max_n: int = 3, min_n: int = 1) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.max_n = max_n
+        self.min_n = min_n
+        self._index: dict[tuple[str, int], tuple[list[int], NgramIndex]] = {}
+
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        if k <= 0:
+            return []
+        entry = self._index.get(seq.seq_id)
+        if entry is None:
+            entry = self._index[seq.seq_id] = ([], NgramIndex(self.max_n, self.min_n))
+        tokens, index = entry
+        # the token list grows by appending (prompt, then outputs); copy only what is new
+        tokens.extend(seq.tokens_in(len(tokens), seq.num_tokens))
+        return index.lookup(tokens, k)
+
+    def release(self, seq: Sequence) -> None:
+        self._index.pop(seq.seq_id, None)
+
+
+class StepCost:
+    """A step's time as fixed + per_row x rows, fitted online (least squares, older steps forgotten geometrically).
+    On a CPU the one-call step reads the weights once whatever the rows (fixed) and computes each row (per row);
+    `row_share` is the share of a step of `rows` rows that its rows cost: what one more row costs relative to
+    what a row yields. Before the steps vary enough to fit, rows are assumed to cost `prior` of the fixed part."""
+
+    def __init__(self, decay: float = 0.98, prior: float = 0.3) -> None:
+        self.decay = decay
+        self.prior = prior
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+
+    def observe(self, rows: int, seconds: float) -> None:
+        if self._w == 0.0:  # a pseudo-point that says: each row costs `prior` of the fixed part
+            fixed = seconds / (1 + self.prior * rows)
+            self._add(rows + 8, fixed * (1 + self.prior * (rows + 8)))
+        self._add(rows, seconds)
+
+    def _add(self, x: float, y: float) -> None:
+        d = self.decay
+        self._w, self._x, self._y = d * self._w + 1, d * self._x + x, d * self._y + y
+        self._xx, self._xy = d * self._xx + x * x, d * self._xy + x * y
+
+    def fit(self) -> tuple[float, float]:
+        """(fixed, per_row) seconds; (0, 0) before any step."""
+        if self._w == 0.0:
+            return 0.0, 0.0
+        mx, my = self._x / self._w, self._y / self._w
+        var = self._xx / self._w - mx * mx
+        per_row = max(0.0, (self._xy / self._w - mx * my) / var) if var > 1e-9 else 0.0
+        fixed = my - per_row * mx
+        if fixed <= 0.05 * my:  # noise fitted a line through (almost) zero: keep a fixed part
+            fixed = 0.05 * my
+            per_row = (my - fixed) / max(mx, 1.0)
+        return fixed, per_row
+
+    def row_share(self, rows: int) -> float:
+        """per_row x rows / (fixed + per_row x rows): the share of such a step its rows cost (prior before data)."""
+        fixed, per_row = self.fit()
+        if fixed + per_row == 0.0:
+            return self.prior * rows / (1 + self.prior * rows)
+        return per_row * rows / (fixed + per_row * rows)
+
+
+@dataclass(slots=True)
+class Adaptive:
+    """Per sequence: how many proposals pay. `alpha` estimates the chance that a proposal is accepted given that
+    the one before it was (verifications' accepted and tried proposals, older ones forgotten geometrically, from a
+    prior of 2 in 3). The j-th proposal is accepted with chance alpha^j and costs one row; a row pays when that
+    chance exceeds the share of the step rows cost (`StepCost.row_share`: one token per row is what decoding
+    yields). When not even one proposal pays, the sequence stops proposing for `pause` steps, then tries one
+    (pauses double on each failed try up to `max_pause`, and start over once proposals pay)."""
+
+    decay: float = 0.8
+    hits: float = 2.0
+    tries: float = 3.0
+    start_pause: int = 4
+    max_pause: int = 128
+    pause: int = 0  # steps left without proposals
+    next_pause: int = 4
+
+    @property
+    def alpha(self) -> float:
+        return self.hits / self.tries
+
+    def length(self, k: int, row_share: float) -> int:
+        """How many of up to `k` proposals to verify this step (0: none; counts a paused step down)."""
+        n, chance = 0, self.alpha
+        while n < k and chance > row_share:
+            n += 1
+            chance *= self.alpha
+        if n > 0:
+            self.pause, self.next_pause = 0, self.start_pause
+            return n
+        if self.pause > 0:
+            self.pause -= 1
+            return 0
+        self.pause = self.next_pause
+        self.next_pause = min(2 * self.next_pause, self.max_pause)
+        return 1  # a try: one proposal, to learn whether they pay again
+
+    def record(self, proposed: int, accepted: int) -> None:
+        """A verification of `proposed` proposals kept `accepted` (each kept one was tried after a kept one)."""
+        if proposed <= 0:
+            return
+        self.hits = self.decay * self.hits + accepted
+        self.tries = self.decay * self.tries + accepted + (1 if accepted < proposed else 0)
+
+
+def accepted_prefix(draft: list[int] | tuple[int, ...], sampled: list[int]) -> int:
+    """How many proposals the sampled rows confirm: the length of the longest prefix where row i's token equals
+    proposal i. `sampled` has len(draft) + 1 rows; the tokens kept are sampled[: accepted + 1]."""
+    a = 0
+    while a < len(draft) and sampled[a] == draft[a]:
+        a += 1
+    return a

