@@ -26,6 +26,7 @@ namespace {
 
 struct DecoderLayer {
   torch::Tensor input_norm, post_norm, k_cache, v_cache;
+  torch::Tensor q_norm, k_norm;  // per-head RMSNorm weights [head_dim] before RoPE (Qwen3); undefined when absent
   Linear qkv, o, gate_up, down;
 };
 
@@ -95,6 +96,23 @@ class LlamaDecoder {
     if (amx_) pack_all();
   }
 
+  // How the model's block differs from Llama's (engine/model/families.py): per layer the q and k per-head norm
+  // weights (an empty list when the family has none), the scale of the looked-up embeddings, of each block's
+  // output before the residual add (o and down), and the divisor of the logits. Called once, before any step.
+  void configure(const std::vector<torch::Tensor>& qk_norms, double embed_scale, double residual_scale,
+                 double logit_div) {
+    TORCH_CHECK(qk_norms.empty() || qk_norms.size() == 2 * layers_.size(), "LlamaDecoder: q and k norms per layer");
+    for (size_t i = 0; i < qk_norms.size(); ++i) {
+      const torch::Tensor& w = qk_norms[i];
+      TORCH_CHECK(w.scalar_type() == kType<T> && w.is_contiguous() && w.numel() == dim_,
+                  "LlamaDecoder: q/k norm weights [head_dim] in the model dtype");
+      (i % 2 ? layers_[i / 2].k_norm : layers_[i / 2].q_norm) = w;
+    }
+    embed_scale_ = embed_scale;
+    for (auto& l : layers_) l.o.scale = l.down.scale = static_cast<float>(residual_scale);
+    head_.divisor = static_cast<float>(logit_div);
+  }
+
   // ids [B] (this step's tokens), rope_rows [B] (each token's row of the RoPE tables cos and sin [rows, head_dim]),
   // slots [B], block_tables [B, max_blocks], lengths [B] (context tokens, this one included). Returns float32 logits
   // [B, vocab] holding the T values the LM head rounds to. Embedding lookup to logits is one call, so no
@@ -109,7 +127,9 @@ class LlamaDecoder {
     const int64_t B = tok.numel(), H = heads_, KVH = kv_heads_, D = dim_, hid = hidden_;
     TORCH_CHECK(rope.numel() == B && slot.numel() == B && tables.size(0) == B && lens.numel() == B,
                 "LlamaDecoder.step: one RoPE row, slot, table and length per token");
-    TORCH_CHECK(cs.dim() == 2 && cs.size(1) == D && sn.sizes() == cs.sizes(), "LlamaDecoder.step: cos, sin [rows, head_dim]");
+    const int64_t R = cs.size(1);  // the rotated dims: head_dim, or fewer (partial rotary, Phi-4-mini)
+    TORCH_CHECK(cs.dim() == 2 && R <= D && R % 2 == 0 && sn.sizes() == cs.sizes(),
+                "LlamaDecoder.step: cos, sin [rows, rotary dims <= head_dim]");
     const int64_t *tokp = tok.data_ptr<int64_t>(), *ropep = rope.data_ptr<int64_t>();
     for (int64_t m = 0; m < B; ++m)
       TORCH_CHECK(tokp[m] >= 0 && tokp[m] < embed_.size(0) && ropep[m] >= 0 && ropep[m] < cs.size(0),
@@ -127,6 +147,9 @@ class LlamaDecoder {
       for (int64_t m = 0; m < B; ++m)
         std::copy_n(embed_.data_ptr<T>() + tokp[m] * hid, hid, h.data_ptr<T>() + m * hid);
     }
+    if (embed_scale_ != 1.0)  // Granite's embedding multiplier, Gemma's sqrt(hidden): rounded to T as torch does
+      for (T* e = h.data_ptr<T>(); e < h.data_ptr<T>() + B * hid; ++e)
+        *e = static_cast<T>(static_cast<float>(*e) * static_cast<float>(embed_scale_));
     auto x = torch::empty({B, hid}, opts), delta = torch::empty({B, hid}, opts), qkv = torch::empty({B, QKV}, opts);
     auto q = torch::empty({B, H, D}, opts), attn = torch::empty({B, H * D}, opts);
     auto gu = torch::empty({B, 2 * I}, opts), act = torch::empty({B, I}, opts);
@@ -167,6 +190,7 @@ class LlamaDecoder {
       }  // (the implicit barrier here publishes them)
       const int nt = barrier.n, t = omp_get_thread_num();
       Scratch s;
+      std::vector<T> normed(D);  // a q or k head after its norm
       // h += add; x = RMSNorm(h) * w: a share of the rows each, or with few rows (own_rows) every row on every
       // thread, each into its own copy of h and x, with no barrier after.
       std::vector<T> own_h, own_x;
@@ -199,9 +223,14 @@ class LlamaDecoder {
         for (int64_t i = t; i < B * (H + 2 * KVH); i += nt) {  // RoPE on q and k; k and v into their cache slots
           const int64_t m = i / (H + 2 * KVH), head = i % (H + 2 * KVH);
           const T* src = qkvp + m * QKV + head * D;
-          const T *cp = cs0 + ropep[m] * D, *sp = sn0 + ropep[m] * D;
-          if (head < H) rope_head(src, cp, sp, qp + (m * H + head) * D, D);
-          else if (head < H + KVH) rope_head(src, cp, sp, kc + (slotp[m] * KVH + head - H) * D, D);
+          const T *cp = cs0 + ropep[m] * R, *sp = sn0 + ropep[m] * R;
+          if (head < H + KVH && l.q_norm.defined()) {  // the head's own RMSNorm first (Qwen3)
+            const T* w = (head < H ? l.q_norm : l.k_norm).data_ptr<T>();
+            add_rms_norm_row(const_cast<T*>(src), static_cast<const T*>(nullptr), w, normed.data(), D, eps);
+            src = normed.data();
+          }
+          if (head < H) rope_head(src, cp, sp, qp + (m * H + head) * D, D, R);
+          else if (head < H + KVH) rope_head(src, cp, sp, kc + (slotp[m] * KVH + head - H) * D, D, R);
           else std::transform(src, src + D, vc + (slotp[m] * KVH + head - H - KVH) * D,
                               [](T v) { return static_cast<C>(static_cast<float>(v)); });
         }
@@ -269,6 +298,7 @@ class LlamaDecoder {
   double eps_;
   int64_t block_size_;
   double scale_;
+  double embed_scale_ = 1.0;
   bool amx_;
 };
 
@@ -284,6 +314,8 @@ void bind_one(pybind11::module_& m, const char* name) {
                     const std::vector<std::vector<torch::Tensor>>&, const std::vector<std::vector<int64_t>>&,
                     const std::vector<torch::Tensor>&, const torch::Tensor&, int64_t, int64_t, int64_t, double,
                     int64_t, double, bool>())
+      .def("configure", &LlamaDecoder<T, C>::configure,
+           "configure(qk_norms, embed_scale, residual_scale, logit_div): the family's differences from Llama's block")
       .def("step", &LlamaDecoder<T, C>::step,
            "one decode step: step(ids, rope_rows, cos, sin, slots, block_tables, lengths) -> float32 logits [B, vocab]",
            release());

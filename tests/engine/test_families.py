@@ -1,0 +1,149 @@
+"""The model families served quantized on the fast path (engine/model/families.py): for each, a tiny random-weight
+model written as a GGUF file the way llama.cpp's converter lays it out (tests/family_gguf.py: Q8_0 matmul weights),
+loaded through models/gguf_weights.py and served by the engine, where every step (prefill and decode) goes through
+the C++ one-call decoder; the reference is transformers' own model of the same family on the dequantized weights.
+
+Stated bound: the decoder multiplies int8-quantized activations (blocks of 32, as llama.cpp does) by the Q8_0
+weights, so its logits differ from the float32 reference by the activations' rounding: at prefill and at each of 16
+decode steps, at most 2% of the reference's largest logit (measured, AMD EPYC Zen 3, AVX2: 0.2-0.6%), and the 16
+greedy tokens equal transformers' generate. A prompt gives the same tokens and logprobs, to the bit, alone and with
+batch mates. Damaged files get one clear error before anything is built."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from engine.model.families import FAMILIES, family_of
+from engine.model.quant import QuantLinear
+from engine.types import EngineConfig, SamplingParams
+from models import gguf_weights
+from models.loader import LoadError, load_model
+from tests.family_gguf import SPECS, write_family
+from tests.support import Loaded, make_engine, run_all, tokens_of
+
+pytestmark = pytest.mark.timeout(900)
+BOUND = 0.02  # logits: max |ours - reference| / max |reference|
+PROMPT = [5, 60, 61, 62, 63, 64, 200, 17]
+MATES = {"b": [9, 8, 7, 6, 5, 4, 3, 2, 1, 300], "c": [40, 41]}
+STEPS = 16
+
+
+def vocab_of(tokenizer: object) -> int:
+    n = len(tokenizer)
+    return n + (-n) % 32  # Q8_0 rows of the LM head
+
+
+@pytest.fixture(scope="module", params=list(SPECS))
+def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+           byte_level_tokenizer: object) -> tuple[str, torch.nn.Module, Loaded]:
+    """(family, the float32 reference, the GGUF file served quantized)."""
+    folder = tmp_path_factory.mktemp(request.param)
+    reference = write_family(folder, request.param, vocab_of(byte_level_tokenizer))
+    model = gguf_weights.load(folder / "tiny.gguf", folder, torch.float32)
+    return request.param, reference, Loaded(model, byte_level_tokenizer, 256)
+
+
+def greedy(logprobs: int = 0) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=logprobs or None)
+
+
+def test_every_family_is_in_the_table() -> None:
+    assert {"llama", "mistral", "qwen2", "qwen3", "granite", "phi3"} <= set(FAMILIES)
+    assert set(gguf_weights.ARCHITECTURES) >= {"llama", "qwen2", "qwen3", "granite", "phi3"}
+
+
+def test_logits_and_greedy_match_transformers_on_the_fast_path(served: tuple[str, torch.nn.Module, Loaded]) -> None:
+    family, reference, loaded = served
+    assert family_of(loaded.model.config) is not None
+    assert any(isinstance(m, QuantLinear) for m in loaded.model.modules())
+    engine = make_engine(loaded)
+    assert engine.runner.impl == "llama"
+    fast, captured = engine.runner.forward, []
+
+    def spy(*args: object) -> torch.Tensor:
+        logits = fast(*args)
+        captured.append(logits.float().clone())
+        return logits
+
+    engine.runner._forward = spy
+    ours = tokens_of(run_all(engine, {"a": (PROMPT, greedy())})["a"])
+    assert fast._decoder is not None, "the one-call C++ decoder did not run"
+    with torch.inference_mode():
+        want = reference(torch.tensor([PROMPT + ours])).logits[0, len(PROMPT) - 1 : -1]
+        theirs = reference.generate(torch.tensor([PROMPT]), max_new_tokens=STEPS, do_sample=False,
+                                    eos_token_id=None, pad_token_id=0)[0, len(PROMPT):].tolist()
+    got = torch.cat(captured)
+    assert got.shape == want.shape == (STEPS, want.shape[1])
+    error = float((got - want).abs().max() / want.abs().max())
+    assert error <= BOUND, f"{family}: logit error {error:.3g} of the largest logit"
+    assert ours == theirs, family
+
+
+def test_batch_invariant(served: tuple[str, torch.nn.Module, Loaded]) -> None:
+    family, _, loaded = served
+    alone = run_all(make_engine(loaded), {"a": (PROMPT, greedy(1))})["a"]
+    mates = {name: (prompt, greedy(1)) for name, prompt in MATES.items()}
+    together = run_all(make_engine(loaded), {"a": (PROMPT, greedy(1)), **mates})["a"]
+    assert tokens_of(alone) == tokens_of(together), family
+    lp = [[p.logprob for o in outs for p in o.logprobs] for outs in (alone, together)]
+    assert len(lp[0]) == STEPS and lp[0] == lp[1], family
+
+
+def test_llama3_rope_freqs_reach_the_rotary_module(served: tuple[str, torch.nn.Module, Loaded]) -> None:
+    """Llama 3.x files carry their rope scaling as rope_freqs (config.json has none): the served model's inverse
+    frequencies are the scaled ones, which the fast path's RoPE tables come from."""
+    family, reference, loaded = served
+    if family != "llama3":
+        pytest.skip("Llama 3.x only")
+    ours, theirs = loaded.model.model.rotary_emb.inv_freq, reference.model.rotary_emb.inv_freq
+    assert not hasattr(loaded.model.config, "rope_scaling") or not loaded.model.config.rope_scaling
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)
+    plain = 1.0 / 10000.0 ** (torch.arange(0, 32, 2) / 32)
+    assert not torch.allclose(ours, plain)  # the scaling changes some of them
+
+
+# --- files that cannot be served -----------------------------------------------------------------------
+
+
+def write_unknown(path: Path) -> None:
+    writer = gguf.GGUFWriter(path, "nosucharch")
+    writer.add_tensor("token_embd.weight", np.ones((4, 32), np.float32))
+    for step in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        step()
+    writer.close()
+
+
+def test_truncated_file_is_one_clear_error(tmp_path: Path, byte_level_tokenizer: object) -> None:
+    write_family(tmp_path, "qwen3", vocab_of(byte_level_tokenizer))
+    path = tmp_path / "tiny.gguf"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size * 2 // 3])
+    with pytest.raises(gguf_weights.BadFile, match="truncated"):
+        gguf_weights.check(path)
+    cfg = EngineConfig(model_path=str(tmp_path), model_name="t", gguf_file=path.name, device="cpu", dtype="float32",
+                       weight_format="quantized", cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(LoadError, match="truncated") as caught:
+        load_model(cfg)
+    assert "\n" not in str(caught.value)
+
+
+def test_unknown_architecture_is_one_clear_error(tmp_path: Path) -> None:
+    write_unknown(tmp_path / "odd.gguf")
+    with pytest.raises(gguf_weights.BadFile, match="unknown architecture 'nosucharch'"):
+        gguf_weights.check(tmp_path / "odd.gguf")
+
+
+def test_shape_against_metadata_is_one_clear_error(tmp_path: Path, byte_level_tokenizer: object) -> None:
+    """config.json (the file's metadata, converted) says a feed-forward width the tensors do not have."""
+    from transformers import AutoConfig
+
+    write_family(tmp_path, "qwen3", vocab_of(byte_level_tokenizer))
+    config = AutoConfig.from_pretrained(tmp_path)
+    config.intermediate_size = 192
+    config.save_pretrained(tmp_path)
+    with pytest.raises(gguf_weights.BadFile, match=r"ffn|mlp.*\[256, 128\].*\[192, 128\]"):
+        gguf_weights.load(tmp_path / "tiny.gguf", tmp_path, torch.float32)
