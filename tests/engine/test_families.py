@@ -5,7 +5,8 @@ the C++ one-call decoder; the reference is transformers' own model of the same f
 
 Stated bound: the decoder multiplies int8-quantized activations (blocks of 32, as llama.cpp does) by the Q8_0
 weights, so its logits differ from the float32 reference by the activations' rounding: at prefill and at each of 16
-decode steps, at most 2% of the reference's largest logit (measured, AMD EPYC Zen 3, AVX2: 0.2-0.6%), and the 16
+decode steps, at most 3% of the reference's largest logit (measured, AMD EPYC Zen 3, AVX2: llama3 0.60%, mistral
+1.12%, qwen3 1.13%, granite 0.18%, phi3 1.22%; tests/engine/test_qdot.py holds the Llama decoder to 5%), and the 16
 greedy tokens equal transformers' generate. A prompt gives the same tokens and logprobs, to the bit, alone and with
 batch mates. Damaged files get one clear error before anything is built."""
 
@@ -27,7 +28,7 @@ from tests.family_gguf import SPECS, write_family
 from tests.support import Loaded, make_engine, run_all, tokens_of
 
 pytestmark = pytest.mark.timeout(900)
-BOUND = 0.02  # logits: max |ours - reference| / max |reference|
+BOUND = 0.03  # logits: max |ours - reference| / max |reference|
 PROMPT = [5, 60, 61, 62, 63, 64, 200, 17]
 MATES = {"b": [9, 8, 7, 6, 5, 4, 3, 2, 1, 300], "c": [40, 41]}
 STEPS = 16
@@ -101,7 +102,7 @@ def test_llama3_rope_freqs_reach_the_rotary_module(served: tuple[str, torch.nn.M
     if family != "llama3":
         pytest.skip("Llama 3.x only")
     ours, theirs = loaded.model.model.rotary_emb.inv_freq, reference.model.rotary_emb.inv_freq
-    assert not hasattr(loaded.model.config, "rope_scaling") or not loaded.model.config.rope_scaling
+    assert loaded.model.config.rope_parameters["rope_type"] == "default"  # as transformers converts such a file
     torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)
     plain = 1.0 / 10000.0 ** (torch.arange(0, 32, 2) / 32)
     assert not torch.allclose(ours, plain)  # the scaling changes some of them
