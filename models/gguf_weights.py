@@ -56,7 +56,11 @@ TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "o
 # RoPE frequency factors (Llama 3.x rope scaling; Phi-3's longrope short factors): RoPE's inverse frequencies are
 # divided by them, as llama.cpp does (`_rebuild_rotary`), not parameters of the model
 ROPE_FACTORS = ("rope_freqs.weight", "rope_factors_short.weight")
-IGNORED = ("rope_factors_long.weight",)  # Phi-3's factors beyond its original context: not applied (docs)
+IGNORED = ("rope_factors_long.weight",)
+# Architectures served here that transformers' GGUF reader has no table for: their metadata keys (those of "llama",
+# plus these) added to its table before it converts the config and tokenizer
+EXTRA_METADATA = {"granite": {"embedding_scale": "embedding_multiplier", "residual_scale": "residual_multiplier",
+                              "attention.scale": "attention_multiplier", "logit_scale": "logits_scaling"}}  # Phi-3's factors beyond its original context: not applied (docs)
 
 
 class Unsupported(ValueError):
@@ -125,6 +129,7 @@ def _write_metadata(gguf_path: Path, out: Path) -> None:
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     folder, name = gguf_path.parent, gguf_path.name
+    teach_transformers()
     config = AutoConfig.from_pretrained(folder, gguf_file=name)
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the weights are loaded here, not by transformers' GGUF quantizer
@@ -134,6 +139,18 @@ def _write_metadata(gguf_path: Path, out: Path) -> None:
     AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out)
     marker = {"format": META_FORMAT, "source": str(gguf_path), "weights": "kept quantized in the GGUF file"}
     (out / "peregrine.json").write_text(json.dumps(marker, indent=2) + "\n")
+
+
+def teach_transformers() -> None:
+    """Adds EXTRA_METADATA's architectures to transformers' GGUF tables (once; its own entries are left alone), so
+    that its conversion reads their config and tokenizer as it reads the architectures it knows."""
+    from transformers import modeling_gguf_pytorch_utils as reader
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    for arch, keys in EXTRA_METADATA.items():
+        GGUF_CONFIG_MAPPING.setdefault(arch, {**GGUF_CONFIG_MAPPING["llama"], **keys})
+        if arch not in reader.GGUF_SUPPORTED_ARCHITECTURES:
+            reader.GGUF_SUPPORTED_ARCHITECTURES.append(arch)
 
 
 def _complete(config: object, gguf_path: Path) -> None:
@@ -298,7 +315,7 @@ def check(gguf_path: Path) -> str:
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
     arch = str(open_reader(gguf_path).fields["general.architecture"].contents())
-    if arch not in ARCHITECTURES and arch not in GGUF_SUPPORTED_ARCHITECTURES:
+    if arch not in (*ARCHITECTURES, *GGUF_SUPPORTED_ARCHITECTURES):
         raise BadFile(f"{gguf_path.name}: unknown architecture {arch!r} (served quantized: "
                       f"{', '.join(ARCHITECTURES)}; densely: the architectures transformers' GGUF loader reads)")
     return arch

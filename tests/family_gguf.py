@@ -5,6 +5,7 @@ norms; and the transformers model holding the same weights dequantized (the refe
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,8 +67,10 @@ def gguf_name(hf: str, arch: str) -> str:
     return f"blk.{index}.{next(g for g, h in names.items() if h == stem)}.{kind}"
 
 
-def write_family(folder: Path, family: str, vocab: int, seed: int = 0) -> torch.nn.Module:
-    """`folder`/tiny.gguf and its config.json; returns the float32 reference on the dequantized weights."""
+def write_family(folder: Path, family: str, vocab: int, seed: int = 0, tokenizer: Any = None) -> torch.nn.Module:
+    """`folder`/tiny.gguf and its config.json; returns the float32 reference on the dequantized weights. With a
+    (byte-level BPE) `tokenizer`, the file also holds the metadata llama.cpp's converter writes (hyperparameters,
+    Granite's multipliers, the tokenizer), for transformers' GGUF conversion to read."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     spec = SPECS[family]
@@ -78,6 +81,8 @@ def write_family(folder: Path, family: str, vocab: int, seed: int = 0) -> torch.
     served = {k: v for k, v in config.to_dict().items() if k not in (*spec.served_drop, "model_type")}
     AutoConfig.for_model(spec.served_type or spec.model_type, **served).save_pretrained(folder)
     writer = gguf.GGUFWriter(folder / "tiny.gguf", spec.arch)
+    if tokenizer is not None:
+        _metadata(writer, config, tokenizer)
     state = {}
     for name, value in model.state_dict().items():
         if name == "lm_head.weight" and spec.tied:
@@ -104,6 +109,36 @@ def _write(writer: gguf.GGUFWriter, name: str, value: torch.Tensor, arch: str, c
     stored = blocks[llama_cpp_order(blocks.shape[0], permuted)] if permuted else blocks
     writer.add_tensor(gguf_name(name, arch), stored, raw_dtype=GGMLQuantizationType.Q8_0)
     return torch.from_numpy(quants.dequantize(blocks, GGMLQuantizationType.Q8_0).astype(np.float32))
+
+
+def _metadata(writer: gguf.GGUFWriter, config: Any, tokenizer: Any) -> None:
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(HEAD_DIM)
+    writer.add_value_length(HEAD_DIM)
+    writer.add_rope_dimension_count(int(HEAD_DIM * getattr(config, "partial_rotary_factor", 1.0)))
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    if config.model_type == "granite":
+        writer.add_embedding_scale(config.embedding_multiplier)
+        writer.add_residual_scale(config.residual_multiplier)
+        writer.add_attention_scale(config.attention_multiplier)
+        writer.add_logit_scale(config.logits_scaling)
+    model = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
+    tokens = sorted(model["vocab"], key=model["vocab"].get)
+    tokens += [f"<pad{i}>" for i in range(config.vocab_size - len(tokens))]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * len(tokens))
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in model["merges"]])
+    writer.add_bos_token_id(config.bos_token_id)
+    writer.add_eos_token_id(config.eos_token_id)
+    writer.add_pad_token_id(0)  # Phi-3's default (32000) is past a tiny vocabulary
 
 
 @torch.no_grad()
