@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 META_FORMAT = 2  # bump when the cached metadata layout changes
 # GGUF general.architecture values served quantized (the Llama-block families of engine/model/families.py; Mistral
 # and Ministral files say "llama")
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "granite", "phi3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "granite", "phi3", "gemma3")
 PERMUTED = ("llama", "granite")  # llama.cpp's converter permutes Q and K rows of these (its LlamaModel)
 DENSE_TYPES = (0, 1)  # F32, F16: dequantized to the serving dtype
 LAYER_NAMES = {  # GGUF blk.N.<name> -> transformers model.layers.N.<name>
@@ -51,7 +51,12 @@ LAYER_NAMES = {  # GGUF blk.N.<name> -> transformers model.layers.N.<name>
     "attn_k_norm": "self_attn.k_norm",
     "attn_qkv": "self_attn.qkv_proj",  # Phi-3: q, k, v rows in one tensor
 }
-ARCH_LAYER_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}  # Phi-3's ffn_up holds the gate rows, then the up rows
+ARCH_LAYER_NAMES = {
+    "phi3": {"ffn_up": "mlp.gate_up_proj"},  # Phi-3's ffn_up holds the gate rows, then the up rows
+    "gemma3": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+}
+NORM_PLUS_ONE = ("gemma3",)  # llama.cpp's converter stores Gemma's norm weights as 1 + w; transformers' hold w
 TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # RoPE frequency factors (Llama 3.x rope scaling; Phi-3's longrope short factors): RoPE's inverse frequencies are
 # divided by them, as llama.cpp does (`_rebuild_rotary`), not parameters of the model
@@ -210,6 +215,8 @@ def _tensor(t: object, dtype: torch.dtype, name: str, config: object, arch: str)
         value: torch.Tensor | QuantWeight = QuantWeight(data.reshape(rows, -1), qtype, (rows, cols))
     else:
         value = data.reshape(tuple(int(d) for d in reversed(t.shape))).to(dtype)
+    if arch in NORM_PLUS_ONE and name.endswith("norm.weight"):
+        value = value - 1  # transformers' Gemma RMSNorm adds the 1 itself
     heads = _permuted_heads(name, config) if arch in PERMUTED else None
     if heads:
         order = unpermute_rows(value.shape[0], heads)
@@ -231,8 +238,10 @@ def _permuted_heads(name: str, config: object) -> int | None:
 def _place_quantized(model: nn.Module, path: str, weight: QuantWeight, dtype: torch.dtype) -> None:
     parent, _, attr = path.rpartition(".")
     owner = model.get_submodule(parent)
-    if isinstance(getattr(owner, attr), nn.Embedding):
-        setattr(owner, attr, QuantEmbedding(weight, dtype))
+    old = getattr(owner, attr)
+    if isinstance(old, nn.Embedding):  # Gemma's scales its rows (scalar_embed_scale): so does the quantized one
+        scale = getattr(old, "scalar_embed_scale", None)
+        setattr(owner, attr, QuantEmbedding(weight, dtype, None if scale is None else float(scale)))
     else:
         setattr(owner, attr, QuantLinear(weight))
 

@@ -44,6 +44,10 @@ SPECS = {
     "granite": Spec("granite", "granite", {"embedding_multiplier": 6.0, "residual_multiplier": 0.25,
                                            "attention_multiplier": 1 / 16, "logits_scaling": 4.0}),
     "phi3": Spec("phi3", "phi3", {"partial_rotary_factor": 0.75, "pad_token_id": 0}, tied=False),
+    # a window of 4 on the first layer (its RoPE base 10k), the second global (base 1M): both matter within a test
+    "gemma3": Spec("gemma3", "gemma3_text", {"head_dim": HEAD_DIM, "query_pre_attn_scalar": HEAD_DIM,
+                                             "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"],
+                                             "pad_token_id": 0}),
 }
 
 
@@ -100,8 +104,8 @@ def write_family(folder: Path, family: str, vocab: int, seed: int = 0, tokenizer
 def _write(writer: gguf.GGUFWriter, name: str, value: torch.Tensor, arch: str, config: Any) -> torch.Tensor:
     """Writes one tensor (matmul weights in Q8_0, the rest F32); returns the values the file holds."""
     array = value.detach().float().numpy()
-    if array.ndim == 1:
-        writer.add_tensor(gguf_name(name, arch), array)
+    if array.ndim == 1:  # llama.cpp's converter stores Gemma's norm weights as 1 + w
+        writer.add_tensor(gguf_name(name, arch), array + 1 if arch in gguf_weights.NORM_PLUS_ONE else array)
         return value
     blocks = quants.quantize(array.astype(np.float32), GGMLQuantizationType.Q8_0)
     heads = {"self_attn.q_proj": config.num_attention_heads, "self_attn.k_proj": config.num_key_value_heads}
@@ -138,6 +142,7 @@ def _metadata(writer: gguf.GGUFWriter, config: Any, tokenizer: Any) -> None:
     writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in model["merges"]])
     writer.add_bos_token_id(config.bos_token_id)
     writer.add_eos_token_id(config.eos_token_id)
+    writer.add_unk_token_id(model["vocab"]["<unk>"])  # Gemma's conversion asks for one
     writer.add_pad_token_id(0)  # Phi-3's default (32000) is past a tiny vocabulary
 
 
@@ -146,9 +151,10 @@ def _randomize(model: torch.nn.Module) -> None:
     """Weights of unit-scale activations (transformers' init of std 0.02 gives near-uniform logits, whose greedy
     choices are ties): matmuls of std 1 / sqrt(fan in), the LM head three times that, embeddings of std 1, norm
     weights around 1."""
+    neutral = 0.0 if model.config.model_type.startswith("gemma") else 1.0  # Gemma's norms use 1 + w
     for name, p in model.named_parameters():
         if p.dim() == 1:
-            p.copy_(1 + 0.1 * torch.randn_like(p))
+            p.copy_(neutral + 0.1 * torch.randn_like(p))
         else:
             std = 1.0 if "embed" in name else (3.0 if "lm_head" in name else 1.0) / p.shape[1] ** 0.5
             p.copy_(std * torch.randn_like(p))

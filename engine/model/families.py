@@ -13,14 +13,18 @@ residual add, RMSNorm, gate/up, SiLU(gate) * up, down, a residual add; the final
 | qwen3   | per head | silu       | -                    | -                                             | full    |
 | granite | -        | silu       | -                    | embedding, residual, attention scale, logits  | full    |
 | phi3    | -        | silu       | qkv_proj, gate_up    | -                                             | partial |
+| gemma3  | per head | gelu_tanh  | -                    | embeddings * sqrt(hidden) (in the embedding)  | 2 bases |
 
-Sliding-window layers are not served here (`window` says so: such a model keeps the generic path).
+Gemma 3 also: norm weights used as 1 + w, an RMSNorm on each block's output before the residual add (post-attention,
+post-feed-forward), attention scaled by query_pre_attn_scalar ** -0.5, and sliding-window layers (5 of 6) whose
+RoPE has its own base. Other families with a sliding window keep the generic path.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 
@@ -32,6 +36,10 @@ class Family:
     activation: str = "silu"  # the MLP's gate activation (config.hidden_act)
     fused: bool = False  # q/k/v and gate/up are one Linear each in the model (self_attn.qkv_proj, mlp.gate_up_proj)
     multipliers: bool = False  # Granite's embedding_multiplier, residual_multiplier, attention_multiplier, logits_scaling
+    norm_offset: float = 0.0  # RMSNorm weights used as offset + w (Gemma: 1)
+    sandwich: bool = False  # o's and down's outputs normalized before the residual add (Gemma 3's post norms)
+    scaled_embedding: bool = False  # the embedding module scales its rows by sqrt(hidden) (Gemma)
+    sliding: bool = False  # some layers attend through a sliding window, each layer type with its own RoPE
 
 
 FAMILIES: dict[str, Family] = {
@@ -41,6 +49,8 @@ FAMILIES: dict[str, Family] = {
     "qwen3": Family(qk_norm=True),
     "granite": Family(multipliers=True),
     "phi3": Family(fused=True),
+    "gemma3_text": Family(qk_norm=True, activation="gelu_pytorch_tanh", norm_offset=1.0, sandwich=True,
+                          scaled_embedding=True, sliding=True),
 }
 
 
@@ -51,29 +61,41 @@ class Block:
     family: Family
     head_dim: int
     attention_scale: float  # the softmax scale: head_dim ** -0.5, or Granite's attention_multiplier
-    embedding_scale: float = 1.0  # the looked-up embeddings times this
+    embedding_scale: float = 1.0  # the looked-up rows times this (in the decoder; op by op, Granite's only)
     residual_scale: float = 1.0  # each block's output (o, down) times this before the residual add
     logit_divisor: float = 1.0  # the logits over this
+    layer_types: tuple[str, ...] = ()  # per layer its type (RoPE table), for a sliding family
+    windows: tuple[int, ...] = ()  # per layer its window (0: none), for a sliding family
 
 
 def family_of(config: object) -> Family | None:
     """The family of a transformers config, or None when it is not one of the table's."""
     family = FAMILIES.get(str(getattr(config, "model_type", "")))
-    if family is None or getattr(config, "hidden_act", "silu") != family.activation or sliding_window(config):
+    activation = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+    if family is None or activation != family.activation or (sliding_window(config) and not family.sliding):
         return None
+    if getattr(config, "final_logit_softcapping", None) or getattr(config, "attn_logit_softcapping", None):
+        return None  # Gemma 2's soft caps: not in the decoder
     return family
 
 
-def block_of(config: object) -> Block:
+def block_of(config: object, dtype: torch.dtype = torch.float32) -> Block:
+    """The numbers of `config`'s block, for a model in `dtype`."""
     family = family_of(config)
     if family is None:
         raise ValueError(f"no fast-path family for model_type {getattr(config, 'model_type', None)!r}")
     heads = int(config.num_attention_heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-    if not family.multipliers:
+    if family.multipliers:
+        return Block(family, head_dim, float(config.attention_multiplier), float(config.embedding_multiplier),
+                     float(config.residual_multiplier), float(config.logits_scaling))
+    if not family.sliding:
         return Block(family, head_dim, head_dim**-0.5)
-    return Block(family, head_dim, float(config.attention_multiplier), float(config.embedding_multiplier),
-                 float(config.residual_multiplier), float(config.logits_scaling))
+    types = tuple(config.layer_types[: config.num_hidden_layers])
+    windows = tuple(int(config.sliding_window) if t == "sliding_attention" else 0 for t in types)
+    scale = float(torch.tensor(config.hidden_size**0.5, dtype=dtype))  # Gemma rounds it to the model dtype
+    return Block(family, head_dim, float(config.query_pre_attn_scalar) ** -0.5, scale, layer_types=types,
+                 windows=windows)
 
 
 def sliding_window(config: object) -> bool:

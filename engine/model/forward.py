@@ -125,6 +125,10 @@ class LayerWeights:
     gate_up_bias: torch.Tensor | None
     down: Weight
     down_bias: torch.Tensor | None
+    attn_out_norm: torch.Tensor | None = None  # [hidden], o's output normalized before the residual add (Gemma 3)
+    mlp_out_norm: torch.Tensor | None = None  # [hidden], down's likewise
+    window: int = 0  # a sliding-window layer's window (0: none)
+    layer_type: str | None = None  # its RoPE table (Gemma 3: "sliding_attention" or "full_attention")
 
 
 class LlamaFastForward:
@@ -136,14 +140,15 @@ class LlamaFastForward:
         self._quantized = is_quantized(model)
         self.linear = quant_aware(kernels.linear) if self._quantized else kernels.linear
         self.add_norm = kernels.add_rms_norm  # residual add + RMSNorm: torch ops, or engine.backends.cpu_kernels' fused one
-        self.block: Block = block_of(config)  # how this family's block differs from Llama's
+        inner = model.model
+        self.block: Block = block_of(config, inner.norm.weight.dtype)  # how this family's block differs from Llama's
+        self.final_norm = _offset(inner.norm.weight, self.block.family.norm_offset)
         self.hidden = config.hidden_size
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads or self.heads
         self.head_dim = self.block.head_dim
         self.eps = config.rms_norm_eps
         self.scaling = self.block.attention_scale
-        inner = model.model
         self.layers = [self._layer(layer) for layer in inner.layers[: config.num_hidden_layers]]
         decoder = kernels.decoder  # engine.backends.cpu_kernels.llama_decoder_for: None unless on CPU
         self._decoder_factory = decoder
@@ -170,17 +175,27 @@ class LlamaFastForward:
             try:
                 built = self._decoder_factory(embed_weight[0], embed_type[0], layers, [p[0] for p in parts],
                                               [p[1] for p in parts], [_or(bias, none) for _, bias in matmuls],
-                                              self.model.model.norm.weight, self.heads, self.kv_heads, self.head_dim,
+                                              self.final_norm, self.heads, self.kv_heads, self.head_dim,
                                               self.eps, kv_cache.block_size, self.scaling)
-                b = self.block
-                built.configure([n for w in self.layers if w.q_norm is not None for n in (w.q_norm, w.k_norm)],
-                                b.embedding_scale, b.residual_scale, b.logit_divisor)
+                self._configure(built)
             except RuntimeError as exc:  # a shape or dtype the kernel does not take: keep the op-by-op pass
                 log.info("one-call decode step off: %s", str(exc).splitlines()[0])
                 self._decoder_factory = None
                 return None
             self._decoder = (kv_cache, built)
         return self._decoder[1]
+
+    def _configure(self, built: object) -> None:
+        """The decoder's view of the family's differences (LlamaDecoder::configure)."""
+        b, types = self.block, self._rope_types()
+        built.configure([n for w in self.layers if w.q_norm is not None for n in (w.q_norm, w.k_norm)],
+                        [n for w in self.layers if w.attn_out_norm is not None for n in (w.attn_out_norm, w.mlp_out_norm)],
+                        [w.window for w in self.layers], [types.index(w.layer_type) for w in self.layers],
+                        b.embedding_scale, b.residual_scale, b.logit_divisor, b.family.activation != "silu")
+
+    def _rope_types(self) -> list[str | None]:
+        """The RoPE tables a step hands the decoder, stacked in this order: one per layer type (None: the one)."""
+        return sorted({w.layer_type for w in self.layers}, key=str)
 
     def _whole_step(self, meta: AttentionMetadata) -> bool:
         """Whether the one-call step computes this step: decode steps always; prefill and mixed steps too with
@@ -217,19 +232,25 @@ class LlamaFastForward:
         """The decoder's RoPE inputs: each token's row of (cos, sin) tables. Static RoPE: rows of a table of every
         position so far (the same values the rotary module gives, computed once). Else this step's own rows."""
         if not self._static_rope:
-            cos, sin = self._rope_rows(positions)
+            cos, sin = self._rope_tables(positions)
             return torch.arange(positions.shape[0], device=positions.device), cos, sin
         need = int(positions.numpy().max()) + 1  # the decoder runs on CPU; numpy skips a torch dispatch
-        if self._rope_table is None or self._rope_table[0].shape[0] < need:
+        if self._rope_table is None or self._rope_table[0].shape[0] < need * len(self._rope_types()):
             rows = max(256, 1 << (need - 1).bit_length())  # doubling: a handful of rebuilds over a long sequence
-            cos, sin = self._rope_rows(torch.arange(rows, device=positions.device))
+            cos, sin = self._rope_tables(torch.arange(rows, device=positions.device))
             self._rope_table = (cos.contiguous(), sin.contiguous())
         return positions, *self._rope_table
 
-    def _rope_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rotary module's (cos, sin) rows of `positions`, in the model dtype."""
+    def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each layer type's (cos, sin) rows of `positions`, the tables stacked in `_rope_types` order."""
+        tables = [self._rope_rows(positions, t) for t in self._rope_types()]
+        return torch.cat([c for c, _ in tables]), torch.cat([s for _, s in tables])
+
+    def _rope_rows(self, positions: torch.Tensor, layer_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary module's (cos, sin) rows of `positions` (of `layer_type`'s RoPE), in the model dtype."""
         probe = torch.empty(0, dtype=self.model.model.norm.weight.dtype, device=positions.device)  # the model dtype
-        cos, sin = self.model.model.rotary_emb(probe, positions[None])
+        rotary = self.model.model.rotary_emb
+        cos, sin = rotary(probe, positions[None]) if layer_type is None else rotary(probe, positions[None], layer_type)
         return cos[0], sin[0]
 
     def _layer(self, layer: nn.Module) -> LayerWeights:
@@ -238,11 +259,21 @@ class LlamaFastForward:
         *gate_up_parts, down = mlp_linears(layer, family)
         qkv, qkv_bias = _joined(qkv_parts)
         gate_up, gate_up_bias = _joined(gate_up_parts)
-        a = layer.self_attn
-        q_norm, k_norm = (a.q_norm.weight, a.k_norm.weight) if family.qk_norm else (None, None)
+        a, b = layer.self_attn, self.block
+
+        def norm(module: nn.Module | None) -> torch.Tensor | None:
+            return None if module is None else _offset(module.weight, family.norm_offset)
+
+        q_norm, k_norm = (norm(a.q_norm), norm(a.k_norm)) if family.qk_norm else (None, None)
+        # Gemma 3: post_attention_layernorm is o's output norm, pre_feedforward_layernorm the MLP's input norm
+        post, sandwich = layer.post_attention_layernorm, family.sandwich
+        index = int(getattr(a, "layer_idx", 0))
         return LayerWeights(
-            layer.input_layernorm.weight, qkv, qkv_bias, weight_of(o), o.bias, layer.post_attention_layernorm.weight,
-            q_norm, k_norm, gate_up, gate_up_bias, weight_of(down), down.bias,
+            norm(layer.input_layernorm), qkv, qkv_bias, weight_of(o), o.bias,
+            norm(layer.pre_feedforward_layernorm if sandwich else post), q_norm, k_norm, gate_up, gate_up_bias,
+            weight_of(down), down.bias, norm(post if sandwich else None),
+            norm(layer.post_feedforward_layernorm if sandwich else None),
+            b.windows[index] if b.windows else 0, b.layer_types[index] if b.layer_types else None,
         )
 
     @torch.inference_mode()
@@ -256,18 +287,19 @@ class LlamaFastForward:
             tables, lengths = step_rows(meta, positions)
             logits = decoder.step(input_ids, *self.decoder_rope(positions), meta.slot_mapping, tables, lengths)
             return logits if logits.shape[0] == 1 else logits[logits_indices]
-        h = self._scaled(inner.embed_tokens(input_ids), self.block.embedding_scale)  # [tokens, hidden], the residual
-        cos, sin = inner.rotary_emb(h[None], positions[None])  # [1, tokens, rotary dims]   stream, updated in place
-        cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [tokens, 1, rotary dims]
+        family = self.block.family  # Gemma's embedding module scales its rows itself; Granite's model does it
+        h = inner.embed_tokens(input_ids)  # [tokens, hidden], the residual stream, updated in place
+        h = h if family.scaled_embedding else self._scaled(h, self.block.embedding_scale)
+        ropes = {t: self._rope_rows(positions, t) for t in self._rope_types()}  # [tokens, rotary dims] each
         delta = None  # the last block's output, not yet added to h
-        residual = self.block.residual_scale
         for index, w in enumerate(self.layers):
+            cos, sin = (r[:, None, :] for r in ropes[w.layer_type])  # [tokens, 1, rotary dims]
             x = self.add_norm(h, delta, w.input_norm, self.eps)
-            out = self._scaled(self._attention(index, w, x, cos, sin, meta), residual)
-            x = self.add_norm(h, out, w.post_norm, self.eps)
-            delta = self._scaled(self._mlp(w, x), residual)
+            x = self.add_norm(h, self._output(self._attention(index, w, x, cos, sin, meta), w.attn_out_norm),
+                              w.post_norm, self.eps)
+            delta = self._output(self._mlp(w, x), w.mlp_out_norm)
         rows = h[logits_indices]  # the final norm and the LM head only run on the rows that sample
-        last = self.add_norm(rows, None if delta is None else delta[logits_indices], inner.norm.weight, self.eps)
+        last = self.add_norm(rows, None if delta is None else delta[logits_indices], self.final_norm, self.eps)
         head = self.model.lm_head
         logits = self.linear(last, weight_of(head), head.bias)
         return logits if self.block.logit_divisor == 1.0 else logits / self.block.logit_divisor
@@ -275,6 +307,11 @@ class LlamaFastForward:
     @staticmethod
     def _scaled(x: torch.Tensor, scale: float) -> torch.Tensor:
         return x if scale == 1.0 else x * scale
+
+    def _output(self, out: torch.Tensor, norm: torch.Tensor | None) -> torch.Tensor:
+        """A block's output as the residual add takes it: normalized (Gemma 3), scaled (Granite)."""
+        out = out if norm is None else self.add_norm(out, None, norm, self.eps)
+        return self._scaled(out, self.block.residual_scale)
 
     def _attention(self, index: int, w: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    meta: AttentionMetadata) -> torch.Tensor:
@@ -287,12 +324,13 @@ class LlamaFastForward:
         qk = _rope(qk, cos, sin)
         q, k = qk.split((self.heads, self.kv_heads), dim=1)
         v = qkv[:, self.heads + self.kv_heads :]
-        out = attend(index, q, k, v, meta, self.scaling)  # [tokens, heads, dim]
+        out = attend(index, q, k, v, meta, self.scaling, w.window)  # [tokens, heads, dim]
         return self.linear(out.reshape(tokens, -1), w.o, w.o_bias)
 
     def _mlp(self, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
-        return self.linear(F.silu(gate) * up, w.down, w.down_bias)
+        act = F.silu(gate) if self.block.family.activation == "silu" else F.gelu(gate, approximate="tanh")
+        return self.linear(act * up, w.down, w.down_bias)
 
 
 def step_rows(meta: AttentionMetadata, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -328,6 +366,11 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
         return torch.cat((_rope(x[..., :rotary], cos, sin), x[..., rotary:]), dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def _offset(weight: torch.Tensor, offset: float) -> torch.Tensor:
+    """An RMSNorm weight as the norm uses it: w, or offset + w computed in float32 (Gemma's 1 + w)."""
+    return weight if offset == 0.0 else (offset + weight.float()).to(weight.dtype)
 
 
 def _head_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

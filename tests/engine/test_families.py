@@ -2,14 +2,16 @@
 model written as a GGUF file the way llama.cpp's converter lays it out (tests/family_gguf.py: Q8_0 matmul weights),
 loaded through models/gguf_weights.py and served by the engine, where every step (prefill and decode) goes through
 the C++ one-call decoder; the reference is transformers' own model of the same family on the dequantized weights.
+Gemma 3's tiny model has a window of 4 on its first layer (its own RoPE base) and a global second layer, so the
+window and both RoPE tables matter within the 24 positions of a test.
 
 Stated bound: the decoder multiplies int8-quantized activations (blocks of 32, as llama.cpp does) by the Q8_0
 weights, so its logits differ from the float32 reference by the activations' rounding: at prefill and at each of 16
 decode steps, at most 3% of the reference's largest logit (measured, AMD EPYC Zen 3, AVX2: llama3 0.60%, mistral
-1.12%, qwen3 1.13%, granite 0.18%, phi3 1.22%; tests/engine/test_qdot.py holds the Llama decoder to 5%), and the 16
+1.12%, qwen3 1.13%, granite 0.18%, phi3 1.22%, gemma3 0.20%; tests/engine/test_qdot.py holds the Llama decoder to 5%), and the 16
 greedy tokens equal transformers' generate. A prompt gives the same tokens and logprobs, to the bit, alone and with
 batch mates. In bfloat16, the decoder against the op-by-op pass over the same quantized weights (float activations):
-within 5% of the largest logit at each decode step (measured 0.7-1.7%), bitwise the same alone and in a batch.
+within 5% of the largest logit at each decode step (measured 0.2-1.7%), bitwise the same alone and in a batch.
 A bare .gguf of each family converts (transformers' GGUF reader, taught Granite's keys) to a config of that
 family served on the fast path. Damaged files get one clear error before anything is built."""
 
@@ -58,8 +60,8 @@ def greedy(logprobs: int = 0) -> SamplingParams:
 
 
 def test_every_family_is_in_the_table() -> None:
-    assert {"llama", "mistral", "qwen2", "qwen3", "granite", "phi3"} <= set(FAMILIES)
-    assert set(gguf_weights.ARCHITECTURES) >= {"llama", "qwen2", "qwen3", "granite", "phi3"}
+    assert {"llama", "mistral", "qwen2", "qwen3", "granite", "phi3", "gemma3_text"} <= set(FAMILIES)
+    assert set(gguf_weights.ARCHITECTURES) >= {"llama", "qwen2", "qwen3", "granite", "phi3", "gemma3"}
 
 
 def test_logits_and_greedy_match_transformers_on_the_fast_path(served: tuple[str, torch.nn.Module, Loaded]) -> None:
@@ -142,6 +144,8 @@ def test_a_bare_gguf_converts_to_its_family(family: str, tmp_path: Path, byte_le
         multipliers = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
         assert [getattr(config, k) for k in multipliers] == [spec.extra[k] for k in multipliers]
     assert supports(model)
+    if family == "gemma3":  # transformers rebuilds Gemma's tokenizer as SentencePiece, which this byte-level BPE is not
+        return
     text = "def add(a, b): return a + b"
     assert AutoTokenizer.from_pretrained(folder).encode(text) == byte_level_tokenizer.encode(text)
 

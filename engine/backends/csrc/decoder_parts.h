@@ -113,5 +113,15 @@ inline void silu_mul(const T* gate, const T* up, T* act) {
   (round_to<T>(g * sigmoid) * u).store(act);
 }
 
+// act = to_T(to_T(gelu_tanh(gate)) * up), Vec::W elements (Gemma's GeGLU; transformers' gelu_pytorch_tanh).
+template <typename T>
+inline void gelu_tanh_mul(const T* gate, const T* up, T* act) {
+  for (int i = 0; i < Vec::W; ++i) {
+    const float g = static_cast<float>(gate[i]);
+    const float gelu = 0.5f * g * (1.f + std::tanh(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+    act[i] = static_cast<T>(static_cast<float>(static_cast<T>(gelu)) * static_cast<float>(up[i]));
+  }
+}
+
 }  // namespace
 }  // namespace peregrine
