@@ -1,4 +1,6 @@
-// LlamaDecoder: a whole decode step of a Llama-family model (Llama, SmolLM, Mistral, Qwen2) in one call.
+// LlamaDecoder: a whole decode step of a Llama-block model in one call: Llama, SmolLM, Mistral, Qwen2, and the
+// families whose differences engine/model/families.py lists and `configure` hands over (Qwen3's q/k norms,
+// Granite's multipliers, Phi-3's partial rotary, Gemma 3's output norms, GeGLU, sliding windows and RoPE tables).
 //
 // At batch 1 the weights are read once per token and everything else is tiny vectors, so what costs time besides
 // the weight stream is per-op overhead: Python dispatch and waking the thread team for each of the ~15 ops of
