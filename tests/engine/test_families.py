@@ -190,3 +190,17 @@ def test_shape_against_metadata_is_one_clear_error(tmp_path: Path, byte_level_to
     config.save_pretrained(tmp_path)
     with pytest.raises(gguf_weights.BadFile, match=r"ffn|mlp.*\[256, 128\].*\[192, 128\]"):
         gguf_weights.load(tmp_path / "tiny.gguf", tmp_path, torch.float32)
+
+
+def test_acquire_stops_at_start_with_the_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What `main` logs and exits 1 on (its StartError): before any preflight, conversion or kernel."""
+    from config import load_settings
+    from models.acquire import StartError, acquire
+
+    write_unknown(tmp_path / "odd.gguf")
+    monkeypatch.chdir(tmp_path)  # no .env
+    settings = load_settings(["--model", str(tmp_path / "odd.gguf"), "--device", "cpu", "--embedding-model", "none",
+                              "--cache-dir", str(tmp_path)])
+    with pytest.raises(StartError, match="unknown architecture 'nosucharch'") as caught:
+        acquire(settings)
+    assert "\n" not in str(caught.value)
