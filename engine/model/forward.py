@@ -1,5 +1,5 @@
 """A lean forward pass for the Llama-block families (engine/model/families.py: Llama, SmolLM, Mistral, Qwen2, Qwen3,
-Granite, Phi-3), on the model's own weights; what a family changes in the block comes from its row of that table.
+Granite, Phi-3, Gemma 3), on the model's own weights; what a family changes in the block comes from its row of that table.
 
 Same math as transformers' LlamaForCausalLM, with fewer, larger ops per layer: q/k/v and gate/up are fused
 into one matmul each (the original nn.Linear weights become views into the fused tensors, so memory is not
@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 def supports(model: nn.Module) -> bool:
     """A family of engine/model/families.py (the Llama block and its variants) with dense nn.Linear or quantized
-    projections and full attention in every layer (a sliding window is left to the generic path)."""
+    projections; sliding-window layers only where the family's row has them (Gemma 3), else the generic path."""
     family = family_of(model.config)
     inner = getattr(model, "model", None)
     if family is None or inner is None or not hasattr(inner, "rotary_emb") or not hasattr(inner, "layers"):
