@@ -41,10 +41,13 @@ class StartError(RuntimeError):
 def acquire(settings: Settings) -> Prepared:
     """Resolve the model source, device and dtype; refuse early if it will not fit; download if needed."""
     from engine.backends.devices import DeviceError, resolve
+    from models.gguf_weights import BadFile, check
     from models.hub import HubError, download, plan_download, resolve_source
 
     try:
         source = resolve_source(settings.model, settings.revision)
+        if source.kind == "gguf":  # a damaged file or an unknown architecture: one line now, not a crash later
+            check(Path(source.path))
         resolved = resolve(settings.device, settings.dtype)  # the one resolution: EngineConfig carries it
         device, dtype = resolved.device, resolved.dtype
         plan = plan_download(source, **_hub_args(settings)) if source.kind == "hub" else None
@@ -54,7 +57,9 @@ def acquire(settings: Settings) -> Prepared:
         if not settings.skip_preflight:
             run_preflight(settings, source, plan, device, dtype)
         path = Path(str(download(plan, **_hub_args(settings, plan=False)) if plan else source.path))
-    except (DeviceError, HubError) as exc:
+        if plan and path.suffix == ".gguf":
+            check(path)
+    except (DeviceError, HubError, BadFile) as exc:
         raise StartError(str(exc)) from None
     return Prepared(path, device, dtype, engine_config(settings, path, device, dtype), embedder_location(settings))
 

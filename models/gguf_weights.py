@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import struct
 import tempfile
 from pathlib import Path
 
@@ -30,8 +31,11 @@ from models.fingerprint import gguf_fingerprint
 
 log = logging.getLogger(__name__)
 
-META_FORMAT = 1  # bump when the cached metadata layout changes
-ARCHITECTURES = ("llama", "qwen2")  # GGUF general.architecture values served quantized (Llama block)
+META_FORMAT = 2  # bump when the cached metadata layout changes
+# GGUF general.architecture values served quantized (the Llama-block families of engine/model/families.py; Mistral
+# and Ministral files say "llama")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "granite", "phi3", "gemma3")
+PERMUTED = ("llama", "granite")  # llama.cpp's converter permutes Q and K rows of these (its LlamaModel)
 DENSE_TYPES = (0, 1)  # F32, F16: dequantized to the serving dtype
 LAYER_NAMES = {  # GGUF blk.N.<name> -> transformers model.layers.N.<name>
     "attn_norm": "input_layernorm",
@@ -43,22 +47,44 @@ LAYER_NAMES = {  # GGUF blk.N.<name> -> transformers model.layers.N.<name>
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3: q, k, v rows in one tensor
 }
+ARCH_LAYER_NAMES = {
+    "phi3": {"ffn_up": "mlp.gate_up_proj"},  # Phi-3's ffn_up holds the gate rows, then the up rows
+    "gemma3": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+}
+NORM_PLUS_ONE = ("gemma3",)  # llama.cpp's converter stores Gemma's norm weights as 1 + w; transformers' hold w
 TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-IGNORED = ("rope_freqs.weight",)  # Llama 3.x files: transformers derives the same factors from config.json
+# RoPE frequency factors (Llama 3.x rope scaling; Phi-3's longrope short factors): RoPE's inverse frequencies are
+# divided by them, as llama.cpp does (`_rebuild_rotary`), not parameters of the model
+ROPE_FACTORS = ("rope_freqs.weight", "rope_factors_short.weight")
+IGNORED = ("rope_factors_long.weight",)
+# Architectures served here that transformers' GGUF reader has no table for: their metadata keys (those of "llama",
+# plus these) added to its table before it converts the config and tokenizer
+EXTRA_METADATA = {"granite": {"embedding_scale": "embedding_multiplier", "residual_scale": "residual_multiplier",
+                              "attention.scale": "attention_multiplier", "logit_scale": "logits_scaling"}}  # Phi-3's factors beyond its original context: not applied (docs)
 
 
 class Unsupported(ValueError):
     """This file cannot be served quantized (an architecture or tensor type the kernels do not take)."""
 
 
-def hf_name(name: str) -> str:
+class BadFile(ValueError):
+    """The file is damaged or contradicts itself (truncated, a tensor shape its metadata disagrees with, an
+    architecture nothing here knows): no way of serving it will work."""
+
+
+def hf_name(name: str, arch: str = "llama") -> str:
     """GGUF tensor name -> transformers parameter name ("blk.3.attn_q.weight" -> "model.layers.3.self_attn...")."""
     stem, _, kind = name.rpartition(".")
     if stem.startswith("blk."):
         _, index, part = stem.split(".", 2)
-        if part in LAYER_NAMES:
-            return f"model.layers.{index}.{LAYER_NAMES[part]}.{kind}"
+        names = {**LAYER_NAMES, **ARCH_LAYER_NAMES.get(arch, {})}
+        if part in names:
+            return f"model.layers.{index}.{names[part]}.{kind}"
     elif stem in TOP_NAMES:
         return f"{TOP_NAMES[stem]}.{kind}"
     raise Unsupported(f"tensor {name} has no place in a Llama-block model")
@@ -108,9 +134,11 @@ def _write_metadata(gguf_path: Path, out: Path) -> None:
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     folder, name = gguf_path.parent, gguf_path.name
+    teach_transformers()
     config = AutoConfig.from_pretrained(folder, gguf_file=name)
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the weights are loaded here, not by transformers' GGUF quantizer
+    _complete(config, gguf_path)
     config.save_pretrained(out)
     GenerationConfig.from_model_config(config).save_pretrained(out)
     AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out)
@@ -118,16 +146,38 @@ def _write_metadata(gguf_path: Path, out: Path) -> None:
     (out / "peregrine.json").write_text(json.dumps(marker, indent=2) + "\n")
 
 
+def teach_transformers() -> None:
+    """Adds EXTRA_METADATA's architectures to transformers' GGUF tables (once; its own entries are left alone), so
+    that its conversion reads their config and tokenizer as it reads the architectures it knows."""
+    from transformers import modeling_gguf_pytorch_utils as reader
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    for arch, keys in EXTRA_METADATA.items():
+        GGUF_CONFIG_MAPPING.setdefault(arch, {**GGUF_CONFIG_MAPPING["llama"], **keys})
+        if arch not in reader.GGUF_SUPPORTED_ARCHITECTURES:
+            reader.GGUF_SUPPORTED_ARCHITECTURES.append(arch)
+
+
+def _complete(config: object, gguf_path: Path) -> None:
+    """What transformers' GGUF conversion leaves out of the config: the head size (`attention.key_length`, which
+    it maps for a few architectures only; Qwen3's default of 128 is wrong for other sizes)."""
+    reader = open_reader(gguf_path)
+    arch = str(reader.fields["general.architecture"].contents())
+    key_length = reader.fields.get(f"{arch}.attention.key_length")
+    if key_length is not None and hasattr(config, "head_dim"):
+        config.head_dim = int(key_length.contents())
+
+
 # --- the model ------------------------------------------------------------------------------------------
 
 
 def load(gguf_path: Path, folder: Path, dtype: torch.dtype, trust_remote_code: bool = False) -> nn.Module:
     """The transformers model of `folder`'s config, its weights taken from `gguf_path` (quantized ones kept so).
-    Raises Unsupported before building anything when the file cannot be served this way."""
-    from gguf import GGUFReader
+    Raises Unsupported before building anything when the file cannot be served this way, BadFile when it is
+    damaged or contradicts its metadata."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    reader = GGUFReader(gguf_path)
+    reader = open_reader(gguf_path)
     arch = str(reader.fields["general.architecture"].contents())
     if arch not in ARCHITECTURES:
         raise Unsupported(f"architecture {arch!r} (served quantized: {', '.join(ARCHITECTURES)})")
@@ -137,17 +187,18 @@ def load(gguf_path: Path, folder: Path, dtype: torch.dtype, trust_remote_code: b
     config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
-    tensors = {hf_name(t.name): t for t in reader.tensors if t.name not in IGNORED}
+    tensors = {hf_name(t.name, arch): t for t in reader.tensors if t.name not in (*IGNORED, *ROPE_FACTORS)}
     quantized: dict[str, QuantWeight] = {}
     for name, t in sorted(tensors.items(), key=lambda item: item[0].endswith(".bias")):  # weights before biases
         value = _tensor(t, dtype, name, config, arch)
+        _check_shape(model, name, tuple(value.shape))
         if isinstance(value, QuantWeight):
             quantized[name] = value
             _place_quantized(model, name.removesuffix(".weight"), value, dtype)
         else:
             _set(model, name, nn.Parameter(value, requires_grad=False))
     _tie_head(model, quantized)
-    _rebuild_rotary(model)
+    _rebuild_rotary(model, [t for t in reader.tensors if t.name in ROPE_FACTORS])
     leftover = [n for n, p in (*model.named_parameters(), *model.named_buffers()) if p.is_meta]
     if leftover:
         raise Unsupported(f"the file has no values for {', '.join(leftover[:4])}")
@@ -164,7 +215,9 @@ def _tensor(t: object, dtype: torch.dtype, name: str, config: object, arch: str)
         value: torch.Tensor | QuantWeight = QuantWeight(data.reshape(rows, -1), qtype, (rows, cols))
     else:
         value = data.reshape(tuple(int(d) for d in reversed(t.shape))).to(dtype)
-    heads = _permuted_heads(name, config) if arch == "llama" else None
+    if arch in NORM_PLUS_ONE and name.endswith("norm.weight"):
+        value = value - 1  # transformers' Gemma RMSNorm adds the 1 itself
+    heads = _permuted_heads(name, config) if arch in PERMUTED else None
     if heads:
         order = unpermute_rows(value.shape[0], heads)
         if isinstance(value, QuantWeight):
@@ -185,8 +238,10 @@ def _permuted_heads(name: str, config: object) -> int | None:
 def _place_quantized(model: nn.Module, path: str, weight: QuantWeight, dtype: torch.dtype) -> None:
     parent, _, attr = path.rpartition(".")
     owner = model.get_submodule(parent)
-    if isinstance(getattr(owner, attr), nn.Embedding):
-        setattr(owner, attr, QuantEmbedding(weight, dtype))
+    old = getattr(owner, attr)
+    if isinstance(old, nn.Embedding):  # Gemma's scales its rows (scalar_embed_scale): so does the quantized one
+        scale = getattr(old, "scalar_embed_scale", None)
+        setattr(owner, attr, QuantEmbedding(weight, dtype, None if scale is None else float(scale)))
     else:
         setattr(owner, attr, QuantLinear(weight))
 
@@ -212,12 +267,67 @@ def _tie_head(model: nn.Module, quantized: dict[str, QuantWeight]) -> None:
         model.lm_head.weight = model.model.embed_tokens.weight
 
 
-def _rebuild_rotary(model: nn.Module) -> None:
-    """RoPE's inverse frequencies are computed at construction, which ran on the meta device: redo it."""
+def _rebuild_rotary(model: nn.Module, factors: list[object]) -> None:
+    """RoPE's inverse frequencies are computed at construction, which ran on the meta device: redo it, then divide
+    them by the file's frequency factors (Llama 3.x `rope_freqs`: what llama.cpp does with them)."""
     inner = model.model
     rotary = getattr(inner, "rotary_emb", None)
-    if rotary is not None:
-        inner.rotary_emb = type(rotary)(config=model.config)
+    if rotary is None:
+        return
+    inner.rotary_emb = rotary = type(rotary)(config=model.config)
+    for t in factors:
+        factor = torch.from_numpy(np.array(t.data, dtype=np.float32)).reshape(-1)
+        if factor.shape != rotary.inv_freq.shape:
+            raise BadFile(f"{t.name} holds {factor.numel()} factors for {rotary.inv_freq.numel()} RoPE frequencies")
+        rotary.inv_freq = rotary.inv_freq / factor.to(rotary.inv_freq.dtype)
+        rotary.original_inv_freq = rotary.inv_freq
+
+
+def _check_shape(model: nn.Module, name: str, shape: tuple[int, ...]) -> None:
+    """The tensor's shape against the one the metadata (config.json) gives its parameter."""
+    path, _, attr = name.rpartition(".")
+    try:
+        owner = model.get_submodule(path)
+    except AttributeError:
+        raise BadFile(f"tensor {name} has no place in a {model.config.model_type} model") from None
+    current = getattr(owner, attr, None)
+    if isinstance(owner, QuantLinear) and attr == "bias":
+        want: tuple[int, ...] = (owner.out_features,)
+    elif isinstance(current, torch.Tensor):
+        want = tuple(current.shape)
+    else:
+        raise BadFile(f"tensor {name} has no place in a {model.config.model_type} model")
+    if want != shape:
+        raise BadFile(f"tensor {name} is {list(shape)} but the file's metadata makes it {list(want)}")
+
+
+def open_reader(gguf_path: Path) -> object:
+    """The file's GGUFReader, or BadFile when it cannot be read whole (truncated, not a GGUF file)."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(gguf_path)
+    except (ValueError, OSError, IndexError, KeyError, struct.error) as exc:
+        raise BadFile(f"{gguf_path.name} is truncated or not a GGUF file ({exc})") from exc
+    end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
+    if end > gguf_path.stat().st_size:
+        raise BadFile(f"{gguf_path.name} is truncated: its tensors end at byte {end}, the file at "
+                      f"{gguf_path.stat().st_size}")
+    if "general.architecture" not in reader.fields:
+        raise BadFile(f"{gguf_path.name} has no general.architecture")
+    return reader
+
+
+def check(gguf_path: Path) -> str:
+    """The file's architecture, once it is known to be readable whole and of an architecture something here serves
+    (quantized, or densely through transformers); BadFile otherwise. Run before anything converts it."""
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    arch = str(open_reader(gguf_path).fields["general.architecture"].contents())
+    if arch not in (*ARCHITECTURES, *GGUF_SUPPORTED_ARCHITECTURES):
+        raise BadFile(f"{gguf_path.name}: unknown architecture {arch!r} (served quantized: "
+                      f"{', '.join(ARCHITECTURES)}; densely: the architectures transformers' GGUF loader reads)")
+    return arch
 
 
 def tensor_bytes(gguf_path: Path) -> int:

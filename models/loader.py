@@ -178,9 +178,12 @@ def load_quantized_gguf(
         log.info("dtype auto: float32 for activations (quantized weights: the kernels compute in float32)")
         dtype = torch.float32
     try:
+        gguf_weights.check(path)
         folder = gguf_weights.metadata_folder(path, cache_dir)
         tokenizer = load_tokenizer(folder, cfg.trust_remote_code, cfg.chat_template)
         model = gguf_weights.load(path, folder, dtype, cfg.trust_remote_code)
+    except gguf_weights.BadFile as exc:
+        raise LoadError(str(exc)) from None
     except gguf_weights.Unsupported as exc:
         if cfg.weight_format == "quantized":
             raise LoadError(f"{path.name} cannot be served quantized: {exc}") from exc

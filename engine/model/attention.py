@@ -67,15 +67,16 @@ def paged_attention(
 
 
 def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
-           scaling: float | None) -> torch.Tensor:
-    """Store this step's K/V of `layer` and attend. q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim].
+           scaling: float | None, window: int = 0) -> torch.Tensor:
+    """Store this step's K/V of `layer` and attend. q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim]. A
+    sliding-window layer (`window` > 0: each token sees its last `window` positions) takes the row-by-row path.
 
     Returns [tokens, heads, dim]."""
     k_cache, v_cache = meta.kv_cache.k[layer], meta.kv_cache.v[layer]
     k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
     v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
-    if meta.decode_kernel is None and q.device.type == "cpu":  # torch's ops on CPU: every token as a row of its own
-        return _rows(q, k_cache, v_cache, meta, q.shape[-1] ** -0.5 if scaling is None else scaling)
+    if window or (meta.decode_kernel is None and q.device.type == "cpu"):  # every token as a row of its own
+        return _rows(q, k_cache, v_cache, meta, q.shape[-1] ** -0.5 if scaling is None else scaling, window)
     if not meta.prefills:
         return _decode(q, k_cache, v_cache, meta, scaling)
     if not meta.num_decodes and len(meta.prefills) == 1:
@@ -105,7 +106,7 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta:
 
 
 def _rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-          scale: float) -> torch.Tensor:
+          scale: float, window: int = 0) -> torch.Tensor:
     """Each token, decode or prompt, attends alone over its sequence's cached context (this step's keys included:
     they are stored first), by ops whose shapes depend on that token's context length only, so its result does not
     depend on its batch mates, on how its prompt was chunked or on which blocks came from the prefix cache (the
@@ -119,16 +120,18 @@ def _rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: A
         rows += [(chunk.offset + j, chunk.context_blocks, chunk.start + j + 1) for j in range(chunk.length)]
     out = torch.empty_like(q)
     for i, table, length in rows:
-        out[i] = _row(q[i], k_cache, v_cache, table, length, meta.kv_cache.block_size, scale)
+        out[i] = _row(q[i], k_cache, v_cache, table, length, meta.kv_cache.block_size, scale, window)
     return out
 
 
 def _row(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, length: int,
-         block_size: int, scale: float) -> torch.Tensor:
-    """q [heads, dim] over the first `length` positions of the blocks in `table`: softmax in float32."""
+         block_size: int, scale: float, window: int = 0) -> torch.Tensor:
+    """q [heads, dim] over the first `length` positions of the blocks in `table` (the last `window` of them when
+    given): softmax in float32."""
     blocks = table[None, : -(-length // block_size)]
-    keys = gather_blocks(k_cache, blocks, block_size)[0, :length].float()  # [length, kv_heads, dim]
-    values = gather_blocks(v_cache, blocks, block_size)[0, :length].float()
+    first = max(0, length - window) if window else 0
+    keys = gather_blocks(k_cache, blocks, block_size)[0, first:length].float()  # [length - first, kv_heads, dim]
+    values = gather_blocks(v_cache, blocks, block_size)[0, first:length].float()
     group = q.shape[0] // keys.shape[1]
     if group > 1:
         keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)

@@ -1,4 +1,5 @@
-"""A lean forward pass for the Llama family (Llama, SmolLM, Mistral, Qwen2), on the model's own weights.
+"""A lean forward pass for the Llama-block families (engine/model/families.py: Llama, SmolLM, Mistral, Qwen2, Qwen3,
+Granite, Phi-3, Gemma 3), on the model's own weights; what a family changes in the block comes from its row of that table.
 
 Same math as transformers' LlamaForCausalLM, with fewer, larger ops per layer: q/k/v and gate/up are fused
 into one matmul each (the original nn.Linear weights become views into the fused tensors, so memory is not
@@ -33,46 +34,24 @@ from torch import nn
 from engine.backends import huge_pages
 from engine.backends.kernels import TORCH, Kernels, Linear
 from engine.model.attention import AttentionMetadata, attend
+from engine.model.families import Block, attn_linears, block_of, family_of, mlp_linears
 from engine.model.kv_cache import KVCache
 from engine.model.quant import QuantEmbedding, QuantLinear, QuantWeight, concat, is_quantized, stack_rows
 
 log = logging.getLogger(__name__)
 
-FAST_MODEL_TYPES = ("llama", "mistral", "qwen2")  # same block: q/k/v (+ biases for Qwen2), RoPE, SiLU MLP
-
-
 def supports(model: nn.Module) -> bool:
-    """The Llama block (Llama, SmolLM, Mistral, Qwen2): silu MLP, dense nn.Linear projections, full attention in
-    every layer (a sliding window is left to the generic path)."""
-    config = model.config
-    if getattr(config, "model_type", None) not in FAST_MODEL_TYPES or getattr(config, "hidden_act", "silu") != "silu":
-        return False
-    if _sliding_window(config):
-        return False
+    """A family of engine/model/families.py (the Llama block and its variants) with dense nn.Linear or quantized
+    projections; sliding-window layers only where the family's row has them (Gemma 3), else the generic path."""
+    family = family_of(model.config)
     inner = getattr(model, "model", None)
-    if inner is None or not hasattr(inner, "rotary_emb") or not hasattr(inner, "layers"):
+    if family is None or inner is None or not hasattr(inner, "rotary_emb") or not hasattr(inner, "layers"):
         return False
-    linears = [m for layer in inner.layers for m in (*_attn_linears(layer), *_mlp_linears(layer))]
+    try:
+        linears = [m for layer in inner.layers for m in (*attn_linears(layer, family), *mlp_linears(layer, family))]
+    except AttributeError:  # a model of that type built otherwise
+        return False
     return all(type(m) in (nn.Linear, QuantLinear) for m in (*linears, model.lm_head))
-
-
-def _sliding_window(config: object) -> bool:
-    layer_types = getattr(config, "layer_types", None) or []
-    if any(t != "full_attention" for t in layer_types):
-        return True
-    if hasattr(config, "use_sliding_window"):  # Qwen2 keeps a window size even when it is off
-        return bool(config.use_sliding_window) and getattr(config, "sliding_window", None) is not None
-    return getattr(config, "sliding_window", None) is not None
-
-
-def _attn_linears(layer: nn.Module) -> tuple[nn.Linear, ...]:
-    a = layer.self_attn
-    return a.q_proj, a.k_proj, a.v_proj, a.o_proj
-
-
-def _mlp_linears(layer: nn.Module) -> tuple[nn.Linear, ...]:
-    m = layer.mlp
-    return m.gate_proj, m.up_proj, m.down_proj
 
 
 # A projection's weight: dense, quantized (engine/model/quant.py), or a list of both kinds whose outputs are concatenated
@@ -109,6 +88,14 @@ def _fuse(linears: tuple[nn.Module, ...]) -> tuple[Weight, torch.Tensor | None]:
     return weight, bias
 
 
+def _joined(linears: list[nn.Module]) -> tuple[Weight, torch.Tensor | None]:
+    """One matmul of `linears` (fused here), or the model's own when it is one already (Phi-3's qkv_proj: q, k, v
+    rows in that order; gate_up_proj: gate rows, then up rows)."""
+    if len(linears) == 1:
+        return weight_of(linears[0]), linears[0].bias
+    return _fuse(tuple(linears))
+
+
 def quant_aware(linear: Linear) -> Callable[[torch.Tensor, Weight, torch.Tensor | None], torch.Tensor]:
     """`linear` for dense weights; the quantized kernels for QuantWeight; a list runs piece by piece."""
 
@@ -132,10 +119,16 @@ class LayerWeights:
     o: Weight
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor
+    q_norm: torch.Tensor | None  # [head_dim], per-head RMSNorm before RoPE (Qwen3)
+    k_norm: torch.Tensor | None
     gate_up: Weight  # [2 * intermediate, hidden]
     gate_up_bias: torch.Tensor | None
     down: Weight
     down_bias: torch.Tensor | None
+    attn_out_norm: torch.Tensor | None = None  # [hidden], o's output normalized before the residual add (Gemma 3)
+    mlp_out_norm: torch.Tensor | None = None  # [hidden], down's likewise
+    window: int = 0  # a sliding-window layer's window (0: none)
+    layer_type: str | None = None  # its RoPE table (Gemma 3: "sliding_attention" or "full_attention")
 
 
 class LlamaFastForward:
@@ -147,13 +140,15 @@ class LlamaFastForward:
         self._quantized = is_quantized(model)
         self.linear = quant_aware(kernels.linear) if self._quantized else kernels.linear
         self.add_norm = kernels.add_rms_norm  # residual add + RMSNorm: torch ops, or engine.backends.cpu_kernels' fused one
+        inner = model.model
+        self.block: Block = block_of(config, inner.norm.weight.dtype)  # how this family's block differs from Llama's
+        self.final_norm = _offset(inner.norm.weight, self.block.family.norm_offset)
         self.hidden = config.hidden_size
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads or self.heads
-        self.head_dim = getattr(config, "head_dim", None) or self.hidden // self.heads
+        self.head_dim = self.block.head_dim
         self.eps = config.rms_norm_eps
-        self.scaling = self.head_dim**-0.5
-        inner = model.model
+        self.scaling = self.block.attention_scale
         self.layers = [self._layer(layer) for layer in inner.layers[: config.num_hidden_layers]]
         decoder = kernels.decoder  # engine.backends.cpu_kernels.llama_decoder_for: None unless on CPU
         self._decoder_factory = decoder
@@ -180,14 +175,27 @@ class LlamaFastForward:
             try:
                 built = self._decoder_factory(embed_weight[0], embed_type[0], layers, [p[0] for p in parts],
                                               [p[1] for p in parts], [_or(bias, none) for _, bias in matmuls],
-                                              self.model.model.norm.weight, self.heads, self.kv_heads, self.head_dim,
+                                              self.final_norm, self.heads, self.kv_heads, self.head_dim,
                                               self.eps, kv_cache.block_size, self.scaling)
+                self._configure(built)
             except RuntimeError as exc:  # a shape or dtype the kernel does not take: keep the op-by-op pass
                 log.info("one-call decode step off: %s", str(exc).splitlines()[0])
                 self._decoder_factory = None
                 return None
             self._decoder = (kv_cache, built)
         return self._decoder[1]
+
+    def _configure(self, built: object) -> None:
+        """The decoder's view of the family's differences (LlamaDecoder::configure)."""
+        b, types = self.block, self._rope_types()
+        built.configure([n for w in self.layers if w.q_norm is not None for n in (w.q_norm, w.k_norm)],
+                        [n for w in self.layers if w.attn_out_norm is not None for n in (w.attn_out_norm, w.mlp_out_norm)],
+                        [w.window for w in self.layers], [types.index(w.layer_type) for w in self.layers],
+                        b.embedding_scale, b.residual_scale, b.logit_divisor, b.family.activation != "silu")
+
+    def _rope_types(self) -> list[str | None]:
+        """The RoPE tables a step hands the decoder, stacked in this order: one per layer type (None: the one)."""
+        return sorted({w.layer_type for w in self.layers}, key=str)
 
     def _whole_step(self, meta: AttentionMetadata) -> bool:
         """Whether the one-call step computes this step: decode steps always; prefill and mixed steps too with
@@ -226,28 +234,48 @@ class LlamaFastForward:
         """The decoder's RoPE inputs: each token's row of (cos, sin) tables. Static RoPE: rows of a table of every
         position so far (the same values the rotary module gives, computed once). Else this step's own rows."""
         if not self._static_rope:
-            cos, sin = self._rope_rows(positions)
+            cos, sin = self._rope_tables(positions)
             return torch.arange(positions.shape[0], device=positions.device), cos, sin
         need = int(positions.numpy().max()) + 1  # the decoder runs on CPU; numpy skips a torch dispatch
-        if self._rope_table is None or self._rope_table[0].shape[0] < need:
+        if self._rope_table is None or self._rope_table[0].shape[0] < need * len(self._rope_types()):
             rows = max(256, 1 << (need - 1).bit_length())  # doubling: a handful of rebuilds over a long sequence
-            cos, sin = self._rope_rows(torch.arange(rows, device=positions.device))
+            cos, sin = self._rope_tables(torch.arange(rows, device=positions.device))
             self._rope_table = (cos.contiguous(), sin.contiguous())
         return positions, *self._rope_table
 
-    def _rope_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rotary module's (cos, sin) rows of `positions`, in the model dtype."""
+    def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each layer type's (cos, sin) rows of `positions`, the tables stacked in `_rope_types` order."""
+        tables = [self._rope_rows(positions, t) for t in self._rope_types()]
+        return torch.cat([c for c, _ in tables]), torch.cat([s for _, s in tables])
+
+    def _rope_rows(self, positions: torch.Tensor, layer_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary module's (cos, sin) rows of `positions` (of `layer_type`'s RoPE), in the model dtype."""
         probe = torch.empty(0, dtype=self.model.model.norm.weight.dtype, device=positions.device)  # the model dtype
-        cos, sin = self.model.model.rotary_emb(probe, positions[None])
+        rotary = self.model.model.rotary_emb
+        cos, sin = rotary(probe, positions[None]) if layer_type is None else rotary(probe, positions[None], layer_type)
         return cos[0], sin[0]
 
     def _layer(self, layer: nn.Module) -> LayerWeights:
-        a, m = layer.self_attn, layer.mlp
-        qkv, qkv_bias = _fuse((a.q_proj, a.k_proj, a.v_proj))
-        gate_up, gate_up_bias = _fuse((m.gate_proj, m.up_proj))
+        family = self.block.family
+        *qkv_parts, o = attn_linears(layer, family)
+        *gate_up_parts, down = mlp_linears(layer, family)
+        qkv, qkv_bias = _joined(qkv_parts)
+        gate_up, gate_up_bias = _joined(gate_up_parts)
+        a, b = layer.self_attn, self.block
+
+        def norm(module: nn.Module | None) -> torch.Tensor | None:
+            return None if module is None else _offset(module.weight, family.norm_offset)
+
+        q_norm, k_norm = (norm(a.q_norm), norm(a.k_norm)) if family.qk_norm else (None, None)
+        # Gemma 3: post_attention_layernorm is o's output norm, pre_feedforward_layernorm the MLP's input norm
+        post, sandwich = layer.post_attention_layernorm, family.sandwich
+        index = int(getattr(a, "layer_idx", 0))
         return LayerWeights(
-            layer.input_layernorm.weight, qkv, qkv_bias, weight_of(a.o_proj), a.o_proj.bias,
-            layer.post_attention_layernorm.weight, gate_up, gate_up_bias, weight_of(m.down_proj), m.down_proj.bias,
+            norm(layer.input_layernorm), qkv, qkv_bias, weight_of(o), o.bias,
+            norm(layer.pre_feedforward_layernorm if sandwich else post), q_norm, k_norm, gate_up, gate_up_bias,
+            weight_of(down), down.bias, norm(post if sandwich else None),
+            norm(layer.post_feedforward_layernorm if sandwich else None),
+            b.windows[index] if b.windows else 0, b.layer_types[index] if b.layer_types else None,
         )
 
     @torch.inference_mode()
@@ -261,32 +289,50 @@ class LlamaFastForward:
             tables, lengths = step_rows(meta, positions)
             logits = decoder.step(input_ids, *self.decoder_rope(positions), meta.slot_mapping, tables, lengths)
             return logits if logits.shape[0] == 1 else logits[logits_indices]
+        family = self.block.family  # Gemma's embedding module scales its rows itself; Granite's model does it
         h = inner.embed_tokens(input_ids)  # [tokens, hidden], the residual stream, updated in place
-        cos, sin = inner.rotary_emb(h[None], positions[None])  # [1, tokens, dim]
-        cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [tokens, 1, dim]
+        h = h if family.scaled_embedding else self._scaled(h, self.block.embedding_scale)
+        ropes = {t: self._rope_rows(positions, t) for t in self._rope_types()}  # [tokens, rotary dims] each
         delta = None  # the last block's output, not yet added to h
         for index, w in enumerate(self.layers):
+            cos, sin = (r[:, None, :] for r in ropes[w.layer_type])  # [tokens, 1, rotary dims]
             x = self.add_norm(h, delta, w.input_norm, self.eps)
-            x = self.add_norm(h, self._attention(index, w, x, cos, sin, meta), w.post_norm, self.eps)
-            delta = self._mlp(w, x)
+            x = self.add_norm(h, self._output(self._attention(index, w, x, cos, sin, meta), w.attn_out_norm),
+                              w.post_norm, self.eps)
+            delta = self._output(self._mlp(w, x), w.mlp_out_norm)
         rows = h[logits_indices]  # the final norm and the LM head only run on the rows that sample
-        last = self.add_norm(rows, None if delta is None else delta[logits_indices], inner.norm.weight, self.eps)
+        last = self.add_norm(rows, None if delta is None else delta[logits_indices], self.final_norm, self.eps)
         head = self.model.lm_head
-        return self.linear(last, weight_of(head), head.bias)
+        logits = self.linear(last, weight_of(head), head.bias)
+        return logits if self.block.logit_divisor == 1.0 else logits / self.block.logit_divisor
+
+    @staticmethod
+    def _scaled(x: torch.Tensor, scale: float) -> torch.Tensor:
+        return x if scale == 1.0 else x * scale
+
+    def _output(self, out: torch.Tensor, norm: torch.Tensor | None) -> torch.Tensor:
+        """A block's output as the residual add takes it: normalized (Gemma 3), scaled (Granite)."""
+        out = out if norm is None else self.add_norm(out, None, norm, self.eps)
+        return self._scaled(out, self.block.residual_scale)
 
     def _attention(self, index: int, w: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    meta: AttentionMetadata) -> torch.Tensor:
         tokens = x.shape[0]
         qkv = self.linear(x, w.qkv, w.qkv_bias).view(tokens, self.heads + 2 * self.kv_heads, self.head_dim)
-        qk = _rope(qkv[:, : self.heads + self.kv_heads], cos, sin)  # [tokens, heads + kv_heads, dim]
+        qk = qkv[:, : self.heads + self.kv_heads]  # [tokens, heads + kv_heads, dim]
+        if w.q_norm is not None:  # each head's own RMSNorm before RoPE (Qwen3)
+            q, k = qk.split((self.heads, self.kv_heads), dim=1)
+            qk = torch.cat((_head_norm(q, w.q_norm, self.eps), _head_norm(k, w.k_norm, self.eps)), dim=1)
+        qk = _rope(qk, cos, sin)
         q, k = qk.split((self.heads, self.kv_heads), dim=1)
         v = qkv[:, self.heads + self.kv_heads :]
-        out = attend(index, q, k, v, meta, self.scaling)  # [tokens, heads, dim]
+        out = attend(index, q, k, v, meta, self.scaling, w.window)  # [tokens, heads, dim]
         return self.linear(out.reshape(tokens, -1), w.o, w.o_bias)
 
     def _mlp(self, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
-        return self.linear(F.silu(gate) * up, w.down, w.down_bias)
+        act = F.silu(gate) if self.block.family.activation == "silu" else F.gelu(gate, approximate="tanh")
+        return self.linear(act * up, w.down, w.down_bias)
 
 
 def step_rows(meta: AttentionMetadata, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -315,6 +361,22 @@ def _or(tensor: torch.Tensor | None, default: torch.Tensor) -> torch.Tensor:
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding, transformers' rotate-half convention. x: [tokens, heads, dim]."""
+    """Rotary embedding, transformers' rotate-half convention, on the first cos.shape[-1] dims (all but for a
+    partial rotary: Phi-4-mini). x: [tokens, heads, dim]."""
+    rotary = cos.shape[-1]
+    if rotary < x.shape[-1]:
+        return torch.cat((_rope(x[..., :rotary], cos, sin), x[..., rotary:]), dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def _offset(weight: torch.Tensor, offset: float) -> torch.Tensor:
+    """An RMSNorm weight as the norm uses it: w, or offset + w computed in float32 (Gemma's 1 + w)."""
+    return weight if offset == 0.0 else (offset + weight.float()).to(weight.dtype)
+
+
+def _head_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over each head's dims, transformers' rounding (statistics in float32). x: [tokens, heads, dim]."""
+    y = x.float()
+    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * y.to(x.dtype)

@@ -191,16 +191,18 @@ class QuantLinear(nn.Module):
 
 
 class QuantEmbedding(nn.Module):
-    """nn.Embedding over a QuantWeight: a lookup dequantizes the rows it needs."""
+    """nn.Embedding over a QuantWeight: a lookup dequantizes the rows it needs (times `scale`, rounded to the dtype
+    first, where the embedding it replaces scaled its rows: Gemma's sqrt(hidden))."""
 
-    def __init__(self, weight: QuantWeight, dtype: torch.dtype) -> None:
+    def __init__(self, weight: QuantWeight, dtype: torch.dtype, scale: float | None = None) -> None:
         super().__init__()
-        self.qweight, self.dtype = weight, dtype
+        self.qweight, self.dtype, self.scale = weight, dtype, scale
         self.register_buffer("blocks", weight.blocks, persistent=False)
         self.num_embeddings, self.embedding_dim = weight.shape
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.qweight.dequantize(ids.reshape(-1)).to(self.dtype).reshape(*ids.shape, self.embedding_dim)
+        rows = self.qweight.dequantize(ids.reshape(-1)).to(self.dtype).reshape(*ids.shape, self.embedding_dim)
+        return rows if self.scale is None else rows * torch.tensor(self.scale, dtype=self.dtype)
 
 
 def quantize_q8_0(weight: torch.Tensor) -> QuantWeight:

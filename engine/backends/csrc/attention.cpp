@@ -144,11 +144,22 @@ constexpr int kHeadsPerPass = kRegFloats / D > 1 ? kRegFloats / D : 1;
 template <typename T, typename C>
 void attend_chunk(const AttnItem& item, const T* q, const C* k_cache, const C* v_cache, const int64_t* block_tables,
                   const int64_t* lengths, int64_t heads, int64_t kv_heads, int64_t dim, int64_t max_blocks,
-                  int64_t block_size, float scale, AttnPartials& partials, AttnScratch& s) {
+                  int64_t block_size, float scale, AttnPartials& partials, AttnScratch& s, int64_t window) {
   const int64_t b = item.b, kvh = item.kvh;
   const int64_t h0 = kvh * (heads / kv_heads) + item.g0, group = item.g1 - item.g0;  // this item's query heads
   const int64_t* table = block_tables + b * max_blocks;
-  const int64_t p_begin = item.chunk * kAttnChunk, n = std::min(kAttnChunk, lengths[b] - p_begin);
+  const int64_t chunk_begin = item.chunk * kAttnChunk, chunk_end = std::min(chunk_begin + kAttnChunk, lengths[b]);
+  const int64_t p_begin = window > 0 ? std::max(chunk_begin, lengths[b] - window) : chunk_begin;
+  const int64_t n = chunk_end - p_begin;
+  if (n <= 0) {  // wholly outside the window: weight 0 in the merge
+    for (int64_t g = 0; g < group; ++g) {
+      float* part = partials.at(b, h0 + g, item.chunk);
+      std::fill(part, part + dim, 0.f);
+      part[dim] = -INFINITY;
+      part[dim + 1] = 0.f;
+    }
+    return;
+  }
   const C* k_rows[kAttnChunk];
   const C* v_rows[kAttnChunk];
   for (int64_t o = 0, block = p_begin / block_size, slot = p_begin % block_size; o < n; ++o) {  // no division per row
@@ -196,7 +207,8 @@ void merge_chunks(int64_t b, int64_t h, const int64_t* lengths, T* out, int64_t 
 
 #define PEREGRINE_ATTEND_CHUNK(T, C)                                                                          \
   template void attend_chunk<T, C>(const AttnItem&, const T*, const C*, const C*, const int64_t*, const int64_t*,  \
-                                   int64_t, int64_t, int64_t, int64_t, int64_t, float, AttnPartials&, AttnScratch&);
+                                   int64_t, int64_t, int64_t, int64_t, int64_t, float, AttnPartials&, AttnScratch&, \
+                                   int64_t);
 PEREGRINE_ATTEND_CHUNK(float, float)
 PEREGRINE_ATTEND_CHUNK(bf16, bf16)
 PEREGRINE_ATTEND_CHUNK(float, f16)

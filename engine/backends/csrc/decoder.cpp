@@ -1,4 +1,6 @@
-// LlamaDecoder: a whole decode step of a Llama-family model (Llama, SmolLM, Mistral, Qwen2) in one call.
+// LlamaDecoder: a whole decode step of a Llama-block model in one call: Llama, SmolLM, Mistral, Qwen2, and the
+// families whose differences engine/model/families.py lists and `configure` hands over (Qwen3's q/k norms,
+// Granite's multipliers, Phi-3's partial rotary, Gemma 3's output norms, GeGLU, sliding windows and RoPE tables).
 //
 // At batch 1 the weights are read once per token and everything else is tiny vectors, so what costs time besides
 // the weight stream is per-op overhead: Python dispatch and waking the thread team for each of the ~15 ops of
@@ -26,6 +28,10 @@ namespace {
 
 struct DecoderLayer {
   torch::Tensor input_norm, post_norm, k_cache, v_cache;
+  torch::Tensor q_norm, k_norm;  // per-head RMSNorm weights [head_dim] before RoPE (Qwen3); undefined when absent
+  torch::Tensor attn_out_norm, mlp_out_norm;  // RMSNorm of o's and down's outputs before the residual add (Gemma 3)
+  int64_t window = 0;  // attends the last `window` positions (a sliding-window layer); 0: all
+  int64_t rope_table = 0;  // which of the step's RoPE tables (Gemma 3's local layers have their own base)
   Linear qkv, o, gate_up, down;
 };
 
@@ -95,6 +101,33 @@ class LlamaDecoder {
     if (amx_) pack_all();
   }
 
+  // How the model's block differs from Llama's (engine/model/families.py): per layer the q and k per-head norm
+  // weights and the o / down output norms (empty lists when the family has none), its window (0: none) and RoPE
+  // table; the scale of the looked-up embeddings, of each block's output before the residual add (o and down),
+  // the divisor of the logits, and the MLP's activation (GELU-tanh instead of SiLU). Called once, before any step.
+  void configure(const std::vector<torch::Tensor>& qk_norms, const std::vector<torch::Tensor>& out_norms,
+                 const std::vector<int64_t>& windows, const std::vector<int64_t>& rope_tables, double embed_scale,
+                 double residual_scale, double logit_div, bool gelu) {
+    const size_t n = layers_.size();
+    TORCH_CHECK((qk_norms.empty() || qk_norms.size() == 2 * n) && (out_norms.empty() || out_norms.size() == 2 * n) &&
+                windows.size() == n && rope_tables.size() == n, "LlamaDecoder: norms, window and RoPE table per layer");
+    for (size_t i = 0; i < qk_norms.size(); ++i)
+      (i % 2 ? layers_[i / 2].k_norm : layers_[i / 2].q_norm) = checked_norm(qk_norms[i], dim_);
+    for (size_t i = 0; i < out_norms.size(); ++i)
+      (i % 2 ? layers_[i / 2].mlp_out_norm : layers_[i / 2].attn_out_norm) = checked_norm(out_norms[i], hidden_);
+    rope_tables_ = 1;
+    for (size_t i = 0; i < n; ++i) {
+      TORCH_CHECK(windows[i] >= 0 && rope_tables[i] >= 0 && rope_tables[i] < 8, "LlamaDecoder: window, RoPE table");
+      layers_[i].window = windows[i];
+      layers_[i].rope_table = rope_tables[i];
+      rope_tables_ = std::max(rope_tables_, rope_tables[i] + 1);
+    }
+    embed_scale_ = embed_scale;
+    gelu_ = gelu;
+    for (auto& l : layers_) l.o.scale = l.down.scale = static_cast<float>(residual_scale);
+    head_.divisor = static_cast<float>(logit_div);
+  }
+
   // ids [B] (this step's tokens), rope_rows [B] (each token's row of the RoPE tables cos and sin [rows, head_dim]),
   // slots [B], block_tables [B, max_blocks], lengths [B] (context tokens, this one included). Returns float32 logits
   // [B, vocab] holding the T values the LM head rounds to. Embedding lookup to logits is one call, so no
@@ -109,10 +142,13 @@ class LlamaDecoder {
     const int64_t B = tok.numel(), H = heads_, KVH = kv_heads_, D = dim_, hid = hidden_;
     TORCH_CHECK(rope.numel() == B && slot.numel() == B && tables.size(0) == B && lens.numel() == B,
                 "LlamaDecoder.step: one RoPE row, slot, table and length per token");
-    TORCH_CHECK(cs.dim() == 2 && cs.size(1) == D && sn.sizes() == cs.sizes(), "LlamaDecoder.step: cos, sin [rows, head_dim]");
+    const int64_t R = cs.size(1);  // the rotated dims: head_dim, or fewer (partial rotary, Phi-4-mini)
+    const int64_t table_rows = cs.size(0) / rope_tables_;  // each RoPE table's rows (rope_rows index one table)
+    TORCH_CHECK(cs.dim() == 2 && R <= D && R % 2 == 0 && sn.sizes() == cs.sizes(),
+                "LlamaDecoder.step: cos, sin [rows, rotary dims <= head_dim]");
     const int64_t *tokp = tok.data_ptr<int64_t>(), *ropep = rope.data_ptr<int64_t>();
     for (int64_t m = 0; m < B; ++m)
-      TORCH_CHECK(tokp[m] >= 0 && tokp[m] < embed_.size(0) && ropep[m] >= 0 && ropep[m] < cs.size(0),
+      TORCH_CHECK(tokp[m] >= 0 && tokp[m] < embed_.size(0) && ropep[m] >= 0 && ropep[m] < table_rows,
                   "LlamaDecoder.step: token id or RoPE row out of range");
     const int64_t group = H / KVH, QKV = (H + 2 * KVH) * D, I = layers_.empty() ? 0 : layers_[0].down.K, V = head_.N;
     auto opts = final_norm_.options();  // T (the embeddings may be uint8 blocks)
@@ -127,6 +163,9 @@ class LlamaDecoder {
       for (int64_t m = 0; m < B; ++m)
         std::copy_n(embed_.data_ptr<T>() + tokp[m] * hid, hid, h.data_ptr<T>() + m * hid);
     }
+    if (embed_scale_ != 1.0)  // Granite's embedding multiplier, Gemma's sqrt(hidden): rounded to T as torch does
+      for (T* e = h.data_ptr<T>(); e < h.data_ptr<T>() + B * hid; ++e)
+        *e = static_cast<T>(static_cast<float>(*e) * static_cast<float>(embed_scale_));
     auto x = torch::empty({B, hid}, opts), delta = torch::empty({B, hid}, opts), qkv = torch::empty({B, QKV}, opts);
     auto q = torch::empty({B, H, D}, opts), attn = torch::empty({B, H * D}, opts);
     auto gu = torch::empty({B, 2 * I}, opts), act = torch::empty({B, I}, opts);
@@ -167,6 +206,7 @@ class LlamaDecoder {
       }  // (the implicit barrier here publishes them)
       const int nt = barrier.n, t = omp_get_thread_num();
       Scratch s;
+      std::vector<T> normed(D);  // a q or k head after its norm
       // h += add; x = RMSNorm(h) * w: a share of the rows each, or with few rows (own_rows) every row on every
       // thread, each into its own copy of h and x, with no barrier after.
       std::vector<T> own_h, own_x;
@@ -180,6 +220,12 @@ class LlamaDecoder {
         for (int64_t m = own_rows ? 0 : t; m < B; m += own_rows ? 1 : nt)
           add_rms_norm_row(hq + m * hid, add ? add + m * hid : nullptr, w.data_ptr<T>(), xq + m * hid, hid, eps);
         if (!own_rows) barrier.wait();
+      };
+      auto out_norm = [&](const torch::Tensor& w) {  // delta = RMSNorm(delta) * w, a share of the rows each
+        if (!w.defined()) return;
+        for (int64_t m = t; m < B; m += nt) add_rms_norm_row(dp + m * hid, static_cast<const T*>(nullptr),
+                                                             w.data_ptr<T>(), dp + m * hid, hid, eps);
+        barrier.wait();
       };
       auto columns = [&](int64_t n) {  // this thread's share of n output columns (AMX: whole packed blocks)
         auto [n0, n1] = share(n, amx_ ? 32 : 16, t, nt);
@@ -199,16 +245,23 @@ class LlamaDecoder {
         for (int64_t i = t; i < B * (H + 2 * KVH); i += nt) {  // RoPE on q and k; k and v into their cache slots
           const int64_t m = i / (H + 2 * KVH), head = i % (H + 2 * KVH);
           const T* src = qkvp + m * QKV + head * D;
-          const T *cp = cs0 + ropep[m] * D, *sp = sn0 + ropep[m] * D;
-          if (head < H) rope_head(src, cp, sp, qp + (m * H + head) * D, D);
-          else if (head < H + KVH) rope_head(src, cp, sp, kc + (slotp[m] * KVH + head - H) * D, D);
+          const int64_t row = ropep[m] + l.rope_table * table_rows;
+          const T *cp = cs0 + row * R, *sp = sn0 + row * R;
+          if (head < H + KVH && l.q_norm.defined()) {  // the head's own RMSNorm first (Qwen3)
+            const T* w = (head < H ? l.q_norm : l.k_norm).data_ptr<T>();
+            add_rms_norm_row(const_cast<T*>(src), static_cast<const T*>(nullptr), w, normed.data(), D, eps);
+            src = normed.data();
+          }
+          if (head < H) rope_head(src, cp, sp, qp + (m * H + head) * D, D, R);
+          else if (head < H + KVH) rope_head(src, cp, sp, kc + (slotp[m] * KVH + head - H) * D, D, R);
           else std::transform(src, src + D, vc + (slotp[m] * KVH + head - H - KVH) * D,
                               [](T v) { return static_cast<C>(static_cast<float>(v)); });
         }
         barrier.wait();
         for (size_t i = item_begin[t]; i < item_begin[t + 1]; ++i) {
           const AttnItem& it = items[i];
-          attend_chunk(it, qp, kc, vc, tp, lenp, H, KVH, D, max_blocks, block_size_, scale, partials, s.attn);
+          attend_chunk(it, qp, kc, vc, tp, lenp, H, KVH, D, max_blocks, block_size_, scale, partials, s.attn,
+                       l.window);
           // counts add up over the layers: this layer's last item brings the count to (layer + 1) * items
           const int64_t due = static_cast<int64_t>(li + 1) * attn_chunks(lenp[it.b]) * items_per_chunk;
           if (attended[it.b * KVH + it.kvh].fetch_add(1, std::memory_order_acq_rel) + 1 == due)
@@ -217,6 +270,7 @@ class LlamaDecoder {
         }
         barrier.wait();
         matmul(l.o, ap, dp);
+        out_norm(l.attn_out_norm);
         rows(l.post_norm, dp);
         {  // this thread's gate rows j0..j1 and up rows I + j0..I + j1, then their SiLU * up: no barrier between
           const auto [j0, j1] = columns(I);
@@ -225,10 +279,12 @@ class LlamaDecoder {
           linear_rows(l.gate_up, xq, hid, B, gup, 2 * I, I + j0, I + j1, amx_, s, qx);
           for (int64_t m = 0; m < B; ++m)
             for (int64_t j = j0; j < j1; j += Vec::W)
-              silu_mul(gup + m * 2 * I + j, gup + m * 2 * I + I + j, actp + m * I + j);
+              if (gelu_) gelu_tanh_mul(gup + m * 2 * I + j, gup + m * 2 * I + I + j, actp + m * I + j);
+              else silu_mul(gup + m * 2 * I + j, gup + m * 2 * I + I + j, actp + m * I + j);
         }
         barrier.wait();
         matmul(l.down, actp, dp);
+        out_norm(l.mlp_out_norm);
       }
       rows(final_norm_, layers_.empty() ? nullptr : dp);
       const auto [v0, v1] = columns(V);  // the LM head, then this thread's logits as float32
@@ -269,7 +325,16 @@ class LlamaDecoder {
   double eps_;
   int64_t block_size_;
   double scale_;
+  double embed_scale_ = 1.0;
+  int64_t rope_tables_ = 1;  // the step's cos and sin hold this many tables of equal rows, stacked
+  bool gelu_ = false;
   bool amx_;
+
+  static torch::Tensor checked_norm(const torch::Tensor& w, int64_t size) {
+    TORCH_CHECK(w.scalar_type() == kType<T> && w.is_contiguous() && w.numel() == size,
+                "LlamaDecoder: norm weights in the model dtype, of the size they normalize");
+    return w;
+  }
 };
 
 namespace {
@@ -284,6 +349,8 @@ void bind_one(pybind11::module_& m, const char* name) {
                     const std::vector<std::vector<torch::Tensor>>&, const std::vector<std::vector<int64_t>>&,
                     const std::vector<torch::Tensor>&, const torch::Tensor&, int64_t, int64_t, int64_t, double,
                     int64_t, double, bool>())
+      .def("configure", &LlamaDecoder<T, C>::configure,
+           "configure(qk_norms, embed_scale, residual_scale, logit_div): the family's differences from Llama's block")
       .def("step", &LlamaDecoder<T, C>::step,
            "one decode step: step(ids, rope_rows, cos, sin, slots, block_tables, lengths) -> float32 logits [B, vocab]",
            release());

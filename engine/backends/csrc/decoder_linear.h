@@ -30,6 +30,7 @@ struct Linear {
   torch::Tensor bias;  // float32, undefined when absent
   const uint16_t* packed = nullptr;  // the AMX layout (pack_weight), in the decoder's packed buffer
   int64_t N = 0, K = 0;
+  float scale = 1.f, divisor = 1.f;  // the outputs, rounded to T, then times `scale` or over `divisor` (Granite)
   bool dense() const { return parts.size() == 1 && parts[0].qtype == 0; }
 };
 
@@ -38,8 +39,8 @@ struct Linear {
 // int8 (qdot.h) into `qx` by the first of them: calls on the same x may share one (empty at first), or take a fresh
 // one each (the overload without it).
 template <typename T>
-void linear_rows(const Linear& L, const T* x, int64_t ldx, int64_t M, T* out, int64_t ldo, int64_t n_begin,
-                 int64_t n_end, bool amx, Scratch& s, q::QRows& qx) {
+void linear_rows_unscaled(const Linear& L, const T* x, int64_t ldx, int64_t M, T* out, int64_t ldo, int64_t n_begin,
+                          int64_t n_end, bool amx, Scratch& s, q::QRows& qx) {
   const float* bias = L.bias.defined() ? L.bias.data_ptr<float>() : nullptr;
   if (n_begin >= n_end) return;
   if constexpr (std::is_same_v<T, bf16>) {
@@ -63,6 +64,17 @@ void linear_rows(const Linear& L, const T* x, int64_t ldx, int64_t M, T* out, in
     for (int64_t m0 = 0; m0 < M; m0 += 8)
       gemv_rows(std::min<int64_t>(M - m0, 8), x + m0 * ldx, w, pb, out + m0 * ldo + p.n0, L.K, ldx, ldo, b, e);
   }
+}
+
+// linear_rows_unscaled, then the outputs scaled as transformers' `out * multiplier` or `out / divisor` round them.
+template <typename T>
+void linear_rows(const Linear& L, const T* x, int64_t ldx, int64_t M, T* out, int64_t ldo, int64_t n_begin,
+                 int64_t n_end, bool amx, Scratch& s, q::QRows& qx) {
+  linear_rows_unscaled(L, x, ldx, M, out, ldo, n_begin, n_end, amx, s, qx);
+  if (L.scale == 1.f && L.divisor == 1.f) return;
+  for (int64_t m = 0; m < M; ++m)
+    for (T* o = out + m * ldo + n_begin; o < out + m * ldo + std::min(n_end, L.N); ++o)
+      *o = static_cast<T>(L.divisor == 1.f ? static_cast<float>(*o) * L.scale : static_cast<float>(*o) / L.divisor);
 }
 
 template <typename T>

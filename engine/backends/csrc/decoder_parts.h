@@ -89,11 +89,13 @@ inline std::pair<int64_t, int64_t> share(int64_t items, int64_t align, int t, in
 }
 
 // transformers' rotate-half RoPE in T: to_T(to_T(x * cos) + to_T(rotate_half(x) * sin)), stored as S (T, or a
-// float16 cache's element: then rounded once more, as the op-by-op pass's `k.to(cache.dtype)` does).
+// float16 cache's element: then rounded once more, as the op-by-op pass's `k.to(cache.dtype)` does). Only the
+// first `rotary` dims turn (partial rotary: Phi-4-mini); the rest are copied.
 template <typename T, typename S>
-inline void rope_head(const T* x, const T* cos, const T* sin, S* dst, int64_t dim) {
-  const int64_t half = dim / 2;
-  for (int64_t i = 0; i < dim; ++i) {
+inline void rope_head(const T* x, const T* cos, const T* sin, S* dst, int64_t dim, int64_t rotary) {
+  const int64_t half = rotary / 2;
+  for (int64_t i = rotary; i < dim; ++i) dst[i] = static_cast<S>(static_cast<float>(x[i]));
+  for (int64_t i = 0; i < rotary; ++i) {
     const float rotated = i < half ? -static_cast<float>(x[i + half]) : static_cast<float>(x[i - half]);
     const T a = static_cast<T>(static_cast<float>(x[i]) * static_cast<float>(cos[i]));
     const T b = static_cast<T>(rotated * static_cast<float>(sin[i]));
@@ -109,6 +111,16 @@ inline void silu_mul(const T* gate, const T* up, T* act) {
   const Vec inv = one / (one + e);
   const Vec sigmoid = select_ge0(g, inv, e * inv);
   (round_to<T>(g * sigmoid) * u).store(act);
+}
+
+// act = to_T(to_T(gelu_tanh(gate)) * up), Vec::W elements (Gemma's GeGLU; transformers' gelu_pytorch_tanh).
+template <typename T>
+inline void gelu_tanh_mul(const T* gate, const T* up, T* act) {
+  for (int i = 0; i < Vec::W; ++i) {
+    const float g = static_cast<float>(gate[i]);
+    const float gelu = 0.5f * g * (1.f + std::tanh(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+    act[i] = static_cast<T>(static_cast<float>(static_cast<T>(gelu)) * static_cast<float>(up[i]));
+  }
 }
 
 }  // namespace

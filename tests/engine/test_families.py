@@ -1,0 +1,206 @@
+"""The model families served quantized on the fast path (engine/model/families.py): for each, a tiny random-weight
+model written as a GGUF file the way llama.cpp's converter lays it out (tests/family_gguf.py: Q8_0 matmul weights),
+loaded through models/gguf_weights.py and served by the engine, where every step (prefill and decode) goes through
+the C++ one-call decoder; the reference is transformers' own model of the same family on the dequantized weights.
+Gemma 3's tiny model has a window of 4 on its first layer (its own RoPE base) and a global second layer, so the
+window and both RoPE tables matter within the 24 positions of a test.
+
+Stated bound: the decoder multiplies int8-quantized activations (blocks of 32, as llama.cpp does) by the Q8_0
+weights, so its logits differ from the float32 reference by the activations' rounding: at prefill and at each of 16
+decode steps, at most 3% of the reference's largest logit (measured, AMD EPYC Zen 3, AVX2: llama3 0.60%, mistral
+1.12%, qwen3 1.13%, granite 0.18%, phi3 1.22%, gemma3 0.20%; tests/engine/test_qdot.py holds the Llama decoder to 5%), and the 16
+greedy tokens equal transformers' generate. A prompt gives the same tokens and logprobs, to the bit, alone and with
+batch mates. In bfloat16, the decoder against the op-by-op pass over the same quantized weights (float activations):
+within 5% of the largest logit at each decode step (measured 0.2-1.7%), bitwise the same alone and in a batch.
+A bare .gguf of each family converts (transformers' GGUF reader, taught Granite's keys) to a config of that
+family served on the fast path. Damaged files get one clear error before anything is built."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from engine.model.families import FAMILIES, block_of, family_of
+from engine.model.forward import supports
+from engine.model.quant import QuantLinear
+from engine.types import EngineConfig, SamplingParams
+from models import gguf_weights
+from models.loader import LoadError, load_model
+from tests.family_gguf import SPECS, write_family
+from tests.support import Loaded, decoder_against_op_by_op, make_engine, run_all, tokens_of
+
+pytestmark = pytest.mark.timeout(900)
+BOUND = 0.03  # logits: max |ours - reference| / max |reference|
+PROMPT = [5, 60, 61, 62, 63, 64, 200, 17]
+MATES = {"b": [9, 8, 7, 6, 5, 4, 3, 2, 1, 300], "c": [40, 41]}
+STEPS = 16
+
+
+def vocab_of(tokenizer: object) -> int:
+    n = len(tokenizer)
+    return n + (-n) % 32  # Q8_0 rows of the LM head
+
+
+@pytest.fixture(scope="module", params=list(SPECS))
+def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+           byte_level_tokenizer: object) -> tuple[str, torch.nn.Module, Loaded]:
+    """(family, the float32 reference, the GGUF file served quantized)."""
+    folder = tmp_path_factory.mktemp(request.param)
+    reference = write_family(folder, request.param, vocab_of(byte_level_tokenizer))
+    model = gguf_weights.load(folder / "tiny.gguf", folder, torch.float32)
+    return request.param, reference, Loaded(model, byte_level_tokenizer, 256)
+
+
+def greedy(logprobs: int = 0) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=logprobs or None)
+
+
+def test_every_family_is_in_the_table() -> None:
+    assert {"llama", "mistral", "qwen2", "qwen3", "granite", "phi3", "gemma3_text"} <= set(FAMILIES)
+    assert set(gguf_weights.ARCHITECTURES) >= {"llama", "qwen2", "qwen3", "granite", "phi3", "gemma3"}
+
+
+def test_logits_and_greedy_match_transformers_on_the_fast_path(served: tuple[str, torch.nn.Module, Loaded]) -> None:
+    family, reference, loaded = served
+    assert family_of(loaded.model.config) is not None
+    assert any(isinstance(m, QuantLinear) for m in loaded.model.modules())
+    engine = make_engine(loaded)
+    assert engine.runner.impl == "llama"
+    fast, captured = engine.runner.forward, []
+
+    def spy(*args: object) -> torch.Tensor:
+        logits = fast(*args)
+        captured.append(logits.float().clone())
+        return logits
+
+    engine.runner._forward = spy
+    ours = tokens_of(run_all(engine, {"a": (PROMPT, greedy())})["a"])
+    assert fast._decoder is not None, "the one-call C++ decoder did not run"
+    with torch.inference_mode():
+        want = reference(torch.tensor([PROMPT + ours])).logits[0, len(PROMPT) - 1 : -1]
+        theirs = reference.generate(torch.tensor([PROMPT]), max_new_tokens=STEPS, do_sample=False,
+                                    eos_token_id=None, pad_token_id=0)[0, len(PROMPT):].tolist()
+    got = torch.cat(captured)
+    assert got.shape == want.shape == (STEPS, want.shape[1])
+    error = float((got - want).abs().max() / want.abs().max())
+    assert error <= BOUND, f"{family}: logit error {error:.3g} of the largest logit"
+    assert ours == theirs, family
+
+
+def test_batch_invariant(served: tuple[str, torch.nn.Module, Loaded]) -> None:
+    family, _, loaded = served
+    alone = run_all(make_engine(loaded), {"a": (PROMPT, greedy(1))})["a"]
+    mates = {name: (prompt, greedy(1)) for name, prompt in MATES.items()}
+    together = run_all(make_engine(loaded), {"a": (PROMPT, greedy(1)), **mates})["a"]
+    assert tokens_of(alone) == tokens_of(together), family
+    lp = [[p.logprob for o in outs for p in o.logprobs] for outs in (alone, together)]
+    assert len(lp[0]) == STEPS and lp[0] == lp[1], family
+
+
+def test_llama3_rope_freqs_reach_the_rotary_module(served: tuple[str, torch.nn.Module, Loaded]) -> None:
+    """Llama 3.x files carry their rope scaling as rope_freqs (config.json has none): the served model's inverse
+    frequencies are the scaled ones, which the fast path's RoPE tables come from."""
+    family, reference, loaded = served
+    if family != "llama3":
+        pytest.skip("Llama 3.x only")
+    ours, theirs = loaded.model.model.rotary_emb.inv_freq, reference.model.rotary_emb.inv_freq
+    assert loaded.model.config.rope_parameters["rope_type"] == "default"  # as transformers converts such a file
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)
+    plain = 1.0 / 10000.0 ** (torch.arange(0, 32, 2) / 32)
+    assert not torch.allclose(ours, plain)  # the scaling changes some of them
+
+
+@pytest.mark.parametrize("family", list(SPECS))
+def test_bfloat16_decoder_against_op_by_op(family: str, tmp_path: Path, byte_level_tokenizer: object) -> None:
+    write_family(tmp_path, family, vocab_of(byte_level_tokenizer))
+    model = gguf_weights.load(tmp_path / "tiny.gguf", tmp_path, torch.bfloat16)
+    engine = make_engine(Loaded(model, byte_level_tokenizer, 256), model_impl="llama")
+    requests = {"a": (PROMPT, greedy()), "b": (MATES["b"], greedy())}
+    steps = decoder_against_op_by_op(engine, engine.runner.forward._decoder_factory, requests, follow="reference")
+    assert len(steps) == STEPS - 1
+    assert max(step.error for step in steps) <= 5e-2, [round(step.error, 4) for step in steps]
+    assert all(step.batch_invariant for step in steps)
+
+
+@pytest.mark.parametrize("family", list(SPECS))
+def test_a_bare_gguf_converts_to_its_family(family: str, tmp_path: Path, byte_level_tokenizer: object) -> None:
+    """Only the .gguf (its metadata as llama.cpp writes it): the cached config and tokenizer are transformers'
+    conversion, with Granite's multipliers and Qwen3's head size, and the model is served on the fast path."""
+    from transformers import AutoTokenizer
+
+    files = tmp_path / "file"
+    files.mkdir()
+    write_family(files, family, vocab_of(byte_level_tokenizer), tokenizer=byte_level_tokenizer)
+    (files / "config.json").unlink()
+    folder = gguf_weights.metadata_folder(files / "tiny.gguf", tmp_path / "cache")
+    model = gguf_weights.load(files / "tiny.gguf", folder, torch.float32)
+    spec, config = SPECS[family], model.config
+    assert config.model_type == (spec.served_type or spec.model_type) and block_of(config).head_dim == 32
+    if family == "granite":
+        multipliers = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
+        assert [getattr(config, k) for k in multipliers] == [spec.extra[k] for k in multipliers]
+    assert supports(model)
+    if family == "gemma3":  # transformers rebuilds Gemma's tokenizer as SentencePiece, which this byte-level BPE is not
+        return
+    text = "def add(a, b): return a + b"
+    assert AutoTokenizer.from_pretrained(folder).encode(text) == byte_level_tokenizer.encode(text)
+
+
+# --- files that cannot be served -----------------------------------------------------------------------
+
+
+def write_unknown(path: Path) -> None:
+    writer = gguf.GGUFWriter(path, "nosucharch")
+    writer.add_tensor("token_embd.weight", np.ones((4, 32), np.float32))
+    for step in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        step()
+    writer.close()
+
+
+def test_truncated_file_is_one_clear_error(tmp_path: Path, byte_level_tokenizer: object) -> None:
+    write_family(tmp_path, "qwen3", vocab_of(byte_level_tokenizer))
+    path = tmp_path / "tiny.gguf"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size * 2 // 3])
+    with pytest.raises(gguf_weights.BadFile, match="truncated"):
+        gguf_weights.check(path)
+    cfg = EngineConfig(model_path=str(tmp_path), model_name="t", gguf_file=path.name, device="cpu", dtype="float32",
+                       weight_format="quantized", cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(LoadError, match="truncated") as caught:
+        load_model(cfg)
+    assert "\n" not in str(caught.value)
+
+
+def test_unknown_architecture_is_one_clear_error(tmp_path: Path) -> None:
+    write_unknown(tmp_path / "odd.gguf")
+    with pytest.raises(gguf_weights.BadFile, match="unknown architecture 'nosucharch'"):
+        gguf_weights.check(tmp_path / "odd.gguf")
+
+
+def test_shape_against_metadata_is_one_clear_error(tmp_path: Path, byte_level_tokenizer: object) -> None:
+    """config.json (the file's metadata, converted) says a feed-forward width the tensors do not have."""
+    from transformers import AutoConfig
+
+    write_family(tmp_path, "qwen3", vocab_of(byte_level_tokenizer))
+    config = AutoConfig.from_pretrained(tmp_path)
+    config.intermediate_size = 192
+    config.save_pretrained(tmp_path)
+    with pytest.raises(gguf_weights.BadFile, match=r"ffn|mlp.*\[256, 128\].*\[192, 128\]"):
+        gguf_weights.load(tmp_path / "tiny.gguf", tmp_path, torch.float32)
+
+
+def test_acquire_stops_at_start_with_the_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What `main` logs and exits 1 on (its StartError): before any preflight, conversion or kernel."""
+    from config import load_settings
+    from models.acquire import StartError, acquire
+
+    write_unknown(tmp_path / "odd.gguf")
+    monkeypatch.chdir(tmp_path)  # no .env
+    settings = load_settings(["--model", str(tmp_path / "odd.gguf"), "--device", "cpu", "--embedding-model", "none",
+                              "--cache-dir", str(tmp_path)])
+    with pytest.raises(StartError, match="unknown architecture 'nosucharch'") as caught:
+        acquire(settings)
+    assert "\n" not in str(caught.value)
