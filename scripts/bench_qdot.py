@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from config import tool_cache_dir  # noqa: E402
 from engine.backends import cpu_kernels  # noqa: E402
-from engine.model.quant import FORMATS, PACKS, QuantWeight  # noqa: E402
+from engine.model.quant import FORMATS, QuantWeight  # noqa: E402
 
 TYPES = {name: t for t, (name, _, _) in FORMATS.items() if name in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")}
 # (Q4_0 / Q4_1 / Q8_0 are packed at load, QuantWeight.repack; the K-quants are served as the file stores them)
@@ -56,8 +56,8 @@ def random_blocks(fmt: str, n: int, k: int) -> np.ndarray:
 
 def time_rows(module: object, fmt: str, k: int, rows: int, repeats: int) -> dict[str, float]:
 
-    block_bytes = FORMATS[TYPES[fmt]][2]
-    n = max(16, ROWS_BYTES // (k // 32 * block_bytes) // 16 * 16)
+    _, per_block, block_bytes = FORMATS[TYPES[fmt]]
+    n = max(16, ROWS_BYTES // (k // per_block * block_bytes) // 16 * 16)
     blocks = torch.from_numpy(random_blocks(fmt, n, k))
     packed = QuantWeight(blocks, TYPES[fmt], (n, k)).repack()
     x = torch.randn(rows, k)
