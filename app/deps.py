@@ -103,5 +103,10 @@ def reasoning_parser(request: Request) -> str:
     return getattr(request.app.state.settings, "reasoning_parser", "auto")
 
 
+def generation_defaults(request: Request) -> dict[str, float]:
+    """The server's default sampling for keys a request leaves out (`--override-generation-config`)."""
+    return getattr(request.app.state.settings, "override_generation_config", {})
+
+
 def tool_call_parser(request: Request) -> str:
     return getattr(request.app.state.settings, "tool_call_parser", "auto")

@@ -26,6 +26,7 @@ Size = TypeAliasType("Size", ByteSize)
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 
+GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")
 _DEVICE_RE = re.compile(r"^(auto|cpu|tt|cuda(:\d+)?)$")
 
 
@@ -206,6 +207,12 @@ class Settings(DerivedValues, BaseSettings):
         "<|tool_call|>[...]; smollm2: <tool_call>[...]</tool_call> with Peregrine's default tool prompt (for "
         "templates without tool support). auto: picked from the chat template's text (docs/chat-templates.md).",
     )
+    override_generation_config: dict[str, float] = Field(
+        default_factory=dict,
+        description="Default sampling for requests that leave a key out, as JSON (vLLM's flag), e.g. "
+        "'{\"temperature\": 0}'. Keys: temperature, top_p, top_k, min_p, repetition_penalty, max_tokens (or "
+        "max_new_tokens). A request's own value wins; OpenAI, Responses, Anthropic and Ollama requests follow it.",
+    )
     max_queue: int = Field(
         256,
         ge=0,
@@ -308,6 +315,17 @@ class Settings(DerivedValues, BaseSettings):
     ray_target_ongoing_requests: int | None = Field(
         None, ge=1, description="Autoscaling target per replica. Default: half of --max-num-seqs."
     )
+
+    @field_validator("override_generation_config")
+    @classmethod
+    def _check_generation_defaults(cls, value: dict[str, float]) -> dict[str, float]:
+        out = {("max_tokens" if k == "max_new_tokens" else k): v for k, v in value.items()}
+        unknown = sorted(set(out) - set(GENERATION_DEFAULT_KEYS))
+        if unknown:
+            raise ValueError(f"unknown key(s) {', '.join(unknown)}; known: {', '.join(GENERATION_DEFAULT_KEYS)}")
+        if out.get("max_tokens", 1) < 1 or out.get("temperature", 0) < 0:
+            raise ValueError("max_tokens must be at least 1 and temperature at least 0")
+        return out
 
     @field_validator("device")
     @classmethod

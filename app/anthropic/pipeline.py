@@ -15,7 +15,7 @@ from app.anthropic.convert import Finish
 from app.chat import reasoning
 from app.chat.plan import Options, build_plan
 from app.chat.tools import ToolPlan
-from app.deps import Engine, engine_for, reasoning_parser, tool_call_parser
+from app.deps import Engine, engine_for, generation_defaults, reasoning_parser, tool_call_parser
 from app.engine_client import generate
 from app.openai import convert as conv
 from app.openai import tools as openai_tools
@@ -40,7 +40,7 @@ async def plan(request: Request, chat: ChatCompletionRequest, *, for_counting: b
     engine, model = await engine_for(request, chat.model)
     options = Options(continue_final_message=True, cap_to_context=engine.max_model_len, lenient_tools=True,
                       count_only=for_counting)
-    wanted = replace(conv.chat_plan(chat, engine.vocab_size), options=options)
+    wanted = replace(conv.chat_plan(chat, engine.vocab_size, generation_defaults(request)), options=options)
     built = await build_plan(engine.tokenizer, wanted, tool_call_parser(request))
     return Plan(engine, model, built.params, built.tool_plan, built.prompts[0])
 

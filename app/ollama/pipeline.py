@@ -19,7 +19,7 @@ from fastapi import Request
 from app.chat import reasoning
 from app.chat.plan import build_plan
 from app.chat.prompts import check_token_ids
-from app.deps import Engine, engine_for, reasoning_parser, tool_call_parser
+from app.deps import Engine, engine_for, generation_defaults, reasoning_parser, tool_call_parser
 from app.engine_client import generate
 from app.openai import convert as openai_convert
 from app.openai import tools as openai_tools
@@ -36,7 +36,7 @@ async def chat_events(
 ) -> AsyncIterator[dict[str, Any]]:
     """Start the request (raising a 4xx before anything is sent when it cannot run) and return its chunk stream.
     `prompt_ids` (a raw prompt) replaces the chat template; tools need the template, so they are not planned then."""
-    wanted = openai_convert.chat_plan(body, engine.vocab_size)
+    wanted = openai_convert.chat_plan(body, engine.vocab_size, generation_defaults(request))
     if prompt_ids is not None:
         wanted = replace(wanted, tools=None, conversations=(), prompt_ids=[prompt_ids])
     plan = await build_plan(engine.tokenizer, wanted, tool_call_parser(request))

@@ -10,7 +10,7 @@ No generation logic lives here.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,18 +45,23 @@ from app.openai.schemas import (
 )
 from engine.types import MAX_LOGPROBS, RequestOutput, SamplingParams, TokenLogprob
 
+NO_DEFAULTS: Mapping[str, float] = {}
+
 # ---------------------------------------------------------------- request -> engine
 
 
-def chat_plan(req: ChatCompletionRequest, vocab_size: int) -> PlanRequest:
-    """A chat request as the shared request plan's input (`app/chat/plan.py`)."""
-    params = to_sampling_params(req, vocab_size)
+def chat_plan(req: ChatCompletionRequest, vocab_size: int, defaults: Mapping[str, float] = NO_DEFAULTS) -> PlanRequest:
+    """A chat request as the shared request plan's input (`app/chat/plan.py`); `defaults` fill the sampling keys
+    it leaves out (`--override-generation-config`, `app.deps.generation_defaults`)."""
+    params = to_sampling_params(req, vocab_size, defaults)
     return PlanRequest(params, structured.field_of(req), tools_request(req), conversations=[req.messages])
 
 
-def completion_plan(req: CompletionRequest, vocab_size: int, prompt_ids: Sequence[list[int]]) -> PlanRequest:
+def completion_plan(
+    req: CompletionRequest, vocab_size: int, prompt_ids: Sequence[list[int]], defaults: Mapping[str, float] = NO_DEFAULTS
+) -> PlanRequest:
     """A completion request (its prompts already token ids) as the shared request plan's input."""
-    return PlanRequest(to_sampling_params(req, vocab_size), structured.field_of(req), prompt_ids=prompt_ids)
+    return PlanRequest(to_sampling_params(req, vocab_size, defaults), structured.field_of(req), prompt_ids=prompt_ids)
 
 
 def tools_request(req: ChatCompletionRequest) -> ToolsRequest:
@@ -67,11 +72,19 @@ def tools_request(req: ChatCompletionRequest) -> ToolsRequest:
     return ToolsRequest(functions, named, req.parallel_tool_calls is not False)
 
 
-def to_sampling_params(req: ChatCompletionRequest | CompletionRequest, vocab_size: int) -> SamplingParams:
-    """The one OpenAI request -> SamplingParams conversion (chat and completions alike)."""
+def to_sampling_params(
+    req: ChatCompletionRequest | CompletionRequest, vocab_size: int, defaults: Mapping[str, float] = NO_DEFAULTS
+) -> SamplingParams:
+    """The one OpenAI request -> SamplingParams conversion (chat and completions alike). A sampling key the
+    request leaves out takes the server's default (`defaults`), else OpenAI's."""
+
+    def given(name: str, value: float | None, fallback: float | None) -> float | None:
+        return value if value is not None else defaults.get(name, fallback)
+
     max_tokens = req.max_tokens
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
         max_tokens = req.max_completion_tokens
+    max_tokens = None if (limit := given("max_tokens", max_tokens, None)) is None else int(limit)
     if max_tokens is not None and req.min_tokens > max_tokens:
         raise BadRequestError(
             f"min_tokens ({req.min_tokens}) exceeds max_tokens ({max_tokens}).", param="min_tokens"
@@ -80,11 +93,11 @@ def to_sampling_params(req: ChatCompletionRequest | CompletionRequest, vocab_siz
     logprobs = _logprobs(req)
     return SamplingParams(
         n=_n(req),
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=max(req.top_k or 0, 0),
-        min_p=req.min_p or 0.0,
-        repetition_penalty=req.repetition_penalty or 1.0,
+        temperature=given("temperature", req.temperature, 1.0),
+        top_p=given("top_p", req.top_p, 1.0),
+        top_k=max(int(given("top_k", req.top_k, 0) or 0), 0),
+        min_p=given("min_p", req.min_p, 0.0) or 0.0,
+        repetition_penalty=given("repetition_penalty", req.repetition_penalty, 1.0) or 1.0,
         presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty,
         logit_bias=_logit_bias(req.logit_bias, vocab_size),

@@ -22,6 +22,7 @@ from app.deps import (
     Engine,
     engine_for,
     generates,
+    generation_defaults,
     get_engine,
     reasoning_parser,
     request_id,
@@ -74,7 +75,7 @@ async def create_chat_completion(
     model's own format is parsed (`--tool-call-parser`: auto, hermes, llama3_json, mistral, smollm2).
     """
     engine, model = await engine_for(request, body.model, body.keep_alive)
-    plan = await build_plan(engine.tokenizer, conv.chat_plan(body, engine.vocab_size), tool_call_parser(request))
+    plan = await build_plan(engine.tokenizer, conv.chat_plan(body, engine.vocab_size, generation_defaults(request)), tool_call_parser(request))
     params, tool_plan = plan.params, plan.tool_plan
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     outputs = generate(engine, plan.prompts, params, rid, prompt_param="messages")
@@ -119,7 +120,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     """
     engine, model = await engine_for(request, body.model, body.keep_alive)
     texts, ids = zip(*completion_prompts(engine.tokenizer, body.prompt, engine.vocab_size), strict=True)
-    plan = await build_plan(engine.tokenizer, conv.completion_plan(body, engine.vocab_size, ids))
+    plan = await build_plan(engine.tokenizer, conv.completion_plan(body, engine.vocab_size, ids, generation_defaults(request)))
     params = plan.params
     rid = f"cmpl-{uuid.uuid4().hex}"
     outputs = generate(engine, plan.prompts, params, rid, prompt_param="prompt")

@@ -18,7 +18,7 @@ from fastapi import Request
 
 from app.chat import reasoning
 from app.chat.plan import build_plan
-from app.deps import Engine, engine_for, reasoning_parser, tool_call_parser
+from app.deps import Engine, engine_for, generation_defaults, reasoning_parser, tool_call_parser
 from app.engine_client import generate
 from app.openai import convert as chat_convert
 from app.openai import tools as openai_tools
@@ -35,7 +35,7 @@ async def chat_chunks(request: Request, engine: Engine, model: str, body: ChatCo
     """Start `body` (a streamed chat request) on `engine`; its chunks, reasoning and tool calls split out.
     Bad input raises (a 400) before anything is generated. `keep`: a stored turn, which a next turn may continue
     (`previous_response_id`): its KV blocks outlive colder cached prefixes (`SamplingParams.keep_prefix`)."""
-    chat = chat_convert.chat_plan(body, engine.vocab_size)
+    chat = chat_convert.chat_plan(body, engine.vocab_size, generation_defaults(request))
     if chat.params.constraint is not None:
         chat = replace(chat, constraint_field="text.format")  # the Responses name of the structured-output field
     plan = await build_plan(engine.tokenizer, chat, tool_call_parser(request))

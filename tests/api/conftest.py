@@ -59,6 +59,24 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
+def greedy_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A second server, for agents' long requests: a 4096-token context, a response store, and greedy sampling
+    for requests that send no temperature (`--override-generation-config`; Codex sends none)."""
+    workdir = tmp_path_factory.mktemp("greedy-server")
+    port, log_path = free_port(), workdir / "server.log"
+    args = [a if a != "2048" else "4096" for a in SERVER_ARGS]  # --max-model-len 4096
+    args += ["--override-generation-config", '{"temperature": 0}', "--store-path", str(workdir / "store.db")]
+    cmd = [sys.executable, str(REPO / "main.py"), "--host", "127.0.0.1", "--port", str(port), *args]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=workdir, env=server_env(), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_http_ok(f"http://127.0.0.1:{port}/ready", proc, log_path, READY_TIMEOUT_S)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop_process(proc, STOP_TIMEOUT_S)
+
+
+@pytest.fixture(scope="session")
 def client(server: str) -> openai.OpenAI:
     """The real OpenAI SDK pointed at the server (no retries, so an error shows as it is)."""
     return openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0, timeout=300)

@@ -200,3 +200,23 @@ def test_unknown_flag_exits_2(clean_env: Path) -> None:
     result = run_main("--no-such-flag", cwd=clean_env)
     assert result.returncode == 2
     assert "unrecognized arguments: --no-such-flag" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_generation_defaults_are_checked_and_fill_only_what_a_request_leaves_out() -> None:
+    from app.openai.convert import to_sampling_params
+    from app.openai.schemas import ChatCompletionRequest
+
+    settings = load_settings(["--override-generation-config", '{"temperature": 0, "top_k": 5, "max_new_tokens": 7}'])
+    defaults = settings.override_generation_config
+    assert defaults == {"temperature": 0, "top_k": 5, "max_tokens": 7}
+    bare = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    params = to_sampling_params(bare, 100, defaults)
+    assert (params.temperature, params.top_k, params.max_tokens, params.top_p) == (0, 5, 7, 1.0)
+    own = bare.model_copy(update={"temperature": 0.7, "top_k": -1, "max_tokens": 3})
+    params = to_sampling_params(own, 100, defaults)
+    assert (params.temperature, params.top_k, params.max_tokens) == (0.7, 0, 3)
+    assert to_sampling_params(bare, 100).temperature == 1.0, "no defaults: OpenAI's"
+    with pytest.raises(ConfigError, match="unknown key.*seed"):
+        load_settings(["--override-generation-config", '{"seed": 1}'])
+    with pytest.raises(ConfigError, match="override_generation_config"):
+        load_settings(["--override-generation-config", "not json"])
