@@ -51,11 +51,15 @@ CLIENT_MODERN = VenvSpec("lsc-0.7", "3.12", ("llama-stack-client>=0.7,<0.8",))
 CLIENT_NO_DONE = VenvSpec("lsc-0.6.0", "3.12", ("llama-stack-client==0.6.0",))
 # The last client with the native /v1/inference/* API; it imports `fire` and `requests` without declaring them.
 CLIENT_LEGACY = VenvSpec("lsc-0.2", "3.11", ("llama-stack-client==0.2.12", "fire", "requests"))
-# A real Llama Stack server. Newer mcp and openai releases break its CLI and its OpenAI passthrough.
+# A real Llama Stack server. Newer mcp and openai releases break its CLI and its OpenAI passthrough. The same
+# venv runs Llama Stack's own integration tests (`llama_stack_tests`: their conftest imports llama_stack, its client
+# and ollama; pytest 9 refuses their `pytest_ignore_collect(path)` hook), so the version is the tests' one.
+LLAMA_STACK_VERSION = "0.7.3"
 SERVER = VenvSpec(
     "llama-stack-0.7",
     "3.12",
-    ("llama-stack>=0.7,<0.8", "mcp==1.25.0", "openai==2.5.0"),
+    (f"llama-stack=={LLAMA_STACK_VERSION}", "mcp==1.25.0", "openai==2.5.0", "llama-stack-client>=0.7,<0.8",
+     "ollama", "pytest>=8.4,<9"),
 )
 SPECS = {spec.name: spec for spec in (CLIENT_MODERN, CLIENT_NO_DONE, CLIENT_LEGACY, SERVER)}
 
@@ -114,6 +118,27 @@ def _fix_shebangs(old: Path, new: Path) -> None:
             script.write_text(text.replace(str(old), str(new)))
     cfg = new / "pyvenv.cfg"
     cfg.write_text(cfg.read_text().replace(str(old), str(new)))
+
+
+def llama_stack_tests() -> Path:
+    """The source tree of Llama Stack LLAMA_STACK_VERSION (its sdist, which holds `tests/integration`), from the
+    package registry once, kept beside the venvs; its tests run in SERVER's venv."""
+    root = CACHE / f"llama_stack-{LLAMA_STACK_VERSION}"
+    if (root / ".complete").exists():
+        return root
+    venv = ensure_venv(SERVER)
+    with open(CACHE / "llama-stack-sources.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (root / ".complete").exists():
+            shutil.rmtree(root, ignore_errors=True)
+            download = CACHE / "llama-stack-sdist"
+            subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "download", "-q", "--disable-pip-version-check",
+                            "--no-deps", "--no-binary", ":all:", f"llama-stack=={LLAMA_STACK_VERSION}", "-d",
+                            str(download)], check=True, timeout=600)  # fmt: skip
+            sdist = download / f"llama_stack-{LLAMA_STACK_VERSION}.tar.gz"
+            subprocess.run(["tar", "xzf", str(sdist), "-C", str(CACHE)], check=True, timeout=600)
+            (root / ".complete").write_text(f"{sdist.name}\n")
+    return root
 
 
 def main(names: list[str]) -> int:
