@@ -315,8 +315,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so `finally` still stops the peers it started
     gguf = args.gguf or peers.bundled_gguf()
-    dense = peers.ensure_dense_model(gguf) if (args.peers or not args.tokenizer) else None
-    tokenizer = load_tokenizer(args.tokenizer or dense)
+    # The transformers peers serve a dense copy of the file; the prompts are built with --tokenizer, else the
+    # bundled model's (a --gguf of another model is converted only for a transformers peer).
+    wants_dense = any(n.strip().startswith("transformers") for n in (args.peers or "").split(","))
+    dense = peers.ensure_dense_model(gguf) if wants_dense else None
+    tokenizer = load_tokenizer(args.tokenizer or dense or peers.ensure_dense_model(peers.bundled_gguf()))
     out = args.out or Path("bench-results") / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
     args.out = out
     levels = load_levels(args)

@@ -94,8 +94,11 @@ def bundled_gguf() -> Path:
     return path
 
 
-def ensure_dense_model(gguf: Path, out: Path = DENSE_DIR) -> Path:
-    """A dense safetensors folder (config, weights, tokenizer) converted from `gguf`, cached in `out`."""
+def ensure_dense_model(gguf: Path, out: Path | None = None) -> Path:
+    """A dense safetensors folder (config, weights, tokenizer) converted from `gguf`, cached in `out` (default: the
+    bundled model's DENSE_DIR, or a folder named after any other file)."""
+    if out is None:
+        out = DENSE_DIR if gguf.name == GGUF_NAME else CACHE / "bench-models" / gguf.stem.lower()
     if (out / "config.json").is_file() and (out / "tokenizer.json").is_file():
         return out
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig

@@ -1,0 +1,197 @@
+"""Speed on real shapes (issue 36): random-weight GGUFs of real models' shapes, served by Peregrine and llama-server.
+
+`make` writes each shape as an F16 GGUF with random weights (the values do not change the speed) and the family's
+real tokenizer (copied from llama.cpp's vocab-only GGUFs, `models/ggml-vocab-*.gguf` in the vendored source), then
+quantizes it with llama.cpp's own `llama-quantize` (built by `scripts/bench_peers.py setup`) to Q4_K_M and Q8_0.
+`run` serves each file with both servers through `scripts/bench.py` (one stream and 16, same file, same threads,
+random prompts, fixed-length answers) and prints one table with the ratios.
+
+    python scripts/bench_families.py make --shapes qwen3-0.6b,llama-3.2-1b
+    python scripts/bench_families.py run --shapes qwen3-0.6b --formats Q4_K_M,Q8_0
+
+Files go to `.cache/bench-families/` (gigabytes: F16 sources are removed after quantizing unless --keep-f16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_peers as peers  # noqa: E402
+
+OUT = peers.CACHE / "bench-families"
+QUANTIZE = peers.LLAMA_BUILD / "bin" / "llama-quantize"
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A model's shape as its GGUF states it (llama.cpp's tensor names for `arch`)."""
+
+    arch: str
+    hidden: int
+    layers: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: str  # llama.cpp's ggml-vocab-<vocab>.gguf
+    rope_base: float
+    qk_norm: bool = False  # Qwen3: per-head RMSNorm of q and k
+    qkv_bias: bool = False  # Qwen2: biases on q, k, v
+
+
+SHAPES = {
+    "qwen3-0.6b": Shape("qwen3", 1024, 28, 3072, 16, 8, 128, "qwen2", 1e6, qk_norm=True),
+    "llama-3.2-1b": Shape("llama", 2048, 16, 8192, 32, 8, 64, "llama-bpe", 5e5),
+    "qwen2.5-1.5b": Shape("qwen2", 1536, 28, 8960, 12, 2, 128, "qwen2", 1e6, qkv_bias=True),
+}
+
+
+def vocab_gguf(name: str) -> Path:
+    found = sorted(peers.CACHE.glob(f"peers-sdist/*/vendor/llama.cpp/models/ggml-vocab-{name}.gguf"))
+    if not found:
+        sys.exit(f"ggml-vocab-{name}.gguf not found: run `python scripts/bench_peers.py setup` first")
+    return found[0]
+
+
+def write_f16(name: str, shape: Shape, path: Path, vocab: Path, seed: int = 0) -> None:
+    """The shape as an F16 GGUF (F32 norms and biases), tied embeddings, and the tokenizer and chat template of the
+    GGUF `vocab` (its `tokenizer.*` keys; the embedding has a row per token)."""
+    import gguf
+
+    reader = gguf.GGUFReader(vocab)
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    writer = gguf.GGUFWriter(str(path), shape.arch)
+    writer.add_name(f"random {name}")
+    writer.add_context_length(8192)
+    writer.add_embedding_length(shape.hidden)
+    writer.add_block_count(shape.layers)
+    writer.add_feed_forward_length(shape.ffn)
+    writer.add_head_count(shape.heads)
+    writer.add_head_count_kv(shape.kv_heads)
+    writer.add_key_length(shape.head_dim)
+    writer.add_value_length(shape.head_dim)
+    writer.add_rope_dimension_count(shape.head_dim)
+    writer.add_rope_freq_base(shape.rope_base)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer."):
+            sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+    rng = np.random.default_rng(seed)
+
+    def matrix(rows: int, cols: int) -> np.ndarray:
+        return (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02).astype(np.float16)
+
+    ones = lambda n: np.ones(n, dtype=np.float32)  # noqa: E731
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    writer.add_tensor("token_embd.weight", matrix(len(tokens), shape.hidden))
+    writer.add_tensor("output_norm.weight", ones(shape.hidden))
+    for i in range(shape.layers):
+        b = f"blk.{i}."
+        for t, (rows, cols) in {"attn_q": (q, shape.hidden), "attn_k": (kv, shape.hidden),
+                                "attn_v": (kv, shape.hidden), "attn_output": (shape.hidden, q),
+                                "ffn_gate": (shape.ffn, shape.hidden), "ffn_up": (shape.ffn, shape.hidden),
+                                "ffn_down": (shape.hidden, shape.ffn)}.items():  # fmt: skip
+            writer.add_tensor(b + t + ".weight", matrix(rows, cols))
+        writer.add_tensor(b + "attn_norm.weight", ones(shape.hidden))
+        writer.add_tensor(b + "ffn_norm.weight", ones(shape.hidden))
+        if shape.qk_norm:
+            writer.add_tensor(b + "attn_q_norm.weight", ones(shape.head_dim))
+            writer.add_tensor(b + "attn_k_norm.weight", ones(shape.head_dim))
+        if shape.qkv_bias:
+            for t, n in (("attn_q", q), ("attn_k", kv), ("attn_v", kv)):
+                writer.add_tensor(b + t + ".bias", np.zeros(n, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def make(names: list[str], formats: list[str], keep_f16: bool) -> None:
+    if not QUANTIZE.is_file():
+        sys.exit(f"{QUANTIZE} missing: `python scripts/bench_peers.py setup` builds llama-server; then "
+                 f"`cmake --build {peers.LLAMA_BUILD} --target llama-quantize`")
+    OUT.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        f16 = OUT / f"{name}-F16.gguf"
+        targets = {fmt: OUT / f"{name}-{fmt}.gguf" for fmt in formats}
+        if all(p.is_file() for p in targets.values()):
+            continue
+        if not f16.is_file():
+            print(f"writing {f16.name}", flush=True)
+            write_f16(name, SHAPES[name], f16, vocab_gguf(SHAPES[name].vocab))
+        for fmt, path in targets.items():
+            if not path.is_file():
+                print(f"quantizing {path.name}", flush=True)
+                subprocess.run([str(QUANTIZE), str(f16), str(path), fmt, "2"], check=True,
+                               stdout=subprocess.DEVNULL)
+        if not keep_f16:
+            f16.unlink()
+
+
+def run(names: list[str], formats: list[str], args: argparse.Namespace) -> None:
+    rows = []
+    for name in names:
+        for fmt in formats:
+            gguf = OUT / f"{name}-{fmt}.gguf"
+            out = OUT / f"bench-{name}-{fmt}.json"
+            cmd = [sys.executable, str(Path(__file__).with_name("bench.py")), "--peers", "peregrine,llamacpp",
+                   "--gguf", str(gguf), "--concurrency", args.concurrency, "--input-len", str(args.input_len),
+                   "--output-len", str(args.output_len), "--threads", str(args.threads), "--out", str(out),
+                   "--peregrine-args", args.peregrine_args]  # fmt: skip
+            subprocess.run(cmd, check=True)
+            rows += summarize(name, fmt, gguf, json.loads(out.read_text()))
+    print(json.dumps(rows))
+    print("\n| shape | format | streams | Peregrine tok/s | llama-server tok/s | ratio | TTFT p50 P / L (s) |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['shape']} | {r['format']} | {r['concurrency']} | {r['peregrine']:.1f} | {r['llamacpp']:.1f} "
+              f"| {r['ratio']:.2f}x | {r['ttft_peregrine']:.2f} / {r['ttft_llamacpp']:.2f} |")
+
+
+def summarize(name: str, fmt: str, gguf: Path, result: dict) -> list[dict]:
+    """One row per concurrency level: each server's output tok/s and TTFT p50, and the ratio."""
+    by_peer = {run["peer"]: {row["concurrency"]: row for row in run["rows"]} for run in result["runs"]}
+    rows = []
+    for conc, ours in sorted(by_peer.get("peregrine", {}).items()):
+        theirs = by_peer.get("llamacpp", {}).get(conc)
+        if theirs is None:
+            continue
+        rows.append({"shape": name, "format": fmt, "file_mb": gguf.stat().st_size / 1e6, "concurrency": conc,
+                     "peregrine": ours["output_throughput"], "llamacpp": theirs["output_throughput"],
+                     "ratio": ours["output_throughput"] / theirs["output_throughput"],
+                     "ttft_peregrine": ours["ttft_ms"]["p50"] / 1e3, "ttft_llamacpp": theirs["ttft_ms"]["p50"] / 1e3})  # fmt: skip
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("step", choices=("make", "run"))
+    p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated: {', '.join(SHAPES)}")
+    p.add_argument("--formats", default="Q4_K_M,Q8_0", help="llama-quantize types, comma-separated")
+    p.add_argument("--keep-f16", action="store_true", help="keep the F16 source files")
+    p.add_argument("--concurrency", default="1,16")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--peregrine-args", default="--max-model-len 2048")
+    args = p.parse_args(argv)
+    names, formats = args.shapes.split(","), args.formats.split(",")
+    unknown = [n for n in names if n not in SHAPES]
+    if unknown:
+        p.error(f"unknown shape(s) {', '.join(unknown)}")
+    make(names, formats, args.keep_f16) if args.step == "make" else run(names, formats, args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
