@@ -25,8 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import shlex
 import signal
 import sys
@@ -42,7 +40,7 @@ import psutil
 from bench_client import FIXED_LENGTH, Target, run_load
 from bench_datasets import BenchRequest, chat_requests, load_tokenizer, random_requests, special_ids
 from bench_metrics import RequestResult, summarize
-from bench_report import format_row, median_rows, print_report, ratios
+from bench_report import format_row, machine, median_rows, print_machine, print_report, ratios
 
 PEER_CHOICES = ("engine", *peers.PEER_NAMES)
 
@@ -85,6 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--peers-python", type=Path, help="python with llama-cpp-python (default: .cache/peers-venv)"
     )
+    p.add_argument("--bandwidth", type=float, metavar="GB/S", help="read bandwidth (scripts/bandwidth.py) for the header")
     p.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for a peer to load")
     p.add_argument("--out", type=Path, help="JSON results (default: bench-results/bench-<time>.json)")
     p.add_argument(
@@ -337,10 +336,13 @@ def main(argv: list[str] | None = None) -> int:
             sys.exit(f"unknown peer(s) {', '.join(unknown)}; choose from {', '.join(PEER_CHOICES)}")
         runs = run_peers(names, opts, tokenizer, args)
     rel = ratios(runs)
+    host = machine(args.bandwidth)
+    print()
+    print_machine(host)
     print_report(runs, rel)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"command": shlex.join([sys.executable, *sys.argv]), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "machine": platform.platform(), "cpus": os.cpu_count(), "args": vars(args) | {"out": str(out)}}  # fmt: skip
+            "machine": host, "args": vars(args) | {"out": str(out)}}  # fmt: skip
     out.write_text(json.dumps({"meta": meta, "runs": runs, "ratios": rel}, indent=2, default=str))
     print(f"\nwrote {out}")
     return 0 if any(r.get("rows") for r in runs) else 1

@@ -103,3 +103,31 @@ def print_report(runs: list[dict[str, Any]], rel: list[dict[str, Any]]) -> None:
                 f" (rounds: {', '.join('-' if v is None else f'{v:.2f}' for v in rounds)})" if rounds else ""
             )
             print(f"| {r['load']} | {r['peer']} | {' | '.join(cells)} |{each}")
+
+
+KERNEL_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+                "amx_tile", "amx_bf16", "asimd", "asimddp")  # the flags that pick Peregrine's (and llama.cpp's) kernels
+
+
+def machine(bandwidth_gb_s: float | None = None) -> dict[str, Any]:
+    """The header every table is read with: the CPU's model, the flags that pick kernels, Peregrine's ISA level on
+    it, the cores, and the measured read bandwidth when given (scripts/bandwidth.py)."""
+    import os
+    import platform
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from engine.backends import cpu_features
+
+    flags = cpu_features.cpu_flags()
+    return {"cpu": cpu_features.cpu_model_name() or platform.processor(), "flags": [f for f in KERNEL_FLAGS if f in flags],
+            "peregrine_level": cpu_features.detected_level(flags), "cpus": os.cpu_count(),
+            "platform": platform.platform(), "read_gb_s": bandwidth_gb_s}
+
+
+def print_machine(info: dict[str, Any]) -> None:
+    bandwidth = f", read {info['read_gb_s']:.1f} GB/s" if info.get("read_gb_s") else ""
+    print(f"CPU: {info['cpu']} ({info['cpus']} CPUs), flags {' '.join(info['flags']) or '-'}, Peregrine level "
+          f"{info['peregrine_level']}{bandwidth}")
+

@@ -332,3 +332,13 @@ def test_sampling_flags_go_into_every_request_body() -> None:
     _, body = bench_client.request_body(target, BenchRequest("completion", "hello", None, 1, 9))
     assert body["temperature"] == 0.8 and body["top_p"] == 0.95 and body["top_k"] == 40 and "min_p" not in body
     assert bench.sampling(bench.parse_args(["--base-url", "http://x"])) == (("temperature", 0.0),)
+
+
+def test_the_header_names_the_cpu_its_kernel_flags_and_level() -> None:
+    from engine.backends import cpu_features
+
+    info = bench_report.machine(12.5)
+    flags = cpu_features.cpu_flags()
+    assert info["cpu"] == (cpu_features.cpu_model_name() or info["cpu"]) and info["read_gb_s"] == 12.5
+    assert set(info["flags"]) == {f for f in bench_report.KERNEL_FLAGS if f in flags}
+    assert info["peregrine_level"] == cpu_features.detected_level(flags)
