@@ -169,14 +169,21 @@ def _usage(chat: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def response_base(id: str, model: str, req: Any, created_at: int | None = None) -> dict[str, Any]:
-    """The fields of a response that echo its request (OpenAI's Response object, less status/output/usage)."""
+def response_base(id: str, model: str, req: Any, created_at: int | None = None,
+                  defaults: Mapping[str, float] | None = None) -> dict[str, Any]:
+    """The fields of a response that echo its request (OpenAI's Response object, less status/output/usage); a
+    sampling key the request left out shows the value used (the server's `defaults`, else OpenAI's)."""
     fmt = req.text.format.model_dump(by_alias=True, exclude_none=True) if req.text and req.text.format else None
+    defaults = defaults or {}
+
+    def used(value: Any, key: str, fallback: Any) -> Any:
+        return value if value is not None else defaults.get(key, fallback)
+
     return {
         "id": id, "object": "response", "created_at": created_at or int(time.time()), "model": model,
         "instructions": req.instructions, "previous_response_id": req.previous_response_id,
-        "max_output_tokens": req.max_output_tokens, "temperature": 1.0 if req.temperature is None else req.temperature,
-        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "max_output_tokens": used(req.max_output_tokens, "max_tokens", None),
+        "temperature": used(req.temperature, "temperature", 1.0), "top_p": used(req.top_p, "top_p", 1.0),
         "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
         "tool_choice": _tool_choice(req.tool_choice), "parallel_tool_calls": req.parallel_tool_calls is not False,
         "text": {"format": fmt or {"type": "text"}},

@@ -19,7 +19,7 @@ from typing import Any, Literal
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 
-from app.deps import generates, request_id
+from app.deps import generates, generation_defaults, request_id
 from app.errors import APIError, BadRequestError, NotFoundError, classify
 from app.paging import ListPage, page_after
 from app.responses import pipeline
@@ -70,7 +70,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
             param="previous_response_id",
         )
     chunks = await pipeline.chat_chunks(request, engine, model, turn.chat, keep=body.store)
-    builder = ResponseBuilder(response_base(new_id("resp"), model, body))
+    builder = ResponseBuilder(response_base(new_id("resp"), model, body, defaults=generation_defaults(request)))
 
     async def save(response: dict[str, Any]) -> None:
         if body.store:

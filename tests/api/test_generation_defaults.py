@@ -28,6 +28,7 @@ def test_a_request_without_temperature_is_greedy(greedy: openai.OpenAI) -> None:
     streamed = greedy.responses.create(model="smollm2", input=MESSAGES[0]["content"], max_output_tokens=32)
     again = greedy.responses.create(model="smollm2", input=MESSAGES[0]["content"], max_output_tokens=32)
     assert streamed.output_text and streamed.output_text == again.output_text
+    assert streamed.temperature == 0  # the response shows the temperature used, the server's default
 
 
 def test_the_request_s_own_temperature_wins(greedy: openai.OpenAI) -> None:
