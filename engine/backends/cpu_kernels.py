@@ -4,8 +4,8 @@ family, `bindings.cpp`), for the decode steps torch's general kernels serve badl
 
 - `linear_small`, a bandwidth-bound linear for decode steps of 1 to 8 rows. At batch 1 a decode step reads every
   weight once, so its speed is memory bandwidth / weight bytes. Each weight row is streamed once, for up to 8
-  inputs per pass, through AVX512-BF16 dot products (bf16 on AVX-512) or FMA in float32. Larger batches are
-  compute bound, where torch's GEMM is the better kernel, so `linear_for` only sends it the small ones.
+  inputs per pass, through AVX512-BF16 dot products (bf16 at the avx512_bf16 level) or FMA in float32. Larger
+  batches are compute bound, where torch's GEMM is the better kernel, so `linear_for` only sends it the small ones.
 - `paged_decode_attention`, decode attention read straight from the paged KV cache through the block tables
   (float32 or bfloat16, softmax in float32). The torch path gathers every sequence's context into a padded
   copy and runs a masked SDPA; at decode sizes that is a handful of ops per layer whose fixed cost dominates.
@@ -22,8 +22,8 @@ family, `bindings.cpp`), for the decode steps torch's general kernels serve badl
   thread wake-ups between them, are what keep the Python-level path from the memory roofline.
 
 The sources are compiled once per ISA level ("avx512_bf16" with the AMX flags, "avx512", "avx_vnni", "avx2", "neon";
-`cpu_features.kernel_build` picks the best the CPU has under the configured cap, the one ISA map) with torch's extension builder on first use
-(a C++ compiler is needed; about a minute on a quiet machine), through the one loader `build.load_extension`, and
+`cpu_features.kernel_build` picks the best the CPU has under the configured cap, the one ISA map) with torch's
+extension builder on first use (a C++ compiler is needed; about a minute on a quiet machine), through the one loader `build.load_extension`, and
 cached under `<cache>/kernels/`, keyed by the sources' bytes, the flags and torch's version (not their path: another
 clone loads the same build), so later starts load it in milliseconds. The path taken is logged once. When no level
 applies, no compiler is found, or the build fails, `load()` logs why once and the engine keeps torch's ops. Which
