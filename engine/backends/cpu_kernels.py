@@ -27,9 +27,10 @@ extension builder on first use (a C++ compiler is needed; about a minute on a qu
 loader `build.load_extension`, and cached under `<cache>/kernels/`, keyed by the sources' bytes, the flags and
 torch's version (not their path: another clone loads the same build), so later starts load it in milliseconds.
 The path taken is logged once. When no level applies, no compiler is found, or the build fails, `load()` logs why
-once and the engine keeps torch's ops. Which kernels serve which dtype on which level is measured (`LINEAR_ROWS`, `DECODER_DTYPES`, `ADD_NORM_DTYPES`; the
-figures are in docs). Everything here is chosen under the engine's `KernelOptions` (enabled, cache dir, ISA cap),
-by the CPU backend (engine/backends/cpu.py), which also loads the quantized-weight kernels into the same set.
+once and the engine keeps torch's ops. Which kernels serve which dtype on which level is measured (`LINEAR_ROWS`,
+`DECODER_DTYPES`, `ADD_NORM_DTYPES`; the figures are in docs). Everything here is chosen under the engine's
+`KernelOptions` (enabled, cache dir, ISA cap), by the CPU backend (engine/backends/cpu.py), which also loads the
+quantized-weight kernels into the same set.
 """
 
 from __future__ import annotations
