@@ -101,14 +101,17 @@ class Settings(DerivedValues, BaseSettings):
     )
     cpu_kernels: bool = Field(
         True,
-        description="Peregrine's CPU kernels (AVX-512, AVX2 + FMA or NEON; float32 and bfloat16): Llama-family "
+        description="Peregrine's CPU kernels (AVX-512, AVX2 + FMA or NEON, with VNNI where the CPU has it; float32 and bfloat16): Llama-family "
         "decode steps as one call (matmuls on AMX where the CPU has it), small-batch linear, paged decode "
         "attention, fused add + RMSNorm (compiled once into cache_dir/kernels; off or unavailable: torch's ops).",
     )
-    cpu_isa: Literal["auto", "amx", "avx512", "avx2", "none"] = Field(
+    cpu_isa: Literal["auto", "amx", "avx512_bf16", "avx512", "avx_vnni", "avx2", "none"] = Field(
         "auto",
-        description="Highest CPU instruction set Peregrine's kernels may use (auto: what the CPU has). Lower it "
-        "to run the paths of a smaller CPU; it travels in the engine config, so Ray replicas follow it too.",
+        description="Highest CPU instruction set Peregrine's kernels may use (auto: what the CPU has); they use the "
+        "highest level at or below it that the CPU has. amx: AMX-BF16 tiles; avx512_bf16: AVX-512 with the BF16 "
+        "and VNNI dot products; avx512: AVX-512 F/BW/VL with VNNI, no BF16 or AMX; avx_vnni: AVX2 with 256-bit "
+        "VNNI int8 dot products; avx2: AVX2 + FMA + F16C (docs/gguf-and-kernels.md has the table). Lower it to run "
+        "the paths of a smaller CPU; it travels in the engine config, so Ray replicas follow it too.",
     )
 
     weight_format: Literal["auto", "quantized", "dense"] = Field(

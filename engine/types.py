@@ -199,7 +199,7 @@ class EngineConfig:
     chat_template: str | None = None  # --chat-template: a file or a known name (models/chat_templates); None: own
     model_impl: str = "auto"  # auto | generic | llama: the forward pass (auto: Llama fast path when it applies)
     cpu_kernels: bool = True  # Peregrine's CPU kernels (engine.backends.cpu_kernels, quant_kernels) where they apply
-    cpu_isa: str = "auto"  # auto | amx | avx512 | avx2 | none: the highest ISA the CPU kernels may use (--cpu-isa)
+    cpu_isa: str = "auto"  # auto or one of cpu_features.LEVELS: the highest the CPU kernels may use (--cpu-isa)
     weight_format: str = "auto"  # auto | quantized | dense: a GGUF's weights kept quantized in RAM, or dense
     quantize: str | None = None  # "int8": linear weights of a dense model to Q8_0 blocks at load
     prefix_caching: bool = True  # reuse the KV of full blocks whose prefix was computed before (block_manager)

@@ -44,13 +44,19 @@ log = logging.getLogger(__name__)
 TORCH_LOCK = "lock"  # torch.utils.file_baton's file in the build directory
 BUILT = ".peregrine-built"  # written once the library is whole
 
-# The compiler flags of each ISA level the kernels are built for (engine.backends.cpu_features names the x86 levels; NEON
-# is part of every aarch64 CPU, so it needs no flag). "none" is the compiler's baseline, for code that has a
-# portable path (the quantized-weight kernels); which levels a module is built for is its caller's choice.
+# The compiler flags of each build the kernels are built for (engine.backends.cpu_features names the x86 levels and
+# maps them to these builds; NEON is part of every aarch64 CPU, so it needs no flag). "none" is the compiler's
+# baseline, for code that has a portable path (the quantized-weight kernels); which builds a module is built for is
+# its caller's choice. Each x86 build's flags are its level's CPU flags (cpu_features.needs), so a build runs no
+# instruction its level does not promise, except AMX's in avx512_bf16, whose tiles are used only where the CPU
+# says it has them (amx.cpp asks at run time). (GCC's -mavx512f implies neither FMA nor F16C.)
+_AVX2 = ["-mavx2", "-mfma", "-mf16c"]
+_AVX512 = [*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
 LEVEL_FLAGS: dict[str, list[str]] = {
-    "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni",
-               "-mamx-tile", "-mamx-bf16"],  # (GCC's -mavx512f implies neither FMA nor F16C; the level has both)
-    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "avx512_bf16": [*_AVX512, "-mavx512bf16", "-mamx-tile", "-mamx-bf16"],  # AMX picked at run time inside it
+    "avx512": _AVX512,
+    "avx_vnni": [*_AVX2, "-mavxvnni"],
+    "avx2": _AVX2,
     "neon": [],
     "none": [],
 }

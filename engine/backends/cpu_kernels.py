@@ -4,8 +4,8 @@ family, `bindings.cpp`), for the decode steps torch's general kernels serve badl
 
 - `linear_small`, a bandwidth-bound linear for decode steps of 1 to 8 rows. At batch 1 a decode step reads every
   weight once, so its speed is memory bandwidth / weight bytes. Each weight row is streamed once, for up to 8
-  inputs per pass, through AVX512-BF16 dot products (bf16 on AVX-512) or FMA in float32. Larger batches are
-  compute bound, where torch's GEMM is the better kernel, so `linear_for` only sends it the small ones.
+  inputs per pass, through AVX512-BF16 dot products (bf16 at the avx512_bf16 level) or FMA in float32. Larger
+  batches are compute bound, where torch's GEMM is the better kernel, so `linear_for` only sends it the small ones.
 - `paged_decode_attention`, decode attention read straight from the paged KV cache through the block tables
   (float32 or bfloat16, softmax in float32). The torch path gathers every sequence's context into a padded
   copy and runs a masked SDPA; at decode sizes that is a handful of ops per layer whose fixed cost dominates.
@@ -21,15 +21,16 @@ family, `bindings.cpp`), for the decode steps torch's general kernels serve badl
   decode-only steps through it: at batch 1 the ~450 small ops per step that remain around the weight reads, and the
   thread wake-ups between them, are what keep the Python-level path from the memory roofline.
 
-The sources are compiled once per ISA level ("avx512" with the AMX flags, "avx2", "neon"; `cpu_features.kernel_build`
-picks the best the CPU has under the configured cap, the one ISA map) with torch's extension builder on first use
-(a C++ compiler is needed; about a minute on a quiet machine), through the one loader `build.load_extension`, and
-cached under `<cache>/kernels/`, keyed by the sources' bytes, the flags and torch's version (not their path: another
-clone loads the same build), so later starts load it in milliseconds. The path taken is logged once. When no level
-applies, no compiler is found, or the build fails, `load()` logs why once and the engine keeps torch's ops. Which
-kernels serve which dtype on which level is measured (`LINEAR_ROWS`, `DECODER_DTYPES`, `ADD_NORM_DTYPES`; the
-figures are in docs). Everything here is chosen under the engine's `KernelOptions` (enabled, cache dir, ISA cap),
-by the CPU backend (engine/backends/cpu.py), which also loads the quantized-weight kernels into the same set.
+The sources are compiled once per ISA level ("avx512_bf16" with the AMX flags, "avx512", "avx_vnni", "avx2", "neon";
+`cpu_features.kernel_build` picks the best the CPU has under the configured cap, the one ISA map) with torch's
+extension builder on first use (a C++ compiler is needed; about a minute on a quiet machine), through the one
+loader `build.load_extension`, and cached under `<cache>/kernels/`, keyed by the sources' bytes, the flags and
+torch's version (not their path: another clone loads the same build), so later starts load it in milliseconds.
+The path taken is logged once. When no level applies, no compiler is found, or the build fails, `load()` logs why
+once and the engine keeps torch's ops. Which kernels serve which dtype on which level is measured (`LINEAR_ROWS`,
+`DECODER_DTYPES`, `ADD_NORM_DTYPES`; the figures are in docs). Everything here is chosen under the engine's
+`KernelOptions` (enabled, cache dir, ISA cap), by the CPU backend (engine/backends/cpu.py), which also loads the
+quantized-weight kernels into the same set.
 """
 
 from __future__ import annotations
@@ -60,13 +61,17 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")  # a shared header, the vector layer and one file per kernel family
 NAME = "peregrine_cpu_kernels"
-LEVELS = ("avx512", "avx2", "neon")  # the builds there are (extension_build.LEVEL_FLAGS); build_level() picks
+LEVELS = ("avx512_bf16", "avx512", "avx_vnni", "avx2", "neon")  # the builds there are (build.LEVEL_FLAGS)
 MAX_ROWS = 8  # bf16, AVX512-BF16: 2.3x F.linear at 1 row, 1.3x at 4, even at 8, slower beyond (oneDNN's AMX GEMM)
 # The rows per call (first, last) that each dtype's linear sends to the kernel, per build level; torch's op for the
 # rest. Measured (README "CPU kernels"): on the AVX2 EPYC, torch's float32 and bf16 linear at one row (MKL's
-# gemv) beat the kernel (0.3-0.9x), which wins from 4 rows to 16 (1.5-3.9x).
+# gemv) beat the kernel (0.3-0.9x), which wins from 4 rows to 16 (1.5-3.9x). avx512 (its bf16 rows widened to
+# float32, no `vdpbf16ps`) and avx_vnni (the avx2 build's linear; VNNI is int8 only) are not measured: they keep
+# the rows of the build they are closest to.
 LINEAR_ROWS: dict[tuple[str, torch.dtype], tuple[int, int]] = {
+    ("avx512_bf16", torch.bfloat16): (1, MAX_ROWS), ("avx512_bf16", torch.float32): (1, MAX_ROWS),
     ("avx512", torch.bfloat16): (1, MAX_ROWS), ("avx512", torch.float32): (1, MAX_ROWS),
+    ("avx_vnni", torch.bfloat16): (2, 16), ("avx_vnni", torch.float32): (2, 16),
     ("avx2", torch.bfloat16): (2, 16), ("avx2", torch.float32): (2, 16),
     ("neon", torch.bfloat16): (1, MAX_ROWS), ("neon", torch.float32): (1, MAX_ROWS),
 }
@@ -75,8 +80,8 @@ _said: set[str | None] = set()  # paths and reasons logged already: each once
 
 
 def build_level(cap: str = "auto") -> str | None:
-    """The build the kernels use here under `cap`: "avx512" (AMX picked at run time inside it), "avx2" or "neon";
-    None where there is none."""
+    """The build the kernels use here under `cap`: one of LEVELS ("avx512_bf16": AMX picked at run time inside
+    it); None where there is none."""
     return cpu_features.kernel_build(cap)
 
 
@@ -178,12 +183,15 @@ def argmax_for(opts: KernelOptions) -> Argmax:
 
 # Which dtypes each build's whole-step decoder and fused add + RMSNorm serve (measured against the op-by-op pass
 # with torch's ops, README "CPU kernels"); a dtype left out keeps torch's ops there.
+# avx512 and avx_vnni, not measured on their own, follow avx512_bf16 and avx2 (the same vector code).
 DECODER_DTYPES: dict[str, tuple[torch.dtype, ...]] = {
-    "avx512": (torch.bfloat16, torch.float32), "avx2": (torch.bfloat16, torch.float32),
+    "avx512_bf16": (torch.bfloat16, torch.float32), "avx512": (torch.bfloat16, torch.float32),
+    "avx_vnni": (torch.bfloat16, torch.float32), "avx2": (torch.bfloat16, torch.float32),
     "neon": (torch.bfloat16, torch.float32),
 }
 ADD_NORM_DTYPES: dict[str, tuple[torch.dtype, ...]] = {
-    "avx512": (torch.bfloat16,), "avx2": (torch.bfloat16, torch.float32), "neon": (torch.bfloat16, torch.float32),
+    "avx512_bf16": (torch.bfloat16,), "avx512": (torch.bfloat16,), "avx_vnni": (torch.bfloat16, torch.float32),
+    "avx2": (torch.bfloat16, torch.float32), "neon": (torch.bfloat16, torch.float32),
 }
 
 

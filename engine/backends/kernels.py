@@ -111,7 +111,7 @@ class Kernels:
     argmax: Argmax = argmax_torch
     decoder: DecoderFactory | None = None
     quant: ModuleType | None = None
-    path: str = "torch"  # which kernels: "torch", or the CPU build's ISA ("avx2", "avx512", "amx", "neon")
+    path: str = "torch"  # which kernels: "torch", or the CPU build (its isa(): "avx2", "avx512_bf16", "neon", ...)
 
 
 TORCH = Kernels()

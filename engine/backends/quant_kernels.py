@@ -5,9 +5,10 @@ extension, compiled once per ISA level from one source.
   block at a time into L1 (the way llama.cpp's vec_dot kernels read the weights once per step);
 - `dequantize(blocks, type, K)`: the rows as float32, for prefill GEMMs (torch's) and embedding lookups.
 
-Variants: `avx512` (the level's flags: AVX2, FMA, F16C and AVX-512 F/BW/VL/BF16/VNNI), `avx2` (-mavx2 -mfma
--mf16c) and `none` (the compiler's baseline, so it builds on any CPU). The one used is the highest this CPU has
-under the configured cap (`cpu_features.quant_build`, the one ISA map); tests load each variant the CPU can run.
+Variants: `avx512` (the avx512 level's flags: AVX2, FMA, F16C and AVX-512 F/BW/VL/VNNI; also the avx512_bf16 and amx
+levels' variant), `avx2` (-mavx2 -mfma -mf16c; also avx_vnni's) and `none` (the compiler's baseline, so it builds on
+any CPU): this module uses neither VNNI nor BF16. The one used is the highest this CPU has under the configured cap
+(`cpu_features.quant_build`, the one ISA map); tests load each variant the CPU can run.
 Each is built and loaded like the CPU kernels, through `build.load_extension`, and cached under
 `<cache>/kernels/peregrine_quant_<variant>-<key>/`, keyed by the sources' bytes, torch's version and the flags.
 
@@ -39,9 +40,8 @@ def variant(level: str | None = None, cap: str = "auto") -> str:
 
 def runnable_variants() -> list[str]:
     """The variants this CPU can run, ignoring the cap (tests run each): those of the levels it has, every flag
-    of each (the avx512 build multiplies with VNNI, which an AVX-512 CPU such as Skylake-SP lacks)."""
-    detected = cpu_features.LEVELS.index(cpu_features.detected_level())
-    return list(dict.fromkeys(variant(level) for level in cpu_features.LEVELS[: detected + 1]))
+    of each (the avx512 build has VNNI's flag, which an AVX-512 CPU such as Skylake-SP lacks)."""
+    return list(dict.fromkeys(variant(level) for level in cpu_features.available_levels()))
 
 
 def load(cache_dir: Path, name: str | None = None, cap: str = "auto") -> ModuleType | None:

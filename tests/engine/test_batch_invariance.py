@@ -20,8 +20,7 @@ from tests.support import Loaded, chat_ids, load_bundled_gguf, make_engine, run_
 
 # the op-by-op pass of the none level attends token by token: minutes on a loaded 2-core machine
 pytestmark = pytest.mark.timeout(3 * 900)
-LEVELS = [lv for lv in cpu_features.LEVELS[: cpu_features.LEVELS.index(cpu_features.detected_level()) + 1]
-          if lv in ("none", "avx2", "avx512")]
+LEVELS = [lv for lv in cpu_features.available_levels() if lv != "amx"]  # amx: the avx512_bf16 build, Q4_1 no tiles
 STEPS = 6
 QUESTION = ("You help a bird-watching club on the northern coast. On the cliffs this morning I watched a falcon dive "
             "very fast at a flock of pigeons over the harbour. What bird was it likely to be, and how fast can it "

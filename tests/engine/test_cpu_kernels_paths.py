@@ -1,9 +1,10 @@
 """Every CPU kernel on every ISA path this CPU has, in float32 and bfloat16, against torch's reference.
 
 The paths are the builds of `engine.backends.cpu_kernels` (`engine/backends/csrc/vec.h` picks the vector backend from the
-compiler flags): "avx512" (AVX-512 with the BF16 dot products; AMX inside it where the CPU has it) and "avx2"
-(AVX2 + FMA + F16C). An AVX-512 machine runs both, so the AVX2 path is checked on every CI machine; a path the CPU
-lacks is skipped with the reason. The bounds:
+compiler flags): "avx512_bf16" (AVX-512 with the BF16 dot products; AMX inside it where the CPU has it), "avx512"
+(AVX-512 with VNNI, bf16 widened to float32), "avx_vnni" (AVX2 with 256-bit VNNI) and "avx2" (AVX2 + FMA + F16C).
+A machine runs each build whose level's flags it has (cpu_features.available_levels), so the AVX2 path is checked
+on every CI machine; a path the CPU lacks is skipped with the reason. The bounds:
 
 - linear: float32 within 1e-4 of a float64 reference (unit-scale outputs, K <= 1536); bfloat16 within bf16's
   half-ulp (one rounding at the end of a float32 sum);
@@ -36,17 +37,16 @@ def _path_reason(level: str) -> str | None:
     """Why this machine cannot run `level`'s build, or None."""
     if cpu_kernels.unsupported_reason() is not None and cpu_kernels.build_level() is not None:
         return str(cpu_kernels.unsupported_reason())  # no compiler
-    detected = cpu_features.detected_level()
     if level == "neon":
         return None if platform.machine() in ("aarch64", "arm64") else "not an aarch64 CPU"
-    if cpu_features.LEVELS.index(detected) < cpu_features.LEVELS.index(level):
-        return f"this CPU has no {level} (it has: {detected})"
+    if level not in cpu_features.available_levels():
+        return f"this CPU has no {level} (it has: {', '.join(cpu_features.available_levels())})"
     return None
 
 
 PATHS = [pytest.param(level, marks=pytest.mark.skipif(_path_reason(level) is not None,
                                                       reason=f"{level} path: {_path_reason(level)}"))
-         for level in ("avx512", "avx2", "neon")]  # fmt: skip
+         for level in cpu_kernels.LEVELS]  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=PATHS)

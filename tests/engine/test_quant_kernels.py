@@ -97,14 +97,19 @@ def test_variant_follows_the_isa_ceiling(monkeypatch: pytest.MonkeyPatch) -> Non
     AVX-512)."""
     assert quant_kernels.variant(cap="none") == "none"
     assert quant_kernels.variant(cap="avx2") == ("avx2" if "avx2" in quant_kernels.runnable_variants() else "none")
-    assert quant_kernels.variant("amx") == "avx512"
+    assert quant_kernels.variant("amx") == quant_kernels.variant("avx512_bf16") == "avx512"
+    assert quant_kernels.variant("avx512") == "avx512"
+    assert quant_kernels.variant("avx_vnni") == "avx2"  # this module has no int8 dot products: AVX2's build
 
 
 def test_runnable_variants_need_every_flag_of_their_level(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The avx512 variant multiplies with VNNI: an AVX-512 CPU without it (Skylake-SP) runs only the others."""
+    """The avx512 variant is built with VNNI's flag: an AVX-512 CPU without it (Skylake-SP) runs only the others;
+    one without BF16 (Ice Lake) runs it."""
     skylake = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"})
     for flags, expected in [(frozenset(), ["none"]), (frozenset({"avx2", "fma", "f16c"}), ["none", "avx2"]),
+                            (frozenset({"avx2", "fma", "f16c", "avx_vnni"}), ["none", "avx2"]),
                             (skylake, ["none", "avx2"]),
+                            (skylake | {"avx512_vnni"}, ["none", "avx2", "avx512"]),
                             (skylake | {"avx512_bf16", "avx512_vnni"}, ["none", "avx2", "avx512"]),
                             (skylake | {"avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16"},
                              ["none", "avx2", "avx512"])]:

@@ -3,7 +3,7 @@
 
 namespace peregrine {
 
-const char* isa() { return PEREGRINE_VEC; }
+const char* isa() { return PEREGRINE_BUILD; }
 
 }  // namespace peregrine
 
@@ -11,7 +11,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace peregrine;
   // The GIL is released while a kernel runs, as torch's own ops do, so the server's event loop keeps going.
   using release = py::call_guard<py::gil_scoped_release>;
-  m.def("isa", &isa, "the vector instruction set this build was compiled for: avx512, avx2, neon or scalar");
+  m.def("isa", &isa, "the build: avx512_bf16, avx512, avx_vnni, avx2 (cpu_features' levels), neon or scalar");
   m.def("add_rms_norm_", &add_rms_norm_, "h += delta; RMSNorm(h), Llama rounding", release());
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache", release());
   m.def("linear_small", &linear_small, "x[M, K] @ w[N, K]^T (+ bias), float32 or bfloat16, a few rows", release());

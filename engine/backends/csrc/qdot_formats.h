@@ -186,6 +186,8 @@ inline void store32(int8_t* p, const W32& w) { std::memcpy(p, w.v, 32); }
 inline __m256i dot_u8s8(__m256i w, __m256i a) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
   return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, a);  // the same sums, in one instruction
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, a);  // AVX-VNNI's (VEX) encoding of it
 #else
   return _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1));
 #endif

@@ -30,6 +30,19 @@
 #define PEREGRINE_VEC "scalar"
 #endif
 
+// The build these flags make, as engine/backends/cpu_features.py names its levels' builds: the vector layer's
+// width, and which dot products the kernels multiply with (int8: VNNI's `vpdpbusd`, 512 or 256 bits; bf16: BF16's
+// `vdpbf16ps`). The module's `isa()`.
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+#define PEREGRINE_BUILD "avx512_bf16"
+#elif defined(__AVX512F__) && defined(__AVX512VNNI__)
+#define PEREGRINE_BUILD "avx512"
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__AVXVNNI__)
+#define PEREGRINE_BUILD "avx_vnni"
+#else
+#define PEREGRINE_BUILD PEREGRINE_VEC
+#endif
+
 namespace peregrine {
 
 using bf16 = c10::BFloat16;
