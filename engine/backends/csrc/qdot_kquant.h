@@ -37,10 +37,8 @@ inline void q4k_scales_mins(const uint8_t* b, int16_t* sm) {
   u[1] = (u[2] & k4) | (((u[0] >> 6) & k2) << 4);
   u[2] = mins_low;
   u[0] &= k6;
-  // (the words into a register by moves: loaded from u, stored just before word by word, the stores would not forward)
-  const __m128i bytes = _mm_set_epi32(static_cast<int>(u[3]), static_cast<int>(u[2]), static_cast<int>(u[1]),
-                                      static_cast<int>(u[0]));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(sm), _mm256_cvtepu8_epi16(bytes));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(sm),
+                      _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(u))));
 #else
   for (int j = 0; j < 8; ++j) {
     uint8_t sc, mn;
