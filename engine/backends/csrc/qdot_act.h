@@ -29,7 +29,8 @@ inline constexpr bool is_kquant(int T) { return T == kQ4_K || T == kQ6_K; }
 // Activation rows quantized in blocks of 32: q = round(x / d), d = max|x| / 127, and s = d * sum(q) (the block's
 // sum as the quantized values give it, for formats with a per-block minimum). For the K-quants, in blocks of 256
 // instead (kq, kd, and the int16 sums of each 16 values, ks). Either set may be absent (null): a matmul's callers
-// quantize the rows as each weight format needs them (quantize_for).
+// quantize the rows as each weight format needs them (quantize_for). K-quant blocks also keep each 32 values' sum
+// as the quantized values give it, times the block's d, in float (ksf: Q4_K's minimums multiply those).
 struct QRows {
   int8_t* q;    // [rows, K]
   float* d;     // [rows, K / 32]
@@ -38,6 +39,7 @@ struct QRows {
   int8_t* kq;   // [rows, K]
   float* kd;    // [rows, K / 256]
   int16_t* ks;  // [rows, K / 16]
+  float* ksf;   // [rows, K / 32]
 };
 
 #if defined(__AVX2__)
@@ -94,8 +96,8 @@ inline void quantize_row(const T* x, int64_t K, int8_t* q, float* d, float* s) {
 }
 
 // A block of 256 values as Q8_K: q = round(x * (127 / max|x|)) (the same operations as quantize_row's, in blocks of
-// 256), d = max|x| / 127, and the sum of each 16 q.
-inline void quantize_block_k(const float* v, int8_t* q, float* d, int16_t* sums) {
+// 256), d = max|x| / 127, the sum of each 16 q, and d times the sum of each 32.
+inline void quantize_block_k(const float* v, int8_t* q, float* d, int16_t* sums, float* dsums) {
 #if defined(__AVX2__)
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 m = _mm256_setzero_ps();
@@ -135,10 +137,11 @@ inline void quantize_block_k(const float* v, int8_t* q, float* d, int16_t* sums)
   }
 #endif
   d[0] = amax / 127.f;
+  for (int i = 0; i < kQK_K / 32; ++i) dsums[i] = d[0] * static_cast<float>(sums[2 * i] + sums[2 * i + 1]);
 }
 
 template <typename T>
-inline void quantize_row_k(const T* x, int64_t K, int8_t* q, float* d, int16_t* sums) {
+inline void quantize_row_k(const T* x, int64_t K, int8_t* q, float* d, int16_t* sums, float* dsums) {
   for (int64_t b = 0; b < K / kQK_K; ++b) {
     const float* v;
     float f[kQK_K];
@@ -148,7 +151,7 @@ inline void quantize_row_k(const T* x, int64_t K, int8_t* q, float* d, int16_t* 
       for (int i = 0; i < kQK_K; ++i) f[i] = static_cast<float>(x[b * kQK_K + i]);
       v = f;
     }
-    quantize_block_k(v, q + b * kQK_K, d + b, sums + b * (kQK_K / 16));
+    quantize_block_k(v, q + b * kQK_K, d + b, sums + b * (kQK_K / 16), dsums + b * (kQK_K / 32));
   }
 }
 
@@ -156,7 +159,7 @@ inline void quantize_row_k(const T* x, int64_t K, int8_t* q, float* d, int16_t* 
 // minimums (and those scales times each activation row's).
 struct QScratch {
   std::vector<int8_t> q, kq;
-  std::vector<float> d, s, wd, mins, sc, kd;
+  std::vector<float> d, s, wd, mins, sc, kd, ksf;
   std::vector<int16_t> ks;
   void rows(int64_t M, int64_t K, QRows& r) {
     if (static_cast<int64_t>(q.size()) < M * K) {
@@ -171,8 +174,9 @@ struct QScratch {
       kq.resize(M * K);
       kd.resize(M * K / kQK_K);
       ks.resize(M * K / 16);
+      ksf.resize(M * K / 32);
     }
-    r.kq = kq.data(), r.kd = kd.data(), r.ks = ks.data(), r.K = K;
+    r.kq = kq.data(), r.kd = kd.data(), r.ks = ks.data(), r.ksf = ksf.data(), r.K = K;
   }
   void row_buffers(int64_t K) {
     if (static_cast<int64_t>(wd.size()) < K / kQK + 8) {
@@ -191,7 +195,7 @@ inline void quantize_for(int type, const X* x, int64_t ldx, int64_t M, int64_t K
     if (r.kq) return;
     s.rows_k(M, K, r);
     for (int64_t m = 0; m < M; ++m)
-      quantize_row_k(x + m * ldx, K, r.kq + m * K, r.kd + m * K / kQK_K, r.ks + m * K / 16);
+      quantize_row_k(x + m * ldx, K, r.kq + m * K, r.kd + m * K / kQK_K, r.ks + m * K / 16, r.ksf + m * K / 32);
     return;
   }
   if (r.q) return;

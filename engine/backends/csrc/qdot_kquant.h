@@ -1,33 +1,20 @@
 // qdot.h's loop for the K-quants (Q4_K, Q6_K), as ggml's ggml_vec_dot_q4_K_q8_K / q6_K_q8_K compute them: the
 // activations in blocks of 256 (one float scale each, and each 16 values' sum: QRows' kq / kd / ks), so a whole
 // super-block of weights is summed in integers. Its group scales (6-bit Q4_K, int8 Q6_K) multiply the int16 pair
-// sums of `vpmaddubsw` in `vpmaddwd` (where the other formats multiply by 1), the minimums (Q4_K) or the offset of 32
-// (Q6_K) multiply the activation groups' sums in integers too, and one float FMA a super-block and activation row
-// applies the two float scales: d * dx * isum (- dmin * dx * imins). The per-32 design took a conversion and an FMA
-// per 32 values. Each activation row's sums are its own and in the same order whatever the number of rows (one to
-// four a weight row at a time): batch invariant.
+// sums of `vpmaddubsw` in `vpmaddwd` (where the other formats multiply by 1), Q6_K's offset of 32 multiplies the
+// activation's 16-value sums in integers too, and one float FMA a super-block and activation row applies the two
+// float scales (d * dx * isum); Q4_K's minimums (dmin * mn, eight a block) take one more, with the activation's
+// 32-value sums times dx (ksf). The per-32 design converted and multiplied each group: eight conversions and FMAs a
+// super-block and row. Each activation row's sums are its own and in the same order whatever the number of rows (one
+// to four a weight row at a time): batch invariant.
 #pragma once
 
 #include "qdot_packed.h"
 
 namespace peregrine_quant {
 
-#if defined(__AVX2__)
-inline __m128 madd4(__m128 a, __m128 b, __m128 c) {
-#if defined(__FMA__)
-  return _mm_fmadd_ps(a, b, c);
-#else
-  return _mm_add_ps(_mm_mul_ps(a, b), c);
-#endif
-}
-inline float hsum4(__m128 h) {
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-}
-#endif
-
-// A Q4_K block's eight 6-bit scales (sm[0..7]) and minimums (sm[8..15]) as int16.
-inline void q4k_scales_mins(const uint8_t* b, int16_t* sm) {
+// A Q4_K block's eight 6-bit scales (as int16, sc[0..7]) and minimums (as bytes, mn[0..7]).
+inline void q4k_scales_mins(const uint8_t* b, int16_t* sc, uint8_t* mn) {
 #if defined(__AVX2__)
   uint32_t u[4];  // unpacked into bytes at once (ggml's bit trick)
   std::memcpy(u, b + 4, 12);
@@ -37,32 +24,34 @@ inline void q4k_scales_mins(const uint8_t* b, int16_t* sm) {
   u[1] = (u[2] & k4) | (((u[0] >> 6) & k2) << 4);
   u[2] = mins_low;
   u[0] &= k6;
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(sm),
-                      _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(u))));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(sc),
+                   _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(u))));
+  std::memcpy(mn, u + 2, 8);
 #else
   for (int j = 0; j < 8; ++j) {
-    uint8_t sc, mn;
-    scale_min_k4(j, b + 4, &sc, &mn);
-    sm[j] = sc;
-    sm[8 + j] = mn;
+    uint8_t s, m;
+    scale_min_k4(j, b + 4, &s, &m);
+    sc[j] = s;
+    mn[j] = m;
   }
 #endif
 }
 
 // res[r] = x[m0 + r] . row for r < R, a Q4_K row: value 32j + l of a block is d * sc_j * q - dmin * mn_j, so a
-// block's dot is d * dx * sum_j sc_j (q_j . a_j) - dmin * dx * sum_j mn_j sum(a_j), both sums in integers.
+// block's dot is d * dx * sum_j sc_j (q_j . a_j), its sum in integers, minus sum_j dmin * mn_j * (dx * sum(a_j)),
+// eight float products (the weight row's minimums times the activation row's sums, ksf).
 template <int R>
 inline void dot_q4k(const uint8_t* row, const QRows& x, int64_t m0, float* res) {
   const int64_t K = x.K, nb = K / kQK_K;
   constexpr int64_t bytes = layout_of(kQ4_K).bytes;
 #if defined(__AVX2__)
   __m256 acc[R];
-  __m128 accm[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), accm[r] = _mm_setzero_ps();
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * bytes;
-    alignas(32) int16_t sm[16];
-    q4k_scales_mins(blk, sm);
+    alignas(16) int16_t sc[8];
+    alignas(8) uint8_t mn[8];
+    q4k_scales_mins(blk, sc, mn);
     __m256i sumi[R];
     for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
 #pragma GCC unroll 4
@@ -70,7 +59,7 @@ inline void dot_q4k(const uint8_t* row, const QRows& x, int64_t m0, float* res) 
       const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * j)),
                     low = _mm256_set1_epi8(0xF);
       const __m256i w0 = _mm256_and_si256(q, low), w1 = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
-      const __m256i s0 = _mm256_set1_epi16(sm[2 * j]), s1 = _mm256_set1_epi16(sm[2 * j + 1]);
+      const __m256i s0 = _mm256_set1_epi16(sc[2 * j]), s1 = _mm256_set1_epi16(sc[2 * j + 1]);
       for (int r = 0; r < R; ++r) {
         const int8_t* a = x.kq + (m0 + r) * K + b * kQK_K + 64 * j;
         const __m256i p0 = _mm256_madd_epi16(
@@ -80,39 +69,38 @@ inline void dot_q4k(const uint8_t* row, const QRows& x, int64_t m0, float* res) 
         sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(p0, p1));
       }
     }
-    const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
-    const __m128i mins = _mm_load_si128(reinterpret_cast<const __m128i*>(sm + 8));
+    const __m256 d = _mm256_set1_ps(half_to_float(blk));
+    const __m256 mins = _mm256_mul_ps(_mm256_set1_ps(-half_to_float(blk + 2)),
+                                      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                                          reinterpret_cast<const __m128i*>(mn)))));
     for (int r = 0; r < R; ++r) {
       const int64_t xb = (m0 + r) * nb + b;
-      const float dx = x.kd[xb];
-      const __m256i s16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.ks + xb * 16));
-      const __m128i s32 = _mm_hadd_epi16(_mm256_castsi256_si128(s16), _mm256_extracti128_si256(s16, 1));
-      acc[r] = madd8(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
-      accm[r] = madd4(_mm_set1_ps(-dmin * dx), _mm_cvtepi32_ps(_mm_madd_epi16(mins, s32)), accm[r]);
+      acc[r] = madd8(_mm256_mul_ps(d, _mm256_broadcast_ss(x.kd + xb)), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
+      acc[r] = madd8(mins, _mm256_loadu_ps(x.ksf + xb * 8), acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) res[r] = hsum8(acc[r]) + hsum4(accm[r]);
+  for (int r = 0; r < R; ++r) res[r] = hsum8(acc[r]);
 #else
   for (int r = 0; r < R; ++r) {
-    float acc = 0.f, accm = 0.f;
+    float acc = 0.f;
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* blk = row + b * bytes;
       const int64_t xb = (m0 + r) * nb + b;
       const int8_t* a = x.kq + xb * kQK_K;
-      int16_t sm[16];
-      q4k_scales_mins(blk, sm);
-      int32_t isum = 0, imins = 0;
+      int16_t sc[8];
+      uint8_t mn[8];
+      q4k_scales_mins(blk, sc, mn);
+      int32_t isum = 0;
       for (int j = 0; j < 8; ++j) {
         int32_t p = 0;
         for (int l = 0; l < 32; ++l) p += ((blk[16 + 32 * (j / 2) + l] >> (4 * (j % 2))) & 0xF) * a[32 * j + l];
-        isum += sm[j] * p;
-        imins += sm[8 + j] * (x.ks[xb * 16 + 2 * j] + x.ks[xb * 16 + 2 * j + 1]);
+        isum += sc[j] * p;
       }
-      const float dx = x.kd[xb];
-      acc += half_to_float(blk) * dx * static_cast<float>(isum);
-      accm += -half_to_float(blk + 2) * dx * static_cast<float>(imins);
+      acc += half_to_float(blk) * x.kd[xb] * static_cast<float>(isum);
+      const float dmin = half_to_float(blk + 2);
+      for (int j = 0; j < 8; ++j) acc += -dmin * static_cast<float>(mn[j]) * x.ksf[xb * 8 + j];
     }
-    res[r] = acc + accm;
+    res[r] = acc;
   }
 #endif
 }
