@@ -122,14 +122,17 @@ def test_qlinear_refuses_what_it_cannot_take(module: Any) -> None:
 
 
 @pytest.mark.parametrize("formats", [{"*": "Q4_1", "token_embd": "Q8_0"},
-                                     {"*": "Q4_K", "attn_v": "Q6_K", "ffn_down": "Q6_K", "token_embd": "Q4_0"}],
-                         ids=["q4_1", "q4_k_m-like"])
+                                     {"*": "Q4_K", "attn_v": "Q6_K", "ffn_down": "Q6_K", "token_embd": "Q4_0"},
+                                     {"*": "Q4_K", "attn_v": "Q8_0", "ffn_up": "Q5_0", "token_embd": "Q6_K"}],
+                         ids=["q4_1", "q4_k_m-like", "k-quants-with-32-value-formats"])
 def test_decoder_on_quantized_weights_matches_the_op_by_op_pass(module: Any, formats: dict[str, str],
                                                                 tmp_path: Path, byte_level_tokenizer: Any,
                                                                 engine_factory: Any) -> None:
     """Every decode step of a batched greedy run, computed op by op (float32 activations, the weights dequantized
     in L1) and by the decoder (int8 activations); a row decoding alone gets the same bits as in the batch. The
-    Q4_K_M-like mix makes q/k/v and the MLP matmuls of two formats each: the decoder takes them as parts."""
+    Q4_K_M-like mix makes q/k/v and the MLP matmuls of two formats each: the decoder takes them as parts; with a
+    K-quant and a 32-value format in one projection, its parts share the input quantized both ways (blocks of 256
+    and of 32)."""
     vocab = len(byte_level_tokenizer)
     write_tiny_gguf(tmp_path, formats, vocab=vocab + (-vocab) % 32)
     model = gguf_weights.load(tmp_path / "tiny.gguf", tmp_path, torch.float32)
