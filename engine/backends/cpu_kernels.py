@@ -17,7 +17,7 @@ family, `bindings.cpp`), for the decode steps torch's general kernels serve badl
   parallel region, its bf16 matmuls on AMX tiles where the CPU has them, over a copy of the weights packed in the
   order a step reads them (else `linear_small`'s rows on the model's own weights), its attention in fixed
   64-position chunks. GGUF weights kept quantized are multiplied in int8 against activations quantized in blocks
-  of 32 (`qdot.h`, as llama.cpp does); `qlinear` exposes that matmul on its own. `engine.model.forward` runs
+  of 32 (256 for the K-quants; `qdot.h`, as llama.cpp does); `qlinear` exposes that matmul on its own. `engine.model.forward` runs
   decode-only steps through it: at batch 1 the ~450 small ops per step that remain around the weight reads, and the
   thread wake-ups between them, are what keep the Python-level path from the memory roofline.
 

@@ -4,7 +4,8 @@ CPU lacks is skipped with the reason). Weights are real GGUF blocks (tests/quant
 
 Stated bounds:
 - against the exact product of the dequantized weights and the activations as quantized to int8 (blocks of 32,
-  d = max|x| / 127, as llama.cpp's Q8_0/Q8_1): 1e-5 of the output range (only float32 summation order differs);
+  d = max|x| / 127, as llama.cpp's Q8_0/Q8_1; blocks of 256 for the K-quants, as its Q8_K): 1e-5 of the output
+  range (only float32 summation order differs);
 - against float activations (what activation quantization costs): 2e-2 of the output range (measured 3e-3 to
   8e-3 on these shapes);
 - a row's result is bitwise the same whatever its batch mates are (1 row or 16);
@@ -41,10 +42,10 @@ def module(request: pytest.FixtureRequest) -> Any:
     return built
 
 
-def int8_activations(x: torch.Tensor) -> torch.Tensor:
-    """x as the kernels see it: blocks of 32 rounded to int8 steps of d = max|x| / 127 (q = round(x * (127 / max|x|)),
-    ties to even, the kernels' own float operations)."""
-    blocks = x.float().reshape(x.shape[0], -1, 32)
+def int8_activations(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """x as the kernels see it: blocks of 32 (256 for the K-quants) rounded to int8 steps of d = max|x| / 127
+    (q = round(x * (127 / max|x|)), ties to even, the kernels' own float operations)."""
+    blocks = x.float().reshape(x.shape[0], -1, block)
     amax = blocks.abs().amax(-1, keepdim=True)
     inverse = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, 0.0)  # not 127 / amax: 127 * (1 / amax)
     return (torch.round(blocks * inverse) * (amax / 127)).reshape(x.shape)
@@ -61,7 +62,8 @@ def test_qlinear_matches_the_dequantized_product(module: Any, fmt: str) -> None:
     x[3] = 0.0  # an all-zero row: scale 0, no division by zero
     got = module.qlinear(x, torch.from_numpy(blocks), TYPES[fmt], bias)
     assert got.dtype == torch.float32 and got.shape == (16, 45)
-    exact = int8_activations(x).double() @ w.T + bias.double()
+    block = 256 if fmt in ("Q4_K", "Q6_K") else 32
+    exact = int8_activations(x, block).double() @ w.T + bias.double()
     span = float(exact.abs().max())
     assert float((got.double() - exact).abs().max()) <= 1e-5 * span
     floats = x.double() @ w.T + bias.double()
@@ -70,7 +72,7 @@ def test_qlinear_matches_the_dequantized_product(module: Any, fmt: str) -> None:
         assert torch.equal(module.qlinear(x[row : row + 1], torch.from_numpy(blocks), TYPES[fmt], bias)[0], got[row])
     assert torch.equal(module.qlinear(x[4:7], torch.from_numpy(blocks), TYPES[fmt], bias), got[4:7])
     halves = module.qlinear(x.bfloat16(), torch.from_numpy(blocks), TYPES[fmt], None)  # bfloat16 activations
-    want = int8_activations(x.bfloat16()).double() @ w.T
+    want = int8_activations(x.bfloat16(), block).double() @ w.T
     assert float((halves.double() - want).abs().max()) <= 1e-5 * span
 
 
@@ -120,14 +122,17 @@ def test_qlinear_refuses_what_it_cannot_take(module: Any) -> None:
 
 
 @pytest.mark.parametrize("formats", [{"*": "Q4_1", "token_embd": "Q8_0"},
-                                     {"*": "Q4_K", "attn_v": "Q6_K", "ffn_down": "Q6_K", "token_embd": "Q4_0"}],
-                         ids=["q4_1", "q4_k_m-like"])
+                                     {"*": "Q4_K", "attn_v": "Q6_K", "ffn_down": "Q6_K", "token_embd": "Q4_0"},
+                                     {"*": "Q4_K", "attn_v": "Q8_0", "ffn_up": "Q5_0", "token_embd": "Q4_0"}],
+                         ids=["q4_1", "q4_k_m-like", "k-quants-with-32-value-formats"])
 def test_decoder_on_quantized_weights_matches_the_op_by_op_pass(module: Any, formats: dict[str, str],
                                                                 tmp_path: Path, byte_level_tokenizer: Any,
                                                                 engine_factory: Any) -> None:
     """Every decode step of a batched greedy run, computed op by op (float32 activations, the weights dequantized
     in L1) and by the decoder (int8 activations); a row decoding alone gets the same bits as in the batch. The
-    Q4_K_M-like mix makes q/k/v and the MLP matmuls of two formats each: the decoder takes them as parts."""
+    Q4_K_M-like mix makes q/k/v and the MLP matmuls of two formats each: the decoder takes them as parts; with a
+    K-quant and a 32-value format in one projection, its parts share the input quantized both ways (blocks of 256
+    and of 32)."""
     vocab = len(byte_level_tokenizer)
     write_tiny_gguf(tmp_path, formats, vocab=vocab + (-vocab) % 32)
     model = gguf_weights.load(tmp_path / "tiny.gguf", tmp_path, torch.float32)

@@ -55,7 +55,7 @@ void linear_rows_unscaled(const Linear& L, const T* x, int64_t ldx, int64_t M, T
     if (b >= e) continue;
     const float* pb = bias ? bias + p.n0 : nullptr;
     if (p.qtype) {
-      if (!qx.q) qx = q::quantize_rows(x, ldx, M, L.K, s.quant);
+      q::quantize_for(p.qtype, x, ldx, M, L.K, s.quant, qx);
       q::qlinear_rows(p.qtype, p.weight.data_ptr<uint8_t>(), p.weight.stride(0), qx, M, pb, out + p.n0, ldo, b, e,
                       s.quant);
       continue;

@@ -4,22 +4,23 @@
 // instruction), scaled and summed in float32. Used by the one-call decoder (decoder.cpp) and bound as `qlinear`.
 //
 // A row's weights are decoded in registers, 32 at a time, and each decoded group is multiplied with up to four
-// activation rows before the next is decoded. Q6_K is decoded once per row into an L1 buffer instead, a block at a
-// time with its groups unrolled (constant shifts, shared loads: 2.3x faster than decoding it group by group in
-// the dot, at one row). The AVX2 body reads a 32-value block's scale from the block as it goes; other
-// formats and builds read a row's scales into a small float array first. 4-bit weights stay unsigned (Q4_0's
-// offset of 8 becomes a minimum, as Q4_1's), so `vpmaddubsw` takes them as they are; signed ones (Q8_0, Q6_K) go
-// through the sign trick. The next rows are prefetched: one step streams every weight once.
+// activation rows before the next is decoded. The AVX2 body reads a 32-value block's scale from the block as it
+// goes; other builds read a row's scales into a small float array first. 4-bit weights stay unsigned (Q4_0's offset
+// of 8 becomes a minimum, as Q4_1's), so `vpmaddubsw` takes them as they are; signed ones (Q8_0) go through the sign
+// trick. The next rows are prefetched: one step streams every weight once.
 //
 // Q4_0, Q4_1 and Q8_0 are packed by rows at load (quant.h: kQ4_0R / kQ4_1R / kQ8_0R): one 32-byte load gives 64
 // 4-bit weights (a 64-byte load 64 8-bit ones), and a row's scales are converted eight at a time and multiplied with
 // each activation row's in one pass, so the loop over groups is loads, two shifts/masks and the int8 dot
 // (`dot_packed`). Its sums are those of the file's layout, except packed Q8_0's in the AVX-512 build (kUnsignedQ8).
-// Q4_K's nibbles are already laid out that way inside each block, so Q4_K rows go through the same loop as they
-// are in the file (its scales unpacked a block, 8 groups, at a time). With one to three activation rows (a decode
-// step of one to three requests), four weight rows go through that loop together, their scales converted in
-// registers eight groups at a time (`qlinear_few_packed`): the same sums, with four rows' independent chains in
-// flight instead of one row's prologue, loop and reductions one after the other (1.45x at one row on AVX-512).
+// With one to three activation rows (a decode step of one to three requests), four weight rows go through that loop
+// together, their scales converted in registers eight groups at a time (`qlinear_few_packed`): the same sums, with
+// four rows' independent chains in flight instead of one row's prologue, loop and reductions one after the other
+// (1.45x at one row on AVX-512).
+//
+// The K-quants (Q4_K, Q6_K) are multiplied as the file stores them, against activations quantized in blocks of 256
+// instead (ggml's Q8_K): a super-block's sums stay in integers, its group scales applied by `vpmaddwd`, and one float
+// FMA a super-block and activation row (qdot_kquant.h).
 //
 // Each output element is the same instruction sequence in the same order whatever the number of rows, the thread
 // split or the tile position: results are batch invariant. Decoding has an AVX2 body (also used by the AVX-512
@@ -28,10 +29,10 @@
 //
 // The pieces, each including the one before: qdot_act.h (the activations quantized), qdot_formats.h (each format's
 // scales and weights decoded), qdot_rows.h (the row loop for the file's layouts), qdot_packed.h (the loop for the
-// row-packed layouts and Q4_K); this file picks one per format (qlinear_rows).
+// row-packed layouts), qdot_kquant.h (the K-quants'); this file picks one per format (qlinear_rows).
 #pragma once
 
-#include "qdot_packed.h"
+#include "qdot_kquant.h"
 
 namespace peregrine_quant {
 
@@ -44,8 +45,8 @@ void qlinear_rows(int type, const uint8_t* w, int64_t ldw, const QRows& x, int64
     case kQ5_0: return qlinear_range<kQ5_0>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
     case kQ5_1: return qlinear_range<kQ5_1>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
     case kQ8_0: return qlinear_range<kQ8_0>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
-    case kQ4_K: return qlinear_range_packed<kQ4_K>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
-    case kQ6_K: return qlinear_range<kQ6_K>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
+    case kQ4_K: return qlinear_range_k<kQ4_K>(w, ldw, x, M, bias, out, ldo, n_begin, n_end);
+    case kQ6_K: return qlinear_range_k<kQ6_K>(w, ldw, x, M, bias, out, ldo, n_begin, n_end);
     case kQ4_0R: return qlinear_range_packed<kQ4_0R>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
     case kQ4_1R: return qlinear_range_packed<kQ4_1R>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
     case kQ8_0R: return qlinear_range_packed<kQ8_0R>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);

@@ -23,25 +23,21 @@ inline __m256i nibbles16(const uint8_t* p) {
 }
 #endif
 
-inline constexpr bool is_signed(int T) { return T == kQ8_0 || T == kQ6_K; }
-// Formats with a scale per 32 values, whose scales the AVX2 dot reads from the block as it goes (elsewhere, and for
-// Q6_K, a row's scales are read into an array first). Q4_0 / Q4_1 / Q8_0 rows (packed) and Q4_K rows go through
-// `dot_packed` instead.
+inline constexpr bool is_signed(int T) { return T == kQ8_0; }
+// Formats whose scales the AVX2 dot reads from the block as it goes (elsewhere a row's scales are read into an array
+// first): all of those dot_rows takes, a scale per 32 values. Q4_0 / Q4_1 / Q8_0 rows (packed) go through
+// `dot_packed` instead, and the K-quants through qdot_kquant.h.
 #if defined(__AVX2__)
 inline constexpr bool scales_inline(int T) { return layout_of(T).elems == 32; }
 #else
 inline constexpr bool scales_inline(int) { return false; }
 #endif
 inline constexpr bool has_min(int T) { return !is_signed(T); }
-// The most activation rows for which a row's weights are decoded in registers for each group of up to four rows;
-// past it (always, for Q6_K) they are decoded once into a buffer.
-inline constexpr int64_t fused_rows_max(int T) { return T == kQ6_K ? 0 : INT64_MAX; }
 
-// A block's float scales, per 32 values one at sc2[2g] (and for Q6_K, which has a scale per 16 values, a second
-// one at sc2[2g + 1]: values 0-15 and 16-31), and for unsigned formats the minimum that multiplies the activation
-// group's sum. The f16 pair of Q4_1 (d, m) is converted by one instruction where the CPU has F16C.
+// A block's float scale (its 32 values'), and for unsigned formats the minimum that multiplies the activation group's
+// sum. The f16 pair of Q4_1 (d, m) is converted by one instruction where the CPU has F16C.
 template <int T>
-inline void scales_block(const uint8_t* b, float* sc2, float* mins);
+inline void scales_block(const uint8_t* b, float* scale, float* mins);
 #if defined(__F16C__)
 inline __m128 halves4(const uint8_t* b) {  // the two f16 at b (and two more), as float32
   int32_t bits;
@@ -50,78 +46,47 @@ inline __m128 halves4(const uint8_t* b) {  // the two f16 at b (and two more), a
 }
 #endif
 template <>
-inline void scales_block<kQ8_0>(const uint8_t* b, float* sc2, float*) {
-  sc2[0] = half_to_float(b);
+inline void scales_block<kQ8_0>(const uint8_t* b, float* scale, float*) {
+  scale[0] = half_to_float(b);
 }
 // f16 d with a fixed offset o (Q4_0: 8, Q5_0: 16): d * (q - o) = d * q - o * d.
-inline void scales_offset(const uint8_t* b, float offset, float* sc2, float* mins) {
+inline void scales_offset(const uint8_t* b, float offset, float* scale, float* mins) {
   const float d = half_to_float(b);
-  sc2[0] = d;
+  scale[0] = d;
   mins[0] = -offset * d;
 }
 // f16 d and m (Q4_1, Q5_1): d * q + m.
-inline void scales_dm(const uint8_t* b, float* sc2, float* mins) {
+inline void scales_dm(const uint8_t* b, float* scale, float* mins) {
 #if defined(__F16C__)
   const __m128 dm = halves4(b);
-  _mm_store_ss(sc2, dm);
+  _mm_store_ss(scale, dm);
   _mm_store_ss(mins, _mm_movehdup_ps(dm));
 #else
-  sc2[0] = half_to_float(b);
+  scale[0] = half_to_float(b);
   mins[0] = half_to_float(b + 2);
 #endif
 }
 template <>
-inline void scales_block<kQ4_0>(const uint8_t* b, float* sc2, float* mins) { scales_offset(b, 8.f, sc2, mins); }
+inline void scales_block<kQ4_0>(const uint8_t* b, float* scale, float* mins) { scales_offset(b, 8.f, scale, mins); }
 template <>
-inline void scales_block<kQ5_0>(const uint8_t* b, float* sc2, float* mins) { scales_offset(b, 16.f, sc2, mins); }
+inline void scales_block<kQ5_0>(const uint8_t* b, float* scale, float* mins) { scales_offset(b, 16.f, scale, mins); }
 template <>
-inline void scales_block<kQ4_1>(const uint8_t* b, float* sc2, float* mins) { scales_dm(b, sc2, mins); }
+inline void scales_block<kQ4_1>(const uint8_t* b, float* scale, float* mins) { scales_dm(b, scale, mins); }
 template <>
-inline void scales_block<kQ5_1>(const uint8_t* b, float* sc2, float* mins) { scales_dm(b, sc2, mins); }
-// Q4_K: a block's eight group scales d * sc and minimums -dmin * mn, contiguous (the packed path's layout).
-inline void scales8_q4k(const uint8_t* b, float* sc8, float* mins8) {
-  const float d = half_to_float(b), dmin = half_to_float(b + 2);
-#if defined(__AVX2__)
-  uint32_t u[4];  // the 6-bit scales and minimums unpacked into bytes at once (ggml's bit trick)
-  std::memcpy(u, b + 4, 12);
-  constexpr uint32_t k6 = 0x3f3f3f3f, k4 = 0x0f0f0f0f, k2 = 0x03030303;
-  u[3] = ((u[2] >> 4) & k4) | (((u[1] >> 6) & k2) << 4);
-  const uint32_t mins_low = u[1] & k6;
-  u[1] = (u[2] & k4) | (((u[0] >> 6) & k2) << 4);
-  u[2] = mins_low;
-  u[0] &= k6;
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));  // scales 0-7, minimums 0-7
-  _mm256_storeu_ps(sc8, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes))));
-  _mm256_storeu_ps(mins8, _mm256_mul_ps(_mm256_set1_ps(-dmin),
-                                        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)))));
-#else
-  for (int j = 0; j < 8; ++j) {
-    uint8_t sc, mn;
-    scale_min_k4(j, b + 4, &sc, &mn);
-    sc8[j] = d * sc;
-    mins8[j] = -dmin * mn;
-  }
-#endif
-}
-template <>
-inline void scales_block<kQ6_K>(const uint8_t* b, float* sc2, float*) {  // 16 scales, one per 16 values, in order
-  const float d = half_to_float(b + 208);
-  for (int i = 0; i < 16; ++i) sc2[i] = d * static_cast<float>(static_cast<int8_t>(b[192 + i]));
-}
-
-// The 32 weights of group j (values 32j .. 32j + 31) of block b: signed for Q8_0 and Q6_K, 0..15 otherwise.
+inline void scales_block<kQ5_1>(const uint8_t* b, float* scale, float* mins) { scales_dm(b, scale, mins); }
+// The 32 weights of block b: signed for Q8_0, 0..15 (0..31 for Q5_0 / Q5_1) otherwise.
 #if defined(__AVX2__)
 using W32 = __m256i;
 template <int T>
-inline W32 weights32(const uint8_t* b, int j);
+inline W32 weights32(const uint8_t* b);
 template <>
-inline W32 weights32<kQ8_0>(const uint8_t* b, int) {
+inline W32 weights32<kQ8_0>(const uint8_t* b) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
 }
 template <>
-inline W32 weights32<kQ4_0>(const uint8_t* b, int) { return nibbles16(b + 2); }
+inline W32 weights32<kQ4_0>(const uint8_t* b) { return nibbles16(b + 2); }
 template <>
-inline W32 weights32<kQ4_1>(const uint8_t* b, int) { return nibbles16(b + 4); }
+inline W32 weights32<kQ4_1>(const uint8_t* b) { return nibbles16(b + 4); }
 // 32 fifth bits (a little-endian word) as 0x10 in the bytes whose bit is set (ggml's bytes_from_bits_32).
 inline __m256i fifths32(const uint8_t* p) {
   const __m256i spread = _mm256_shuffle_epi8(
@@ -132,26 +97,15 @@ inline __m256i fifths32(const uint8_t* p) {
   return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
 }
 template <>
-inline W32 weights32<kQ5_0>(const uint8_t* b, int) { return _mm256_or_si256(nibbles16(b + 6), fifths32(b + 2)); }
+inline W32 weights32<kQ5_0>(const uint8_t* b) { return _mm256_or_si256(nibbles16(b + 6), fifths32(b + 2)); }
 template <>
-inline W32 weights32<kQ5_1>(const uint8_t* b, int) { return _mm256_or_si256(nibbles16(b + 8), fifths32(b + 4)); }
-template <>
-inline W32 weights32<kQ6_K>(const uint8_t* b, int j) {  // half n = j / 4, group g = j % 4 of it
-  const int n = j / 4, g = j % 4;
-  const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * n + 32 * (g % 2)));
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * n));
-  const __m256i low = _mm256_and_si256(g / 2 ? _mm256_srli_epi16(l, 4) : l, _mm256_set1_epi8(0xF));
-  const __m256i high = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * g), _mm256_set1_epi8(3)), 4);
-  return _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(32));
-}
-inline W32 load32(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-inline void store32(int8_t* p, W32 w) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), w); }
+inline W32 weights32<kQ5_1>(const uint8_t* b) { return _mm256_or_si256(nibbles16(b + 8), fifths32(b + 4)); }
 #else
 struct W32 {
   int8_t v[32];
 };
 template <int T>
-inline W32 weights32(const uint8_t* b, int j) {
+inline W32 weights32(const uint8_t* b) {
   W32 w;
   for (int l = 0; l < 32; ++l) {
     if constexpr (T == kQ8_0) {
@@ -159,25 +113,14 @@ inline W32 weights32(const uint8_t* b, int j) {
     } else if constexpr (T == kQ4_0 || T == kQ4_1) {
       const uint8_t q = b[(T == kQ4_0 ? 2 : 4) + l % 16];
       w.v[l] = static_cast<int8_t>(l < 16 ? q & 0xF : q >> 4);
-    } else if constexpr (T == kQ5_0 || T == kQ5_1) {
+    } else {  // Q5_0 / Q5_1
       const uint8_t q = b[(T == kQ5_0 ? 6 : 8) + l % 16];
       const uint32_t h = fifth_bits(b + (T == kQ5_0 ? 2 : 4));
       w.v[l] = static_cast<int8_t>((l < 16 ? q & 0xF : q >> 4) | (((h >> l) & 1) << 4));
-    } else {  // Q6_K
-      const int n = j / 4, g = j % 4;
-      const uint8_t low = (b[64 * n + 32 * (g % 2) + l] >> (4 * (g / 2))) & 0xF,
-                    high = (b[128 + 32 * n + l] >> (2 * g)) & 3;
-      w.v[l] = static_cast<int8_t>((low | (high << 4)) - 32);
     }
   }
   return w;
 }
-inline W32 load32(const int8_t* p) {
-  W32 w;
-  std::memcpy(w.v, p, 32);
-  return w;
-}
-inline void store32(int8_t* p, const W32& w) { std::memcpy(p, w.v, 32); }
 #endif
 
 #if defined(__AVX2__)

@@ -1,4 +1,4 @@
-// qdot.h's loop for the row-packed formats (quant.h: kQ4_0R / kQ4_1R / kQ8_0R) and Q4_K: 64 weights a load, a row's
+// qdot.h's loop for the row-packed formats (quant.h: kQ4_0R / kQ4_1R / kQ8_0R): 64 weights a load, a row's
 // scales converted eight at a time, and with one to three activation rows four weight rows at a time
 // (qlinear_few_packed); the same sums in the same order as dot_rows, whatever the number of rows.
 #pragma once
@@ -47,11 +47,9 @@ inline float hsum_pairs(__m512 a, __m512 b) {
 // sums in the same order as dot_rows on the file's blocks (bitwise its results; packed Q8_0 in the AVX-512 build
 // excepted, kUnsignedQ8), whatever R.
 // Where the weights of groups g, g + 1 (g even) are: in a packed Q4_0 / Q4_1 row, their 32 bytes of nibbles one
-// pair after the other; in a Q4_K row, the same inside its 144-byte blocks (after each block's 16 bytes of scales);
-// in a packed Q8_0 row, their 64 bytes (group g's 32, then g + 1's).
+// pair after the other; in a packed Q8_0 row, their 64 bytes (group g's 32, then g + 1's).
 template <int T>
 inline const uint8_t* nibbles_of(const uint8_t* row, int64_t g) {
-  if constexpr (T == kQ4_K) return row + g / 8 * layout_of(kQ4_K).bytes + 16 + 16 * (g % 8);
   if constexpr (T == kQ8_0R) return row + 32 * g;
   return row + 16 * g;
 }
@@ -74,7 +72,7 @@ constexpr float offset_min() { return T == kQ8_0R ? (kUnsignedQ8 ? -128.f : 0.f)
 // Whether a packed row's groups have minimums to add (Q8_0 multiplied signed has none).
 template <int T>
 constexpr bool has_mins() { return T != kQ8_0R || kUnsignedQ8; }
-// Value i (0-31) of group g of a packed row or Q4_K row (Q8_0's signed, the others' unsigned).
+// Value i (0-31) of group g of a packed row (Q8_0's signed, the others' unsigned).
 template <int T>
 inline int32_t packed_value(const uint8_t* row, int64_t g, int i) {
   if constexpr (T == kQ8_0R) return static_cast<int8_t>(nibbles_of<T>(row, g & ~int64_t{1})[32 * (g & 1) + i]);
@@ -178,26 +176,18 @@ inline void dot_packed(const uint8_t* row, const float* wm, const float* sc, int
 }
 
 #if defined(__AVX2__) && defined(__F16C__)
-// Eight groups' weight scales and minimums from group g of a packed row (or a Q4_K row), in registers: n <= 8 of
-// them (n even), lanes past n zero, as the scratch arrays hold them.
+// Eight groups' weight scales and minimums from group g of a packed row, in registers: n <= 8 of them (n even),
+// lanes past n zero, as the scratch arrays hold them.
 template <int T>
 inline void scales8_regs(const uint8_t* row, int64_t K, int64_t groups, int64_t g, int64_t n, __m256& wd,
                          __m256& wm) {
-  if constexpr (T == kQ4_K) {
-    const uint8_t* b = row + g / 8 * layout_of(kQ4_K).bytes;
-    alignas(32) float sc8[8], mins8[8];
-    scales8_q4k(b, sc8, mins8);
-    wd = _mm256_load_ps(sc8);
-    wm = _mm256_load_ps(mins8);
-  } else {
-    auto halves8 = [&](const uint8_t* p) {
-      return n == 8 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))
-                    : _mm256_cvtph_ps(_mm_maskload_epi32(reinterpret_cast<const int*>(p),
-                                                         _mm256_castsi256_si128(lanes_below(n / 2))));
-    };
-    wd = halves8(row + scales_at<T>(K) + 2 * g);
-    wm = T == kQ4_1R ? halves8(row + K / 2 + 2 * groups + 2 * g) : _mm256_mul_ps(_mm256_set1_ps(offset_min<T>()), wd);
-  }
+  auto halves8 = [&](const uint8_t* p) {
+    return n == 8 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))
+                  : _mm256_cvtph_ps(_mm_maskload_epi32(reinterpret_cast<const int*>(p),
+                                                       _mm256_castsi256_si128(lanes_below(n / 2))));
+  };
+  wd = halves8(row + scales_at<T>(K) + 2 * g);
+  wm = T == kQ4_1R ? halves8(row + K / 2 + 2 * groups + 2 * g) : _mm256_mul_ps(_mm256_set1_ps(offset_min<T>()), wd);
 }
 
 // dot_packed<T, 1> for N weight rows (`ldw` bytes apart) at once, with their scales and minimums converted in
@@ -315,17 +305,13 @@ void qlinear_range_packed(const uint8_t* w, int64_t ldw, const QRows& x, int64_t
   if (M < kFewRows) return qlinear_few_packed<T>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, ahead);
 #endif
   s.row_buffers(K);
-  float *wd = s.sc2.data(), *wm = s.mins.data(), *sc = s.sc.data();
+  float *wd = s.wd.data(), *wm = s.mins.data(), *sc = s.sc.data();
   prefetch_first(w, ldw, n_begin, n_end, ahead);
   for (int64_t n = n_begin; n < n_end; ++n) {
     const uint8_t* row = w + n * ldw;
     if (n + ahead < n_end)
       for (int64_t o = 0; o < ldw; o += 64) __builtin_prefetch(row + ahead * ldw + o);
-    if constexpr (T == kQ4_K) {  // (Q4_K rows hold whole 8-group blocks: no partial chunk)
-      for (int64_t b = 0; b < groups / 8; ++b) scales8_q4k(row + b * layout_of(kQ4_K).bytes, wd + 8 * b, wm + 8 * b);
-    } else {
-      halves_to_floats(row + scales_at<T>(K), groups, wd);
-    }
+    halves_to_floats(row + scales_at<T>(K), groups, wd);
     if constexpr (T == kQ4_1R) {
       halves_to_floats(row + K / 2 + 2 * groups, groups, wm);
     } else if constexpr ((T == kQ4_0R || T == kQ8_0R) && has_mins<T>()) {

@@ -53,12 +53,12 @@ inline void add_mins(const float* mins, const QRows& x, int64_t m0, float* res) 
 }
 
 // res[r] = sum_k w[k] * x[m0 + r][k] for r < R, one weight row (its blocks at `row`) given group by group by
-// `wsrc(g)`. Its scales and minimums are in sc2 / mins already, except where `scales_inline(T)`: then each group's
+// `wsrc(g)`. Its scales and minimums are in wd / mins already, except where `scales_inline(T)`: then each group's
 // scale is read from its block here, and its minimum written to mins[g] for the sum at the end. kAccs accumulators
 // a row (group g into the (g mod kAccs)th) keep that many FMA chains in flight, summed as acc0 + acc1, or with four
 // as (acc0 + acc2) + (acc1 + acc3); the order of the sums is fixed, whatever R.
 template <int T, int R, typename Src>
-inline void dot_rows(const Src& wsrc, const uint8_t* row, const float* sc2, float* mins, const QRows& x, int64_t m0,
+inline void dot_rows(const Src& wsrc, const uint8_t* row, const float* wd, float* mins, const QRows& x, int64_t m0,
                      float* res) {
   const int64_t K = x.K, blocks = K / kQK;
 #if defined(__AVX2__)
@@ -71,15 +71,13 @@ inline void dot_rows(const Src& wsrc, const uint8_t* row, const float* sc2, floa
     if constexpr (scales_inline(T))
       scales_block<T>(row + g * layout_of(T).bytes, &sw, mins + g);
     else
-      sw = sc2[2 * g];
+      sw = wd[g];
     for (int r = 0; r < R; ++r) {
       const int64_t m = m0 + r;
       const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + m * K + g * kQK));
       const __m256i p = dot_u8s8(wu, is_signed(T) ? _mm256_sign_epi8(a, w) : a);  // |w| times a with w's sign
       const float da = x.d[m * blocks + g];
-      const __m256 scale = T == kQ6_K ? _mm256_set_m128(_mm_set1_ps(sc2[2 * g + 1] * da), _mm_set1_ps(sw * da))
-                                      : _mm256_set1_ps(sw * da);
-      acc[r] = madd8(_mm256_cvtepi32_ps(p), scale, acc[r]);
+      acc[r] = madd8(_mm256_cvtepi32_ps(p), _mm256_set1_ps(sw * da), acc[r]);
     }
   };
   int64_t g = 0;
@@ -96,11 +94,11 @@ inline void dot_rows(const Src& wsrc, const uint8_t* row, const float* sc2, floa
     for (int64_t g = 0; g < blocks; ++g) {
       const W32 w = wsrc(g);
       const int8_t* a = x.q + m * K + g * kQK;
-      const float da = x.d[m * blocks + g], lo = sc2[2 * g] * da, hi = sc2[2 * g + (T == kQ6_K)] * da;
+      const float scale = wd[g] * x.d[m * blocks + g];
       for (int lane = 0; lane < 8; ++lane) {
         int32_t p = 0;
         for (int i = 0; i < 4; ++i) p += static_cast<int32_t>(w.v[4 * lane + i]) * a[4 * lane + i];
-        lanes[g & 1][lane] += static_cast<float>(p) * (lane < 4 ? lo : hi);
+        lanes[g & 1][lane] += static_cast<float>(p) * scale;
       }
     }
     float l[8];
@@ -133,42 +131,29 @@ template <int T, typename O>
 void qlinear_range(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, const float* bias, O* out, int64_t ldo,
                    int64_t n_begin, int64_t n_end, QScratch& s) {
   constexpr Layout L = layout_of(T);
-  constexpr int subs = L.elems / kQK;
+  static_assert(L.elems == kQK, "dot_rows takes formats with a scale per 32 values");
   const int64_t K = x.K, nb = K / L.elems;
   const int64_t ahead = prefetch_rows(ldw, M);
   s.row_buffers(K);
-  float *sc2 = s.sc2.data(), *mins = s.mins.data();
-  int8_t* decoded = s.w.data();
-  const bool fused = fused_rows_max(T) > 0 && M <= fused_rows_max(T);
+  float *wd = s.wd.data(), *mins = s.mins.data();
   prefetch_first(w, ldw, n_begin, n_end, ahead);
   for (int64_t n = n_begin; n < n_end; ++n) {
     const uint8_t* row = w + n * ldw;
     if (n + ahead < n_end)
       for (int64_t o = 0; o < ldw; o += 64) __builtin_prefetch(row + ahead * ldw + o);
     if constexpr (!scales_inline(T))
-      for (int64_t b = 0; b < nb; ++b) scales_block<T>(row + b * L.bytes, sc2 + 2 * subs * b, mins + subs * b);
+      for (int64_t b = 0; b < nb; ++b) scales_block<T>(row + b * L.bytes, wd + b, mins + b);
     const float bn = bias ? bias[n] : 0.f;
-    auto all_rows = [&](const auto& src) {  // groups of four rows, then two, then one
-      float res[4];
-      int64_t m = 0;
-      auto put = [&](int count) {
-        for (int r = 0; r < count; ++r) out[(m + r) * ldo + n] = static_cast<O>(res[r] + bn);
-        m += count;
-      };
-      while (m + 4 <= M) dot_rows<T, 4>(src, row, sc2, mins, x, m, res), put(4);
-      if (m + 2 <= M) dot_rows<T, 2>(src, row, sc2, mins, x, m, res), put(2);
-      if (m < M) dot_rows<T, 1>(src, row, sc2, mins, x, m, res), put(1);
+    auto src = [&](int64_t g) { return weights32<T>(row + g * L.bytes); };
+    float res[4];
+    int64_t m = 0;
+    auto put = [&](int count) {  // groups of four rows, then two, then one
+      for (int r = 0; r < count; ++r) out[(m + r) * ldo + n] = static_cast<O>(res[r] + bn);
+      m += count;
     };
-    if (fused) {
-      all_rows([&](int64_t g) { return weights32<T>(row + g / subs * L.bytes, static_cast<int>(g % subs)); });
-    } else {
-      for (int64_t b = 0; b < nb; ++b) {  // block by block, its groups unrolled (constant shifts, loads shared)
-        const uint8_t* block = row + b * L.bytes;
-#pragma GCC unroll 8
-        for (int j = 0; j < subs; ++j) store32(decoded + (b * subs + j) * kQK, weights32<T>(block, j));
-      }
-      all_rows([&](int64_t g) { return load32(decoded + g * kQK); });
-    }
+    while (m + 4 <= M) dot_rows<T, 4>(src, row, wd, mins, x, m, res), put(4);
+    if (m + 2 <= M) dot_rows<T, 2>(src, row, wd, mins, x, m, res), put(2);
+    if (m < M) dot_rows<T, 1>(src, row, wd, mins, x, m, res), put(1);
   }
 }
 

@@ -25,8 +25,11 @@ torch::Tensor qlinear(const torch::Tensor& x, const torch::Tensor& w, int64_t ty
   const int64_t ldw = w.stride(0), ldx = x.stride(0);
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     q::QScratch s;
-    q::QRows rows = x.scalar_type() == at::kFloat ? q::quantize_rows(x.data_ptr<float>(), ldx, M, K, s)
-                                                  : q::quantize_rows(x.data_ptr<at::BFloat16>(), ldx, M, K, s);
+    q::QRows rows{};
+    if (x.scalar_type() == at::kFloat)
+      q::quantize_for(static_cast<int>(type), x.data_ptr<float>(), ldx, M, K, s, rows);
+    else
+      q::quantize_for(static_cast<int>(type), x.data_ptr<at::BFloat16>(), ldx, M, K, s, rows);
     q::qlinear_rows(static_cast<int>(type), wp, ldw, rows, M, bp, op, N, begin, end, s);
   });
   return out;

@@ -1,0 +1,215 @@
+// qdot.h's loop for the K-quants (Q4_K, Q6_K), as ggml's ggml_vec_dot_q4_K_q8_K / q6_K_q8_K compute them: the
+// activations in blocks of 256 (one float scale each, and each 16 values' sum: QRows' kq / kd / ks), so a whole
+// super-block of weights is summed in integers. Its group scales (6-bit Q4_K, int8 Q6_K) multiply the int16 pair
+// sums of `vpmaddubsw` in `vpmaddwd` (where the other formats multiply by 1), Q6_K's offset of 32 multiplies the
+// activation's 16-value sums in integers too, and one float FMA a super-block and activation row applies the two
+// float scales (d * dx * isum); Q4_K's minimums (dmin * mn, eight a block) take one more, with the activation's
+// 32-value sums times dx (ksf). The per-32 design converted and multiplied each group: eight conversions and FMAs a
+// super-block and row. Each activation row's sums are its own and in the same order whatever the number of rows (one
+// to four a weight row at a time): batch invariant.
+#pragma once
+
+#include "qdot_packed.h"
+
+namespace peregrine_quant {
+
+// A Q4_K block's eight 6-bit scales (as int16, sc[0..7]) and minimums (as bytes, mn[0..7]).
+inline void q4k_scales_mins(const uint8_t* b, int16_t* sc, uint8_t* mn) {
+#if defined(__AVX2__)
+  uint32_t u[4];  // unpacked into bytes at once (ggml's bit trick)
+  std::memcpy(u, b + 4, 12);
+  constexpr uint32_t k6 = 0x3f3f3f3f, k4 = 0x0f0f0f0f, k2 = 0x03030303;
+  u[3] = ((u[2] >> 4) & k4) | (((u[1] >> 6) & k2) << 4);
+  const uint32_t mins_low = u[1] & k6;
+  u[1] = (u[2] & k4) | (((u[0] >> 6) & k2) << 4);
+  u[2] = mins_low;
+  u[0] &= k6;
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(sc),
+                   _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(u))));
+  std::memcpy(mn, u + 2, 8);
+#else
+  for (int j = 0; j < 8; ++j) {
+    uint8_t s, m;
+    scale_min_k4(j, b + 4, &s, &m);
+    sc[j] = s;
+    mn[j] = m;
+  }
+#endif
+}
+
+// res[r] = x[m0 + r] . row for r < R, a Q4_K row: value 32j + l of a block is d * sc_j * q - dmin * mn_j, so a
+// block's dot is d * dx * sum_j sc_j (q_j . a_j), its sum in integers, minus sum_j dmin * mn_j * (dx * sum(a_j)),
+// eight float products (the weight row's minimums times the activation row's sums, ksf).
+template <int R>
+inline void dot_q4k(const uint8_t* row, const QRows& x, int64_t m0, float* res) {
+  const int64_t K = x.K, nb = K / kQK_K;
+  constexpr int64_t bytes = layout_of(kQ4_K).bytes;
+#if defined(__AVX2__)
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * bytes;
+    alignas(16) int16_t sc[8];
+    alignas(8) uint8_t mn[8];
+    q4k_scales_mins(blk, sc, mn);
+    __m256i sumi[R];
+    for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {  // groups 2j (the low nibbles) and 2j + 1 (the high ones)
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * j)),
+                    low = _mm256_set1_epi8(0xF);
+      const __m256i w0 = _mm256_and_si256(q, low), w1 = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
+      const __m256i s0 = _mm256_set1_epi16(sc[2 * j]), s1 = _mm256_set1_epi16(sc[2 * j + 1]);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* a = x.kq + (m0 + r) * K + b * kQK_K + 64 * j;
+        const __m256i p0 = _mm256_madd_epi16(
+            _mm256_maddubs_epi16(w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))), s0);
+        const __m256i p1 = _mm256_madd_epi16(
+            _mm256_maddubs_epi16(w1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 32))), s1);
+        sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(p0, p1));
+      }
+    }
+    const __m256 d = _mm256_set1_ps(half_to_float(blk));
+    const __m256 mins = _mm256_mul_ps(_mm256_set1_ps(-half_to_float(blk + 2)),
+                                      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                                          reinterpret_cast<const __m128i*>(mn)))));
+    for (int r = 0; r < R; ++r) {
+      const int64_t xb = (m0 + r) * nb + b;
+      acc[r] = madd8(_mm256_mul_ps(d, _mm256_broadcast_ss(x.kd + xb)), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
+      acc[r] = madd8(mins, _mm256_loadu_ps(x.ksf + xb * 8), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) res[r] = hsum8(acc[r]);
+#else
+  for (int r = 0; r < R; ++r) {
+    float acc = 0.f;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = row + b * bytes;
+      const int64_t xb = (m0 + r) * nb + b;
+      const int8_t* a = x.kq + xb * kQK_K;
+      int16_t sc[8];
+      uint8_t mn[8];
+      q4k_scales_mins(blk, sc, mn);
+      int32_t isum = 0;
+      for (int j = 0; j < 8; ++j) {
+        int32_t p = 0;
+        for (int l = 0; l < 32; ++l) p += ((blk[16 + 32 * (j / 2) + l] >> (4 * (j % 2))) & 0xF) * a[32 * j + l];
+        isum += sc[j] * p;
+      }
+      acc += half_to_float(blk) * x.kd[xb] * static_cast<float>(isum);
+      const float dmin = half_to_float(blk + 2);
+      for (int j = 0; j < 8; ++j) acc += -dmin * static_cast<float>(mn[j]) * x.ksf[xb * 8 + j];
+    }
+    res[r] = acc;
+  }
+#endif
+}
+
+// res[r] = x[m0 + r] . row for r < R, a Q6_K row: value 16i + l of a block is d * sc_i * (q - 32), so a block's dot
+// is d * dx * (sum_i sc_i (q_i . a_i) - 32 sum_i sc_i sum(a_i)), in integers (q unsigned, 0-63, for `vpmaddubsw`).
+template <int R>
+inline void dot_q6k(const uint8_t* row, const QRows& x, int64_t m0, float* res) {
+  const int64_t K = x.K, nb = K / kQK_K;
+  constexpr int64_t bytes = layout_of(kQ6_K).bytes;
+#if defined(__AVX2__)
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * bytes;
+    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
+    alignas(32) int16_t sc[16];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(sc), sc16);
+    __m256i sumi[R];
+    for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
+    for (int n = 0; n < 2; ++n) {  // a half: 128 values, groups 4n .. 4n + 3 of 32
+      const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * n)),
+                    l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * n + 32)),
+                    h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * n)),
+                    m4 = _mm256_set1_epi8(0xF), m2 = _mm256_set1_epi8(3);
+      const __m256i low[4] = {_mm256_and_si256(l0, m4), _mm256_and_si256(l1, m4),
+                              _mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                              _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4)};
+      const __m256i high[4] = {_mm256_slli_epi16(_mm256_and_si256(h, m2), 4),
+                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), m2), 4),
+                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), m2), 4),
+                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), m2), 4)};
+#pragma GCC unroll 4
+      for (int g = 0; g < 4; ++g) {
+        const int j = 4 * n + g;
+        const __m256i w = _mm256_or_si256(low[g], high[g]);
+        const __m256i s = _mm256_set_m128i(_mm_set1_epi16(sc[2 * j + 1]), _mm_set1_epi16(sc[2 * j]));
+        for (int r = 0; r < R; ++r) {
+          const int8_t* a = x.kq + (m0 + r) * K + b * kQK_K + 32 * j;
+          sumi[r] = _mm256_add_epi32(
+              sumi[r], _mm256_madd_epi16(
+                           _mm256_maddubs_epi16(w, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))), s));
+        }
+      }
+    }
+    const float d = half_to_float(blk + 208);
+    for (int r = 0; r < R; ++r) {
+      const int64_t xb = (m0 + r) * nb + b;
+      const __m256i s16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.ks + xb * 16));
+      const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(sc16, s16), 5);  // 32 sum_i sc_i sum(a_i)
+      acc[r] = madd8(_mm256_set1_ps(d * x.kd[xb]), _mm256_cvtepi32_ps(_mm256_sub_epi32(sumi[r], offset)), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) res[r] = hsum8(acc[r]);
+#else
+  for (int r = 0; r < R; ++r) {
+    float acc = 0.f;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = row + b * bytes;
+      const int64_t xb = (m0 + r) * nb + b;
+      const int8_t* a = x.kq + xb * kQK_K;
+      int32_t isum = 0;
+      for (int i = 0; i < 16; ++i) {
+        const int j = i / 2, n = j / 4, g = j % 4;
+        int32_t p = 0;
+        for (int l = 16 * (i % 2); l < 16 * (i % 2) + 16; ++l) {
+          const int low = (blk[64 * n + 32 * (g % 2) + l] >> (4 * (g / 2))) & 0xF,
+                    high = (blk[128 + 32 * n + l] >> (2 * g)) & 3;
+          p += (low | (high << 4)) * a[32 * j + l];
+        }
+        isum += static_cast<int8_t>(blk[192 + i]) * (p - 32 * x.ks[xb * 16 + i]);
+      }
+      acc += half_to_float(blk + 208) * x.kd[xb] * static_cast<float>(isum);
+    }
+    res[r] = acc;
+  }
+#endif
+}
+
+template <int T, int R>
+inline void dot_k(const uint8_t* row, const QRows& x, int64_t m0, float* res) {
+  if constexpr (T == kQ4_K)
+    dot_q4k<R>(row, x, m0, res);
+  else
+    dot_q6k<R>(row, x, m0, res);
+}
+
+// out[m * ldo + n] = x[m] . W[n] (+ bias[n]) for n in [n_begin, n_end), m < M, W a K-quant's rows (`ldw` bytes
+// apart): each weight row with up to four activation rows at a time, the next rows prefetched.
+template <int T, typename O>
+void qlinear_range_k(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, const float* bias, O* out,
+                     int64_t ldo, int64_t n_begin, int64_t n_end) {
+  const int64_t ahead = prefetch_rows(ldw, M);
+  prefetch_first(w, ldw, n_begin, n_end, ahead);
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    const uint8_t* row = w + n * ldw;
+    if (n + ahead < n_end)
+      for (int64_t o = 0; o < ldw; o += 64) __builtin_prefetch(row + ahead * ldw + o);
+    const float bn = bias ? bias[n] : 0.f;
+    float res[4];
+    int64_t m = 0;
+    auto put = [&](int count) {
+      for (int r = 0; r < count; ++r) out[(m + r) * ldo + n] = static_cast<O>(res[r] + bn);
+      m += count;
+    };
+    while (m + 4 <= M) dot_k<T, 4>(row, x, m, res), put(4);
+    if (m + 2 <= M) dot_k<T, 2>(row, x, m, res), put(2);
+    if (m < M) dot_k<T, 1>(row, x, m, res), put(1);
+  }
+}
+
+}  // namespace peregrine_quant
