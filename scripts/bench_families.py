@@ -147,7 +147,7 @@ def run(names: list[str], formats: list[str], args: argparse.Namespace) -> None:
             cmd = [sys.executable, str(Path(__file__).with_name("bench.py")), "--peers", "peregrine,llamacpp",
                    "--gguf", str(gguf), "--concurrency", args.concurrency, "--input-len", str(args.input_len),
                    "--output-len", str(args.output_len), "--threads", str(args.threads), "--out", str(out),
-                   "--peregrine-args", args.peregrine_args]  # fmt: skip
+                   "--dtype", args.dtype, "--peregrine-args", args.peregrine_args]  # fmt: skip
             subprocess.run(cmd, check=True)
             rows += summarize(name, fmt, gguf, json.loads(out.read_text()))
     print(json.dumps(rows))
@@ -183,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", default="auto", help="Peregrine's --dtype (auto: what a user gets)")
     p.add_argument("--peregrine-args", default="--max-model-len 2048")
     args = p.parse_args(argv)
     names, formats = args.shapes.split(","), args.formats.split(",")
