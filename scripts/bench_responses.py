@@ -47,7 +47,7 @@ def first_delta(client: httpx.Client, path: str, body: dict[str, Any], kind: str
             if delta:
                 ttft = ttft if ttft is not None else time.perf_counter() - start
                 text += delta
-            if kind == "responses" and event.get("type") == "response.completed":
+            if kind == "responses" and event.get("type") in ("response.completed", "response.incomplete"):
                 final = event["response"]
     return (ttft if ttft is not None else float("nan")), text, final
 
