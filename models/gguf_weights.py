@@ -31,7 +31,7 @@ from models.fingerprint import gguf_fingerprint
 
 log = logging.getLogger(__name__)
 
-META_FORMAT = 2  # bump when the cached metadata layout changes
+META_FORMAT = 3  # bump when the cached metadata layout changes
 # GGUF general.architecture values served quantized (the Llama-block families of engine/model/families.py; Mistral
 # and Ministral files say "llama")
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "granite", "phi3", "gemma3")
@@ -160,12 +160,38 @@ def teach_transformers() -> None:
 
 def _complete(config: object, gguf_path: Path) -> None:
     """What transformers' GGUF conversion leaves out of the config: the head size (`attention.key_length`, which
-    it maps for a few architectures only; Qwen3's default of 128 is wrong for other sizes)."""
+    it maps for a few architectures only; Qwen3's default of 128 is wrong for other sizes), Phi-3's share of each
+    head that RoPE turns (`rope.dimension_count`), and for Gemma 3 the attention scale and which layers are
+    windowed, as llama.cpp reads them."""
     reader = open_reader(gguf_path)
     arch = str(reader.fields["general.architecture"].contents())
     key_length = reader.fields.get(f"{arch}.attention.key_length")
     if key_length is not None and hasattr(config, "head_dim"):
         config.head_dim = int(key_length.contents())
+    rotated = reader.fields.get(f"{arch}.rope.dimension_count")
+    head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if arch == "phi3" and rotated is not None and int(rotated.contents()) != head:  # RoPE on part of each head
+        factor = int(rotated.contents()) / head
+        config.partial_rotary_factor = factor
+        if isinstance(getattr(config, "rope_parameters", None), dict) and "rope_type" in config.rope_parameters:
+            config.rope_parameters["partial_rotary_factor"] = factor
+    if arch == "gemma3":  # the attention scale llama.cpp uses (1/sqrt(head size); 27B: 1/sqrt(hidden/heads))
+        wide = config.num_hidden_layers == 62
+        config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads if wide else config.head_dim
+    pattern = reader.fields.get(f"{arch}.attention.sliding_window_pattern")
+    if pattern is not None and getattr(config, "layer_types", None):
+        config.layer_types = window_layers(pattern.contents(), config.num_hidden_layers)
+
+
+def window_layers(pattern: int | list[bool], layers: int) -> list[str]:
+    """Which layers attend in a window, as llama.cpp reads `<arch>.attention.sliding_window_pattern`: a flag per
+    layer, or n (each n-th layer global, the others windowed; n = 0 or 1 means none windowed). Without the key,
+    llama.cpp takes Gemma 3's 6, as transformers' config does."""
+    if isinstance(pattern, list):
+        windowed = [bool(flag) for flag in pattern]
+    else:
+        windowed = [int(pattern) > 1 and i % int(pattern) < int(pattern) - 1 for i in range(layers)]
+    return ["sliding_attention" if w else "full_attention" for w in windowed]
 
 
 # --- the model ------------------------------------------------------------------------------------------

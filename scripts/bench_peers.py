@@ -248,27 +248,41 @@ def stop(peer: Peer, timeout_s: float = 30.0) -> None:
             continue
 
 
-def setup() -> int:
-    """Build llama-server + shared libs from the vendored llama.cpp, and llama-cpp-python against them."""
-    sdist_dir = CACHE / "peers-sdist"
-    py = PEERS_VENV / "bin" / "python"
-    steps = [
-        [sys.executable, "-m", "venv", str(PEERS_VENV)],
-        [str(py), "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", LLAMA_CPP_PYTHON, "-d", str(sdist_dir)],
-    ]  # fmt: skip
-    for cmd in steps if not py.exists() or not list(sdist_dir.glob("*.tar.gz")) else []:
+def llama_cpp_source(into: Path, pip: Path | None = None) -> Path:
+    """llama.cpp's source as llama-cpp-python's sdist vendors it (with its vocab-only GGUFs and chat templates),
+    fetched from the package registry into `into` once and unpacked there; the unpacked sdist's folder."""
+    sdists = sorted(into.glob("llama_cpp_python-*.tar.gz"))
+    if not sdists:
+        python = [str(pip)] if pip else [sys.executable]
+        cmd = [*python, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", LLAMA_CPP_PYTHON, "-d", str(into)]
         subprocess.run(cmd, check=True)
-    sdist = next(sdist_dir.glob("llama_cpp_python-*.tar.gz"))
-    src = sdist_dir / sdist.name.removesuffix(".tar.gz")
+        sdists = sorted(into.glob("llama_cpp_python-*.tar.gz"))
+    src = into / sdists[-1].name.removesuffix(".tar.gz")
     if not src.exists():
-        subprocess.run(["tar", "xzf", str(sdist), "-C", str(sdist_dir)], check=True)
-    configure = ["nice", "-n", "19", "cmake", "-S", str(src / "vendor" / "llama.cpp"), "-B", str(LLAMA_BUILD),
-                 "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON", "-DGGML_NATIVE=ON",
-                 "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TOOLS=ON",
+        subprocess.run(["tar", "xzf", str(sdists[-1]), "-C", str(into)], check=True)
+    return src
+
+
+def build_llama_cpp(src: Path, build: Path, targets: tuple[str, ...] = ("llama-server",), shared: bool = True) -> Path:
+    """Builds `targets` of the vendored llama.cpp natively (-DGGML_NATIVE=ON, Release) into `build`, at the lowest
+    priority; the folder of the binaries. `shared=False` gives binaries that need nothing else of the build."""
+    configure = ["nice", "-n", "19", "cmake", "-S", str(src / "vendor" / "llama.cpp"), "-B", str(build),
+                 "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", f"-DBUILD_SHARED_LIBS={'ON' if shared else 'OFF'}",
+                 "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TOOLS=ON",
                  "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_OPENSSL=OFF"]  # fmt: skip
     subprocess.run(configure, check=True)
-    build = ["nice", "-n", "19", "cmake", "--build", str(LLAMA_BUILD), "--target", "llama-server", "-j", "2"]
-    subprocess.run(build, check=True)
+    subprocess.run(["nice", "-n", "19", "cmake", "--build", str(build), "--target", *targets, "-j", "2"], check=True)
+    return build / "bin"
+
+
+def setup() -> int:
+    """Build llama-server + shared libs from the vendored llama.cpp, and llama-cpp-python against them."""
+    py = PEERS_VENV / "bin" / "python"
+    if not py.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(PEERS_VENV)], check=True)
+    src = llama_cpp_source(CACHE / "peers-sdist", pip=py)
+    build_llama_cpp(src, LLAMA_BUILD)
+    sdist = next((CACHE / "peers-sdist").glob("llama_cpp_python-*.tar.gz"))
     env = os.environ | {"CMAKE_ARGS": "-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF"}  # the Python part only
     subprocess.run([str(py), "-m", "pip", "install", f"{sdist}[server]"], check=True, env=env)
     print(f"llama-server: {LLAMA_BUILD / 'bin' / 'llama-server'}\nllama-cpp-python: {py}")

@@ -71,22 +71,32 @@ def gguf_name(hf: str, arch: str) -> str:
     return f"blk.{index}.{next(g for g, h in names.items() if h == stem)}.{kind}"
 
 
-def write_family(folder: Path, family: str, vocab: int, seed: int = 0, tokenizer: Any = None) -> torch.nn.Module:
+def write_family(folder: Path, family: str, vocab: int, seed: int = 0, tokenizer: Any = None,
+                 vocab_file: Path | None = None, chat_template: str | None = None, context: int = 256) -> torch.nn.Module:
     """`folder`/tiny.gguf and its config.json; returns the float32 reference on the dequantized weights. With a
-    (byte-level BPE) `tokenizer`, the file also holds the metadata llama.cpp's converter writes (hyperparameters,
-    Granite's multipliers, the tokenizer), for transformers' GGUF conversion to read."""
+    (byte-level BPE) `tokenizer`, or a real one from llama.cpp's vocab-only GGUF `vocab_file` (its `tokenizer.*`
+    keys, the token list padded with unused tokens to `vocab`), the file also holds the metadata llama.cpp's
+    converter writes (hyperparameters, Granite's multipliers, the tokenizer, `chat_template`), for transformers'
+    GGUF conversion and llama.cpp to read."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     spec = SPECS[family]
     torch.manual_seed(seed)
-    config = config_of(spec.model_type, vocab, tie_word_embeddings=spec.tied, **spec.extra)
+    config = config_of(spec.model_type, vocab, tie_word_embeddings=spec.tied, max_position_embeddings=context,
+                       **spec.extra)
     model = AutoModelForCausalLM.from_config(config).float().eval()
     _randomize(model)
     served = {k: v for k, v in config.to_dict().items() if k not in (*spec.served_drop, "model_type")}
     AutoConfig.for_model(spec.served_type or spec.model_type, **served).save_pretrained(folder)
     writer = gguf.GGUFWriter(folder / "tiny.gguf", spec.arch)
-    if tokenizer is not None:
-        _metadata(writer, config, tokenizer)
+    if tokenizer is not None or vocab_file is not None:
+        _hyperparameters(writer, config)
+        if vocab_file is not None:
+            _copy_vocab(writer, vocab_file, config.vocab_size)
+        else:
+            _tokenizer(writer, config, tokenizer)
+        if chat_template is not None:
+            writer.add_chat_template(chat_template)
     state = {}
     for name, value in model.state_dict().items():
         if name == "lm_head.weight" and spec.tied:
@@ -115,7 +125,7 @@ def _write(writer: gguf.GGUFWriter, name: str, value: torch.Tensor, arch: str, c
     return torch.from_numpy(quants.dequantize(blocks, GGMLQuantizationType.Q8_0).astype(np.float32))
 
 
-def _metadata(writer: gguf.GGUFWriter, config: Any, tokenizer: Any) -> None:
+def _hyperparameters(writer: gguf.GGUFWriter, config: Any) -> None:
     writer.add_context_length(config.max_position_embeddings)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_embedding_length(config.hidden_size)
@@ -125,7 +135,12 @@ def _metadata(writer: gguf.GGUFWriter, config: Any, tokenizer: Any) -> None:
     writer.add_key_length(HEAD_DIM)
     writer.add_value_length(HEAD_DIM)
     writer.add_rope_dimension_count(int(HEAD_DIM * getattr(config, "partial_rotary_factor", 1.0)))
-    writer.add_rope_freq_base(10000.0)
+    rope = getattr(config, "rope_parameters", None) or {}
+    writer.add_rope_freq_base(float(rope.get("full_attention", rope).get("rope_theta", 10000.0)))
+    if getattr(config, "layer_types", None) and config.sliding_window:  # Gemma 3: llama.cpp's keys, the pattern
+        writer.add_sliding_window(config.sliding_window)  # a flag per layer (llama.cpp's default is every 6th global)
+        writer.add_array(f"{writer.arch}.attention.sliding_window_pattern",
+                         [t == "sliding_attention" for t in config.layer_types])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
     if config.model_type == "granite":
@@ -133,6 +148,9 @@ def _metadata(writer: gguf.GGUFWriter, config: Any, tokenizer: Any) -> None:
         writer.add_residual_scale(config.residual_multiplier)
         writer.add_attention_scale(config.attention_multiplier)
         writer.add_logit_scale(config.logits_scaling)
+
+
+def _tokenizer(writer: gguf.GGUFWriter, config: Any, tokenizer: Any) -> None:
     model = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
     tokens = sorted(model["vocab"], key=model["vocab"].get)
     tokens += [f"<pad{i}>" for i in range(config.vocab_size - len(tokens))]
@@ -144,6 +162,23 @@ def _metadata(writer: gguf.GGUFWriter, config: Any, tokenizer: Any) -> None:
     writer.add_eos_token_id(config.eos_token_id)
     writer.add_unk_token_id(model["vocab"]["<unk>"])  # Gemma's conversion asks for one
     writer.add_pad_token_id(0)  # Phi-3's default (32000) is past a tiny vocabulary
+
+
+def _copy_vocab(writer: gguf.GGUFWriter, vocab_file: Path, size: int) -> None:
+    """The `tokenizer.*` keys of a llama.cpp vocab-only GGUF, its token lists padded to `size` entries."""
+    reader = gguf.GGUFReader(vocab_file)
+    fields = {k: f for k, f in reader.fields.items() if k.startswith("tokenizer.") and k != "tokenizer.chat_template"}
+    tokens = fields["tokenizer.ggml.tokens"].contents()
+    assert len(tokens) <= size, (vocab_file.name, len(tokens), size)
+    pad = size - len(tokens)
+    padded = {"tokenizer.ggml.tokens": [f"<unused_pad_{i}>" for i in range(pad)],
+              "tokenizer.ggml.token_type": [int(gguf.TokenType.UNUSED)] * pad, "tokenizer.ggml.scores": [0.0] * pad}
+    for key, kv in fields.items():
+        value = kv.contents()
+        if key in padded:
+            value = list(value) + padded[key]
+        sub = kv.types[-1] if kv.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, value, kv.types[0], sub_type=sub)
 
 
 @torch.no_grad()

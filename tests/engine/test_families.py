@@ -144,6 +144,11 @@ def test_a_bare_gguf_converts_to_its_family(family: str, tmp_path: Path, byte_le
         multipliers = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
         assert [getattr(config, k) for k in multipliers] == [spec.extra[k] for k in multipliers]
     assert supports(model)
+    if family == "gemma3":  # as llama.cpp reads the file: the window, which layers have it, the attention scale
+        assert (config.sliding_window, config.layer_types) == (4, ["sliding_attention", "full_attention"])
+        assert config.query_pre_attn_scalar == 32
+    if family == "phi3":  # RoPE on 24 of each head's 32 dimensions (the file's rope.dimension_count)
+        assert config.partial_rotary_factor == config.rope_parameters["partial_rotary_factor"] == 0.75
     if family == "gemma3":  # transformers rebuilds Gemma's tokenizer as SentencePiece, which this byte-level BPE is not
         return
     text = "def add(a, b): return a + b"
@@ -204,3 +209,11 @@ def test_acquire_stops_at_start_with_the_one_line(tmp_path: Path, monkeypatch: p
     with pytest.raises(StartError, match="unknown architecture 'nosucharch'") as caught:
         acquire(settings)
     assert "\n" not in str(caught.value)
+
+
+def test_the_window_pattern_as_llama_cpp_reads_it() -> None:
+    s, f = "sliding_attention", "full_attention"
+    assert gguf_weights.window_layers(6, 7) == [s, s, s, s, s, f, s]  # Gemma 3's: each 6th layer global
+    assert gguf_weights.window_layers(2, 3) == [s, f, s]
+    assert gguf_weights.window_layers(1, 2) == gguf_weights.window_layers(0, 2) == [f, f]
+    assert gguf_weights.window_layers([True, False, False], 3) == [s, f, f]

@@ -1,0 +1,92 @@
+"""A tool call through each family's real chat template, end to end: one real server (`--models-file`) serving a
+tiny random-weight GGUF of each family (tests/family_gguf.py: the architecture's tensor layout and metadata, served
+quantized on the fast path) with the family's own template in the file's `tokenizer.chat_template`, as a
+downloaded GGUF carries it; Qwen3 and Llama 3.1 with their real tokenizers (llama.cpp's vocab-only GGUFs, where
+`<tool_call>` and `<|python_tag|>` are single special tokens), the others with the byte-level test tokenizer.
+
+For each, through the `openai` SDK: a forced call (tool_choice naming the function: the grammar writes the call in
+the format `--tool-call-parser auto` read from the template) streams, is parsed back into `tool_calls` with valid
+arguments, and the conversation goes on with the tool's result through the same template. The weights are random,
+so only forced calls are asserted; the free text is not."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import gguf
+import openai
+import pytest
+
+from models.chat_templates import named
+from tests.family_gguf import write_family
+from tests.llama_cpp import source
+from tests.support import build_byte_level_tokenizer, main_server
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+
+# family -> (chat template, llama.cpp vocab or None for the byte-level tokenizer)
+FAMILIES = {
+    "qwen3": ("qwen3", "qwen2"),
+    "llama3": ("llama3.1", "llama-bpe"),
+    "mistral": ("mistral-nemo", None),
+    "granite": ("granite3.3", None),
+    "phi3": ("phi3.5", None),
+    "gemma3": ("gemma", None),
+}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}}}  # fmt: skip
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+def write_model(folder: Path, family: str) -> Path:
+    template, vocab = FAMILIES[family]
+    folder.mkdir(parents=True)
+    if vocab is None:
+        tokenizer = build_byte_level_tokenizer()
+        size = len(tokenizer) + (-len(tokenizer)) % 32
+        write_family(folder, family, size, tokenizer=tokenizer, chat_template=named(template), context=4096)
+    else:
+        vocab_file = source() / "vendor" / "llama.cpp" / "models" / f"ggml-vocab-{vocab}.gguf"
+        tokens = len(gguf.GGUFReader(vocab_file).fields["tokenizer.ggml.tokens"].contents())
+        write_family(folder, family, tokens + (-tokens) % 32, vocab_file=vocab_file, chat_template=named(template),
+                     context=4096)  # fmt: skip
+    (folder / "config.json").unlink()  # only the file, as a user downloads it
+    return folder / "tiny.gguf"
+
+
+@pytest.fixture(scope="module")
+def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
+    workdir = tmp_path_factory.mktemp("families")
+    lines = [f"  - {{model: '{write_model(workdir / f, f)}', name: {f}, kv_cache_bytes: 64MiB}}" for f in FAMILIES]
+    (workdir / "models.yaml").write_text("models:\n" + "\n".join(lines) + "\n")
+    args = ("--models-file", str(workdir / "models.yaml"), "--model-load-wait", "900", "--log-level", "info")
+    with main_server(workdir, *args) as (url, _log):
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=900, max_retries=0)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_forced_call_streams_through_the_familys_template(api: openai.OpenAI, family: str) -> None:
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    deltas = []
+    with api.chat.completions.stream(model=family, messages=ASK, tools=[WEATHER], tool_choice=choice,
+                                     max_tokens=300, temperature=0) as stream:  # fmt: skip
+        for event in stream:
+            if event.type == "tool_calls.function.arguments.delta":
+                deltas.append(event.arguments_delta)
+        final = stream.get_final_completion()
+    calls = final.choices[0].message.tool_calls
+    assert calls and len(calls) == 1 and calls[0].function.name == "get_weather", (family, final.choices[0])
+    arguments = json.loads(calls[0].function.arguments)
+    assert isinstance(arguments["city"], str) and len(arguments["city"]) <= 8
+    assert final.choices[0].finish_reason == "tool_calls" and "".join(deltas) == calls[0].function.arguments
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": calls[0].id, "type": "function", "function": {"name": "get_weather",
+                                                              "arguments": calls[0].function.arguments}}]},
+               {"role": "tool", "tool_call_id": calls[0].id, "content": "21 C"}]  # fmt: skip
+    answer = api.chat.completions.create(model=family, messages=history, tools=[WEATHER], tool_choice="none",
+                                         max_tokens=8)  # fmt: skip
+    assert answer.choices[0].message.tool_calls in (None, [])
+    assert answer.choices[0].finish_reason in ("length", "stop")
+    assert answer.usage.prompt_tokens > final.usage.prompt_tokens  # the call and its result reached the prompt
