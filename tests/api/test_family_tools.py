@@ -2,7 +2,8 @@
 tiny random-weight GGUF of each family (tests/family_gguf.py: the architecture's tensor layout and metadata, served
 quantized on the fast path) with the family's own template in the file's `tokenizer.chat_template`, as a
 downloaded GGUF carries it; Qwen3 and Llama 3.1 with their real tokenizers (llama.cpp's vocab-only GGUFs, where
-`<tool_call>` and `<|python_tag|>` are single special tokens), the others with the byte-level test tokenizer.
+`<tool_call>` and `<|python_tag|>` are single special tokens), Gemma 3 with a SentencePiece one (Llama 2's), the
+others with the byte-level test tokenizer.
 
 For each, through the `openai` SDK: a forced call (tool_choice naming the function: the grammar writes the call in
 the format `--tool-call-parser auto` read from the template) streams, is parsed back into `tool_calls` with valid
@@ -11,7 +12,10 @@ so only forced calls are asserted; the free text is not."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,33 +37,44 @@ FAMILIES = {
     "mistral": ("mistral-nemo", None),
     "granite": ("granite3.3", None),
     "phi3": ("phi3.5", None),
-    "gemma3": ("gemma", None),
+    "gemma3": ("gemma", "llama-spm"),  # Gemma's tokenizer is SentencePiece, as this one
 }
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}}}  # fmt: skip
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
 
-def write_model(folder: Path, family: str) -> Path:
+FILES = Path.home() / ".cache" / "peregrine" / "test-families"  # the files are the same every run: written once
+
+
+def write_model(family: str) -> Path:
     template, vocab = FAMILIES[family]
-    folder.mkdir(parents=True)
+    folder = FILES / f"{family}-{vocab or 'bytes'}-{hashlib.sha256(named(template).encode()).hexdigest()[:8]}-v1"
+    if (folder / "tiny.gguf").is_file():
+        return folder / "tiny.gguf"
+    FILES.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=FILES))
     if vocab is None:
         tokenizer = build_byte_level_tokenizer()
         size = len(tokenizer) + (-len(tokenizer)) % 32
-        write_family(folder, family, size, tokenizer=tokenizer, chat_template=named(template), context=4096)
+        write_family(tmp, family, size, tokenizer=tokenizer, chat_template=named(template), context=4096)
     else:
         vocab_file = source() / "vendor" / "llama.cpp" / "models" / f"ggml-vocab-{vocab}.gguf"
         tokens = len(gguf.GGUFReader(vocab_file).fields["tokenizer.ggml.tokens"].contents())
-        write_family(folder, family, tokens + (-tokens) % 32, vocab_file=vocab_file, chat_template=named(template),
+        write_family(tmp, family, tokens + (-tokens) % 32, vocab_file=vocab_file, chat_template=named(template),
                      context=4096)  # fmt: skip
-    (folder / "config.json").unlink()  # only the file, as a user downloads it
+    (tmp / "config.json").unlink()  # only the file, as a user downloads it
+    try:
+        tmp.rename(folder)
+    except OSError:  # another run published it first
+        shutil.rmtree(tmp, ignore_errors=True)
     return folder / "tiny.gguf"
 
 
 @pytest.fixture(scope="module")
 def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
     workdir = tmp_path_factory.mktemp("families")
-    lines = [f"  - {{model: '{write_model(workdir / f, f)}', name: {f}, kv_cache_bytes: 64MiB}}" for f in FAMILIES]
+    lines = [f"  - {{model: '{write_model(f)}', name: {f}, kv_cache_bytes: 64MiB}}" for f in FAMILIES]
     (workdir / "models.yaml").write_text("models:\n" + "\n".join(lines) + "\n")
     args = ("--models-file", str(workdir / "models.yaml"), "--model-load-wait", "900", "--log-level", "info")
     with main_server(workdir, *args) as (url, _log):
@@ -71,7 +86,7 @@ def test_a_forced_call_streams_through_the_familys_template(api: openai.OpenAI, 
     choice = {"type": "function", "function": {"name": "get_weather"}}
     deltas = []
     with api.chat.completions.stream(model=family, messages=ASK, tools=[WEATHER], tool_choice=choice,
-                                     max_tokens=300, temperature=0) as stream:  # fmt: skip
+                                     max_tokens=300, temperature=0, stream_options={"include_usage": True}) as stream:  # fmt: skip
         for event in stream:
             if event.type == "tool_calls.function.arguments.delta":
                 deltas.append(event.arguments_delta)
