@@ -162,7 +162,10 @@ class DraftProposer:
             same += 1
         del mine[same:]
         mine += real[same:]
-        shadow.seq.num_computed_tokens = min(shadow.seq.num_computed_tokens, len(seq.prompt_token_ids) + same)
+        # at least the last token is computed again: its logits give the first proposal (it may have been computed
+        # already, as a proposal the target cut short and then sampled itself)
+        computed = min(shadow.seq.num_computed_tokens, len(seq.prompt_token_ids) + same, seq.num_tokens - 1)
+        shadow.seq.num_computed_tokens = computed
         shadow.synced = len(real)
         shadow.proposals = []
         return shadow
