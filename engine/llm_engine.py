@@ -124,7 +124,8 @@ class LLMEngine:
         self._score_prompt(batch, logits[len(rows):])
         sampled = iter(self.sampler.sample(logits[: len(rows)], rows, masks.result() if masks is not None else None))
         per_item = [[next(sampled) for _ in range(item.num_rows)] for item in sampling]
-        if self.proposer is not None:
+        if self.proposer is not None and all(item.num_tokens == 1 + len(item.draft) for item in batch.scheduled):
+            # decodes and verifications only: a prompt chunk's rows run another path (and would dominate the fit)
             self.step_cost.observe(batch.num_batched_tokens, time.perf_counter() - started)
         grown = self.scheduler.update(batch, [tokens[0].token_id for tokens in per_item])
         self.counters.steps += 1
