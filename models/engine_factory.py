@@ -26,11 +26,12 @@ def build_engine(cfg: EngineConfig) -> LLMEngine:
 
 
 def load_draft(cfg: EngineConfig, target: LoadedModel) -> DraftModel | None:
-    """The draft model of `--speculative draft`, loaded like the model, in the dtype the model was given."""
+    """The draft model of `--speculative draft`, loaded like the model, on its device and in the dtype it was given
+    (a Ray replica resolves the model's device on its node)."""
     if cfg.speculative != "draft" or cfg.speculative_draft is None:
         return None
     dtype = str(target.dtype).removeprefix("torch.")
-    loaded = load_model(dataclasses.replace(cfg.speculative_draft, dtype=dtype))
+    loaded = load_model(dataclasses.replace(cfg.speculative_draft, device=str(target.device), dtype=dtype))
     return DraftModel(loaded.model, loaded.tokenizer, loaded.max_model_len, cfg.speculative_draft.model_name)
 
 
