@@ -113,8 +113,14 @@ class Loader:
         self.failed = False
 
     def run(self) -> None:
+        from models.loader import LoadError
+
         try:
             self._load()
+        except LoadError as exc:  # the user can fix it: one line, no traceback
+            log.error("loading the model failed: %s; stopping the server", exc)
+            self.failed = True
+            self.server.should_exit = True
         except Exception:
             log.exception("loading the model failed; stopping the server")
             self.failed = True

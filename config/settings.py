@@ -157,17 +157,32 @@ class Settings(DerivedValues, BaseSettings):
         "prompt, tool definitions, chat history) in whole blocks; idle cached blocks are evicted least recently "
         "used when memory is needed. --no-prefix-caching turns it off.",
     )
-    speculative: Literal["off", "ngram"] = Field(
+    speculative: Literal["off", "ngram", "draft"] = Field(
         "off",
-        description="Speculative decoding. ngram: prompt lookup (no second model): a decoding sequence proposes the "
-        "tokens that followed the latest earlier occurrence of its last few tokens in its prompt and output, and "
-        "one step checks them all; greedy output stays token for token the same and sampled output keeps its "
-        "distribution. Pays on output that copies its input (edits, extraction, quotes, code); a sequence whose "
-        "proposals keep failing stops proposing for a while. Constrained (structured) output does not speculate. "
-        "docs/speculative.md.",
+        description="Speculative decoding: something cheap proposes a decoding sequence's next tokens and one step "
+        "checks them all; greedy output stays token for token the same and sampled output keeps its distribution "
+        "(seeded requests give the same text). ngram: prompt lookup (no second model): the tokens that followed "
+        "the latest earlier occurrence of its last few tokens in its prompt and output; pays on output that copies "
+        "its input (edits, extraction, quotes, code). draft: a smaller model sharing the tokenizer "
+        "(--speculative-model) proposes greedily, with its own KV cache in the same budget; pays when the model is "
+        "much larger than the draft and they mostly agree. A sequence whose proposals keep failing stops proposing "
+        "for a while. Constrained (structured) output does not speculate. docs/speculative.md.",
+    )
+    speculative_model: str | None = Field(
+        None,
+        description="The draft model of --speculative draft (vLLM's --speculative-model, llama.cpp's -md): a "
+        "Hugging Face Hub id, a local folder, a .gguf file or bundled:smollm2, loaded like --model on the same "
+        "device and dtype. It must share the model's tokenizer (the start refuses one that does not), e.g. "
+        "SmolLM2-135M drafting for a larger SmolLM2.",
     )
     speculative_tokens: int = Field(
-        5, ge=1, le=16, description="Most tokens a sequence proposes per step with --speculative ngram."
+        5, ge=1, le=16, description="Most tokens a sequence proposes per step with --speculative ngram or draft."
+    )
+    speculative_adaptive: bool = Field(
+        True,
+        description="Propose only as many tokens as pay, from each sequence's acceptance rate and the measured cost "
+        "of a verification row (and of a draft model's token). --no-speculative-adaptive: always propose "
+        "--speculative-tokens (what vLLM and llama.cpp do; for measuring).",
     )
     speculative_ngram_max: int = Field(
         3, ge=1, le=8, description="Prompt lookup matches the last n tokens, n from this down to the minimum."

@@ -22,6 +22,7 @@ from engine.core.outputs import SequenceOutput
 from engine.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from engine.core.sequence import DraftRow, SampledToken, SampleRow, Sequence
 from engine.core.speculative import Adaptive, NgramProposer, Proposer, StepCost, accepted_prefix
+from engine.draft import DraftModel, DraftProposer, check_same_vocabulary, kv_share
 from engine.model.kv_cache import KVCache, KVCacheSpec, kv_cache_dtype, plan_num_blocks
 from engine.model.runner import ModelRunner
 from engine.sampling import grammar, prompt_logprobs
@@ -50,13 +51,18 @@ class Counters:
 
 class LLMEngine:
     def __init__(self, model: torch.nn.Module, tokenizer: Any, cfg: EngineConfig, device: torch.device,
-                 dtype: torch.dtype, max_model_len: int) -> None:
+                 dtype: torch.dtype, max_model_len: int, draft: DraftModel | None = None) -> None:
+        """`draft`: the loaded draft model of `--speculative draft` (engine/draft.py); it must share `tokenizer`."""
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.device = device
         self.dtype = dtype
         self.backend = backend = devices.backend_for(cfg, device)  # every device decision: engine/backends/
-        self.kv_cache = _allocate_kv(model, cfg, backend.free_memory_bytes(), dtype, device, max_model_len)
+        free = backend.free_memory_bytes()
+        spec = _kv_spec(model, cfg, dtype)
+        draft_spec = _kv_spec(draft.model, cfg, dtype) if draft is not None and cfg.speculative == "draft" else None
+        part = 1.0 - kv_share(spec, draft_spec) if draft_spec is not None else 1.0
+        self.kv_cache = _allocate_kv(spec, cfg, free, device, max_model_len, part)
         self.max_model_len = min(max_model_len, self.kv_cache.num_slots)
         self.blocks = BlockManager(self.kv_cache.num_blocks, cfg.block_size, cfg.prefix_caching)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
@@ -76,9 +82,28 @@ class LLMEngine:
         self._filler: grammar.BitmaskFiller | None = None
         self._mask_thread: ThreadPoolExecutor | None = None
         # speculative decoding (engine/core/speculative.py, docs/speculative.md): None when off
-        self.proposer: Proposer | None = make_proposer(cfg)
+        drafter = None
+        if draft_spec is not None:
+            assert draft is not None
+            drafter = self._draft_proposer(draft, draft_spec, free, 1.0 - part)
+        self.proposer: Proposer | None = make_proposer(cfg, drafter)
         self._adaptive: dict[tuple[str, int], Adaptive] = {}
         self.step_cost = StepCost()  # what a row costs: how many proposals pay
+
+    def _draft_proposer(self, draft: DraftModel, spec: KVCacheSpec, free: int, share: float) -> DraftProposer:
+        """The draft model's proposer: its own runner and paged KV cache (`share` of the KV budget)."""
+        check_same_vocabulary(self.tokenizer, draft.tokenizer)
+        cfg = self.cfg
+        max_len = min(self.max_model_len, draft.max_model_len)
+        cache = _allocate_kv(spec, cfg, free, self.device, max_len, share)
+        runner = ModelRunner(self.backend.prepare(draft.model, self.kernels), cache, self.device,
+                             self.backend.forward_impl(cfg.model_impl), self.kernels)
+        log.info("speculative draft model %s: KV cache of %d tokens, %.1f MiB (%.0f%% of the KV budget; the "
+                 "model's: %d tokens, %.1f MiB)", draft.name, cache.num_slots, cache.nbytes / 2**20, 100 * share,
+                 self.kv_cache.num_slots, self.kv_cache.nbytes / 2**20)  # fmt: skip
+        blocks = BlockManager(cache.num_blocks, cfg.block_size, prefix_caching=False)
+        return DraftProposer(runner, blocks, self.vocab_size, min(max_len, cache.num_slots),
+                             cfg.max_num_batched_tokens)
 
     def step(self) -> list[RequestOutput]:
         """Propose, schedule, run the model, sample, update and emit."""
@@ -86,6 +111,9 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         for seq in drafted:
             seq.draft = []  # the scheduler took what fit (ScheduledSeq.draft)
+        if self.proposer is not None:
+            for seq in batch.preempted:  # recomputed later: the proposer's state for it goes (draft KV blocks)
+                self.proposer.release(seq)
         if batch.is_empty:
             return []
         sampling = batch.sampling  # before `update` grows the sequences
@@ -96,7 +124,8 @@ class LLMEngine:
         self._score_prompt(batch, logits[len(rows):])
         sampled = iter(self.sampler.sample(logits[: len(rows)], rows, masks.result() if masks is not None else None))
         per_item = [[next(sampled) for _ in range(item.num_rows)] for item in sampling]
-        if self.proposer is not None:
+        if self.proposer is not None and all(item.num_tokens == 1 + len(item.draft) for item in batch.scheduled):
+            # decodes and verifications only: a prompt chunk's rows run another path (and would dominate the fit)
             self.step_cost.observe(batch.num_batched_tokens, time.perf_counter() - started)
         grown = self.scheduler.update(batch, [tokens[0].token_id for tokens in per_item])
         self.counters.steps += 1
@@ -112,13 +141,14 @@ class LLMEngine:
         """Set the proposals of the decoding sequences that speculate this step; returns those sequences. None for
         a constrained sequence (its grammar state only follows accepted tokens), none past max_tokens or the
         context; as many as pay given the sequence's acceptance rate and what a row costs in a step of this many
-        decodes (`Adaptive.length`, `StepCost`)."""
+        decodes, plus what a proposed token costs the proposer (a draft model's step) (`Adaptive.length`,
+        `StepCost`). The proposer gets every sequence in one call (a draft model batches them)."""
         if self.proposer is None:
             return []
-        drafted = []
+        wants: list[tuple[Sequence, int]] = []
         k = self.cfg.speculative_tokens
         decoding = [s for s in self.scheduler.running if s.num_uncomputed_tokens == 1]
-        share = self.step_cost.row_share(len(decoding))
+        share = self.step_cost.row_share(len(decoding), self.proposer.token_cost(len(decoding)))
         for seq in decoding:
             if seq.seq_id in self._grammars:
                 continue
@@ -128,11 +158,14 @@ class LLMEngine:
             adaptive = self._adaptive.get(seq.seq_id)
             if adaptive is None:
                 adaptive = self._adaptive[seq.seq_id] = Adaptive()
-            n = adaptive.length(room, share)
+            n = adaptive.length(room, share) if self.cfg.speculative_adaptive else room
             if n > 0:
-                seq.draft = self.proposer.propose(seq, n)
-                if seq.draft:
-                    drafted.append(seq)
+                wants.append((seq, n))
+        drafted = []
+        for (seq, _), draft in zip(wants, self.proposer.propose_batch(wants) if wants else [], strict=True):
+            seq.draft = draft
+            if draft:
+                drafted.append(seq)
         return drafted
 
     def _accept(self, draft: tuple[int, ...], seq: Sequence, tokens: list[SampledToken]) -> list[RequestOutput]:
@@ -287,13 +320,18 @@ class LLMEngine:
         return self._outputs.pop(seq.seq_id)
 
 
-def make_proposer(cfg: EngineConfig) -> Proposer | None:
-    """The speculative proposer `cfg.speculative` names; None when off. (A draft model would be built here.)"""
+def make_proposer(cfg: EngineConfig, draft: DraftProposer | None = None) -> Proposer | None:
+    """The speculative proposer `cfg.speculative` names; None when off. `draft`: the draft model's proposer, built
+    by the engine from the loaded draft model it was given (`--speculative draft`)."""
     if cfg.speculative == "off":
         return None
     if cfg.speculative == "ngram":
         return NgramProposer(cfg.speculative_ngram_max, cfg.speculative_ngram_min)
-    raise ValueError(f"unknown speculative kind {cfg.speculative!r}: use off or ngram")
+    if cfg.speculative == "draft":
+        if draft is None:
+            raise ValueError("--speculative draft needs a draft model (--speculative-model)")
+        return draft
+    raise ValueError(f"unknown speculative kind {cfg.speculative!r}: use off, ngram or draft")
 
 
 def sample_rows(items: list[ScheduledSeq]) -> list[SampleRow]:
@@ -336,12 +374,17 @@ def eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> frozenset[int]:
     return frozenset(ids)
 
 
-def _allocate_kv(model: torch.nn.Module, cfg: EngineConfig, free_bytes: int, dtype: torch.dtype,
-                 device: torch.device, max_model_len: int) -> KVCache:
-    spec = KVCacheSpec.from_hf_config(model.config, kv_cache_dtype(cfg.kv_cache_dtype, dtype))
+def _kv_spec(model: torch.nn.Module, cfg: EngineConfig, dtype: torch.dtype) -> KVCacheSpec:
+    return KVCacheSpec.from_hf_config(model.config, kv_cache_dtype(cfg.kv_cache_dtype, dtype))
+
+
+def _allocate_kv(spec: KVCacheSpec, cfg: EngineConfig, free_bytes: int, device: torch.device, max_model_len: int,
+                 part: float = 1.0) -> KVCache:
+    """A KV cache of `part` of the budget (the rest: a draft model's, engine/draft.py)."""
     started = time.perf_counter()
     num_blocks = plan_num_blocks(
-        spec, cfg.block_size, free_bytes, cfg.kv_cache_memory_fraction, cfg.kv_cache_bytes,
+        spec, cfg.block_size, free_bytes, cfg.kv_cache_memory_fraction * part,
+        None if cfg.kv_cache_bytes is None else int(cfg.kv_cache_bytes * part),
         max_useful_tokens=cfg.max_num_seqs * max_model_len,
     )
     cache = KVCache(spec, num_blocks, cfg.block_size, device)

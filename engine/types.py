@@ -203,10 +203,14 @@ class EngineConfig:
     weight_format: str = "auto"  # auto | quantized | dense: a GGUF's weights kept quantized in RAM, or dense
     quantize: str | None = None  # "int8": linear weights of a dense model to Q8_0 blocks at load
     prefix_caching: bool = True  # reuse the KV of full blocks whose prefix was computed before (block_manager)
-    speculative: str = "off"  # off | ngram: speculative decoding's proposer (engine/core/speculative.py)
+    speculative: str = "off"  # off | ngram | draft: speculative decoding's proposer (engine/core/speculative.py)
     speculative_tokens: int = 5  # most tokens proposed per sequence and step
+    speculative_adaptive: bool = True  # propose as many as pay (Adaptive, StepCost); False: always speculative_tokens
     speculative_ngram_max: int = 3  # prompt lookup matches the last n tokens, n from this ...
     speculative_ngram_min: int = 1  # ... down to this
+    # --speculative draft: the draft model's own config, loaded like the model (models/engine_factory.py) and handed
+    # to the engine loaded (engine/draft.py); None otherwise
+    speculative_draft: EngineConfig | None = None
 
 
 class EngineError(Exception):

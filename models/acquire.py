@@ -8,6 +8,7 @@ heavy libraries are imported, before any loader thread starts.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,7 @@ def acquire(settings: Settings) -> Prepared:
     from models.gguf_weights import BadFile, check
     from models.hub import HubError, download, plan_download, resolve_source
 
+    check_speculative(settings)
     try:
         source = resolve_source(settings.model, settings.revision)
         if source.kind == "gguf":  # a damaged file or an unknown architecture: one line now, not a crash later
@@ -59,9 +61,39 @@ def acquire(settings: Settings) -> Prepared:
         path = Path(str(download(plan, **_hub_args(settings, plan=False)) if plan else source.path))
         if plan and path.suffix == ".gguf":
             check(path)
+        cfg = engine_config(settings, path, device, dtype)
+        if settings.speculative == "draft":
+            cfg = dataclasses.replace(cfg, speculative_draft=draft_config(settings, device, dtype))
     except (DeviceError, HubError, BadFile) as exc:
         raise StartError(str(exc)) from None
-    return Prepared(path, device, dtype, engine_config(settings, path, device, dtype), embedder_location(settings))
+    return Prepared(path, device, dtype, cfg, embedder_location(settings))
+
+
+def check_speculative(settings: Settings) -> None:
+    """--speculative draft and --speculative-model go together."""
+    if settings.speculative == "draft" and not settings.speculative_model:
+        raise StartError("--speculative draft needs a draft model: --speculative-model PATH_OR_ID (a smaller model "
+                         "sharing the model's tokenizer)")
+    if settings.speculative_model and settings.speculative != "draft":
+        raise StartError(f"--speculative-model {settings.speculative_model} is the draft model of --speculative "
+                         f"draft; add --speculative draft (now: --speculative {settings.speculative})")
+
+
+def draft_config(settings: Settings, device: str, dtype: str) -> EngineConfig:
+    """The draft model's engine config: its source resolved and downloaded like the model's, on the same device,
+    dtype and weight settings (models/engine_factory.py loads it; engine/draft.py runs it)."""
+    from models.gguf_weights import check
+    from models.hub import download, plan_download, resolve_source
+
+    assert settings.speculative_model is not None
+    source = resolve_source(settings.speculative_model, None)
+    if source.kind == "gguf":
+        check(Path(source.path))
+    plan = plan_download(source, **_hub_args(settings)) if source.kind == "hub" else None
+    path = Path(str(download(plan, **_hub_args(settings, plan=False)) if plan else source.path))
+    log.info("speculative draft model %s (%s)", settings.speculative_model, source.label)
+    cfg = engine_config(settings, path, device, dtype)
+    return dataclasses.replace(cfg, model_name=settings.speculative_model, speculative="off", chat_template=None)
 
 
 def kv_budget_text(settings: Settings) -> str:
@@ -167,6 +199,7 @@ def engine_config(settings: Settings, path: Path, device: str, dtype: str) -> En
         prefix_caching=settings.prefix_caching,
         speculative=settings.speculative,
         speculative_tokens=settings.speculative_tokens,
+        speculative_adaptive=settings.speculative_adaptive,
         speculative_ngram_max=settings.speculative_ngram_max,
         speculative_ngram_min=min(settings.speculative_ngram_min, settings.speculative_ngram_max),
     )

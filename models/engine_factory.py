@@ -3,16 +3,36 @@ models/ because loading is acquisition; the engine itself imports neither models
 
 from __future__ import annotations
 
+import dataclasses
+
 from engine.async_engine import AsyncEngine
+from engine.draft import DraftModel, VocabularyMismatch
 from engine.llm_engine import LLMEngine
 from engine.types import EngineConfig
-from models.loader import load_model
+from models.loader import LoadedModel, LoadError, load_model
 
 
 def build_engine(cfg: EngineConfig) -> LLMEngine:
-    """The synchronous engine over the model `cfg` names, loaded on its device."""
+    """The synchronous engine over the model `cfg` names, loaded on its device (and its draft model, for
+    `--speculative draft`). A draft whose tokenizer is not the model's raises LoadError, with one line to show."""
     loaded = load_model(cfg)
-    return LLMEngine(loaded.model, loaded.tokenizer, cfg, loaded.device, loaded.dtype, loaded.max_model_len)
+    draft = load_draft(cfg, loaded)
+    try:
+        return LLMEngine(loaded.model, loaded.tokenizer, cfg, loaded.device, loaded.dtype, loaded.max_model_len,
+                         draft=draft)
+    except VocabularyMismatch as exc:
+        assert cfg.speculative_draft is not None
+        raise LoadError(f"--speculative-model {cfg.speculative_draft.model_name}: {exc}") from None
+
+
+def load_draft(cfg: EngineConfig, target: LoadedModel) -> DraftModel | None:
+    """The draft model of `--speculative draft`, loaded like the model, on its device and in the dtype it was given
+    (a Ray replica resolves the model's device on its node)."""
+    if cfg.speculative != "draft" or cfg.speculative_draft is None:
+        return None
+    dtype = str(target.dtype).removeprefix("torch.")
+    loaded = load_model(dataclasses.replace(cfg.speculative_draft, device=str(target.device), dtype=dtype))
+    return DraftModel(loaded.model, loaded.tokenizer, loaded.max_model_len, cfg.speculative_draft.model_name)
 
 
 def build_async_engine(cfg: EngineConfig) -> AsyncEngine:

@@ -94,8 +94,66 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--speculative-tokens", type=int, default=None, help="k (default: the engine's)")
     p.add_argument("--workloads", default="grounded,open", help="grounded, open, copy (comma-separated)")
+    p.add_argument("--modes", default="off,ngram",
+                   help="off, ngram, draft (the bundled SmolLM2-135M drafting), draft-tiny (a tiny random draft with "
+                        "SmolLM2's vocabulary), comma-separated; off always runs (the baseline)")
+    p.add_argument("--extra-layers", type=int, default=0,
+                   help="a synthetic larger target: the bundled model plus this many copies of its layers whose "
+                        "output projections (o_proj, down_proj) are zero (a real layer's compute, no change to the "
+                        "residual: it agrees with the bundled model as a draft); 0: the bundled model itself")
+    p.add_argument("--fixed", action="store_true", help="--no-speculative-adaptive: always propose k tokens")
     p.add_argument("--out", default="bench_speculative.json")
     return p.parse_args(argv)
+
+
+def synthetic_target(loaded: Any, extra_layers: int) -> Any:
+    """The bundled model with `extra_layers` more layers (copies of its own, in turn) whose attention output and MLP
+    down projections are zero: each costs a real layer's compute and KV cache and adds nothing to the residual, so
+    the target's logits are the bundled model's. Synthetic: it measures the draft mechanism's best case (a large
+    target that agrees with its draft), not a real model pair."""
+    import copy
+
+    from torch import nn
+
+    from engine.model.quant import QuantEmbedding, QuantLinear
+    from tests.support import Loaded, load_bundled_gguf
+
+    target = load_bundled_gguf()  # a model of its own (the draft keeps its 30 layers)
+    assert target is not None
+    model = target.model
+    layers = model.model.layers
+    base = len(layers)
+    # the quantized weights' kernels (a Python module) are shared, not copied
+    shared = {id(m.qweight.kernels): m.qweight.kernels for m in model.modules()
+              if isinstance(m, QuantLinear | QuantEmbedding) and m.qweight.kernels is not None}
+    for i in range(extra_layers):
+        layer = copy.deepcopy(layers[i % base], dict(shared))
+        for linear in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            if isinstance(linear, QuantLinear):
+                linear.qweight.blocks.zero_()  # every GGUF block type: zero scales (and minimums): zero weights
+            else:
+                assert isinstance(linear, nn.Linear)
+                linear.weight.data.zero_()
+        layer.self_attn.layer_idx = base + i
+        layers.append(layer)
+    model.config.num_hidden_layers = base + extra_layers
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = [model.config.layer_types[i % base] for i in range(base + extra_layers)]
+    return Loaded(model, loaded.tokenizer, loaded.max_model_len)
+
+
+def tiny_draft(loaded: Any) -> Any:
+    """A 2-layer random Llama (hidden 64) over the bundled tokenizer: cheap, and it rarely agrees."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.support import Loaded
+
+    config = LlamaConfig(vocab_size=len(loaded.tokenizer), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=loaded.max_model_len, tie_word_embeddings=True)
+    torch.manual_seed(7)
+    return Loaded(LlamaForCausalLM(config).eval(), loaded.tokenizer, loaded.max_model_len)
 
 
 def cpu_header() -> str:
@@ -133,9 +191,32 @@ def run(engine: Any, prompts: list[list[int]], streams: int, max_tokens: int) ->
     return time.perf_counter() - start, decode, [tokens[f"p{i}"] for i in range(len(prompts))]
 
 
+def build_engines(loaded: Any, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    """One engine per mode over the same loaded target; the target's description."""
+    from tests.support import make_engine
+
+    target = synthetic_target(loaded, args.extra_layers) if args.extra_layers else loaded
+    about = (f"synthetic target: the bundled SmolLM2-135M Q4_1 + {args.extra_layers} zero-output layers "
+             f"({30 + args.extra_layers} layers)" if args.extra_layers else "bundled SmolLM2-135M Q4_1")
+    common: dict[str, Any] = {"kv_cache_bytes": 1 << 30, "max_num_batched_tokens": 512, "max_num_seqs": 64}
+    spec: dict[str, Any] = {} if args.speculative_tokens is None else {"speculative_tokens": args.speculative_tokens}
+    if args.fixed:
+        spec["speculative_adaptive"] = False
+    drafts = {"draft": loaded, "draft-tiny": tiny_draft(loaded)}
+    engines = {"off": make_engine(target, **common)}
+    for mode in args.modes.split(","):
+        if mode == "ngram":
+            engines[mode] = make_engine(target, speculative="ngram", **common, **spec)
+        elif mode in drafts:
+            engines[mode] = make_engine(target, draft=drafts[mode], **common, **spec)
+        elif mode != "off":
+            sys.exit(f"unknown mode {mode!r}")
+    return engines, about
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from tests.support import chat_ids, load_bundled_gguf, make_engine
+    from tests.support import chat_ids, load_bundled_gguf
 
     loaded = load_bundled_gguf()
     if loaded is None:
@@ -145,63 +226,68 @@ def main(argv: list[str] | None = None) -> int:
             "copy": [chat_ids(tok, t) for t in copy_texts()]}
     workloads = args.workloads.split(",")
     levels = [int(s) for s in args.streams.split(",")]
-    extra = {} if args.speculative_tokens is None else {"speculative_tokens": args.speculative_tokens}
-    common = {"kv_cache_bytes": 512 << 20, "max_num_batched_tokens": 512, "max_num_seqs": 64}
-    engines = {"off": make_engine(loaded, **common),
-               "ngram": make_engine(loaded, speculative="ngram", **common, **extra)}
+    engines, about = build_engines(loaded, args)
+    modes = list(engines)
     header = cpu_header()
-    print(f"# {header}\n# {platform.platform()}; bundled SmolLM2-135M Q4_1, greedy, max_tokens {args.max_tokens}",
-          flush=True)
+    print(f"# {header}\n# {platform.platform()}; {about}, greedy, max_tokens {args.max_tokens}, "
+          f"adaptive {'off' if args.fixed else 'on'}", flush=True)
     warm = sets["open"][0]
     for engine in engines.values():
         run(engine, [warm], 1, 8)
-    cells: dict[tuple[str, int], dict[str, Any]] = {}
+    cells: dict[tuple[str, int, str], dict[str, Any]] = {}
     for rnd in range(args.rounds):
-        order = ["off", "ngram"] if rnd % 2 == 0 else ["ngram", "off"]
+        order = modes if rnd % 2 == 0 else modes[::-1]  # A B C, C B A, ...
         for workload in workloads:
             for streams in levels:
                 prompts = one_stream(sets[workload], args.one_stream_prompts) if streams == 1 else sets[workload][
                     :streams]
-                cell = cells.setdefault((workload, streams), {"off": [], "ngram": [], "tokens": 0, "ratios": [],
-                                                              "decode_ratios": [], "proposed": 0, "accepted": 0})
                 answers, seconds, decode = {}, {}, {}
                 for mode in order:
                     engine = engines[mode]
                     before = engine.stats()
                     seconds[mode], decode[mode], answers[mode] = run(engine, prompts, streams, args.max_tokens)
                     after = engine.stats()
-                    if mode == "ngram":
-                        cell["proposed"] += after.spec_proposed_tokens_total - before.spec_proposed_tokens_total
-                        cell["accepted"] += after.spec_accepted_tokens_total - before.spec_accepted_tokens_total
-                if answers["off"] != answers["ngram"]:
-                    print(f"!! {workload} x{streams}: greedy answers differ with speculation", flush=True)
-                    return 1
+                    cell = cells.setdefault((workload, streams, mode), {"tok_s": [], "tokens": 0, "ratios": [],
+                                                                        "decode_ratios": [], "proposed": 0,
+                                                                        "accepted": 0})
+                    cell["proposed"] += after.spec_proposed_tokens_total - before.spec_proposed_tokens_total
+                    cell["accepted"] += after.spec_accepted_tokens_total - before.spec_accepted_tokens_total
                 n = sum(len(a) for a in answers["off"])
-                cell["tokens"] = n
-                cell["off"].append(n / seconds["off"])
-                cell["ngram"].append(n / seconds["ngram"])
-                cell["ratios"].append(seconds["off"] / seconds["ngram"])
-                cell["decode_ratios"].append(decode["off"] / decode["ngram"])
-                print(f"round {rnd + 1} {workload:8s} x{streams:<3d} {n:5d} tokens: off {n / seconds['off']:7.1f} "
-                      f"tok/s, ngram {n / seconds['ngram']:7.1f} tok/s, x{seconds['off'] / seconds['ngram']:.2f}; "
-                      f"decode x{decode['off'] / decode['ngram']:.2f}", flush=True)
-    print(f"\n# {header}")
-    print("| workload | streams | output tokens | off tok/s | ngram tok/s | speed-up (rounds) | decode speed-up "
-          "(rounds) | proposals accepted |")
+                line = f"round {rnd + 1} {workload:8s} x{streams:<3d} {n:5d} tokens: off {n / seconds['off']:7.1f} tok/s"
+                for mode in modes:
+                    if answers[mode] != answers["off"]:
+                        print(f"!! {workload} x{streams}: greedy answers differ with {mode}", flush=True)
+                        return 1
+                    cell = cells[(workload, streams, mode)]
+                    cell["tokens"] = n
+                    cell["tok_s"].append(n / seconds[mode])
+                    cell["ratios"].append(seconds["off"] / seconds[mode])
+                    cell["decode_ratios"].append(decode["off"] / decode[mode])
+                    if mode != "off":
+                        line += (f", {mode} {n / seconds[mode]:7.1f} tok/s x{seconds['off'] / seconds[mode]:.2f} "
+                                 f"(decode x{decode['off'] / decode[mode]:.2f})")
+                print(line, flush=True)
+    print(f"\n# {header}\n# {about}")
+    print("| workload | streams | mode | output tokens | tok/s | speed-up (rounds) | decode speed-up (rounds) | "
+          "proposals accepted |")
     print("|---|---|---|---|---|---|---|---|")
     rows = []
-    for (workload, streams), c in cells.items():
+    for (workload, streams, mode), c in cells.items():
         share = c["accepted"] / c["proposed"] if c["proposed"] else 0.0
-        row = {"workload": workload, "streams": streams, "tokens": c["tokens"],
-               "off_tok_s": statistics.median(c["off"]), "ngram_tok_s": statistics.median(c["ngram"]),
-               "speedup": statistics.median(c["ratios"]), "ratios": c["ratios"], "accepted_share": share,
-               "decode_speedup": statistics.median(c["decode_ratios"]), "decode_ratios": c["decode_ratios"],
-               "proposed": c["proposed"], "accepted": c["accepted"]}
+        row = {"workload": workload, "streams": streams, "mode": mode, "tokens": c["tokens"],
+               "tok_s": statistics.median(c["tok_s"]), "speedup": statistics.median(c["ratios"]),
+               "ratios": c["ratios"], "decode_speedup": statistics.median(c["decode_ratios"]),
+               "decode_ratios": c["decode_ratios"], "accepted_share": share, "proposed": c["proposed"],
+               "accepted": c["accepted"]}
         rows.append(row)
-        print(f"| {workload} | {streams} | {c['tokens']} | {row['off_tok_s']:.1f} | {row['ngram_tok_s']:.1f} | "
-              f"{row['speedup']:.2f}x ({', '.join(f'{r:.2f}' for r in c['ratios'])}) | {row['decode_speedup']:.2f}x "
+        if mode == "off":
+            print(f"| {workload} | {streams} | off | {c['tokens']} | {row['tok_s']:.1f} | | | |")
+            continue
+        print(f"| {workload} | {streams} | {mode} | {c['tokens']} | {row['tok_s']:.1f} | {row['speedup']:.2f}x "
+              f"({', '.join(f'{r:.2f}' for r in c['ratios'])}) | {row['decode_speedup']:.2f}x "
               f"({', '.join(f'{r:.2f}' for r in c['decode_ratios'])}) | {share:.0%} of {c['proposed']} |")
-    Path(args.out).write_text(json.dumps({"cpu": header, "args": vars(args), "rows": rows}, indent=2))
+    Path(args.out).write_text(json.dumps({"cpu": header, "target": about, "args": vars(args), "rows": rows},
+                                         indent=2))
     return 0
 
 

@@ -192,21 +192,27 @@ def chat_ids(tokenizer: Any, text: str) -> list[int]:
 
 
 
-def make_engine(loaded: Loaded, **overrides: Any) -> Any:
-    """A synchronous LLMEngine over an already loaded model, with a small explicit KV budget."""
+def make_engine(loaded: Loaded, draft: Loaded | None = None, **overrides: Any) -> Any:
+    """A synchronous LLMEngine over an already loaded model, with a small explicit KV budget; `draft`: the draft
+    model of `speculative="draft"` (set for you when a draft is given)."""
     import torch
 
     from config import tool_cache_dir
+    from engine.draft import DraftModel
     from engine.llm_engine import LLMEngine
     from engine.types import EngineConfig
 
     settings: dict[str, Any] = {"model_path": "in-memory", "model_name": "test", "device": "cpu",
                                 "kv_cache_bytes": 4 << 20, "max_num_seqs": 16, "max_num_batched_tokens": 64,
                                 "cache_dir": str(tool_cache_dir())}  # where the CPU kernels were built
+    if draft is not None:
+        settings["speculative"] = "draft"
     settings.update(overrides)
     cfg = EngineConfig(**settings)
     dtype = next(loaded.model.parameters()).dtype
-    return LLMEngine(loaded.model, loaded.tokenizer, cfg, torch.device("cpu"), dtype, loaded.max_model_len)
+    drafter = None if draft is None else DraftModel(draft.model, draft.tokenizer, draft.max_model_len)
+    return LLMEngine(loaded.model, loaded.tokenizer, cfg, torch.device("cpu"), dtype, loaded.max_model_len,
+                     draft=drafter)
 
 
 

@@ -10,8 +10,8 @@ numbers are indexed by output position), so greedy output is token for token the
 the target distribution; for a one-token proposal this acceptance rule is standard rejection sampling (accept t
 with probability p(t); on rejection, the draw from p conditioned on not t). docs/speculative.md has the argument.
 
-Proposers: `NgramProposer` (prompt lookup: no second model). A draft model would be another `Proposer`; the engine
-only calls `propose`.
+Proposers: `NgramProposer` (prompt lookup: no second model) and `engine.draft.DraftProposer` (a draft model, with
+torch: it lives outside core/). The engine only calls `propose_batch`, `token_cost` and `release`.
 """
 
 from __future__ import annotations
@@ -23,12 +23,17 @@ from engine.core.sequence import Sequence
 
 
 class Proposer(Protocol):
-    def propose(self, seq: Sequence, k: int) -> list[int]:
-        """Up to `k` tokens `seq` is likely to continue with (may be empty)."""
+    def propose_batch(self, wants: list[tuple[Sequence, int]]) -> list[list[int]]:
+        """For each (sequence, k): up to `k` tokens it is likely to continue with (may be empty). All the sequences
+        that propose in an engine step come in one call, so a draft model batches their work."""
+        ...
+
+    def token_cost(self, rows: int) -> float:
+        """Seconds a proposed token costs to propose, per sequence, when `rows` sequences propose (0: free)."""
         ...
 
     def release(self, seq: Sequence) -> None:
-        """Forget any state kept for `seq` (it finished or was aborted)."""
+        """Forget any state kept for `seq` (it finished, was aborted or was preempted)."""
         ...
 
 
@@ -91,6 +96,12 @@ class NgramProposer:
         tokens.extend(seq.tokens_in(len(tokens), seq.num_tokens))
         return index.lookup(tokens, k)
 
+    def propose_batch(self, wants: list[tuple[Sequence, int]]) -> list[list[int]]:
+        return [self.propose(seq, k) for seq, k in wants]
+
+    def token_cost(self, rows: int) -> float:
+        return 0.0  # a few dictionary operations
+
     def release(self, seq: Sequence) -> None:
         self._index.pop(seq.seq_id, None)
 
@@ -130,12 +141,13 @@ class StepCost:
             per_row = (my - fixed) / max(mx, 1.0)
         return fixed, per_row
 
-    def row_share(self, rows: int) -> float:
-        """per_row x rows / (fixed + per_row x rows): the share of such a step its rows cost (prior before data)."""
+    def row_share(self, rows: int, extra: float = 0.0) -> float:
+        """(per_row + extra) x rows / (fixed + per_row x rows): the share of such a step its rows cost, a row
+        costing `extra` seconds more elsewhere (a draft model's token) (prior before data)."""
         fixed, per_row = self.fit()
         if fixed + per_row == 0.0:
             return self.prior * rows / (1 + self.prior * rows)
-        return per_row * rows / (fixed + per_row * rows)
+        return (per_row + extra) * rows / (fixed + per_row * rows)
 
 
 @dataclass(slots=True)
