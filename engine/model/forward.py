@@ -287,8 +287,8 @@ class LlamaFastForward:
         decoder = self.decoder(meta.kv_cache) if self._whole_step(meta) else None
         if decoder is not None:
             tables, lengths = step_rows(meta, positions)
-            logits = decoder.step(input_ids, *self.decoder_rope(positions), meta.slot_mapping, tables, lengths)
-            return logits if logits.shape[0] == 1 else logits[logits_indices]
+            return decoder.step(input_ids, *self.decoder_rope(positions), meta.slot_mapping, tables, lengths,
+                                logits_indices)  # the LM head runs on those rows only
         family = self.block.family  # Gemma's embedding module scales its rows itself; Granite's model does it
         h = inner.embed_tokens(input_ids)  # [tokens, hidden], the residual stream, updated in place
         h = h if family.scaled_embedding else self._scaled(h, self.block.embedding_scale)
