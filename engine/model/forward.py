@@ -10,8 +10,8 @@ precision to change SmolLM2's answers), and the final norm and LM head only run 
 Attention is the same paged attention as the generic path (`engine.model.attention.attend`). Chosen automatically when `supports(model)`.
 
 Decode-only steps on CPU go further: `engine.backends.cpu_kernels`' LlamaDecoder runs the whole step (the embedding lookup,
-all layers, the final norm and the LM head) in one kernel call, built on the first such step over the KV cache it
-writes to, in float32 or bfloat16, over dense weights or GGUF weights kept quantized (each projection handed over
+all layers, the final norm and the LM head, the head on the rows that sample only) in one kernel call, built on the
+first such step over the KV cache it writes to, in float32 or bfloat16, over dense weights or GGUF weights kept quantized (each projection handed over
 as its parts: dense tensors or quantized blocks with their ggml type; int8 activations, `engine/backends/csrc/qdot.h`).
 With quantized weights, prefill and mixed steps go through it too: each prompt token is a row like a decode, with
 its sequence's block table and its position + 1 as its context (`step_rows`), so every token is computed by the
