@@ -271,7 +271,7 @@ def decoder_against_op_by_op(engine: Any, factory: Any, requests: dict[str, tupl
         assert fast._decoder is not None, "the decoder declined this model"
         alone = fast.decoder(meta.kv_cache).step(input_ids[:1], *fast.decoder_rope(positions[:1]),
                                                  meta.slot_mapping[:1], meta.decode_block_tables[:1],
-                                                 meta.decode_lengths[:1])
+                                                 meta.decode_lengths[:1], None)
         steps.append(DecodeStep(reference, got, alone[0], int((rows == 0).nonzero()[0, 0])))
         return reference if follow == "reference" else got
 

@@ -10,8 +10,8 @@ precision to change SmolLM2's answers), and the final norm and LM head only run 
 Attention is the same paged attention as the generic path (`engine.model.attention.attend`). Chosen automatically when `supports(model)`.
 
 Decode-only steps on CPU go further: `engine.backends.cpu_kernels`' LlamaDecoder runs the whole step (the embedding lookup,
-all layers, the final norm and the LM head) in one kernel call, built on the first such step over the KV cache it
-writes to, in float32 or bfloat16, over dense weights or GGUF weights kept quantized (each projection handed over
+all layers, the final norm and the LM head, the head on the rows that sample only) in one kernel call, built on the
+first such step over the KV cache it writes to, in float32 or bfloat16, over dense weights or GGUF weights kept quantized (each projection handed over
 as its parts: dense tensors or quantized blocks with their ggml type; int8 activations, `engine/backends/csrc/qdot.h`).
 With quantized weights, prefill and mixed steps go through it too: each prompt token is a row like a decode, with
 its sequence's block table and its position + 1 as its context (`step_rows`), so every token is computed by the
@@ -287,8 +287,8 @@ class LlamaFastForward:
         decoder = self.decoder(meta.kv_cache) if self._whole_step(meta) else None
         if decoder is not None:
             tables, lengths = step_rows(meta, positions)
-            logits = decoder.step(input_ids, *self.decoder_rope(positions), meta.slot_mapping, tables, lengths)
-            return logits if logits.shape[0] == 1 else logits[logits_indices]
+            return decoder.step(input_ids, *self.decoder_rope(positions), meta.slot_mapping, tables, lengths,
+                                logits_indices)  # the LM head runs on those rows only
         family = self.block.family  # Gemma's embedding module scales its rows itself; Granite's model does it
         h = inner.embed_tokens(input_ids)  # [tokens, hidden], the residual stream, updated in place
         h = h if family.scaled_embedding else self._scaled(h, self.block.embedding_scale)

@@ -424,10 +424,37 @@ def test_decoder_step_refuses_token_ids_out_of_range() -> None:
                                             [[0]] * len(weights), [none] * len(weights), model.model.norm.weight,
                                             4, 2, 32, 1e-5, 16, 32**-0.5, False)
     rows, cos, sin = fast.decoder_rope(torch.tensor([0]))
-    ok = decoder.step(torch.tensor([5]), rows, cos, sin, torch.tensor([0]), torch.tensor([[0]]), torch.tensor([1]))
+    ok = decoder.step(torch.tensor([5]), rows, cos, sin, torch.tensor([0]), torch.tensor([[0]]), torch.tensor([1]), None)
     assert ok.dtype == torch.float32 and ok.shape == (1, 256) and torch.isfinite(ok).all()
     with pytest.raises(RuntimeError, match="out of range"):
-        decoder.step(torch.tensor([256]), rows, cos, sin, torch.tensor([0]), torch.tensor([[0]]), torch.tensor([1]))
+        decoder.step(torch.tensor([256]), rows, cos, sin, torch.tensor([0]), torch.tensor([[0]]), torch.tensor([1]), None)
+
+
+@needs_kernel
+def test_decoder_step_head_rows_are_the_full_steps_rows() -> None:
+    """`head_rows` runs the LM head on the named rows only (a prefill chunk's last row): their logits are bitwise
+    the full step's rows, in the order named; a row past the step is a clear error."""
+    from engine.model.forward import LlamaFastForward
+
+    model = _decoder_model("llama", 256)
+    k = torch.zeros(64, 2, 32, dtype=torch.bfloat16)
+    v = torch.zeros_like(k)
+    fast = LlamaFastForward(model)
+    none = torch.empty(0)
+    layers = [[w.input_norm, w.post_norm, k, v] for w in fast.layers]
+    weights = [[m] for w in fast.layers for m in (w.qkv, w.o, w.gate_up, w.down)] + [[model.lm_head.weight]]
+    decoder = _MODULE.LlamaDecoder_bfloat16(model.model.embed_tokens.weight, 0, layers, weights,
+                                            [[0]] * len(weights), [none] * len(weights), model.model.norm.weight,
+                                            4, 2, 32, 1e-5, 16, 32**-0.5, False)
+    ids, positions = torch.tensor([5, 9, 77, 3, 200]), torch.arange(5)
+    rows, cos, sin = fast.decoder_rope(positions)
+    tables, lengths = torch.zeros(5, 1, dtype=torch.long), positions + 1  # one prompt, its block 0
+    full = decoder.step(ids, rows, cos, sin, positions, tables, lengths, None)
+    picked = decoder.step(ids, rows, cos, sin, positions, tables, lengths, torch.tensor([4, 1]))
+    assert full.shape == (5, 256) and picked.shape == (2, 256)
+    assert torch.equal(picked, full[[4, 1]])
+    with pytest.raises(RuntimeError, match="head row out of range"):
+        decoder.step(ids, rows, cos, sin, positions, tables, lengths, torch.tensor([5]))
 
 
 @needs_kernel

@@ -8,7 +8,7 @@ Stated bounds:
   range (only float32 summation order differs);
 - against float activations (what activation quantization costs): 2e-2 of the output range (measured 3e-3 to
   8e-3 on these shapes);
-- a row's result is bitwise the same whatever its batch mates are (1 row or 16);
+- a row's result is bitwise the same whatever its batch mates are (1 row or 16; 29 for the K-quants' tiles);
 - the decoder over quantized weights against the op-by-op pass over the same weights (float32 activations):
   each decode step's logits within 5e-2 of their range (int8 activations in every matmul of 2 layers, measured
   ~1e-2), and greedy tokens the same on at least 2 of 3 sequences.
@@ -74,6 +74,23 @@ def test_qlinear_matches_the_dequantized_product(module: Any, fmt: str) -> None:
     halves = module.qlinear(x.bfloat16(), torch.from_numpy(blocks), TYPES[fmt], None)  # bfloat16 activations
     want = int8_activations(x.bfloat16(), block).double() @ w.T
     assert float((halves.double() - want).abs().max()) <= 1e-5 * span
+
+
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K"])
+def test_qlinear_k_quant_tiles_keep_rows_bitwise(module: Any, fmt: str) -> None:
+    """Many activation rows against K-quant weights go in tiles (qdot_kquant.h: 8 activation rows at K = 4096, a
+    block of weight rows at a time): a prefill-sized batch of 29 rows (tiles of 8, the last of 5) over 150 weight rows
+    (more than one block of them) is within the exact int8 product's bound, and each row gives the same bits alone,
+    in a batch of 3 that straddles a tile, and in the whole batch."""
+    k, n = 4096, 150
+    blocks = make_blocks(fmt, n, k, np.random.default_rng(5))
+    w = torch.from_numpy(dequantize(blocks, fmt)).double()
+    x = torch.randn(29, k, generator=torch.Generator().manual_seed(4))
+    got = module.qlinear(x, torch.from_numpy(blocks), TYPES[fmt], None)
+    exact = int8_activations(x, 256).double() @ w.T
+    assert float((got.double() - exact).abs().max()) <= 1e-5 * float(exact.abs().max())
+    for rows in (slice(0, 1), slice(7, 10), slice(28, 29), slice(3, 29)):
+        assert torch.equal(module.qlinear(x[rows], torch.from_numpy(blocks), TYPES[fmt], None), got[rows]), rows
 
 
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1"])

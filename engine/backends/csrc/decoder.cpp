@@ -130,11 +130,14 @@ class LlamaDecoder {
 
   // ids [B] (this step's tokens), rope_rows [B] (each token's row of the RoPE tables cos and sin [rows, head_dim]),
   // slots [B], block_tables [B, max_blocks], lengths [B] (context tokens, this one included). Returns float32 logits
-  // [B, vocab] holding the T values the LM head rounds to. Embedding lookup to logits is one call, so no
-  // torch op runs between steps on caches the weight stream has just flushed.
+  // [S, vocab] holding the T values the LM head rounds to, for the rows `head_rows` [S] names (in that order; None:
+  // every row): a prefill chunk samples from its last row only, and the LM head of a 128k vocabulary is a fifth of
+  // a 1B model's weights, so the others skip it. A row's logits are the same whichever rows come with it.
+  // Embedding lookup to logits is one call, so no torch op runs between steps on caches the weight stream has just
+  // flushed.
   torch::Tensor step(const torch::Tensor& ids, const torch::Tensor& rope_rows, const torch::Tensor& cos,
                      const torch::Tensor& sin, const torch::Tensor& slots, const torch::Tensor& block_tables,
-                     const torch::Tensor& lengths) {
+                     const torch::Tensor& lengths, const c10::optional<torch::Tensor>& head_rows) {
     auto tok = ids.to(at::kLong).contiguous(), rope = rope_rows.to(at::kLong).contiguous();
     torch::Tensor cs = cos.to(kType<T>).contiguous(), sn = sin.to(kType<T>).contiguous();
     auto slot = slots.to(at::kLong).contiguous(), tables = block_tables.to(at::kLong).contiguous();
@@ -150,6 +153,15 @@ class LlamaDecoder {
     for (int64_t m = 0; m < B; ++m)
       TORCH_CHECK(tokp[m] >= 0 && tokp[m] < embed_.size(0) && ropep[m] >= 0 && ropep[m] < table_rows,
                   "LlamaDecoder.step: token id or RoPE row out of range");
+    const auto sel = head_rows.has_value() && head_rows->defined() ? head_rows->to(at::kLong).contiguous()
+                                                                    : torch::arange(B, at::kLong);
+    const int64_t S = sel.numel();
+    const int64_t* selp = sel.data_ptr<int64_t>();
+    bool every_row = S == B;  // every row in order (a decode-only step): no gather
+    for (int64_t i = 0; i < S; ++i) {
+      TORCH_CHECK(selp[i] >= 0 && selp[i] < B, "LlamaDecoder.step: a head row out of range");
+      every_row = every_row && selp[i] == i;
+    }
     const int64_t group = H / KVH, QKV = (H + 2 * KVH) * D, I = layers_.empty() ? 0 : layers_[0].down.K, V = head_.N;
     auto opts = final_norm_.options();  // T (the embeddings may be uint8 blocks)
     auto h = torch::empty({B, hid}, opts);  // the residual stream, from the embeddings
@@ -169,8 +181,8 @@ class LlamaDecoder {
     auto x = torch::empty({B, hid}, opts), delta = torch::empty({B, hid}, opts), qkv = torch::empty({B, QKV}, opts);
     auto q = torch::empty({B, H, D}, opts), attn = torch::empty({B, H * D}, opts);
     auto gu = torch::empty({B, 2 * I}, opts), act = torch::empty({B, I}, opts);
-    auto logits = torch::empty({B, V}, opts.dtype(at::kFloat));
-    torch::Tensor head_out = std::is_same_v<T, float> ? logits : torch::empty({B, V}, opts);  // float32: straight to logits
+    auto logits = torch::empty({S, V}, opts.dtype(at::kFloat));
+    torch::Tensor head_out = std::is_same_v<T, float> ? logits : torch::empty({S, V}, opts);  // float32: straight to logits
     T *hp = h.data_ptr<T>(), *xp = x.data_ptr<T>(), *dp = delta.data_ptr<T>(), *qkvp = qkv.data_ptr<T>(),
       *qp = q.data_ptr<T>(), *ap = attn.data_ptr<T>(), *gup = gu.data_ptr<T>(), *actp = act.data_ptr<T>(),
       *lp = head_out.data_ptr<T>();
@@ -287,10 +299,15 @@ class LlamaDecoder {
         out_norm(l.mlp_out_norm);
       }
       rows(final_norm_, layers_.empty() ? nullptr : dp);
-      const auto [v0, v1] = columns(V);  // the LM head, then this thread's logits as float32
-      linear_rows(head_, xq, head_.K, B, lp, V, v0, v1, amx_, s);
+      const auto [v0, v1] = columns(V);  // the LM head on the rows that sample, then this thread's logits as float32
+      std::vector<T> picked;  // those rows, gathered (each thread its own copy: xq may be the thread's own)
+      if (!every_row) {
+        picked.resize(S * hid);
+        for (int64_t i = 0; i < S; ++i) std::copy_n(xq + selp[i] * hid, hid, picked.data() + i * hid);
+      }
+      linear_rows(head_, every_row ? xq : picked.data(), head_.K, S, lp, V, v0, v1, amx_, s);
       if constexpr (!std::is_same_v<T, float>)
-        for (int64_t m = 0; m < B; ++m)
+        for (int64_t m = 0; m < S; ++m)
           for (int64_t n = v0; n < v1; n += Vec::W) Vec::load(lp + m * V + n).store(logitsp + m * V + n);
       if (amx_) amx_release();
     }
@@ -352,7 +369,8 @@ void bind_one(pybind11::module_& m, const char* name) {
       .def("configure", &LlamaDecoder<T, C>::configure,
            "configure(qk_norms, embed_scale, residual_scale, logit_div): the family's differences from Llama's block")
       .def("step", &LlamaDecoder<T, C>::step,
-           "one decode step: step(ids, rope_rows, cos, sin, slots, block_tables, lengths) -> float32 logits [B, vocab]",
+           "one step: step(ids, rope_rows, cos, sin, slots, block_tables, lengths, head_rows or None) -> float32 "
+           "logits [len(head_rows) or B, vocab]",
            release());
 }
 

@@ -188,27 +188,45 @@ inline void dot_k(const uint8_t* row, const QRows& x, int64_t m0, float* res) {
     dot_q6k<R>(row, x, m0, res);
 }
 
+// qlinear_range_k's tiles, in bytes: the activation rows (int8, K bytes each) each weight row meets before the next
+// weight row (L1), and the weight rows that meet every such tile of activation rows before the next block of them
+// (L2). A 128-row prefill chunk's activations (256 KiB at K = 2048, 1 MiB at K = 8192) do not stay in L1 or L2
+// otherwise. One thread, AMD EPYC Zen 3, M = 128 (CPU time, the best of 9, a loaded machine):
+// Q4_K [2048, 2048] 36.0-37.9 against 35.4-35.9 GMAC/s untiled, Q6_K [1024, 8192] 38.8-39.2 against 32.9-34.9.
+constexpr int64_t kActTileBytes = 32 << 10, kWeightTileBytes = 128 << 10;
+
 // out[m * ldo + n] = x[m] . W[n] (+ bias[n]) for n in [n_begin, n_end), m < M, W a K-quant's rows (`ldw` bytes
-// apart): each weight row with up to four activation rows at a time, the next rows prefetched.
+// apart), in tiles: a block of weight rows (kWeightTileBytes, in L2) against a block of activation rows at a time
+// (kActTileBytes, in L1), each weight row with up to four activation rows at a time, the next weight rows
+// prefetched in the first block of activation rows. A row's result does not depend on the tile it falls in: each
+// goes through dot_k, whose sums are the same whatever R.
 template <int T, typename O>
 void qlinear_range_k(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, const float* bias, O* out,
                      int64_t ldo, int64_t n_begin, int64_t n_end) {
   const int64_t ahead = prefetch_rows(ldw, M);
+  const int64_t mt = std::max<int64_t>(4, kActTileBytes / x.K / 4 * 4);
+  const int64_t nt = M <= mt ? n_end - n_begin : std::max<int64_t>(4, kWeightTileBytes / ldw);
   prefetch_first(w, ldw, n_begin, n_end, ahead);
-  for (int64_t n = n_begin; n < n_end; ++n) {
-    const uint8_t* row = w + n * ldw;
-    if (n + ahead < n_end)
-      for (int64_t o = 0; o < ldw; o += 64) __builtin_prefetch(row + ahead * ldw + o);
-    const float bn = bias ? bias[n] : 0.f;
-    float res[4];
-    int64_t m = 0;
-    auto put = [&](int count) {
-      for (int r = 0; r < count; ++r) out[(m + r) * ldo + n] = static_cast<O>(res[r] + bn);
-      m += count;
-    };
-    while (m + 4 <= M) dot_k<T, 4>(row, x, m, res), put(4);
-    if (m + 2 <= M) dot_k<T, 2>(row, x, m, res), put(2);
-    if (m < M) dot_k<T, 1>(row, x, m, res), put(1);
+  for (int64_t n0 = n_begin; n0 < n_end; n0 += nt) {
+    const int64_t n1 = std::min(n_end, n0 + nt);
+    for (int64_t m0 = 0; m0 < M; m0 += mt) {
+      const int64_t m1 = std::min(M, m0 + mt);
+      for (int64_t n = n0; n < n1; ++n) {
+        const uint8_t* row = w + n * ldw;
+        if (m0 == 0 && n + ahead < n_end)
+          for (int64_t o = 0; o < ldw; o += 64) __builtin_prefetch(row + ahead * ldw + o);
+        const float bn = bias ? bias[n] : 0.f;
+        float res[4];
+        int64_t m = m0;
+        auto put = [&](int count) {
+          for (int r = 0; r < count; ++r) out[(m + r) * ldo + n] = static_cast<O>(res[r] + bn);
+          m += count;
+        };
+        while (m + 4 <= m1) dot_k<T, 4>(row, x, m, res), put(4);
+        if (m + 2 <= m1) dot_k<T, 2>(row, x, m, res), put(2);
+        if (m < m1) dot_k<T, 1>(row, x, m, res), put(1);
+      }
+    }
   }
 }
 
