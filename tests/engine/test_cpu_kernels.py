@@ -408,9 +408,9 @@ def test_decoder_rope_rows_are_the_rotary_modules_values(tiny: Any) -> None:
     assert rows.tolist() == [0, 1] and torch.equal(cos, rotary(probe, torch.tensor([[9, 2]]))[0][0])
 
 
-@needs_kernel
-def test_decoder_step_refuses_token_ids_out_of_range() -> None:
-    """A token id past the embedding table is a clear error, not a read past the table."""
+def _bare_decoder() -> tuple[Any, Any]:
+    """A bfloat16 LlamaDecoder built by hand over a tiny random Llama (vocab 256), dense weights, a 64-slot cache of
+    blocks of 16; with the lean forward that gives its RoPE rows."""
     from engine.model.forward import LlamaFastForward
 
     model = _decoder_model("llama", 256)
@@ -423,6 +423,13 @@ def test_decoder_step_refuses_token_ids_out_of_range() -> None:
     decoder = _MODULE.LlamaDecoder_bfloat16(model.model.embed_tokens.weight, 0, layers, weights,
                                             [[0]] * len(weights), [none] * len(weights), model.model.norm.weight,
                                             4, 2, 32, 1e-5, 16, 32**-0.5, False)
+    return fast, decoder
+
+
+@needs_kernel
+def test_decoder_step_refuses_token_ids_out_of_range() -> None:
+    """A token id past the embedding table is a clear error, not a read past the table."""
+    fast, decoder = _bare_decoder()
     rows, cos, sin = fast.decoder_rope(torch.tensor([0]))
     ok = decoder.step(torch.tensor([5]), rows, cos, sin, torch.tensor([0]), torch.tensor([[0]]), torch.tensor([1]), None)
     assert ok.dtype == torch.float32 and ok.shape == (1, 256) and torch.isfinite(ok).all()
@@ -434,18 +441,7 @@ def test_decoder_step_refuses_token_ids_out_of_range() -> None:
 def test_decoder_step_head_rows_are_the_full_steps_rows() -> None:
     """`head_rows` runs the LM head on the named rows only (a prefill chunk's last row): their logits are bitwise
     the full step's rows, in the order named; a row past the step is a clear error."""
-    from engine.model.forward import LlamaFastForward
-
-    model = _decoder_model("llama", 256)
-    k = torch.zeros(64, 2, 32, dtype=torch.bfloat16)
-    v = torch.zeros_like(k)
-    fast = LlamaFastForward(model)
-    none = torch.empty(0)
-    layers = [[w.input_norm, w.post_norm, k, v] for w in fast.layers]
-    weights = [[m] for w in fast.layers for m in (w.qkv, w.o, w.gate_up, w.down)] + [[model.lm_head.weight]]
-    decoder = _MODULE.LlamaDecoder_bfloat16(model.model.embed_tokens.weight, 0, layers, weights,
-                                            [[0]] * len(weights), [none] * len(weights), model.model.norm.weight,
-                                            4, 2, 32, 1e-5, 16, 32**-0.5, False)
+    fast, decoder = _bare_decoder()
     ids, positions = torch.tensor([5, 9, 77, 3, 200]), torch.arange(5)
     rows, cos, sin = fast.decoder_rope(positions)
     tables, lengths = torch.zeros(5, 1, dtype=torch.long), positions + 1  # one prompt, its block 0
