@@ -42,14 +42,12 @@ class StartError(RuntimeError):
 def acquire(settings: Settings) -> Prepared:
     """Resolve the model source, device and dtype; refuse early if it will not fit; download if needed."""
     from engine.backends.devices import DeviceError, resolve
-    from models.gguf_weights import BadFile, check
-    from models.hub import HubError, download, plan_download, resolve_source
+    from models.gguf_weights import BadFile
+    from models.hub import HubError, plan_download
 
     check_speculative(settings)
     try:
-        source = resolve_source(settings.model, settings.revision)
-        if source.kind == "gguf":  # a damaged file or an unknown architecture: one line now, not a crash later
-            check(Path(source.path))
+        source = checked_source(settings.model, settings.revision)
         resolved = resolve(settings.device, settings.dtype)  # the one resolution: EngineConfig carries it
         device, dtype = resolved.device, resolved.dtype
         plan = plan_download(source, **_hub_args(settings)) if source.kind == "hub" else None
@@ -58,15 +56,36 @@ def acquire(settings: Settings) -> Prepared:
                  kv_budget_text(settings))  # fmt: skip
         if not settings.skip_preflight:
             run_preflight(settings, source, plan, device, dtype)
-        path = Path(str(download(plan, **_hub_args(settings, plan=False)) if plan else source.path))
-        if plan and path.suffix == ".gguf":
-            check(path)
+        path = fetch(settings, source, plan)
         cfg = engine_config(settings, path, device, dtype)
         if settings.speculative == "draft":
             cfg = dataclasses.replace(cfg, speculative_draft=draft_config(settings, device, dtype))
     except (DeviceError, HubError, BadFile) as exc:
         raise StartError(str(exc)) from None
     return Prepared(path, device, dtype, cfg, embedder_location(settings))
+
+
+def checked_source(spec: str, revision: str | None) -> ModelSource:
+    """The model source `spec` names; a local GGUF file is checked now (damaged, or an unknown architecture: one
+    line at start, not a crash later)."""
+    from models.gguf_weights import check
+    from models.hub import resolve_source
+
+    source = resolve_source(spec, revision)
+    if source.kind == "gguf":
+        check(Path(source.path))
+    return source
+
+
+def fetch(settings: Settings, source: ModelSource, plan: DownloadPlan | None) -> Path:
+    """The model's local path: downloaded first when `plan` (a Hub download) says so, a downloaded GGUF checked."""
+    from models.gguf_weights import check
+    from models.hub import download
+
+    path = Path(str(download(plan, **_hub_args(settings, plan=False)) if plan else source.path))
+    if plan and path.suffix == ".gguf":
+        check(path)
+    return path
 
 
 def check_speculative(settings: Settings) -> None:
@@ -82,15 +101,12 @@ def check_speculative(settings: Settings) -> None:
 def draft_config(settings: Settings, device: str, dtype: str) -> EngineConfig:
     """The draft model's engine config: its source resolved and downloaded like the model's, on the same device,
     dtype and weight settings (models/engine_factory.py loads it; engine/draft.py runs it)."""
-    from models.gguf_weights import check
-    from models.hub import download, plan_download, resolve_source
+    from models.hub import plan_download
 
     assert settings.speculative_model is not None
-    source = resolve_source(settings.speculative_model, None)
-    if source.kind == "gguf":
-        check(Path(source.path))
+    source = checked_source(settings.speculative_model, None)
     plan = plan_download(source, **_hub_args(settings)) if source.kind == "hub" else None
-    path = Path(str(download(plan, **_hub_args(settings, plan=False)) if plan else source.path))
+    path = fetch(settings, source, plan)
     log.info("speculative draft model %s (%s)", settings.speculative_model, source.label)
     cfg = engine_config(settings, path, device, dtype)
     return dataclasses.replace(cfg, model_name=settings.speculative_model, speculative="off", chat_template=None)
