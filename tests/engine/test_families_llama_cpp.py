@@ -18,6 +18,7 @@ import httpx
 import pytest
 import torch
 
+from engine.types import SamplingParams
 from models import gguf_weights
 from tests.engine.test_families import vocab_of
 from tests.family_gguf import SPECS, write_family
@@ -74,8 +75,6 @@ def test_greedy_agrees_with_llama_server(family: str, tmp_path: Path, byte_level
     model = gguf_weights.load(gguf, folder, torch.float32)
     engine = make_engine(Loaded(model, byte_level_tokenizer, 256))
     assert engine.runner.impl == "llama"  # the fast path
-    from engine.types import SamplingParams
-
     # llama.cpp's ignore_eos bans the end-of-generation tokens it recognises (<|im_end|> among them): both sides
     # ban the tokenizer's added tokens (<s>, </s>, <|im_start|>, <|im_end|>, ...)
     banned = sorted(byte_level_tokenizer.added_tokens_decoder)
