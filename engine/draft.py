@@ -94,7 +94,8 @@ class DraftProposer:
         self.vocab_size = vocab_size  # the target's: a draft's padded rows past it are never proposed
         self.max_model_len = max_model_len
         self.max_batched_tokens = max_batched_tokens
-        self.cost = StepCost()
+        self.cost = StepCost()  # decode-like draft steps: rows = sequences
+        self.catchup = StepCost()  # catch-up steps: rows = tokens computed
         self._shadows: dict[SeqId, _Shadow] = {}
 
     def propose(self, seq: Sequence, k: int) -> list[int]:
@@ -129,6 +130,26 @@ class DraftProposer:
         """Seconds of draft time per proposed token, in a draft step of `rows` sequences (0 before any step)."""
         fixed, per_row = self.cost.fit()
         return fixed / max(rows, 1) + per_row
+
+    def catchup_cost(self, seq: Sequence) -> float:
+        """Seconds of draft time to compute the tokens of `seq` that the draft has not, beyond the one or two a
+        proposing sequence has each step (already in `token_cost`): its prompt the first time, and every token
+        accepted since its last proposal when it stopped proposing. Priced at the catch-up steps' cost per token
+        (before any, a decode row's; 0 before any draft step)."""
+        behind = self._behind(seq) - 2
+        if behind <= 0:
+            return 0.0
+        per_token = self.catchup.fit()[1] or self.cost.fit()[1]
+        return behind * per_token
+
+    def _behind(self, seq: Sequence) -> int:
+        """How many of `seq`'s tokens the draft has not computed (an estimate: outputs since the last sync count as
+        not computed, though some of them may be accepted proposals the draft computed)."""
+        shadow = self._shadows.get(seq.seq_id)
+        if shadow is None:
+            return seq.num_tokens
+        known = min(shadow.seq.num_computed_tokens, len(seq.prompt_token_ids) + shadow.synced)
+        return seq.num_tokens - known
 
     def release(self, seq: Sequence) -> None:
         shadow = self._shadows.pop(seq.seq_id, None)
@@ -179,6 +200,9 @@ class DraftProposer:
         tokens_computed = sum(s.num_tokens for s in scheduled)
         for s in scheduled:
             s.seq.num_computed_tokens += s.num_tokens
-        if tokens_computed <= 2 * len(scheduled):  # decode-like steps only: prompt catch-ups run another path
-            self.cost.observe(tokens_computed, time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        if tokens_computed <= 2 * len(scheduled):  # decode-like steps: prompt catch-ups run another path
+            self.cost.observe(tokens_computed, seconds)
+        else:
+            self.catchup.observe(tokens_computed, seconds)
         return tokens

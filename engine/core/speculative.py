@@ -11,7 +11,7 @@ the target distribution; for a one-token proposal this acceptance rule is standa
 with probability p(t); on rejection, the draw from p conditioned on not t). docs/speculative.md has the argument.
 
 Proposers: `NgramProposer` (prompt lookup: no second model) and `engine.draft.DraftProposer` (a draft model, with
-torch: it lives outside core/). The engine only calls `propose_batch`, `token_cost` and `release`.
+torch: it lives outside core/). The engine only calls `propose_batch`, `token_cost`, `catchup_cost` and `release`.
 """
 
 from __future__ import annotations
@@ -30,6 +30,11 @@ class Proposer(Protocol):
 
     def token_cost(self, rows: int) -> float:
         """Seconds a proposed token costs to propose, per sequence, when `rows` sequences propose (0: free)."""
+        ...
+
+    def catchup_cost(self, seq: Sequence) -> float:
+        """Seconds the proposer must spend on `seq` before it can propose beyond what a proposed token costs (a
+        draft model that has not computed the sequence's latest tokens; 0: none)."""
         ...
 
     def release(self, seq: Sequence) -> None:
@@ -102,6 +107,9 @@ class NgramProposer:
     def token_cost(self, rows: int) -> float:
         return 0.0  # a few dictionary operations
 
+    def catchup_cost(self, seq: Sequence) -> float:
+        return 0.0  # the index catches up in microseconds
+
     def release(self, seq: Sequence) -> None:
         self._index.pop(seq.seq_id, None)
 
@@ -141,6 +149,11 @@ class StepCost:
             per_row = (my - fixed) / max(mx, 1.0)
         return fixed, per_row
 
+    def step_time(self, rows: int) -> float:
+        """Seconds a step of `rows` rows takes (0 before any step)."""
+        fixed, per_row = self.fit()
+        return fixed + per_row * rows
+
     def row_share(self, rows: int, extra: float = 0.0) -> float:
         """(per_row + extra) x rows / (fixed + per_row x rows): the share of such a step its rows cost, a row
         costing `extra` seconds more elsewhere (a draft model's token) (prior before data)."""
@@ -157,7 +170,10 @@ class Adaptive:
     prior of 2 in 3). The j-th proposal is accepted with chance alpha^j and costs one row; a row pays when that
     chance exceeds the share of the step rows cost (`StepCost.row_share`: one token per row is what decoding
     yields). When not even one proposal pays, the sequence stops proposing for `pause` steps, then tries one
-    (pauses double on each failed try up to `max_pause`, and start over once proposals pay)."""
+    (pauses double on each failed try up to `max_pause`, and start over once proposals pay). A step in which
+    proposing is not `affordable` (the engine's call: a draft model's catch-up would cost more than proposals could
+    gain, `LLMEngine._affordable`) proposes nothing and only counts a pause down; a try then waits for a step
+    that affords it."""
 
     decay: float = 0.8
     hits: float = 2.0
@@ -171,18 +187,25 @@ class Adaptive:
     def alpha(self) -> float:
         return self.hits / self.tries
 
-    def length(self, k: int, row_share: float) -> int:
-        """How many of up to `k` proposals to verify this step (0: none; counts a paused step down)."""
+    def pays(self, k: int, row_share: float) -> int:
+        """How many of up to `k` proposals pay at this acceptance rate (no state changes)."""
         n, chance = 0, self.alpha
         while n < k and chance > row_share:
             n += 1
             chance *= self.alpha
+        return n
+
+    def length(self, k: int, row_share: float, affordable: bool = True) -> int:
+        """How many of up to `k` proposals to verify this step (0: none; counts a paused step down)."""
+        n = self.pays(k, row_share) if affordable else 0
         if n > 0:
             self.pause, self.next_pause = 0, self.start_pause
             return n
         if self.pause > 0:
             self.pause -= 1
             return 0
+        if not affordable:
+            return 0  # a try is due, and waits for a step that affords it
         self.pause = self.next_pause
         self.next_pause = min(2 * self.next_pause, self.max_pause)
         return 1  # a try: one proposal, to learn whether they pay again

@@ -82,6 +82,19 @@ def test_adaptive_pauses_a_sequence_whose_proposals_fail_and_retries_with_growin
     assert a.length(5, 0.25) >= 2
 
 
+def test_adaptive_proposes_nothing_and_tries_nothing_in_a_step_that_does_not_afford_it() -> None:
+    a = Adaptive(start_pause=4, max_pause=16)
+    assert a.pays(5, 0.25) == 3 and a.length(5, 0.25, affordable=False) == 0  # it would pay, but not its catch-up
+    assert a.pause == 0 and a.next_pause == 4  # nothing tried, nothing learned
+    for _ in range(4):
+        a.record(3, 0)
+    assert a.pays(5, 0.25) == 0 and a.alpha < 0.25
+    assert a.length(5, 0.25) == 1 and a.pause == 4  # a try, then a pause of 4
+    assert [a.length(5, 0.25, affordable=False) for _ in range(6)] == [0] * 6  # the pause counts down regardless
+    assert a.pause == 0 and a.next_pause == 8  # a try is due: it waits for a step that affords it
+    assert a.length(5, 0.25, affordable=True) == 1 and a.pause == 8
+
+
 def test_step_cost_fits_the_fixed_part_and_the_cost_per_row() -> None:
     cost = StepCost(decay=0.99)
     assert cost.row_share(1) == 0.3 / 1.3  # the prior before any step
@@ -90,6 +103,7 @@ def test_step_cost_fits_the_fixed_part_and_the_cost_per_row() -> None:
     fixed, per_row = cost.fit()
     assert abs(fixed - 0.030) < 2e-3 and abs(per_row - 0.010) < 2e-4
     assert abs(cost.row_share(1) - 0.25) < 0.02 and cost.row_share(16) > 0.8
+    assert abs(cost.step_time(16) - 0.190) < 5e-3 and StepCost().step_time(16) == 0.0
     flat = StepCost()
     for _ in range(50):
         flat.observe(1, 0.05)  # no spread in rows: the prior's pseudo-point keeps the fit sane
