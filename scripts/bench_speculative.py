@@ -14,6 +14,7 @@ process on the same loaded model. Greedy answers are the same tokens either way 
 cell's speed-up is its time ratio. Reported per cell: output tokens/s (end to end, prefill included) of the median
 round for each mode, the median of the per-round ratios, the same for decoding alone (each request's first output to
 its last, summed: what speculation changes), and the share of proposed tokens accepted. A JSON copy goes to --out.
+llama.cpp's llama-server on the same work (plain and its speculative configurations): scripts/bench_speculative_llama.py.
 """
 
 from __future__ import annotations
