@@ -43,7 +43,7 @@ CONFIGS: dict[str, list[str]] = {
     "draft-simple (n-max 3)": ["--spec-type", "draft-simple", "-md", "{draft}"],
     "draft-simple (n-max 8)": ["--spec-type", "draft-simple", "-md", "{draft}", "--spec-draft-n-max", "8"],
     "ngram-simple": ["--spec-type", "ngram-simple"],
-    "ngram-simple (n 3, m 8)": ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3",
+    "ngram-simple (n 3 m 8)": ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3",
                                 "--spec-ngram-simple-size-m", "8"],
     "ngram-map-k": ["--spec-type", "ngram-map-k"],
     "ngram-mod": ["--spec-type", "ngram-mod"],
