@@ -122,23 +122,25 @@ def prompt_sets(args: argparse.Namespace) -> dict[str, list[list[int]]]:
     return {w: [chat_ids(tok, t) for t in texts[w]] for w in args.workloads.split(",")}
 
 
-def complete(client: httpx.Client, ids: list[int], max_tokens: int) -> int:
-    """One greedy completion of the prompt ids; the number of tokens it generated."""
+def complete(client: httpx.Client, ids: list[int], max_tokens: int) -> tuple[int, int, int]:
+    """One greedy completion of the prompt ids: the tokens it generated, the tokens drafted and, of those, accepted."""
     body = {"prompt": ids, "n_predict": max_tokens, "temperature": 0.0, "top_k": 1, "cache_prompt": False,
             "stream": False}
     response = client.post("/completion", json=body, timeout=3600)
     response.raise_for_status()
-    return int(response.json()["timings"]["predicted_n"])
+    timings = response.json()["timings"]
+    return int(timings["predicted_n"]), int(timings.get("draft_n", 0)), int(timings.get("draft_n_accepted", 0))
 
 
-def run_cell(url: str, prompts: list[list[int]], streams: int, max_tokens: int) -> tuple[float, int]:
-    """Seconds to serve `prompts`, `streams` at a time, and the tokens generated."""
+def run_cell(url: str, prompts: list[list[int]], streams: int, max_tokens: int) -> tuple[float, list[int]]:
+    """Seconds to serve `prompts`, `streams` at a time, and the tokens generated, drafted, accepted (summed)."""
     start = time.perf_counter()
+    totals = [0, 0, 0]
     with httpx.Client(base_url=url) as client, ThreadPoolExecutor(streams) as pool:
-        tokens = 0
         for first in range(0, len(prompts), streams):
-            tokens += sum(pool.map(lambda ids: complete(client, ids, max_tokens), prompts[first:first + streams]))
-    return time.perf_counter() - start, tokens
+            for counts in pool.map(lambda ids: complete(client, ids, max_tokens), prompts[first:first + streams]):
+                totals = [a + b for a, b in zip(totals, counts, strict=True)]
+    return time.perf_counter() - start, totals
 
 
 def llama_server_binary(given: str | None) -> Path | None:
@@ -191,14 +193,18 @@ def main(argv: list[str] | None = None) -> int:
                     chosen = bench_speculative.one_stream(prompts, args.one_stream_prompts) if streams == 1 \
                         else prompts[:streams]
                     run_cell(peer.base_url, chosen[:1], 1, 8)  # warm up
-                    cell = cells.setdefault((workload, streams, name), {"tok_s": [], "tokens": 0,
-                                                                        "command": peer.command})
+                    cell = cells.setdefault((workload, streams, name), {"tok_s": [], "tokens": 0, "drafted": 0,
+                                                                        "accepted": 0, "command": peer.command})
                     for _ in range(args.rounds):
-                        seconds, tokens = run_cell(peer.base_url, chosen, streams, args.max_tokens)
+                        seconds, (tokens, drafted, accepted) = run_cell(peer.base_url, chosen, streams,
+                                                                        args.max_tokens)
                         cell["tok_s"].append(tokens / seconds)
                         cell["tokens"] = tokens
+                        cell["drafted"] += drafted
+                        cell["accepted"] += accepted
                     print(f"{name} {workload} x{streams}: {cell['tokens']} tokens, "
-                          f"{statistics.median(cell['tok_s']):.1f} tok/s", flush=True)
+                          f"{statistics.median(cell['tok_s']):.1f} tok/s, drafted {cell['drafted']}, "
+                          f"accepted {cell['accepted']}", flush=True)
         finally:
             bench_peers.stop(peer)
     report(args, header, target, cells)
@@ -207,16 +213,18 @@ def main(argv: list[str] | None = None) -> int:
 
 def report(args: argparse.Namespace, header: str, target: Path, cells: dict[tuple[str, int, str], Any]) -> None:
     print(f"\n# {header}\n# llama-server, target {target.name}")
-    print("| workload | streams | configuration | output tokens | tok/s | speed-up over plain |")
-    print("|---|---|---|---|---|---|")
+    print("| workload | streams | configuration | output tokens | tok/s | speed-up over plain | drafts accepted |")
+    print("|---|---|---|---|---|---|---|")
     rows = []
     for (workload, streams, name), c in cells.items():
         plain = cells.get((workload, streams, "plain"))
         tok_s = statistics.median(c["tok_s"])
         speedup = tok_s / statistics.median(plain["tok_s"]) if plain else float("nan")
         rows.append({"workload": workload, "streams": streams, "config": name, "tokens": c["tokens"],
-                     "tok_s": tok_s, "speedup": speedup, "command": c["command"]})
-        print(f"| {workload} | {streams} | {name} | {c['tokens']} | {tok_s:.1f} | {speedup:.2f}x |")
+                     "tok_s": tok_s, "speedup": speedup, "drafted": c["drafted"], "accepted": c["accepted"],
+                     "command": c["command"]})
+        share = f"{c['accepted'] / c['drafted']:.0%} of {c['drafted']}" if c["drafted"] else ""
+        print(f"| {workload} | {streams} | {name} | {c['tokens']} | {tok_s:.1f} | {speedup:.2f}x | {share} |")
     Path(args.out).write_text(json.dumps({"cpu": header, "target": str(target), "args": vars(args), "rows": rows},
                                          indent=2))
     if args.peregrine:
