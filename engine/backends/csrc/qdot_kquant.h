@@ -60,6 +60,18 @@ inline void superblocks(const uint8_t* row, const QRows& x, int64_t m0, float* r
 #endif
 }
 
+#if defined(__AVX2__)
+// Group g's fifth bits of a Q5_K block (bit g of each of its 32 qh bytes) as 16 in each byte: qh shifted so that bit
+// g lands on bit 4, masked; a shift, an and (and the caller's or) a group. The 16-bit shifts carry bits across the
+// byte boundary only below bit 4 (left) or above it (right), where the mask drops them.
+inline __m256i fifths_k(__m256i qh, int g) {
+  const __m256i m16 = _mm256_set1_epi8(0x10);
+  if (g < 4) return _mm256_and_si256(_mm256_slli_epi16(qh, 4 - g), m16);
+  if (g == 4) return _mm256_and_si256(qh, m16);
+  return _mm256_and_si256(_mm256_srli_epi16(qh, g - 4), m16);
+}
+#endif
+
 // res[r] = x[m0 + r] . row for r < R, a Q4_K or Q5_K row: value 32j + l of a block is d * sc_j * q - dmin * mn_j
 // (q 0-15; Q5_K's 0-31, a fifth bit from qh: bit j of qh[l] for group j), so a block's dot is
 // d * dx * sum_j sc_j (q_j . a_j), its sum in integers, minus sum_j dmin * mn_j * (dx * sum(a_j)), eight float
@@ -77,17 +89,16 @@ inline void dot_q45k(const uint8_t* row, const QRows& x, int64_t m0, float* res)
     q4k_scales_mins(blk, sc, mn);
     __m256i sumi[R];
     for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
-    __m256i h = T == kQ5_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16)) : _mm256_setzero_si256();
+    const __m256i qh = T == kQ5_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16))
+                                  : _mm256_setzero_si256();
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {  // groups 2j (the low nibbles) and 2j + 1 (the high ones)
       const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + qs + 32 * j)),
                     low = _mm256_set1_epi8(0xF);
       __m256i w0 = _mm256_and_si256(q, low), w1 = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
-      if constexpr (T == kQ5_K) {  // bits 2j and 2j + 1 of each qh byte (h: qh shifted right by 2j), as 16
-        const __m256i one = _mm256_set1_epi8(1);
-        w0 = _mm256_or_si256(w0, _mm256_slli_epi16(_mm256_and_si256(h, one), 4));
-        w1 = _mm256_or_si256(w1, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 1), one), 4));
-        h = _mm256_srli_epi16(h, 2);
+      if constexpr (T == kQ5_K) {
+        w0 = _mm256_or_si256(w0, fifths_k(qh, 2 * j));
+        w1 = _mm256_or_si256(w1, fifths_k(qh, 2 * j + 1));
       }
       const __m256i s0 = _mm256_set1_epi16(sc[2 * j]), s1 = _mm256_set1_epi16(sc[2 * j + 1]);
       for (int r = 0; r < R; ++r) {
