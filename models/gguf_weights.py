@@ -207,9 +207,9 @@ def load(gguf_path: Path, folder: Path, dtype: torch.dtype, trust_remote_code: b
     arch = str(reader.fields["general.architecture"].contents())
     if arch not in ARCHITECTURES:
         raise Unsupported(f"architecture {arch!r} (served quantized: {', '.join(ARCHITECTURES)})")
-    odd = sorted({t.tensor_type.name for t in reader.tensors if int(t.tensor_type) not in (*FORMATS, *DENSE_TYPES)})
+    odd = [t for t in reader.tensors if int(t.tensor_type) not in (*FORMATS, *DENSE_TYPES)]
     if odd:
-        raise Unsupported(f"tensor types {', '.join(odd)} (kernels: {', '.join(f[0] for f in FORMATS.values())})")
+        raise Unsupported(unsupported_types(odd))
     config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
@@ -231,6 +231,18 @@ def load(gguf_path: Path, folder: Path, dtype: torch.dtype, trust_remote_code: b
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+def unsupported_types(tensors: list[object]) -> str:
+    """What Unsupported says of tensors whose types the kernels do not take: the first tensor of each such type,
+    by name, and how many more there are."""
+    first: dict[str, str] = {}
+    for t in tensors:
+        first.setdefault(t.tensor_type.name, t.name)
+    named = ", ".join(f"{name} is {kind}" for kind, name in first.items())
+    more = f" (and {len(tensors) - len(first)} more tensors of those types)" if len(tensors) > len(first) else ""
+    kernels = ", ".join(f[0] for f in FORMATS.values())
+    return f"tensor {named}{more}: the kernels take {kernels}"
 
 
 def _tensor(t: object, dtype: torch.dtype, name: str, config: object, arch: str) -> torch.Tensor | QuantWeight:

@@ -2,12 +2,14 @@
 
 `make` writes each shape as an F16 GGUF with random weights (the values do not change the speed) and the family's
 real tokenizer (copied from llama.cpp's vocab-only GGUFs, `models/ggml-vocab-*.gguf` in the vendored source), then
-quantizes it with llama.cpp's own `llama-quantize` (built by `scripts/bench_peers.py setup`) to Q4_K_M and Q8_0.
+quantizes it with llama.cpp's own `llama-quantize` (built by `scripts/bench_peers.py setup`) to Q4_K_M and Q8_0 (or
+the --formats given: any llama-quantize type, e.g. Q5_K_M).
 `run` serves each file with both servers through `scripts/bench.py` (one stream and 16, same file, same threads,
 random prompts, fixed-length answers) and prints one table with the ratios.
 
     python scripts/bench_families.py make --shapes qwen3-0.6b,llama-3.2-1b
     python scripts/bench_families.py run --shapes qwen3-0.6b --formats Q4_K_M,Q8_0
+    python scripts/bench_families.py make --shapes llama-3.2-1b --formats Q5_K_M
 
 Files go to `.cache/bench-families/` (gigabytes: F16 sources are removed after quantizing unless --keep-f16).
 """

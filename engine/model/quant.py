@@ -1,4 +1,4 @@
-"""Weights kept quantized in RAM: GGUF blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K) as the file stores them,
+"""Weights kept quantized in RAM: GGUF blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) as the file stores them,
 and the modules that multiply by them.
 
 - `QuantWeight`: one [N, K] matrix as uint8 rows of blocks (`blocks`, [N, bytes per row]) and its ggml type.
@@ -37,6 +37,7 @@ FORMATS: dict[int, tuple[str, int, int]] = {
     7: ("Q5_1", 32, 24),
     8: ("Q8_0", 32, 34),
     12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176),
     14: ("Q6_K", 256, 210),
 }
 Q8_0 = 8

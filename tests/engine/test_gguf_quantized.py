@@ -63,6 +63,18 @@ def test_tiny_gguf_logits_match_dequantized_reference(fmt: str, tmp_path: Path) 
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
 
 
+def test_a_type_the_kernels_do_not_take_is_named_with_its_tensor(tmp_path: Path) -> None:
+    """A file with a tensor type the kernels do not take (Q3_K here) is Unsupported before anything is built; the
+    reason, which the loader logs once as it converts the file to dense instead (models/loader.py), names the first
+    tensor of that type and how many more there are, and the formats the kernels take."""
+    write_tiny_gguf(tmp_path, {"*": "Q5_K", "ffn_down": "Q3_K"}, vocab=512)
+    with pytest.raises(gguf_weights.Unsupported) as caught:
+        gguf_weights.load(tmp_path / "tiny.gguf", tmp_path, torch.float32)
+    reason = str(caught.value)
+    assert reason.startswith("tensor blk.0.ffn_down.weight is Q3_K (and 1 more tensors of those types): "), reason
+    assert "Q5_K" in reason.split(": ", 1)[1] and "Q3_K" not in reason.split(": ", 1)[1]
+
+
 def test_mixed_formats_run_unfused_in_the_engine(tmp_path: Path, byte_level_tokenizer: object) -> None:
     """A Q4_K_M-like mix (Q6_K v and down, Q4_K elsewhere, Q8_0 embedding): the fast path fuses q/k/v only when one
     format; greedy tokens through the op-by-op engine (float32 activations) equal transformers' generate on the

@@ -29,10 +29,10 @@ from engine.model.quant import QuantWeight
 from engine.types import SamplingParams
 from models import gguf_weights
 from tests.engine.test_cpu_kernels_paths import PATHS
-from tests.quant_blocks import FORMATS, dequantize, make_blocks, write_tiny_gguf
+from tests.quant_blocks import FORMATS, KQUANTS, dequantize, make_blocks, write_tiny_gguf
 from tests.support import Loaded, decoder_against_op_by_op
 
-TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
+TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 
 
 @pytest.fixture(scope="module", params=PATHS)
@@ -54,7 +54,7 @@ def int8_activations(x: torch.Tensor, block: int = 32) -> torch.Tensor:
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_qlinear_matches_the_dequantized_product(module: Any, fmt: str) -> None:
     rng = np.random.default_rng(3)
-    k = 512 if fmt in ("Q4_K", "Q6_K") else 576
+    k = 512 if fmt in KQUANTS else 576
     blocks = make_blocks(fmt, 45, k, rng)  # (45: weight rows past fours of them)
     w = torch.from_numpy(dequantize(blocks, fmt)).double()
     g = torch.Generator().manual_seed(1)
@@ -62,7 +62,7 @@ def test_qlinear_matches_the_dequantized_product(module: Any, fmt: str) -> None:
     x[3] = 0.0  # an all-zero row: scale 0, no division by zero
     got = module.qlinear(x, torch.from_numpy(blocks), TYPES[fmt], bias)
     assert got.dtype == torch.float32 and got.shape == (16, 45)
-    block = 256 if fmt in ("Q4_K", "Q6_K") else 32
+    block = 256 if fmt in KQUANTS else 32
     exact = int8_activations(x, block).double() @ w.T + bias.double()
     span = float(exact.abs().max())
     assert float((got.double() - exact).abs().max()) <= 1e-5 * span
@@ -76,7 +76,7 @@ def test_qlinear_matches_the_dequantized_product(module: Any, fmt: str) -> None:
     assert float((halves.double() - want).abs().max()) <= 1e-5 * span
 
 
-@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("fmt", KQUANTS)
 def test_qlinear_k_quant_tiles_keep_rows_bitwise(module: Any, fmt: str) -> None:
     """Many activation rows against K-quant weights go in tiles (qdot_kquant.h: 8 activation rows at K = 4096, a
     block of weight rows at a time): a prefill-sized batch of 29 rows (tiles of 8, the last of 5) over 150 weight rows
@@ -140,8 +140,9 @@ def test_qlinear_refuses_what_it_cannot_take(module: Any) -> None:
 
 @pytest.mark.parametrize("formats", [{"*": "Q4_1", "token_embd": "Q8_0"},
                                      {"*": "Q4_K", "attn_v": "Q6_K", "ffn_down": "Q6_K", "token_embd": "Q4_0"},
+                                     {"*": "Q5_K", "attn_v": "Q6_K", "ffn_down": "Q6_K", "token_embd": "Q4_K"},
                                      {"*": "Q4_K", "attn_v": "Q8_0", "ffn_up": "Q5_0", "token_embd": "Q4_0"}],
-                         ids=["q4_1", "q4_k_m-like", "k-quants-with-32-value-formats"])
+                         ids=["q4_1", "q4_k_m-like", "q5_k_m-like", "k-quants-with-32-value-formats"])
 def test_decoder_on_quantized_weights_matches_the_op_by_op_pass(module: Any, formats: dict[str, str],
                                                                 tmp_path: Path, byte_level_tokenizer: Any,
                                                                 engine_factory: Any) -> None:

@@ -18,9 +18,9 @@
 // four rows' independent chains in flight instead of one row's prologue, loop and reductions one after the other
 // (1.45x at one row on AVX-512).
 //
-// The K-quants (Q4_K, Q6_K) are multiplied as the file stores them, against activations quantized in blocks of 256
-// instead (ggml's Q8_K): a super-block's sums stay in integers, its group scales applied by `vpmaddwd`, and one float
-// FMA a super-block and activation row (qdot_kquant.h).
+// The K-quants (Q4_K, Q5_K, Q6_K) are multiplied as the file stores them, against activations quantized in blocks of
+// 256 instead (ggml's Q8_K): a super-block's sums stay in integers, its group scales applied by `vpmaddwd`, and one
+// float FMA a super-block and activation row (qdot_kquant.h).
 //
 // Each output element is the same instruction sequence in the same order whatever the number of rows, the thread
 // split or the tile position: results are batch invariant. Decoding has an AVX2 body (also used by the AVX-512
@@ -46,6 +46,7 @@ void qlinear_rows(int type, const uint8_t* w, int64_t ldw, const QRows& x, int64
     case kQ5_1: return qlinear_range<kQ5_1>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
     case kQ8_0: return qlinear_range<kQ8_0>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
     case kQ4_K: return qlinear_range_k<kQ4_K>(w, ldw, x, M, bias, out, ldo, n_begin, n_end);
+    case kQ5_K: return qlinear_range_k<kQ5_K>(w, ldw, x, M, bias, out, ldo, n_begin, n_end);
     case kQ6_K: return qlinear_range_k<kQ6_K>(w, ldw, x, M, bias, out, ldo, n_begin, n_end);
     case kQ4_0R: return qlinear_range_packed<kQ4_0R>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
     case kQ4_1R: return qlinear_range_packed<kQ4_1R>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
@@ -66,6 +67,7 @@ inline void dequant_row(int type, const uint8_t* row, int64_t K, float* out) {
     case kQ5_1: return rows(std::integral_constant<int, kQ5_1>{});
     case kQ8_0: return rows(std::integral_constant<int, kQ8_0>{});
     case kQ4_K: return rows(std::integral_constant<int, kQ4_K>{});
+    case kQ5_K: return rows(std::integral_constant<int, kQ5_K>{});
     case kQ6_K: return rows(std::integral_constant<int, kQ6_K>{});
     case kQ4_0R: return rows(std::integral_constant<int, kQ4_0R>{});
     case kQ4_1R: return rows(std::integral_constant<int, kQ4_1R>{});

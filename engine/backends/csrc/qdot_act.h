@@ -24,7 +24,7 @@ constexpr int kQK_K = 256;  // the K-quants' super-block, and their activation b
 
 // The K-quant formats (a super-block of 256 values with 6- or 8-bit group scales): multiplied with Q8_K-style
 // activations (qdot_kquant.h).
-inline constexpr bool is_kquant(int T) { return T == kQ4_K || T == kQ6_K; }
+inline constexpr bool is_kquant(int T) { return T == kQ4_K || T == kQ5_K || T == kQ6_K; }
 
 // Activation rows quantized in blocks of 32: q = round(x / d), d = max|x| / 127, and s = d * sum(q) (the block's
 // sum as the quantized values give it, for formats with a per-block minimum). For the K-quants, in blocks of 256

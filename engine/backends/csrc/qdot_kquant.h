@@ -1,19 +1,20 @@
-// qdot.h's loop for the K-quants (Q4_K, Q6_K), as ggml's ggml_vec_dot_q4_K_q8_K / q6_K_q8_K compute them: the
-// activations in blocks of 256 (one float scale each, and each 16 values' sum: QRows' kq / kd / ks), so a whole
-// super-block of weights is summed in integers. Its group scales (6-bit Q4_K, int8 Q6_K) multiply the int16 pair
-// sums of `vpmaddubsw` in `vpmaddwd` (where the other formats multiply by 1), Q6_K's offset of 32 multiplies the
-// activation's 16-value sums in integers too, and one float FMA a super-block and activation row applies the two
-// float scales (d * dx * isum); Q4_K's minimums (dmin * mn, eight a block) take one more, with the activation's
-// 32-value sums times dx (ksf). The per-32 design converted and multiplied each group: eight conversions and FMAs a
-// super-block and row. Each activation row's sums are its own and in the same order whatever the number of rows (one
-// to four a weight row at a time): batch invariant.
+// qdot.h's loop for the K-quants (Q4_K, Q5_K, Q6_K), as ggml's ggml_vec_dot_q4_K_q8_K / q5_K_q8_K / q6_K_q8_K
+// compute them: the activations in blocks of 256 (one float scale each, and each 16 values' sum: QRows' kq / kd /
+// ks), so a whole super-block of weights is summed in integers. Its group scales (6-bit Q4_K / Q5_K, int8 Q6_K)
+// multiply the int16 pair sums of `vpmaddubsw` in `vpmaddwd` (where the other formats multiply by 1), Q6_K's offset
+// of 32 multiplies the activation's 16-value sums in integers too, and one float FMA a super-block and activation row
+// applies the two float scales (d * dx * isum); the minimums of Q4_K and Q5_K (dmin * mn, eight a block) take one
+// more, with the activation's 32-value sums times dx (ksf). Q5_K is Q4_K with a fifth bit a value (qh), or'ed into
+// the nibbles before the same integer dot. The per-32 design converted and multiplied each group: eight conversions
+// and FMAs a super-block and row. Each activation row's sums are its own and in the same order whatever the number of
+// rows (one to four a weight row at a time): batch invariant.
 #pragma once
 
 #include "qdot_packed.h"
 
 namespace peregrine_quant {
 
-// A Q4_K block's eight 6-bit scales (as int16, sc[0..7]) and minimums (as bytes, mn[0..7]).
+// A Q4_K (or Q5_K) block's eight 6-bit scales (as int16, sc[0..7]) and minimums (as bytes, mn[0..7]).
 inline void q4k_scales_mins(const uint8_t* b, int16_t* sc, uint8_t* mn) {
 #if defined(__AVX2__)
   uint32_t u[4];  // unpacked into bytes at once (ggml's bit trick)
@@ -37,28 +38,68 @@ inline void q4k_scales_mins(const uint8_t* b, int16_t* sc, uint8_t* mn) {
 #endif
 }
 
-// res[r] = x[m0 + r] . row for r < R, a Q4_K row: value 32j + l of a block is d * sc_j * q - dmin * mn_j, so a
-// block's dot is d * dx * sum_j sc_j (q_j . a_j), its sum in integers, minus sum_j dmin * mn_j * (dx * sum(a_j)),
-// eight float products (the weight row's minimums times the activation row's sums, ksf).
-template <int R>
-inline void dot_q4k(const uint8_t* row, const QRows& x, int64_t m0, float* res) {
-  const int64_t K = x.K, nb = K / kQK_K;
-  constexpr int64_t bytes = layout_of(kQ4_K).bytes;
+// The loop every K-quant dot shares: each activation row's accumulator (AVX2: eight float lanes) over the weight
+// row's super-blocks, `block(blk, b, acc)` adding super-block b (its bytes at blk) into each row's acc[r] (portable:
+// `block(blk, xb, acc)`, one activation row's float, xb its activation block), then each row's sum.
+template <int T, int R, typename Block>
+inline void superblocks(const uint8_t* row, const QRows& x, int64_t m0, float* res, Block&& block) {
+  constexpr int64_t bytes = layout_of(T).bytes;
+  const int64_t nb = x.K / kQK_K;
 #if defined(__AVX2__)
+  (void)m0;
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = row + b * bytes;
+  for (int64_t b = 0; b < nb; ++b) block(row + b * bytes, b, acc);
+  for (int r = 0; r < R; ++r) res[r] = hsum8(acc[r]);
+#else
+  for (int r = 0; r < R; ++r) {
+    float acc = 0.f;
+    for (int64_t b = 0; b < nb; ++b) block(row + b * bytes, (m0 + r) * nb + b, acc);
+    res[r] = acc;
+  }
+#endif
+}
+
+#if defined(__AVX2__)
+// Group g's fifth bits of a Q5_K block (bit g of each of its 32 qh bytes) as 16 in each byte: qh shifted so that bit
+// g lands on bit 4, masked; a shift, an and (and the caller's or) a group. The 16-bit shifts carry bits across the
+// byte boundary only below bit 4 (left) or above it (right), where the mask drops them.
+inline __m256i fifths_k(__m256i qh, int g) {
+  const __m256i m16 = _mm256_set1_epi8(0x10);
+  if (g < 4) return _mm256_and_si256(_mm256_slli_epi16(qh, 4 - g), m16);
+  if (g == 4) return _mm256_and_si256(qh, m16);
+  return _mm256_and_si256(_mm256_srli_epi16(qh, g - 4), m16);
+}
+#endif
+
+// res[r] = x[m0 + r] . row for r < R, a Q4_K or Q5_K row: value 32j + l of a block is d * sc_j * q - dmin * mn_j
+// (q 0-15; Q5_K's 0-31, a fifth bit from qh: bit j of qh[l] for group j), so a block's dot is
+// d * dx * sum_j sc_j (q_j . a_j), its sum in integers, minus sum_j dmin * mn_j * (dx * sum(a_j)), eight float
+// products (the weight row's minimums times the activation row's sums, ksf). Q5_K's unsigned values up to 31 keep
+// `vpmaddubsw`'s pair sums (2 * 31 * 127) far from int16's saturation, as ggml_vec_dot_q5_K_q8_K does.
+template <int T, int R>
+inline void dot_q45k(const uint8_t* row, const QRows& x, int64_t m0, float* res) {
+  static_assert(T == kQ4_K || T == kQ5_K);
+  constexpr int qs = T == kQ5_K ? 48 : 16;  // where the nibbles start (Q5_K: after qh[32], at 16)
+#if defined(__AVX2__)
+  superblocks<T, R>(row, x, m0, res, [&](const uint8_t* blk, int64_t b, __m256* acc) {
+    const int64_t K = x.K, nb = K / kQK_K;
     alignas(16) int16_t sc[8];
     alignas(8) uint8_t mn[8];
     q4k_scales_mins(blk, sc, mn);
     __m256i sumi[R];
     for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
+    const __m256i qh = T == kQ5_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16))
+                                  : _mm256_setzero_si256();
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {  // groups 2j (the low nibbles) and 2j + 1 (the high ones)
-      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * j)),
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + qs + 32 * j)),
                     low = _mm256_set1_epi8(0xF);
-      const __m256i w0 = _mm256_and_si256(q, low), w1 = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
+      __m256i w0 = _mm256_and_si256(q, low), w1 = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
+      if constexpr (T == kQ5_K) {
+        w0 = _mm256_or_si256(w0, fifths_k(qh, 2 * j));
+        w1 = _mm256_or_si256(w1, fifths_k(qh, 2 * j + 1));
+      }
       const __m256i s0 = _mm256_set1_epi16(sc[2 * j]), s1 = _mm256_set1_epi16(sc[2 * j + 1]);
       for (int r = 0; r < R; ++r) {
         const int8_t* a = x.kq + (m0 + r) * K + b * kQK_K + 64 * j;
@@ -78,30 +119,27 @@ inline void dot_q4k(const uint8_t* row, const QRows& x, int64_t m0, float* res) 
       acc[r] = madd8(_mm256_mul_ps(d, _mm256_broadcast_ss(x.kd + xb)), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
       acc[r] = madd8(mins, _mm256_loadu_ps(x.ksf + xb * 8), acc[r]);
     }
-  }
-  for (int r = 0; r < R; ++r) res[r] = hsum8(acc[r]);
+  });
 #else
-  for (int r = 0; r < R; ++r) {
-    float acc = 0.f;
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = row + b * bytes;
-      const int64_t xb = (m0 + r) * nb + b;
-      const int8_t* a = x.kq + xb * kQK_K;
-      int16_t sc[8];
-      uint8_t mn[8];
-      q4k_scales_mins(blk, sc, mn);
-      int32_t isum = 0;
-      for (int j = 0; j < 8; ++j) {
-        int32_t p = 0;
-        for (int l = 0; l < 32; ++l) p += ((blk[16 + 32 * (j / 2) + l] >> (4 * (j % 2))) & 0xF) * a[32 * j + l];
-        isum += sc[j] * p;
+  superblocks<T, R>(row, x, m0, res, [&](const uint8_t* blk, int64_t xb, float& acc) {
+    const int8_t* a = x.kq + xb * kQK_K;
+    int16_t sc[8];
+    uint8_t mn[8];
+    q4k_scales_mins(blk, sc, mn);
+    int32_t isum = 0;
+    for (int j = 0; j < 8; ++j) {
+      int32_t p = 0;
+      for (int l = 0; l < 32; ++l) {
+        int32_t w = (blk[qs + 32 * (j / 2) + l] >> (4 * (j % 2))) & 0xF;
+        if constexpr (T == kQ5_K) w |= ((blk[16 + l] >> j) & 1) << 4;
+        p += w * a[32 * j + l];
       }
-      acc += half_to_float(blk) * x.kd[xb] * static_cast<float>(isum);
-      const float dmin = half_to_float(blk + 2);
-      for (int j = 0; j < 8; ++j) acc += -dmin * static_cast<float>(mn[j]) * x.ksf[xb * 8 + j];
+      isum += sc[j] * p;
     }
-    res[r] = acc;
-  }
+    acc += half_to_float(blk) * x.kd[xb] * static_cast<float>(isum);
+    const float dmin = half_to_float(blk + 2);
+    for (int j = 0; j < 8; ++j) acc += -dmin * static_cast<float>(mn[j]) * x.ksf[xb * 8 + j];
+  });
 #endif
 }
 
@@ -109,13 +147,9 @@ inline void dot_q4k(const uint8_t* row, const QRows& x, int64_t m0, float* res) 
 // is d * dx * (sum_i sc_i (q_i . a_i) - 32 sum_i sc_i sum(a_i)), in integers (q unsigned, 0-63, for `vpmaddubsw`).
 template <int R>
 inline void dot_q6k(const uint8_t* row, const QRows& x, int64_t m0, float* res) {
-  const int64_t K = x.K, nb = K / kQK_K;
-  constexpr int64_t bytes = layout_of(kQ6_K).bytes;
 #if defined(__AVX2__)
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = row + b * bytes;
+  superblocks<kQ6_K, R>(row, x, m0, res, [&](const uint8_t* blk, int64_t b, __m256* acc) {
+    const int64_t K = x.K, nb = K / kQK_K;
     const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
     alignas(32) int16_t sc[16];
     _mm256_store_si256(reinterpret_cast<__m256i*>(sc), sc16);
@@ -153,39 +187,32 @@ inline void dot_q6k(const uint8_t* row, const QRows& x, int64_t m0, float* res) 
       const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(sc16, s16), 5);  // 32 sum_i sc_i sum(a_i)
       acc[r] = madd8(_mm256_set1_ps(d * x.kd[xb]), _mm256_cvtepi32_ps(_mm256_sub_epi32(sumi[r], offset)), acc[r]);
     }
-  }
-  for (int r = 0; r < R; ++r) res[r] = hsum8(acc[r]);
+  });
 #else
-  for (int r = 0; r < R; ++r) {
-    float acc = 0.f;
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = row + b * bytes;
-      const int64_t xb = (m0 + r) * nb + b;
-      const int8_t* a = x.kq + xb * kQK_K;
-      int32_t isum = 0;
-      for (int i = 0; i < 16; ++i) {
-        const int j = i / 2, n = j / 4, g = j % 4;
-        int32_t p = 0;
-        for (int l = 16 * (i % 2); l < 16 * (i % 2) + 16; ++l) {
-          const int low = (blk[64 * n + 32 * (g % 2) + l] >> (4 * (g / 2))) & 0xF,
-                    high = (blk[128 + 32 * n + l] >> (2 * g)) & 3;
-          p += (low | (high << 4)) * a[32 * j + l];
-        }
-        isum += static_cast<int8_t>(blk[192 + i]) * (p - 32 * x.ks[xb * 16 + i]);
+  superblocks<kQ6_K, R>(row, x, m0, res, [&](const uint8_t* blk, int64_t xb, float& acc) {
+    const int8_t* a = x.kq + xb * kQK_K;
+    int32_t isum = 0;
+    for (int i = 0; i < 16; ++i) {
+      const int j = i / 2, n = j / 4, g = j % 4;
+      int32_t p = 0;
+      for (int l = 16 * (i % 2); l < 16 * (i % 2) + 16; ++l) {
+        const int low = (blk[64 * n + 32 * (g % 2) + l] >> (4 * (g / 2))) & 0xF,
+                  high = (blk[128 + 32 * n + l] >> (2 * g)) & 3;
+        p += (low | (high << 4)) * a[32 * j + l];
       }
-      acc += half_to_float(blk + 208) * x.kd[xb] * static_cast<float>(isum);
+      isum += static_cast<int8_t>(blk[192 + i]) * (p - 32 * x.ks[xb * 16 + i]);
     }
-    res[r] = acc;
-  }
+    acc += half_to_float(blk + 208) * x.kd[xb] * static_cast<float>(isum);
+  });
 #endif
 }
 
 template <int T, int R>
 inline void dot_k(const uint8_t* row, const QRows& x, int64_t m0, float* res) {
-  if constexpr (T == kQ4_K)
-    dot_q4k<R>(row, x, m0, res);
-  else
+  if constexpr (T == kQ6_K)
     dot_q6k<R>(row, x, m0, res);
+  else
+    dot_q45k<T, R>(row, x, m0, res);
 }
 
 // qlinear_range_k's tiles, in bytes: the activation rows (int8, K bytes each) each weight row meets before the next

@@ -74,6 +74,7 @@ void dispatch(int64_t type, F&& f) {
     case kQ5_1: f(std::integral_constant<int, kQ5_1>{}); break;
     case kQ8_0: f(std::integral_constant<int, kQ8_0>{}); break;
     case kQ4_K: f(std::integral_constant<int, kQ4_K>{}); break;
+    case kQ5_K: f(std::integral_constant<int, kQ5_K>{}); break;
     case kQ6_K: f(std::integral_constant<int, kQ6_K>{}); break;
     case kQ4_0R: f(std::integral_constant<int, kQ4_0R>{}); break;
     case kQ4_1R: f(std::integral_constant<int, kQ4_1R>{}); break;

@@ -24,8 +24,8 @@ namespace peregrine_quant {
 //   Q8_0: the K int8 values in order (one 64-byte load is two groups), then the K / 32 f16 scales d. A value is
 //   d * q, as in the file.
 enum QType : int {
-  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14, kQ4_0R = 1002, kQ4_1R = 1003,
-  kQ8_0R = 1008,
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kQ4_0R = 1002,
+  kQ4_1R = 1003, kQ8_0R = 1008,
 };
 
 constexpr bool row_packed(int type) { return type == kQ4_0R || type == kQ4_1R || type == kQ8_0R; }
@@ -43,6 +43,7 @@ constexpr Layout layout_of(int type) {
     case kQ5_1: return {32, 24};
     case kQ8_0: return {32, 34};
     case kQ4_K: return {256, 144};
+    case kQ5_K: return {256, 176};
     case kQ6_K: return {256, 210};
     case kQ4_0R: return {64, 36};  // row-packed: whole rows only; bytes per 64 values
     case kQ4_1R: return {64, 40};
@@ -167,6 +168,29 @@ inline void dequant_block<kQ4_K>(const uint8_t* b, float* __restrict y) {  // f1
     for (int l = 0; l < 32; ++l) {
       y[l] = d1 * static_cast<float>(q[l] & 0xF) - m1;
       y[l + 32] = d2 * static_cast<float>(q[l] >> 4) - m2;
+    }
+  }
+}
+
+// Q5_K: Q4_K's d, dmin and 6-bit scales / minimums, then qh[32] (a fifth bit a value: bit 2j of qh[l] is value
+// 64j + l's, bit 2j + 1 value 64j + 32 + l's), then Q4_K's qs[128]. d * sc * q - dmin * mn, q 0-31.
+template <>
+inline void dequant_block<kQ5_K>(const uint8_t* b, float* __restrict y) {
+  const float d = half_to_float(b), dmin = half_to_float(b + 2);
+  const uint8_t* scales = b + 4;
+  uint8_t qh[32], qs[128];
+  std::memcpy(qh, b + 16, 32);
+  std::memcpy(qs, b + 48, 128);
+  const uint8_t* q = qs;
+  for (int j = 0; j < 4; ++j, q += 32, y += 64) {
+    uint8_t sc, mn;
+    scale_min_k4(2 * j, scales, &sc, &mn);
+    const float d1 = d * sc, m1 = dmin * mn;
+    scale_min_k4(2 * j + 1, scales, &sc, &mn);
+    const float d2 = d * sc, m2 = dmin * mn;
+    for (int l = 0; l < 32; ++l) {
+      y[l] = d1 * static_cast<float>((q[l] & 0xF) | (((qh[l] >> (2 * j)) & 1) << 4)) - m1;
+      y[l + 32] = d2 * static_cast<float>((q[l] >> 4) | (((qh[l] >> (2 * j + 1)) & 1) << 4)) - m2;
     }
   }
 }
