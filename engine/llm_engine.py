@@ -21,7 +21,7 @@ from engine.core.block_manager import BlockManager
 from engine.core.outputs import SequenceOutput
 from engine.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from engine.core.sequence import DraftRow, SampledToken, SampleRow, Sequence
-from engine.core.speculative import Adaptive, NgramProposer, Proposer, StepCost, accepted_prefix
+from engine.core.speculative import Adaptive, NgramProposer, Proposer, StepCost, accepted_prefix, plan_lengths
 from engine.draft import DraftModel, DraftProposer, check_same_vocabulary, kv_share
 from engine.model.kv_cache import KVCache, KVCacheSpec, kv_cache_dtype, plan_num_blocks
 from engine.model.runner import ModelRunner
@@ -140,7 +140,7 @@ class LLMEngine:
     def _propose(self) -> list[Sequence]:
         """Set the proposals of the decoding sequences that speculate this step; returns those sequences. None for
         a constrained sequence (its grammar state only follows accepted tokens), none past max_tokens or the
-        context; as many as pay (`_lengths`). The proposer gets every sequence in one call (a draft model batches
+        context; as many as pay (`plan_lengths`). The proposer gets every sequence in one call (a draft model batches
         them)."""
         if self.proposer is None:
             return []
@@ -154,7 +154,8 @@ class LLMEngine:
             if room > 0:
                 candidates.append((seq, room))
         adaptive = self.cfg.speculative_adaptive
-        lengths = self._lengths(candidates, len(decoding)) if adaptive else [room for _, room in candidates]
+        lengths = (plan_lengths(candidates, len(decoding), self.proposer, self.step_cost, self._adaptive, k,
+                               self.max_model_len) if adaptive else [room for _, room in candidates])
         wants = [(seq, n) for (seq, _), n in zip(candidates, lengths, strict=True) if n > 0]
         drafted = []
         for (seq, _), draft in zip(wants, self.proposer.propose_batch(wants) if wants else [], strict=True):
@@ -162,53 +163,6 @@ class LLMEngine:
             if draft:
                 drafted.append(seq)
         return drafted
-
-    def _lengths(self, candidates: list[tuple[Sequence, int]], rows: int) -> list[int]:
-        """How many proposals each (sequence, room) verifies in a step of `rows` decodes (`Adaptive.length`): as
-        many as pay given its acceptance rate, what a row costs (`StepCost`) and what a proposed token costs the
-        proposer in a step of as many proposing sequences (a draft model's step: its fixed part is shared by the
-        sequences that propose, not by every decode), and none, not even a try, while proposing would not pay for
-        the proposer's catch-up (`_affordable`)."""
-        assert self.proposer is not None
-        if not candidates:
-            return []
-        adaptives = [self._adaptive.setdefault(seq.seq_id, Adaptive()) for seq, _ in candidates]
-        share = self.step_cost.row_share(rows, self.proposer.token_cost(rows))
-        proposing = sum(1 for a, (_, room) in zip(adaptives, candidates, strict=True)
-                        if a.pause == 0 or a.pays(room, share) > 0)
-        if 0 < proposing < rows:  # the proposer's step is shared by fewer sequences than decode
-            share = self.step_cost.row_share(rows, self.proposer.token_cost(proposing))
-        saving = self._saving(rows, proposing)
-        return [a.length(room, share, self._affordable(seq, a, saving))
-                for a, (seq, room) in zip(adaptives, candidates, strict=True)]
-
-    def _saving(self, rows: int, proposing: int) -> float | None:
-        """Seconds a proposal that is kept saves its sequence in a step of `rows` decodes, `proposing` of them
-        proposing: what a decoded token costs (the step's time over its rows) less what a proposal costs (a row,
-        and the proposer's token). None before the step's cost is known."""
-        assert self.proposer is not None
-        step = self.step_cost.step_time(rows)
-        if step == 0.0:
-            return None
-        return step / rows - self.step_cost.fit()[1] - self.proposer.token_cost(max(proposing, 1))
-
-    def _affordable(self, seq: Sequence, adaptive: Adaptive, saving: float | None) -> bool:
-        """Whether `seq` may propose this step given what the proposer must first catch up on (a draft model's
-        prompt the first time, every token since its last proposal after a pause): the most that proposals could
-        save over its remaining tokens (each step k proposals, kept with its acceptance rate) must exceed it. Then
-        a draft that does not pay costs nothing: where even a kept proposal saves nothing (`saving` <= 0: a draft
-        step costs more than a decoded token), nothing is proposed or tried, and after a pause a try is made only
-        while the catch-up it needs is worth its chance."""
-        if saving is None:
-            return True  # no step timed yet: propose as the acceptance prior says, and learn
-        if saving <= 0.0:
-            return False
-        catchup = self.proposer.catchup_cost(seq) if self.proposer is not None else 0.0
-        if catchup == 0.0:
-            return True
-        k = self.cfg.speculative_tokens
-        left = min(seq.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens)
-        return catchup < adaptive.alpha * left * k / (k + 1) * saving
 
     def _accept(self, draft: tuple[int, ...], seq: Sequence, tokens: list[SampledToken]) -> list[RequestOutput]:
         """After a verification's first token (emitted): keep the sampled tokens while the one before each matched

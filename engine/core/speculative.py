@@ -172,7 +172,7 @@ class Adaptive:
     yields). When not even one proposal pays, the sequence stops proposing for `pause` steps, then tries one
     (pauses double on each failed try up to `max_pause`, and start over once proposals pay). A step in which
     proposing is not `affordable` (the engine's call: a draft model's catch-up would cost more than proposals could
-    gain, `LLMEngine._affordable`) proposes nothing and only counts a pause down; a try then waits for a step
+    gain, `_affordable`) proposes nothing and only counts a pause down; a try then waits for a step
     that affords it."""
 
     decay: float = 0.8
@@ -225,3 +225,51 @@ def accepted_prefix(draft: list[int] | tuple[int, ...], sampled: list[int]) -> i
     while a < len(draft) and sampled[a] == draft[a]:
         a += 1
     return a
+
+
+def plan_lengths(candidates: list[tuple[Sequence, int]], rows: int, proposer: Proposer, step_cost: StepCost,
+                 adaptives: dict, k: int, max_model_len: int) -> list[int]:
+    """How many proposals each (sequence, room) verifies in a step of `rows` decodes (`Adaptive.length`; each
+    sequence's Adaptive kept in `adaptives` by seq_id): as many as pay given its acceptance rate, what a row costs
+    (`step_cost`) and what a proposed token costs the proposer in a step of as many proposing sequences (a draft
+    model's step: its fixed part is shared by the sequences that propose, not by every decode), and none, not even a
+    try, while proposing would not pay for the proposer's catch-up (`_affordable`)."""
+    if not candidates:
+        return []
+    states = [adaptives.setdefault(seq.seq_id, Adaptive()) for seq, _ in candidates]
+    share = step_cost.row_share(rows, proposer.token_cost(rows))
+    proposing = sum(1 for a, (_, room) in zip(states, candidates, strict=True) if a.pause == 0 or a.pays(room, share))
+    if 0 < proposing < rows:  # the proposer's step is shared by fewer sequences than decode
+        share = step_cost.row_share(rows, proposer.token_cost(proposing))
+    saving = _saving(rows, proposing, proposer, step_cost)
+    return [a.length(room, share, _affordable(seq, a, saving, proposer, k, max_model_len))
+            for a, (seq, room) in zip(states, candidates, strict=True)]
+
+
+def _saving(rows: int, proposing: int, proposer: Proposer, step_cost: StepCost) -> float | None:
+    """Seconds a proposal that is kept saves its sequence in a step of `rows` decodes, `proposing` of them
+    proposing: what a decoded token costs (the step's time over its rows) less what a proposal costs (a row, and the
+    proposer's token). None before the step's cost is known."""
+    step = step_cost.step_time(rows)
+    if step == 0.0:
+        return None
+    return step / rows - step_cost.fit()[1] - proposer.token_cost(max(proposing, 1))
+
+
+def _affordable(seq: Sequence, adaptive: Adaptive, saving: float | None, proposer: Proposer, k: int,
+                max_model_len: int) -> bool:
+    """Whether `seq` may propose this step given what the proposer must first catch up on (a draft model's prompt
+    the first time, every token since its last proposal after a pause): the most that proposals could save over its
+    remaining tokens (each step k proposals, kept with its acceptance rate) must exceed it. Then a draft that does
+    not pay costs nothing: where even a kept proposal saves nothing (`saving` <= 0: a draft step costs more than a
+    decoded token), nothing is proposed or tried, and after a pause a try is made only while the catch-up it needs
+    is worth its chance."""
+    if saving is None:
+        return True  # no step timed yet: propose as the acceptance prior says, and learn
+    if saving <= 0.0:
+        return False
+    catchup = proposer.catchup_cost(seq)
+    if catchup == 0.0:
+        return True
+    left = min(seq.max_tokens - len(seq.output_token_ids), max_model_len - seq.num_tokens)
+    return catchup < adaptive.alpha * left * k / (k + 1) * saving
