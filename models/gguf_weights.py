@@ -58,14 +58,13 @@ ARCH_LAYER_NAMES = {
 }
 NORM_PLUS_ONE = ("gemma3",)  # llama.cpp's converter stores Gemma's norm weights as 1 + w; transformers' hold w
 TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-# RoPE frequency factors (Llama 3.x rope scaling; Phi-3's longrope short factors): RoPE's inverse frequencies are
-# divided by them, as llama.cpp does (`_rebuild_rotary`), not parameters of the model
-ROPE_FACTORS = ("rope_freqs.weight", "rope_factors_short.weight")
-IGNORED = ("rope_factors_long.weight",)
+# RoPE frequency factors (Llama 3.x rope scaling; Phi-3's longrope short and long factors): RoPE's inverse
+# frequencies are divided by them, as llama.cpp does (`_rebuild_rotary`), not parameters of the model
+ROPE_FACTORS = ("rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight")
 # Architectures served here that transformers' GGUF reader has no table for: their metadata keys (those of "llama",
 # plus these) added to its table before it converts the config and tokenizer
 EXTRA_METADATA = {"granite": {"embedding_scale": "embedding_multiplier", "residual_scale": "residual_multiplier",
-                              "attention.scale": "attention_multiplier", "logit_scale": "logits_scaling"}}  # Phi-3's factors beyond its original context: not applied (docs)
+                              "attention.scale": "attention_multiplier", "logit_scale": "logits_scaling"}}
 
 
 class Unsupported(ValueError):
@@ -197,10 +196,12 @@ def window_layers(pattern: int | list[bool], layers: int) -> list[str]:
 # --- the model ------------------------------------------------------------------------------------------
 
 
-def load(gguf_path: Path, folder: Path, dtype: torch.dtype, trust_remote_code: bool = False) -> nn.Module:
+def load(gguf_path: Path, folder: Path, dtype: torch.dtype, trust_remote_code: bool = False,
+         context: int | None = None) -> nn.Module:
     """The transformers model of `folder`'s config, its weights taken from `gguf_path` (quantized ones kept so).
-    Raises Unsupported before building anything when the file cannot be served this way, BadFile when it is
-    damaged or contradicts its metadata."""
+    `context`: the longest sequence it will serve (default: the model's own context), which picks Phi-3's long or
+    short RoPE factors. Raises Unsupported before building anything when the file cannot be served this way,
+    BadFile when it is damaged or contradicts its metadata."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     reader = open_reader(gguf_path)
@@ -213,7 +214,7 @@ def load(gguf_path: Path, folder: Path, dtype: torch.dtype, trust_remote_code: b
     config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
-    tensors = {hf_name(t.name, arch): t for t in reader.tensors if t.name not in (*IGNORED, *ROPE_FACTORS)}
+    tensors = {hf_name(t.name, arch): t for t in reader.tensors if t.name not in ROPE_FACTORS}
     quantized: dict[str, QuantWeight] = {}
     for name, t in sorted(tensors.items(), key=lambda item: item[0].endswith(".bias")):  # weights before biases
         value = _tensor(t, dtype, name, config, arch)
@@ -224,7 +225,7 @@ def load(gguf_path: Path, folder: Path, dtype: torch.dtype, trust_remote_code: b
         else:
             _set(model, name, nn.Parameter(value, requires_grad=False))
     _tie_head(model, quantized)
-    _rebuild_rotary(model, [t for t in reader.tensors if t.name in ROPE_FACTORS])
+    _rebuild_rotary(model, rope_scaling(reader, arch, context or int(config.max_position_embeddings)))
     leftover = [n for n, p in (*model.named_parameters(), *model.named_buffers()) if p.is_meta]
     if leftover:
         raise Unsupported(f"the file has no values for {', '.join(leftover[:4])}")
@@ -305,13 +306,34 @@ def _tie_head(model: nn.Module, quantized: dict[str, QuantWeight]) -> None:
         model.lm_head.weight = model.model.embed_tokens.weight
 
 
-def _rebuild_rotary(model: nn.Module, factors: list[object]) -> None:
+def rope_scaling(reader: object, arch: str, context: int) -> tuple[list[object], float]:
+    """The file's RoPE frequency factors to apply, and the factor cos and sin are multiplied by, as llama.cpp
+    applies them: Llama 3.x's `rope_freqs`; Phi-3's longrope (Phi-3.5/4-mini: 128k of context over an original
+    4k) `rope_factors_long` when the served context is longer than `rope.scaling.original_context_length`, else
+    `rope_factors_short`, and `rope.scaling.attn_factor` (about 1.19 for 128k over 4k) at every length.
+    transformers switches Phi-3's factors per forward call by the longest position in it, which would make a
+    sequence's RoPE depend on its batch mates; llama.cpp picks once by the context size, and so does this."""
+    fields = reader.fields
+
+    def number(key: str) -> float | None:
+        field = fields.get(f"{arch}.{key}")
+        return None if field is None else float(field.contents())
+
+    factors = [t for t in reader.tensors if t.name in ROPE_FACTORS]
+    original = number("rope.scaling.original_context_length")
+    long = original is not None and context > original
+    factors = [t for t in factors if t.name != ("rope_factors_short.weight" if long else "rope_factors_long.weight")]
+    return factors, number("rope.scaling.attn_factor") or 1.0
+
+
+def _rebuild_rotary(model: nn.Module, scaling: tuple[list[object], float]) -> None:
     """RoPE's inverse frequencies are computed at construction, which ran on the meta device: redo it, then divide
-    them by the file's frequency factors (Llama 3.x `rope_freqs`: what llama.cpp does with them)."""
+    them by the file's frequency factors and scale cos and sin by its attention factor (`rope_scaling`)."""
     inner = model.model
     rotary = getattr(inner, "rotary_emb", None)
     if rotary is None:
         return
+    factors, attn_factor = scaling
     inner.rotary_emb = rotary = type(rotary)(config=model.config)
     for t in factors:
         factor = torch.from_numpy(np.array(t.data, dtype=np.float32)).reshape(-1)
@@ -319,6 +341,8 @@ def _rebuild_rotary(model: nn.Module, factors: list[object]) -> None:
             raise BadFile(f"{t.name} holds {factor.numel()} factors for {rotary.inv_freq.numel()} RoPE frequencies")
         rotary.inv_freq = rotary.inv_freq / factor.to(rotary.inv_freq.dtype)
         rotary.original_inv_freq = rotary.inv_freq
+    if attn_factor != 1.0:
+        rotary.attention_scaling = attn_factor * getattr(rotary, "attention_scaling", 1.0)
 
 
 def _check_shape(model: nn.Module, name: str, shape: tuple[int, ...]) -> None:

@@ -182,7 +182,7 @@ def load_quantized_gguf(
         gguf_weights.check(path)
         folder = gguf_weights.metadata_folder(path, cache_dir)
         tokenizer = load_tokenizer(folder, cfg.trust_remote_code, cfg.chat_template)
-        model = gguf_weights.load(path, folder, dtype, cfg.trust_remote_code)
+        model = gguf_weights.load(path, folder, dtype, cfg.trust_remote_code, cfg.max_model_len)
     except gguf_weights.BadFile as exc:
         raise LoadError(str(exc)) from None
     except gguf_weights.Unsupported as exc:

@@ -21,6 +21,11 @@ from tests.quant_blocks import llama_cpp_order
 HIDDEN, FFN, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 128, 256, 4, 2, 32, 2
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+# Phi-3.5/4-mini's longrope, scaled down: 256 positions over an original 64 (theirs: 128k over 4k), a short and a
+# long factor for each of the 12 rotated frequency pairs (24 of 32 dimensions turn)
+PHI3_ORIGINAL = 64
+PHI3_LONGROPE = {"rope_type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(12)],
+                 "long_factor": [1.0 + 0.6 * i for i in range(12)]}
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,7 @@ class Spec:
     served_type: str | None = None
     served_drop: tuple[str, ...] = ()
     tied: bool = True
+    context: int | None = None  # the context to serve it with against transformers' (None: the model's)
 
 
 SPECS = {
@@ -44,6 +50,12 @@ SPECS = {
     "granite": Spec("granite", "granite", {"embedding_multiplier": 6.0, "residual_multiplier": 0.25,
                                            "attention_multiplier": 1 / 16, "logits_scaling": 4.0}),
     "phi3": Spec("phi3", "phi3", {"partial_rotary_factor": 0.75, "pad_token_id": 0}, tied=False),
+    # Phi-3.5/4-mini's long context: the file's factors and attention factor; served within the original context,
+    # transformers' short factors (past it, its long ones: test_families.test_phi3_long_factors_past_the_original_context)
+    "phi3-long": Spec("phi3", "phi3", {"partial_rotary_factor": 0.75, "pad_token_id": 0,
+                                       "original_max_position_embeddings": PHI3_ORIGINAL, "rope_scaling": PHI3_LONGROPE},
+                      served_drop=("rope_scaling", "rope_parameters", "original_max_position_embeddings"), tied=False,
+                      context=PHI3_ORIGINAL),
     # a window of 4 on the first layer (its RoPE base 10k), the second global (base 1M): both matter within a test
     "gemma3": Spec("gemma3", "gemma3_text", {"head_dim": HEAD_DIM, "query_pre_attn_scalar": HEAD_DIM,
                                              "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"],
@@ -102,8 +114,13 @@ def write_family(folder: Path, family: str, vocab: int, seed: int = 0, tokenizer
         if name == "lm_head.weight" and spec.tied:
             continue
         state[name] = _write(writer, name, value, spec.arch, config)
-    if "rope_parameters" in spec.served_drop:  # Llama 3.x: the factors RoPE's inverse frequencies are divided by
+    if family == "llama3":  # Llama 3.x: the factors RoPE's inverse frequencies are divided by
         writer.add_tensor("rope_freqs.weight", _rope_factors(model).numpy())
+    if family == "phi3-long":  # as llama.cpp's converter writes longrope (conversion/phi.py)
+        for kind in ("short", "long"):
+            writer.add_tensor(f"rope_factors_{kind}.weight", np.array(PHI3_LONGROPE[f"{kind}_factor"], np.float32))
+        writer.add_rope_scaling_orig_ctx_len(PHI3_ORIGINAL)
+        writer.add_rope_scaling_attn_factors(float(model.model.rotary_emb.attention_scaling))
     for step in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
         step()
     writer.close()

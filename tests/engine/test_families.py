@@ -30,7 +30,7 @@ from engine.model.quant import QuantLinear
 from engine.types import EngineConfig, SamplingParams
 from models import gguf_weights
 from models.loader import LoadError, load_model
-from tests.family_gguf import SPECS, write_family
+from tests.family_gguf import PHI3_LONGROPE, SPECS, write_family
 from tests.support import Loaded, decoder_against_op_by_op, make_engine, run_all, tokens_of
 
 pytestmark = pytest.mark.timeout(900)
@@ -51,8 +51,9 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     """(family, the float32 reference, the GGUF file served quantized)."""
     folder = tmp_path_factory.mktemp(request.param)
     reference = write_family(folder, request.param, vocab_of(byte_level_tokenizer))
-    model = gguf_weights.load(folder / "tiny.gguf", folder, torch.float32)
-    return request.param, reference, Loaded(model, byte_level_tokenizer, 256)
+    context = SPECS[request.param].context
+    model = gguf_weights.load(folder / "tiny.gguf", folder, torch.float32, context=context)
+    return request.param, reference, Loaded(model, byte_level_tokenizer, context or 256)
 
 
 def greedy(logprobs: int = 0) -> SamplingParams:
@@ -68,7 +69,14 @@ def test_logits_and_greedy_match_transformers_on_the_fast_path(served: tuple[str
     family, reference, loaded = served
     assert family_of(loaded.model.config) is not None
     assert any(isinstance(m, QuantLinear) for m in loaded.model.modules())
-    engine = make_engine(loaded)
+    error, ours, theirs = against_transformers(make_engine(loaded), reference, PROMPT)
+    assert error <= BOUND, f"{family}: logit error {error:.3g} of the largest logit"
+    assert ours == theirs, family
+
+
+def against_transformers(engine: object, reference: torch.nn.Module, prompt: list[int]) -> tuple[float, list[int], list[int]]:
+    """The engine's greedy run of `prompt` on the fast path against transformers': the largest logit error (of the
+    reference's largest logit) at prefill and each decode step, and both runs' tokens."""
     assert engine.runner.impl == "llama"
     fast, captured = engine.runner.forward, []
 
@@ -78,17 +86,15 @@ def test_logits_and_greedy_match_transformers_on_the_fast_path(served: tuple[str
         return logits
 
     engine.runner._forward = spy
-    ours = tokens_of(run_all(engine, {"a": (PROMPT, greedy())})["a"])
+    ours = tokens_of(run_all(engine, {"a": (prompt, greedy())})["a"])
     assert fast._decoder is not None, "the one-call C++ decoder did not run"
     with torch.inference_mode():
-        want = reference(torch.tensor([PROMPT + ours])).logits[0, len(PROMPT) - 1 : -1]
-        theirs = reference.generate(torch.tensor([PROMPT]), max_new_tokens=STEPS, do_sample=False,
-                                    eos_token_id=None, pad_token_id=0)[0, len(PROMPT):].tolist()
+        want = reference(torch.tensor([prompt + ours])).logits[0, len(prompt) - 1 : -1]
+        theirs = reference.generate(torch.tensor([prompt]), max_new_tokens=STEPS, do_sample=False,
+                                    eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
     got = torch.cat(captured)
     assert got.shape == want.shape == (STEPS, want.shape[1])
-    error = float((got - want).abs().max() / want.abs().max())
-    assert error <= BOUND, f"{family}: logit error {error:.3g} of the largest logit"
-    assert ours == theirs, family
+    return float((got - want).abs().max() / want.abs().max()), ours, theirs
 
 
 def test_batch_invariant(served: tuple[str, torch.nn.Module, Loaded]) -> None:
@@ -112,6 +118,28 @@ def test_llama3_rope_freqs_reach_the_rotary_module(served: tuple[str, torch.nn.M
     torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)
     plain = 1.0 / 10000.0 ** (torch.arange(0, 32, 2) / 32)
     assert not torch.allclose(ours, plain)  # the scaling changes some of them
+
+
+def test_phi3_long_factors_past_the_original_context(tmp_path: Path, byte_level_tokenizer: object) -> None:
+    """Phi-3.5/4-mini files hold longrope's short and long factors and an attention factor (about 1.19 for 128k over
+    4k). Served with a context past the original one, the long factors apply from the first position (llama.cpp's
+    rule: picked once by the context, so a sequence's RoPE never depends on its batch mates); within it, the short
+    ones (the `served` fixture's phi3-long). Against transformers, which picks the long factors for a forward call
+    longer than the original context: a prompt of 80 > 64 tokens, its prefill and 16 decode steps."""
+    reference = write_family(tmp_path, "phi3-long", vocab_of(byte_level_tokenizer))
+    model = gguf_weights.load(tmp_path / "tiny.gguf", tmp_path, torch.float32, context=256)
+    rotary = model.model.rotary_emb
+    assert rotary.attention_scaling == pytest.approx(1.1547, abs=1e-4)  # sqrt(1 + ln(256 / 64) / ln 64)
+    plain = 1.0 / 10000.0 ** (torch.arange(0, 24, 2) / 24)
+    torch.testing.assert_close(rotary.inv_freq, plain / torch.tensor(PHI3_LONGROPE["long_factor"]), rtol=1e-6, atol=0)
+    short = gguf_weights.load(tmp_path / "tiny.gguf", tmp_path, torch.float32, context=64).model.rotary_emb
+    torch.testing.assert_close(short.inv_freq, plain / torch.tensor(PHI3_LONGROPE["short_factor"]), rtol=1e-6, atol=0)
+    assert short.attention_scaling == rotary.attention_scaling  # at every length, as llama.cpp and transformers do
+    prompt = [(7 * i + 3) % 250 + 2 for i in range(80)]
+    error, ours, theirs = against_transformers(make_engine(Loaded(model, byte_level_tokenizer, 256)), reference, prompt)
+    torch.testing.assert_close(reference.model.rotary_emb.inv_freq, rotary.inv_freq, rtol=1e-6, atol=0)  # its long ones
+    assert error <= BOUND, f"logit error {error:.3g} of the largest logit"
+    assert ours == theirs
 
 
 @pytest.mark.parametrize("family", list(SPECS))
