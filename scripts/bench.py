@@ -208,11 +208,25 @@ class OpenPeer:
         except psutil.Error:
             return 0.0
 
+    def peak_rss_mb(self) -> float | None:
+        """The most resident memory the server's process tree has held (Linux's VmHWM of each process, summed;
+        weights, KV cache and buffers alike), or None in-process or where /proc does not say."""
+        if self.pid is None:
+            return None
+        try:
+            procs = [psutil.Process(self.pid), *psutil.Process(self.pid).children(recursive=True)]
+            peaks = [line.split()[1] for p in procs for line in Path(f"/proc/{p.pid}/status").read_text().splitlines()
+                     if line.startswith("VmHWM:")]  # fmt: skip
+        except (psutil.Error, OSError):
+            return None
+        return sum(int(kb) for kb in peaks) / 1024 if peaks else None
+
     def result(self) -> dict[str, Any]:
+        rss = {"peak_rss_mb": mb} if (mb := self.peak_rss_mb()) is not None else {}
         if len(self.rounds) == 1:
-            return self.info | {"rows": self.rounds[0]}
+            return self.info | {"rows": self.rounds[0]} | rss
         rounds = {"rows": median_rows(self.rounds), "rounds": self.rounds}
-        return self.info | rounds | ({"idle_cpu_s": self.idle_cpu_s} if self.pid is not None else {})
+        return self.info | rounds | rss | ({"idle_cpu_s": self.idle_cpu_s} if self.pid is not None else {})
 
 
 def open_peer(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import subprocess
 import sys
 from pathlib import Path
 
@@ -247,6 +248,21 @@ def test_bench_against_a_real_server(tiny_server, tiny_model_dir, tmp_path: Path
     assert row["ttft_ms"]["p50"] > 0 and row["tpot_ms"]["mean"] > 0 and row["output_throughput"] > 0
     assert row["client_cpu_s"] > 0, "the load generator's own CPU is reported"
     assert bench_report.format_row(row).endswith(f"| {row['client_cpu_s']:.2f} |")
+
+
+def test_a_servers_peak_resident_memory_is_reported() -> None:
+    """The peak RSS of a server's process tree (what the model-families table compares with the file's size): a
+    child that held 200 MB and let most of it go is reported at its peak."""
+    code = "b = bytearray(200 << 20); del b; import sys; sys.stdout.write('ok\\n'); sys.stdout.flush(); sys.stdin.read()"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "ok\n"
+        peak = bench.OpenPeer("child", {}, pid=proc.pid).peak_rss_mb()
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+    assert peak is not None and 200 <= peak < 1000, peak
+    assert bench.OpenPeer("engine", {}).peak_rss_mb() is None  # in-process: no server of its own
 
 
 def level_row(peer: str, tps: float, round_no: int) -> dict:

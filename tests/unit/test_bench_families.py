@@ -35,10 +35,11 @@ def test_rows_pair_the_servers_at_each_level(tmp_path: Path) -> None:
     def row(conc: int, tok_s: float, ttft_ms: float) -> dict:
         return {"concurrency": conc, "output_throughput": tok_s, "ttft_ms": {"p50": ttft_ms}}
 
-    result = {"runs": [{"peer": "peregrine", "rows": [row(1, 30.0, 100.0), row(16, 90.0, 900.0)]},
+    result = {"runs": [{"peer": "peregrine", "rows": [row(1, 30.0, 100.0), row(16, 90.0, 900.0)], "peak_rss_mb": 120.0},
                        {"peer": "llamacpp", "rows": [row(1, 20.0, 200.0), row(16, 60.0, 3000.0)]}]}  # fmt: skip
     file = tmp_path / "x.gguf"
     file.write_bytes(b"\0" * 1000)
     rows = bench_families.summarize("s", "Q4_K_M", file, result)
     assert [(r["concurrency"], r["ratio"]) for r in rows] == [(1, 1.5), (16, 1.5)]
     assert rows[1]["ttft_peregrine"] == pytest.approx(0.9) and rows[1]["ttft_llamacpp"] == pytest.approx(3.0)
+    assert (rows[0]["rss_peregrine"], rows[0]["rss_llamacpp"]) == (120.0, None)  # a run without the figure: None
