@@ -46,6 +46,7 @@ class Spec:
 SPECS = {
     "llama3": Spec("llama", "llama", {"rope_scaling": LLAMA3_ROPE}, served_drop=("rope_scaling", "rope_parameters")),
     "mistral": Spec("llama", "mistral", {"sliding_window": None}, served_type="llama", tied=False),
+    "qwen2": Spec("qwen2", "qwen2", {}),  # Qwen2 / Qwen2.5: biases on q, k and v; small ones tie the embedding
     "qwen3": Spec("qwen3", "qwen3", {"head_dim": HEAD_DIM}, tied=False),
     "granite": Spec("granite", "granite", {"embedding_multiplier": 6.0, "residual_multiplier": 0.25,
                                            "attention_multiplier": 1 / 16, "logits_scaling": 4.0}),

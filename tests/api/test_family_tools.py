@@ -1,8 +1,8 @@
 """A tool call through each family's real chat template, end to end: one real server (`--models-file`) serving a
 tiny random-weight GGUF of each family (tests/family_gguf.py: the architecture's tensor layout and metadata, served
 quantized on the fast path) with the family's own template in the file's `tokenizer.chat_template`, as a
-downloaded GGUF carries it; Qwen3 and Llama 3.1 with their real tokenizers (llama.cpp's vocab-only GGUFs, where
-`<tool_call>` and `<|python_tag|>` are single special tokens), Gemma 3 with a SentencePiece one (Llama 2's), the
+downloaded GGUF carries it; Qwen3, Qwen2.5 and Llama 3.1 with their real tokenizers (llama.cpp's vocab-only GGUFs,
+where `<tool_call>` and `<|python_tag|>` are single special tokens), Gemma 3 with a SentencePiece one (Llama 2's), the
 others with the byte-level test tokenizer.
 
 For each, through the `openai` SDK: a forced call (tool_choice naming the function: the grammar writes the call in
@@ -33,6 +33,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 # family -> (chat template, llama.cpp vocab or None for the byte-level tokenizer)
 FAMILIES = {
     "qwen3": ("qwen3", "qwen2"),
+    "qwen2": ("qwen2.5", "qwen2"),
     "llama3": ("llama3.1", "llama-bpe"),
     "mistral": ("mistral-nemo", None),
     "granite": ("granite3.3", None),
