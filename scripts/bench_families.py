@@ -1,7 +1,8 @@
 """Speed on real shapes (issue 36): random-weight GGUFs of real models' shapes, served by Peregrine and llama-server.
 
 `make` writes each shape as an F16 GGUF with random weights (the values do not change the speed) and the family's
-real tokenizer (copied from llama.cpp's vocab-only GGUFs, `models/ggml-vocab-*.gguf` in the vendored source), then
+real tokenizer (copied from llama.cpp's vocab-only GGUFs, `models/ggml-vocab-*.gguf` in the vendored source; Gemma
+3's 262k-token one is not there, so Llama 2's SentencePiece vocabulary padded to as many rows stands in), then
 quantizes it with llama.cpp's own `llama-quantize` (built by `scripts/bench_peers.py setup`) to Q4_K_M and Q8_0 (or
 the --formats given: any llama-quantize type, e.g. Q5_K_M).
 `run` serves each file with both servers through `scripts/bench.py` (one stream and 16, same file, same threads,
@@ -45,14 +46,26 @@ class Shape:
     head_dim: int
     vocab: str  # llama.cpp's ggml-vocab-<vocab>.gguf
     rope_base: float
-    qk_norm: bool = False  # Qwen3: per-head RMSNorm of q and k
+    qk_norm: bool = False  # Qwen3, Gemma 3: per-head RMSNorm of q and k
     qkv_bias: bool = False  # Qwen2: biases on q, k, v
+    fused: bool = False  # Phi-3: q, k, v in one tensor (attn_qkv), gate and up in one (ffn_up)
+    sandwich: bool = False  # Gemma 3: norms on o's and down's outputs too
+    window: int = 0  # Gemma 3: the sliding window of 5 layers in 6
+    vocab_rows: int = 0  # the embedding's rows, where the real model has more tokens than the vocab file
+    context: int = 8192
+    original_context: int = 0  # Phi-3.5: longrope's factors and attention factor over this original context
 
 
 SHAPES = {
     "qwen3-0.6b": Shape("qwen3", 1024, 28, 3072, 16, 8, 128, "qwen2", 1e6, qk_norm=True),
     "llama-3.2-1b": Shape("llama", 2048, 16, 8192, 32, 8, 64, "llama-bpe", 5e5),
     "qwen2.5-1.5b": Shape("qwen2", 1536, 28, 8960, 12, 2, 128, "qwen2", 1e6, qkv_bias=True),
+    # Gemma 3's 262,144-token vocabulary (a quarter of the 1B's weights): llama.cpp's SentencePiece vocab (Gemma's
+    # kind of tokenizer) padded with unused tokens to that many rows
+    "gemma-3-1b": Shape("gemma3", 1152, 26, 6912, 4, 1, 256, "llama-spm", 1e6, qk_norm=True, sandwich=True,
+                        window=512, vocab_rows=262144, context=32768),
+    "phi-3.5-mini": Shape("phi3", 3072, 32, 8192, 32, 32, 96, "phi-3", 1e4, fused=True, context=131072,
+                          original_context=4096),
 }
 
 
@@ -70,9 +83,10 @@ def write_f16(name: str, shape: Shape, path: Path, vocab: Path, seed: int = 0) -
 
     reader = gguf.GGUFReader(vocab)
     tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    pad = max(0, shape.vocab_rows - len(tokens))
     writer = gguf.GGUFWriter(str(path), shape.arch)
     writer.add_name(f"random {name}")
-    writer.add_context_length(8192)
+    writer.add_context_length(shape.context)
     writer.add_embedding_length(shape.hidden)
     writer.add_block_count(shape.layers)
     writer.add_feed_forward_length(shape.ffn)
@@ -84,10 +98,19 @@ def write_f16(name: str, shape: Shape, path: Path, vocab: Path, seed: int = 0) -
     writer.add_rope_freq_base(shape.rope_base)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    if shape.window:
+        writer.add_sliding_window(shape.window)
+    if shape.original_context:  # as llama.cpp's converter writes Phi-3.5's longrope
+        writer.add_rope_scaling_orig_ctx_len(shape.original_context)
+        scale = shape.context / shape.original_context
+        writer.add_rope_scaling_attn_factors(float(np.sqrt(1 + np.log(scale) / np.log(shape.original_context))))
+    padded = {"tokenizer.ggml.tokens": [f"<unused_pad_{i}>" for i in range(pad)],
+              "tokenizer.ggml.token_type": [int(gguf.TokenType.UNUSED)] * pad, "tokenizer.ggml.scores": [0.0] * pad}
     for key, field in reader.fields.items():
         if key.startswith("tokenizer."):
             sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+            value = field.contents()
+            writer.add_key_value(key, list(value) + padded[key] if key in padded else value, field.types[0], sub_type=sub)
     rng = np.random.default_rng(seed)
 
     def matrix(rows: int, cols: int) -> np.ndarray:
@@ -95,17 +118,24 @@ def write_f16(name: str, shape: Shape, path: Path, vocab: Path, seed: int = 0) -
 
     ones = lambda n: np.ones(n, dtype=np.float32)  # noqa: E731
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    writer.add_tensor("token_embd.weight", matrix(len(tokens), shape.hidden))
+    writer.add_tensor("token_embd.weight", matrix(len(tokens) + pad, shape.hidden))
     writer.add_tensor("output_norm.weight", ones(shape.hidden))
+    if shape.original_context:
+        for kind in ("long", "short"):
+            writer.add_tensor(f"rope_factors_{kind}.weight", 1.0 + rng.random(shape.head_dim // 2, dtype=np.float32))
+    if shape.fused:
+        matmuls = {"attn_qkv": (q + 2 * kv, shape.hidden), "ffn_up": (2 * shape.ffn, shape.hidden)}
+    else:
+        matmuls = {"attn_q": (q, shape.hidden), "attn_k": (kv, shape.hidden), "attn_v": (kv, shape.hidden),
+                   "ffn_gate": (shape.ffn, shape.hidden), "ffn_up": (shape.ffn, shape.hidden)}
+    matmuls |= {"attn_output": (shape.hidden, q), "ffn_down": (shape.hidden, shape.ffn)}
+    norms = ["attn_norm", "ffn_norm", *(["post_attention_norm", "post_ffw_norm"] if shape.sandwich else [])]
     for i in range(shape.layers):
         b = f"blk.{i}."
-        for t, (rows, cols) in {"attn_q": (q, shape.hidden), "attn_k": (kv, shape.hidden),
-                                "attn_v": (kv, shape.hidden), "attn_output": (shape.hidden, q),
-                                "ffn_gate": (shape.ffn, shape.hidden), "ffn_up": (shape.ffn, shape.hidden),
-                                "ffn_down": (shape.hidden, shape.ffn)}.items():  # fmt: skip
+        for t, (rows, cols) in matmuls.items():
             writer.add_tensor(b + t + ".weight", matrix(rows, cols))
-        writer.add_tensor(b + "attn_norm.weight", ones(shape.hidden))
-        writer.add_tensor(b + "ffn_norm.weight", ones(shape.hidden))
+        for t in norms:
+            writer.add_tensor(b + t + ".weight", ones(shape.hidden))
         if shape.qk_norm:
             writer.add_tensor(b + "attn_q_norm.weight", ones(shape.head_dim))
             writer.add_tensor(b + "attn_k_norm.weight", ones(shape.head_dim))

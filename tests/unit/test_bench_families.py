@@ -43,3 +43,28 @@ def test_rows_pair_the_servers_at_each_level(tmp_path: Path) -> None:
     assert [(r["concurrency"], r["ratio"]) for r in rows] == [(1, 1.5), (16, 1.5)]
     assert rows[1]["ttft_peregrine"] == pytest.approx(0.9) and rows[1]["ttft_llamacpp"] == pytest.approx(3.0)
     assert (rows[0]["rss_peregrine"], rows[0]["rss_llamacpp"]) == (120.0, None)  # a run without the figure: None
+
+
+def test_fused_windowed_and_padded_shapes_are_written_as_llama_cpp_reads_them(tmp_path: Path) -> None:
+    """Phi-3.5's fused q/k/v and gate/up with its longrope factors and keys; Gemma 3's sandwich norms, window and a
+    vocabulary padded to the real model's rows."""
+    phi = bench_families.Shape("phi3", 64, 2, 128, 4, 4, 16, "bundled", 1e4, fused=True, context=1024,
+                               original_context=256)  # fmt: skip
+    path = tmp_path / "phi-F16.gguf"
+    bench_families.write_f16("phi", phi, path, bench_peers.bundled_gguf())
+    reader = gguf.GGUFReader(path)
+    tensors = {t.name: tuple(int(d) for d in t.shape) for t in reader.tensors}
+    assert tensors["blk.0.attn_qkv.weight"] == (64, 3 * 64) and tensors["blk.1.ffn_up.weight"] == (64, 2 * 128)
+    assert "blk.0.attn_q.weight" not in tensors and "blk.0.ffn_gate.weight" not in tensors
+    assert tensors["rope_factors_long.weight"] == tensors["rope_factors_short.weight"] == (8,)
+    assert reader.fields["phi3.rope.scaling.original_context_length"].contents() == 256
+    assert reader.fields["phi3.rope.scaling.attn_factor"].contents() == pytest.approx((1 + 1.3863 / 5.5452) ** 0.5, abs=1e-4)
+    gemma = bench_families.Shape("gemma3", 64, 2, 128, 2, 1, 32, "bundled", 1e6, qk_norm=True, sandwich=True,
+                                 window=16, vocab_rows=60000)  # fmt: skip
+    path = tmp_path / "gemma-F16.gguf"
+    bench_families.write_f16("gemma", gemma, path, bench_peers.bundled_gguf())
+    reader = gguf.GGUFReader(path)
+    tensors = {t.name: tuple(int(d) for d in t.shape) for t in reader.tensors}
+    assert tensors["token_embd.weight"] == (64, 60000) and len(reader.fields["tokenizer.ggml.tokens"].contents()) == 60000
+    assert {"blk.1.post_attention_norm.weight", "blk.1.post_ffw_norm.weight", "blk.0.attn_q_norm.weight"} <= set(tensors)
+    assert reader.fields["gemma3.attention.sliding_window"].contents() == 16
