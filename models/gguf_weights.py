@@ -31,7 +31,7 @@ from models.fingerprint import gguf_fingerprint
 
 log = logging.getLogger(__name__)
 
-META_FORMAT = 3  # bump when the cached metadata layout changes
+META_FORMAT = 4  # bump when the cached metadata layout changes (4: the BOS as llama.cpp adds it)
 # GGUF general.architecture values served quantized (the Llama-block families of engine/model/families.py; Mistral
 # and Ministral files say "llama")
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "granite", "phi3", "gemma3")
@@ -140,9 +140,52 @@ def _write_metadata(gguf_path: Path, out: Path) -> None:
     _complete(config, gguf_path)
     config.save_pretrained(out)
     GenerationConfig.from_model_config(config).save_pretrained(out)
-    AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    bos_as_llama_cpp(tokenizer, adds_bos(open_reader(gguf_path)))
+    tokenizer.save_pretrained(out)
     marker = {"format": META_FORMAT, "source": str(gguf_path), "weights": "kept quantized in the GGUF file"}
     (out / "peregrine.json").write_text(json.dumps(marker, indent=2) + "\n")
+
+
+# The BPE pre-tokenizers llama.cpp adds a BOS for when the file does not say (src/llama-vocab.cpp)
+BOS_BY_DEFAULT = ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+                  "jina-v5-nano", "tekken")
+
+
+def adds_bos(reader: object) -> bool:
+    """Whether llama.cpp starts a tokenized prompt with BOS: the file's `tokenizer.ggml.add_bos_token`, else its
+    default for the vocabulary: yes for SentencePiece and WordPiece ones and Llama 3's (and a few other) BPE
+    pre-tokenizers. transformers' conversion adds none where the key is missing, so a Llama 3 file without it
+    lost its <|begin_of_text|> on /v1/completions."""
+    fields = reader.fields
+
+    def text(key: str) -> str:
+        return str(fields[key].contents()) if key in fields else ""
+
+    if "tokenizer.ggml.add_bos_token" in fields:
+        return bool(fields["tokenizer.ggml.add_bos_token"].contents())
+    model = text("tokenizer.ggml.model")
+    return model in ("llama", "bert", "gemma4") or (model == "gpt2" and text("tokenizer.ggml.pre") in BOS_BY_DEFAULT)
+
+
+def bos_as_llama_cpp(tokenizer: object, add: bool) -> None:
+    """Make `tokenizer.encode` (special tokens on) start with BOS exactly when llama.cpp would (`adds_bos`); chat
+    prompts are encoded without special tokens (their templates write the BOS), so only raw prompts change."""
+    from tokenizers.processors import TemplateProcessing
+
+    bos, bos_id = tokenizer.bos_token, tokenizer.bos_token_id
+    if bos is None or bos_id is None or (tokenizer.encode("a")[:1] == [bos_id]) == add:
+        return
+    backend = tokenizer.backend_tokenizer
+    if backend.post_processor is not None and not isinstance(backend.post_processor, TemplateProcessing):
+        log.warning("tokenizer: a %s post-processor; BOS left as transformers converted it",
+                    type(backend.post_processor).__name__)
+        return
+    first = f"{bos}:0 " if add else ""
+    backend.post_processor = TemplateProcessing(single=f"{first}$A:0", pair=f"{first}$A:0 $B:1",
+                                                special_tokens=[(bos, bos_id)] if add else [])
+    if hasattr(tokenizer, "add_bos_token"):
+        tokenizer.add_bos_token = add
 
 
 def teach_transformers() -> None:

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import gguf
+import httpx
 import openai
 import pytest
 
@@ -106,3 +107,18 @@ def test_a_forced_call_streams_through_the_familys_template(api: openai.OpenAI, 
     assert answer.choices[0].message.tool_calls in (None, [])
     assert answer.choices[0].finish_reason in ("length", "stop")
     assert answer.usage.prompt_tokens > final.usage.prompt_tokens  # the call and its result reached the prompt
+
+
+@pytest.mark.parametrize(("family", "bos"), [("llama3", "<|begin_of_text|>"), ("qwen2", None)])
+def test_raw_prompts_start_with_bos_where_llama_cpp_adds_one(api: openai.OpenAI, family: str, bos: str | None) -> None:
+    """llama.cpp's vocab-only files have no `tokenizer.ggml.add_bos_token`: llama.cpp then adds a BOS for Llama 3's
+    BPE and none for Qwen's (models/gguf_weights.adds_bos; tests/engine/test_gguf_bos.py), and so does Peregrine on
+    a raw prompt; a chat prompt gets the one its template writes, not two."""
+    base = str(api.base_url).rstrip("/").removesuffix("/v1")
+    raw = httpx.post(f"{base}/tokenize", json={"model": family, "prompt": "Hello world"}, timeout=300).json()
+    chat = httpx.post(f"{base}/tokenize", json={"model": family, "messages": ASK}, timeout=300).json()
+    if bos is None:
+        assert raw["token_strs"][0] != "<|im_start|>" and "Hello" in raw["token_strs"][0], raw
+    else:
+        assert raw["token_strs"][0] == bos and raw["token_strs"].count(bos) == 1, raw
+        assert chat["token_strs"][0] == bos and chat["token_strs"].count(bos) == 1, chat
