@@ -32,7 +32,8 @@ from tests.engine.test_cpu_kernels_paths import PATHS
 from tests.quant_blocks import FORMATS, KQUANTS, dequantize, make_blocks, write_tiny_gguf
 from tests.support import Loaded, decoder_against_op_by_op
 
-TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14,
+    "IQ4_NL": 20, "IQ4_XS": 23}
 
 
 @pytest.fixture(scope="module", params=PATHS)
