@@ -117,8 +117,8 @@ class Settings(DerivedValues, BaseSettings):
     weight_format: Literal["auto", "quantized", "dense"] = Field(
         "auto",
         description="How a GGUF model's weights are held. quantized: as the file stores them (Q8_0, Q4_0, Q4_1, "
-        "Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; about the file's size in RAM), on Peregrine's kernels (CPU, Llama-block "
-        "models); a file with another type is converted to dense with a warning naming the tensor and type. dense: "
+        "Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS; about the file's size in RAM), on Peregrine's kernels (CPU, "
+        "Llama-block models); a file with another type is converted to dense with a warning naming the tensor and type. dense: "
         "converted once to float32 in cache_dir, served in --dtype. auto: on CPU quantized, timed on decode steps "
         "against dense copies made in memory where they fit in RAM, a dense one kept only when >= 1.2x faster at "
         "the configured concurrency and >= 0.9x at one row; the decision is remembered per file, CPU and settings "

@@ -26,7 +26,8 @@ from engine.model.quant import QuantLinear  # noqa: E402
 from engine.types import EngineConfig, SamplingParams  # noqa: E402
 from models.loader import load_model  # noqa: E402
 
-TYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+TYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K",
+              20: "IQ4_NL", 23: "IQ4_XS"}
 
 
 def step_times(loaded, tokens: int, repeats: int) -> list[float]:

@@ -29,14 +29,15 @@ from config import tool_cache_dir  # noqa: E402
 from engine.backends import cpu_kernels  # noqa: E402
 from engine.model.quant import FORMATS, QuantWeight  # noqa: E402
 
-TYPES = {name: t for t, (name, _, _) in FORMATS.items() if name in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")}
+TYPES = {name: t for t, (name, _, _) in FORMATS.items()
+         if name in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")}
 # (Q4_0 / Q4_1 / Q8_0 are packed at load, QuantWeight.repack; the K-quants are served as the file stores them)
 ROWS_BYTES = 550_000  # about half of a 1 MiB L2
 
 
-# The K-quants' f16 scale fields (byte offset in a block): gguf's numpy code cannot quantize to them, so their blocks
-# are random bytes with these fields set to a small normal value (random ones could be NaN or subnormal: slow floats).
-K_SCALES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+# The K-quants' and IQ4's f16 scale fields (byte offset in a block): gguf's numpy code cannot quantize to them, so their
+# blocks are random bytes with these fields set to a small normal value (random ones could be NaN or subnormal).
+K_SCALES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
 
 
 def random_blocks(fmt: str, n: int, k: int) -> np.ndarray:

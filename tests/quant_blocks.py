@@ -1,6 +1,7 @@
 """Quantized GGUF blocks for tests: real quantization by the `gguf` package where it has one (Q8_0, Q4_0, Q4_1, Q5_0,
-Q5_1), random but well-scaled blocks for the K-quants (gguf.quants can dequantize them, not quantize; Q3_K, which the
-kernels do not take, for the fallback's tests)."""
+Q5_1), random but well-scaled blocks for the K-quants and IQ4_NL / IQ4_XS (gguf.quants can dequantize them, not
+quantize: random bytes with their f16 scale fields set; Q3_K, which the kernels do not take, for the fallback's
+tests)."""
 
 from __future__ import annotations
 
@@ -12,21 +13,22 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from models import gguf_weights
 
-FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")  # the kernels' (engine/model/quant.py)
-KQUANTS = ("Q4_K", "Q5_K", "Q6_K")  # super-blocks of 256 values (rows a multiple of 256)
+FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")  # engine/model/quant.py's
+KQUANTS = ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS")  # super-blocks of 256 values (rows a multiple of 256; Q8_K activations)
+# The formats made of random bytes with their f16 scales set: (offset, f16 value) of d (and dmin) in a block.
+RANDOM_SCALES = {"Q4_K": ((0, 0.0005), (2, 0.0005)), "Q5_K": ((0, 0.00025), (2, 0.0005)), "Q6_K": ((208, 0.00005),),
+                 "Q3_K": ((108, 0.0005),), "IQ4_NL": ((0, 0.0015),), "IQ4_XS": ((0, 0.0001),)}
 HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 256, 512, 4, 2, 2  # the tiny GGUF Llama (K-quants need rows of 256)
 
 
 def make_blocks(fmt: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     """uint8 [rows, bytes per row] in `fmt`, holding values of order 0.1."""
     qtype = GGMLQuantizationType[fmt]
-    if fmt not in KQUANTS and fmt != "Q3_K":
+    if fmt not in RANDOM_SCALES:
         return quants.quantize((rng.standard_normal((rows, cols)) * 0.1).astype(np.float32), qtype)
     per_block, block_bytes = GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, (rows, cols // per_block, block_bytes), dtype=np.uint8)
-    scales = {"Q4_K": ((0, 0.0005), (2, 0.0005)), "Q5_K": ((0, 0.00025), (2, 0.0005)), "Q6_K": ((208, 0.00005),),
-              "Q3_K": ((108, 0.0005),)}[fmt]  # (offset, f16 value): d (and dmin)
-    for offset, value in scales:
+    for offset, value in RANDOM_SCALES[fmt]:
         half = np.full(blocks.shape[:2], value, np.float16).view(np.uint8).reshape(*blocks.shape[:2], 2)
         blocks[..., offset : offset + 2] = half
     return blocks.reshape(rows, -1)

@@ -1,5 +1,5 @@
-"""Weights kept quantized in RAM: GGUF blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) as the file stores them,
-and the modules that multiply by them.
+"""Weights kept quantized in RAM: GGUF blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS) as the
+file stores them, and the modules that multiply by them.
 
 - `QuantWeight`: one [N, K] matrix as uint8 rows of blocks (`blocks`, [N, bytes per row]) and its ggml type.
   `matmul(x)` runs Peregrine's kernel (engine/backends/quant_kernels.py), 16 rows at a time: the weights are
@@ -39,6 +39,8 @@ FORMATS: dict[int, tuple[str, int, int]] = {
     12: ("Q4_K", 256, 144),
     13: ("Q5_K", 256, 176),
     14: ("Q6_K", 256, 210),
+    20: ("IQ4_NL", 32, 18),
+    23: ("IQ4_XS", 256, 136),
 }
 Q8_0 = 8
 # Peregrine's row-packed Q4_0 / Q4_1 / Q8_0 (ids past ggml's):

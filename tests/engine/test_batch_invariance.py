@@ -113,20 +113,22 @@ def test_mates_do_not_change_each_other(smollm2_q4_1: Loaded, level: str) -> Non
         assert_same_bits(logits[rid], alone[rid], rid)
 
 
-def test_q5_k_m_like_file_same_bits_whole_chunked_and_batched(level: str, tmp_path: Path,
-                                                              byte_level_tokenizer: Any) -> None:
-    """A tiny Q5_K_M-like GGUF (Q5_K matmuls, Q6_K attn_v, a Q6_K embedding and tied head; rows of 256 and 512) kept
-    quantized: a 100-token prompt's logits are bitwise the same computed whole (many-row steps: the K-quant tiles of
-    qdot_kquant.h take 64 activation rows at a time at K = 512, ffn_down), in chunks of 16, and among three batch
-    mates, on the one-call step (the op-by-op pass at none)."""
+@pytest.mark.parametrize("formats", [{"*": "Q5_K", "attn_v": "Q6_K", "token_embd": "Q6_K"},
+                                     {"*": "IQ4_XS", "attn_v": "IQ4_NL", "ffn_up": "IQ4_NL", "token_embd": "IQ4_NL"}],
+                         ids=["q5_k_m-like", "iq4"])
+def test_k_quant_files_same_bits_whole_chunked_and_batched(level: str, formats: dict[str, str], tmp_path: Path,
+                                                           byte_level_tokenizer: Any) -> None:
+    """A tiny Q5_K_M-like GGUF (Q5_K matmuls, Q6_K attn_v, a Q6_K embedding and tied head; rows of 256 and 512), and
+    an IQ4 one (IQ4_XS, IQ4_NL v, up and embedding), kept quantized: a 100-token prompt's logits are bitwise the same
+    computed whole (many-row steps: the super-block tiles of qdot_kquant.h take 64 activation rows at a time at K =
+    512, ffn_down), in chunks of 16, and among three batch mates, on the one-call step (the op-by-op pass at none)."""
     from models import gguf_weights
     from tests.quant_blocks import write_tiny_gguf
 
     vocab = len(byte_level_tokenizer)
-    write_tiny_gguf(tmp_path, {"*": "Q5_K", "attn_v": "Q6_K", "token_embd": "Q6_K"},
-                    vocab=vocab + (-vocab) % 32)
+    write_tiny_gguf(tmp_path, formats, vocab=vocab + (-vocab) % 32)
     model = gguf_weights.load(tmp_path / "tiny.gguf", tmp_path, torch.float32)
-    assert model.model.layers[0].self_attn.q_proj.qweight.type_name == "Q5_K"
+    assert model.model.layers[0].self_attn.q_proj.qweight.type_name == formats["*"]
     loaded = Loaded(model, byte_level_tokenizer, 256)
     prompt = [(7 * i + 3) % 250 + 5 for i in range(100)]
     mates = {f"mate{i}": ([(11 * j + i) % 250 + 5 for j in range(20 + 30 * i)], greedy()) for i in range(3)}

@@ -32,7 +32,8 @@ from tests.engine.test_cpu_kernels_paths import PATHS
 from tests.quant_blocks import FORMATS, KQUANTS, dequantize, make_blocks, write_tiny_gguf
 from tests.support import Loaded, decoder_against_op_by_op
 
-TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14,
+    "IQ4_NL": 20, "IQ4_XS": 23}
 
 
 @pytest.fixture(scope="module", params=PATHS)
@@ -141,8 +142,9 @@ def test_qlinear_refuses_what_it_cannot_take(module: Any) -> None:
 @pytest.mark.parametrize("formats", [{"*": "Q4_1", "token_embd": "Q8_0"},
                                      {"*": "Q4_K", "attn_v": "Q6_K", "ffn_down": "Q6_K", "token_embd": "Q4_0"},
                                      {"*": "Q5_K", "attn_v": "Q6_K", "ffn_down": "Q6_K", "token_embd": "Q4_K"},
-                                     {"*": "Q4_K", "attn_v": "Q8_0", "ffn_up": "Q5_0", "token_embd": "Q4_0"}],
-                         ids=["q4_1", "q4_k_m-like", "q5_k_m-like", "k-quants-with-32-value-formats"])
+                                     {"*": "Q4_K", "attn_v": "Q8_0", "ffn_up": "Q5_0", "token_embd": "Q4_0"},
+                                     {"*": "IQ4_XS", "attn_v": "IQ4_NL", "ffn_up": "IQ4_NL", "token_embd": "IQ4_NL"}],
+                         ids=["q4_1", "q4_k_m-like", "q5_k_m-like", "k-quants-with-32-value-formats", "iq4"])
 def test_decoder_on_quantized_weights_matches_the_op_by_op_pass(module: Any, formats: dict[str, str],
                                                                 tmp_path: Path, byte_level_tokenizer: Any,
                                                                 engine_factory: Any) -> None:

@@ -19,7 +19,8 @@ from tests.quant_blocks import FORMATS, dequantize, make_blocks
 
 pytestmark = pytest.mark.timeout(900)  # the first run compiles each variant (about a minute each on 2 cores)
 VARIANTS = ("none", "avx2", "avx512")
-TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14,
+    "IQ4_NL": 20, "IQ4_XS": 23}
 
 
 def kernels(variant: str):  # noqa: ANN201 - a compiled extension module

@@ -18,9 +18,10 @@
 // four rows' independent chains in flight instead of one row's prologue, loop and reductions one after the other
 // (1.45x at one row on AVX-512).
 //
-// The K-quants (Q4_K, Q5_K, Q6_K) are multiplied as the file stores them, against activations quantized in blocks of
-// 256 instead (ggml's Q8_K): a super-block's sums stay in integers, its group scales applied by `vpmaddwd`, and one
-// float FMA a super-block and activation row (qdot_kquant.h).
+// The K-quants (Q4_K, Q5_K, Q6_K) and IQ4_XS are multiplied as the file stores them, against activations quantized in
+// blocks of 256 instead (ggml's Q8_K): a super-block's sums stay in integers, its group scales applied by `vpmaddwd`,
+// and one float FMA a super-block and activation row (qdot_kquant.h). IQ4_NL goes through the 32-value loop as a
+// signed format (its nibbles looked up in its table by one `vpshufb`, qdot_formats.h).
 //
 // Each output element is the same instruction sequence in the same order whatever the number of rows, the thread
 // split or the tile position: results are batch invariant. Decoding has an AVX2 body (also used by the AVX-512
@@ -48,6 +49,8 @@ void qlinear_rows(int type, const uint8_t* w, int64_t ldw, const QRows& x, int64
     case kQ4_K: return qlinear_range_k<kQ4_K>(w, ldw, x, M, bias, out, ldo, n_begin, n_end);
     case kQ5_K: return qlinear_range_k<kQ5_K>(w, ldw, x, M, bias, out, ldo, n_begin, n_end);
     case kQ6_K: return qlinear_range_k<kQ6_K>(w, ldw, x, M, bias, out, ldo, n_begin, n_end);
+    case kIQ4_NL: return qlinear_range<kIQ4_NL>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
+    case kIQ4_XS: return qlinear_range_k<kIQ4_XS>(w, ldw, x, M, bias, out, ldo, n_begin, n_end);
     case kQ4_0R: return qlinear_range_packed<kQ4_0R>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
     case kQ4_1R: return qlinear_range_packed<kQ4_1R>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
     case kQ8_0R: return qlinear_range_packed<kQ8_0R>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
@@ -69,6 +72,8 @@ inline void dequant_row(int type, const uint8_t* row, int64_t K, float* out) {
     case kQ4_K: return rows(std::integral_constant<int, kQ4_K>{});
     case kQ5_K: return rows(std::integral_constant<int, kQ5_K>{});
     case kQ6_K: return rows(std::integral_constant<int, kQ6_K>{});
+    case kIQ4_NL: return rows(std::integral_constant<int, kIQ4_NL>{});
+    case kIQ4_XS: return rows(std::integral_constant<int, kIQ4_XS>{});
     case kQ4_0R: return rows(std::integral_constant<int, kQ4_0R>{});
     case kQ4_1R: return rows(std::integral_constant<int, kQ4_1R>{});
     case kQ8_0R: return rows(std::integral_constant<int, kQ8_0R>{});

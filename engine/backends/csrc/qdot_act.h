@@ -22,9 +22,9 @@ namespace peregrine_quant {
 constexpr int kQK = 32;     // activation block: one float scale per 32 int8 values
 constexpr int kQK_K = 256;  // the K-quants' super-block, and their activation block (Q8_K)
 
-// The K-quant formats (a super-block of 256 values with 6- or 8-bit group scales): multiplied with Q8_K-style
-// activations (qdot_kquant.h).
-inline constexpr bool is_kquant(int T) { return T == kQ4_K || T == kQ5_K || T == kQ6_K; }
+// The K-quant formats and IQ4_XS (a super-block of 256 values with 6- or 8-bit group scales): multiplied with
+// Q8_K-style activations (qdot_kquant.h).
+inline constexpr bool is_kquant(int T) { return T == kQ4_K || T == kQ5_K || T == kQ6_K || T == kIQ4_XS; }
 
 // Activation rows quantized in blocks of 32: q = round(x / d), d = max|x| / 127, and s = d * sum(q) (the block's
 // sum as the quantized values give it, for formats with a per-block minimum). For the K-quants, in blocks of 256

@@ -23,7 +23,7 @@ inline __m256i nibbles16(const uint8_t* p) {
 }
 #endif
 
-inline constexpr bool is_signed(int T) { return T == kQ8_0; }
+inline constexpr bool is_signed(int T) { return T == kQ8_0 || T == kIQ4_NL; }
 // Formats whose scales the AVX2 dot reads from the block as it goes (elsewhere a row's scales are read into an array
 // first): all of those dot_rows takes, a scale per 32 values. Q4_0 / Q4_1 / Q8_0 rows (packed) go through
 // `dot_packed` instead, and the K-quants through qdot_kquant.h.
@@ -47,6 +47,10 @@ inline __m128 halves4(const uint8_t* b) {  // the two f16 at b (and two more), a
 #endif
 template <>
 inline void scales_block<kQ8_0>(const uint8_t* b, float* scale, float*) {
+  scale[0] = half_to_float(b);
+}
+template <>
+inline void scales_block<kIQ4_NL>(const uint8_t* b, float* scale, float*) {
   scale[0] = half_to_float(b);
 }
 // f16 d with a fixed offset o (Q4_0: 8, Q5_0: 16): d * (q - o) = d * q - o * d.
@@ -74,7 +78,8 @@ template <>
 inline void scales_block<kQ4_1>(const uint8_t* b, float* scale, float* mins) { scales_dm(b, scale, mins); }
 template <>
 inline void scales_block<kQ5_1>(const uint8_t* b, float* scale, float* mins) { scales_dm(b, scale, mins); }
-// The 32 weights of block b: signed for Q8_0, 0..15 (0..31 for Q5_0 / Q5_1) otherwise.
+// The 32 weights of block b: signed for Q8_0 and IQ4_NL (its table's values, -127..113), 0..15 (0..31 for Q5_0 /
+// Q5_1) otherwise.
 #if defined(__AVX2__)
 using W32 = __m256i;
 template <int T>
@@ -100,6 +105,12 @@ template <>
 inline W32 weights32<kQ5_0>(const uint8_t* b) { return _mm256_or_si256(nibbles16(b + 6), fifths32(b + 2)); }
 template <>
 inline W32 weights32<kQ5_1>(const uint8_t* b) { return _mm256_or_si256(nibbles16(b + 8), fifths32(b + 4)); }
+// IQ4's 16-value table in both lanes: `vpshufb` with it turns 32 nibbles into their int8 values at once.
+inline __m256i iq4_table() {
+  return _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4)));
+}
+template <>
+inline W32 weights32<kIQ4_NL>(const uint8_t* b) { return _mm256_shuffle_epi8(iq4_table(), nibbles16(b + 2)); }
 #else
 struct W32 {
   int8_t v[32];
@@ -110,6 +121,9 @@ inline W32 weights32(const uint8_t* b) {
   for (int l = 0; l < 32; ++l) {
     if constexpr (T == kQ8_0) {
       w.v[l] = static_cast<int8_t>(b[2 + l]);
+    } else if constexpr (T == kIQ4_NL) {
+      const uint8_t q = b[2 + l % 16];
+      w.v[l] = kIQ4[l < 16 ? q & 0xF : q >> 4];
     } else if constexpr (T == kQ4_0 || T == kQ4_1) {
       const uint8_t q = b[(T == kQ4_0 ? 2 : 4) + l % 16];
       w.v[l] = static_cast<int8_t>(l < 16 ? q & 0xF : q >> 4);

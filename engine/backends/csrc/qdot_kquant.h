@@ -1,6 +1,7 @@
-// qdot.h's loop for the K-quants (Q4_K, Q5_K, Q6_K), as ggml's ggml_vec_dot_q4_K_q8_K / q5_K_q8_K / q6_K_q8_K
-// compute them: the activations in blocks of 256 (one float scale each, and each 16 values' sum: QRows' kq / kd /
-// ks), so a whole super-block of weights is summed in integers. Its group scales (6-bit Q4_K / Q5_K, int8 Q6_K)
+// qdot.h's loop for the K-quants (Q4_K, Q5_K, Q6_K) and IQ4_XS, as ggml's ggml_vec_dot_q4_K_q8_K / q5_K_q8_K /
+// q6_K_q8_K / iq4_xs_q8_K compute them: the activations in blocks of 256 (one float scale each, and each 16 values'
+// sum: QRows' kq / kd / ks), so a whole super-block of weights is summed in integers. Its group scales (6-bit Q4_K /
+// Q5_K / IQ4_XS, int8 Q6_K)
 // multiply the int16 pair sums of `vpmaddubsw` in `vpmaddwd` (where the other formats multiply by 1), Q6_K's offset
 // of 32 multiplies the activation's 16-value sums in integers too, and one float FMA a super-block and activation row
 // applies the two float scales (d * dx * isum); the minimums of Q4_K and Q5_K (dmin * mn, eight a block) take one
@@ -207,10 +208,56 @@ inline void dot_q6k(const uint8_t* row, const QRows& x, int64_t m0, float* res) 
 #endif
 }
 
+// res[r] = x[m0 + r] . row for r < R, an IQ4_XS row: value 32j + l of a block is d * ls_j * kIQ4[q] (ls_j the
+// group's signed 6-bit scale, iq4xs_scale), so a block's dot is d * dx * sum_j ls_j (w_j . a_j) in integers, as
+// ggml_vec_dot_iq4_xs_q8_K: the table's values by one `vpshufb` of the nibbles (qdot_formats.h), signed times signed
+// by the sign trick (|w| times a with w's sign; |w| <= 127, so the pair sums stay below int16's saturation), the
+// group's scale by `vpmaddwd`.
+template <int R>
+inline void dot_iq4xs(const uint8_t* row, const QRows& x, int64_t m0, float* res) {
+#if defined(__AVX2__)
+  superblocks<kIQ4_XS, R>(row, x, m0, res, [&](const uint8_t* blk, int64_t b, __m256* acc) {
+    const int64_t K = x.K, nb = K / kQK_K;
+    const __m256i table = iq4_table();
+    __m256i sumi[R];
+    for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      const __m256i w = _mm256_shuffle_epi8(table, nibbles16(blk + 8 + 16 * j)), wu = _mm256_sign_epi8(w, w);
+      const __m256i s = _mm256_set1_epi16(static_cast<int16_t>(iq4xs_scale(blk, j)));
+      for (int r = 0; r < R; ++r) {
+        const int8_t* ar = x.kq + (m0 + r) * K + b * kQK_K + 32 * j;
+        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ar));
+        sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(wu, _mm256_sign_epi8(a, w)), s));
+      }
+    }
+    const __m256 d = _mm256_set1_ps(half_to_float(blk));
+    for (int r = 0; r < R; ++r) {
+      const int64_t xb = (m0 + r) * nb + b;
+      acc[r] = madd8(_mm256_mul_ps(d, _mm256_broadcast_ss(x.kd + xb)), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
+    }
+  });
+#else
+  superblocks<kIQ4_XS, R>(row, x, m0, res, [&](const uint8_t* blk, int64_t xb, float& acc) {
+    const int8_t* a = x.kq + xb * kQK_K;
+    int32_t isum = 0;
+    for (int j = 0; j < 8; ++j) {
+      int32_t p = 0;
+      for (int l = 0; l < 32; ++l)
+        p += kIQ4[(blk[8 + 16 * j + l % 16] >> (4 * (l / 16))) & 0xF] * a[32 * j + l];
+      isum += iq4xs_scale(blk, j) * p;
+    }
+    acc += half_to_float(blk) * x.kd[xb] * static_cast<float>(isum);
+  });
+#endif
+}
+
 template <int T, int R>
 inline void dot_k(const uint8_t* row, const QRows& x, int64_t m0, float* res) {
   if constexpr (T == kQ6_K)
     dot_q6k<R>(row, x, m0, res);
+  else if constexpr (T == kIQ4_XS)
+    dot_iq4xs<R>(row, x, m0, res);
   else
     dot_q45k<T, R>(row, x, m0, res);
 }

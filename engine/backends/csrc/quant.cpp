@@ -76,6 +76,8 @@ void dispatch(int64_t type, F&& f) {
     case kQ4_K: f(std::integral_constant<int, kQ4_K>{}); break;
     case kQ5_K: f(std::integral_constant<int, kQ5_K>{}); break;
     case kQ6_K: f(std::integral_constant<int, kQ6_K>{}); break;
+    case kIQ4_NL: f(std::integral_constant<int, kIQ4_NL>{}); break;
+    case kIQ4_XS: f(std::integral_constant<int, kIQ4_XS>{}); break;
     case kQ4_0R: f(std::integral_constant<int, kQ4_0R>{}); break;
     case kQ4_1R: f(std::integral_constant<int, kQ4_1R>{}); break;
     case kQ8_0R: f(std::integral_constant<int, kQ8_0R>{}); break;

@@ -24,8 +24,8 @@ namespace peregrine_quant {
 //   Q8_0: the K int8 values in order (one 64-byte load is two groups), then the K / 32 f16 scales d. A value is
 //   d * q, as in the file.
 enum QType : int {
-  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kQ4_0R = 1002,
-  kQ4_1R = 1003, kQ8_0R = 1008,
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kIQ4_NL = 20,
+  kIQ4_XS = 23, kQ4_0R = 1002, kQ4_1R = 1003, kQ8_0R = 1008,
 };
 
 constexpr bool row_packed(int type) { return type == kQ4_0R || type == kQ4_1R || type == kQ8_0R; }
@@ -45,6 +45,8 @@ constexpr Layout layout_of(int type) {
     case kQ4_K: return {256, 144};
     case kQ5_K: return {256, 176};
     case kQ6_K: return {256, 210};
+    case kIQ4_NL: return {32, 18};
+    case kIQ4_XS: return {256, 136};
     case kQ4_0R: return {64, 36};  // row-packed: whole rows only; bytes per 64 values
     case kQ4_1R: return {64, 40};
     case kQ8_0R: return {64, 68};
@@ -216,6 +218,42 @@ inline void dequant_block<kQ6_K>(const uint8_t* b, float* __restrict y) {  // ql
         y[l + 64] = s3 * static_cast<float>(q3);
         y[l + 96] = s4 * static_cast<float>(q4);
       }
+    }
+  }
+}
+
+// IQ4_NL and IQ4_XS: 4-bit indices into one non-uniform table of 16 signed values (ggml's kvalues_iq4nl), nibbles
+// laid out as Q4_0's in each 32 values (low: values 0-15, high: 16-31).
+//   IQ4_NL: a block of 32, f16 d then 16 bytes of nibbles; d * kIQ4[q].
+//   IQ4_XS: a super-block of 256, f16 d, uint16 scales_h, uint8 scales_l[4], qs[128] (16 bytes a 32-value group j);
+//   group j's 6-bit scale ls_j (low 4 bits from scales_l, high 2 from scales_h, iq4xs_scale) gives
+//   d * (ls_j - 32) * kIQ4[q].
+alignas(16) inline constexpr int8_t kIQ4[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                                1,    13,   25,  38,  53,  69,  89,  113};
+
+inline int iq4xs_scale(const uint8_t* b, int j) {  // ls_j - 32, in [-32, 31]
+  const int high = (b[2 + j / 4] >> (2 * (j % 4))) & 3;  // scales_h, little-endian: bits 2j, 2j + 1
+  return (((b[4 + j / 2] >> (4 * (j % 2))) & 0xF) | (high << 4)) - 32;
+}
+
+template <>
+inline void dequant_block<kIQ4_NL>(const uint8_t* b, float* __restrict y) {
+  const float d = half_to_float(b);
+  for (int i = 0; i < 16; ++i) {
+    y[i] = d * static_cast<float>(kIQ4[b[2 + i] & 0xF]);
+    y[i + 16] = d * static_cast<float>(kIQ4[b[2 + i] >> 4]);
+  }
+}
+
+template <>
+inline void dequant_block<kIQ4_XS>(const uint8_t* b, float* __restrict y) {
+  const float d = half_to_float(b);
+  for (int j = 0; j < 8; ++j, y += 32) {
+    const float dl = d * static_cast<float>(iq4xs_scale(b, j));
+    const uint8_t* q = b + 8 + 16 * j;
+    for (int i = 0; i < 16; ++i) {
+      y[i] = dl * static_cast<float>(kIQ4[q[i] & 0xF]);
+      y[i + 16] = dl * static_cast<float>(kIQ4[q[i] >> 4]);
     }
   }
 }
