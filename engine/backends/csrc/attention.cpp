@@ -22,6 +22,22 @@ __attribute__((always_inline)) inline void sums16(const Vec* v, float* out) {
                                    _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
   _mm512_storeu_ps(out, _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, _MM_SHUFFLE(2, 0, 2, 0)),
                                       _mm512_shuffle_f32x4(x01, x23, _MM_SHUFFLE(3, 1, 3, 1))));
+#elif defined(__AVX2__) && defined(__FMA__)
+  // Each 8 sums as one vector, by shuffles, adding in Vec::sum()'s association (so decode and prefill rows, and
+  // every build of this level, give the same bits): per vector lo + hi halves, then lanes (0 + 2, 1 + 3), then
+  // (0 + 2) + (1 + 3). Vectors o and o + 4 share a pair in the first step, so the sums land in position order.
+  for (int h = 0; h < kPos; h += 8) {
+    __m256 x[4], t[2];
+    for (int i = 0; i < 4; ++i) {
+      const __m256 a = v[h + i].v, b = v[h + i + 4].v;
+      x[i] = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+    }
+    for (int j = 0; j < 2; ++j)
+      t[j] = _mm256_add_ps(_mm256_shuffle_ps(x[2 * j], x[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                           _mm256_shuffle_ps(x[2 * j], x[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    _mm256_storeu_ps(out + h, _mm256_add_ps(_mm256_shuffle_ps(t[0], t[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                            _mm256_shuffle_ps(t[0], t[1], _MM_SHUFFLE(3, 1, 3, 1))));
+  }
 #else
   for (int o = 0; o < kPos; ++o) out[o] = v[o].sum();
 #endif
