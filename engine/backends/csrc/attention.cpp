@@ -22,6 +22,22 @@ __attribute__((always_inline)) inline void sums16(const Vec* v, float* out) {
                                    _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
   _mm512_storeu_ps(out, _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, _MM_SHUFFLE(2, 0, 2, 0)),
                                       _mm512_shuffle_f32x4(x01, x23, _MM_SHUFFLE(3, 1, 3, 1))));
+#elif defined(__AVX2__) && defined(__FMA__)
+  // Each 8 sums as one vector, by shuffles, adding in Vec::sum()'s association (so decode and prefill rows, and
+  // every build of this level, give the same bits): per vector lo + hi halves, then lanes (0 + 2, 1 + 3), then
+  // (0 + 2) + (1 + 3). Vectors o and o + 4 share a pair in the first step, so the sums land in position order.
+  for (int h = 0; h < kPos; h += 8) {
+    __m256 x[4], t[2];
+    for (int i = 0; i < 4; ++i) {
+      const __m256 a = v[h + i].v, b = v[h + i + 4].v;
+      x[i] = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+    }
+    for (int j = 0; j < 2; ++j)
+      t[j] = _mm256_add_ps(_mm256_shuffle_ps(x[2 * j], x[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                           _mm256_shuffle_ps(x[2 * j], x[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    _mm256_storeu_ps(out + h, _mm256_add_ps(_mm256_shuffle_ps(t[0], t[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                            _mm256_shuffle_ps(t[0], t[1], _MM_SHUFFLE(3, 1, 3, 1))));
+  }
 #else
   for (int o = 0; o < kPos; ++o) out[o] = v[o].sum();
 #endif
@@ -44,7 +60,10 @@ __attribute__((always_inline)) inline void chunk_softmax(float* scores, float* p
 }
 
 // The chunk's scores of one head against n <= kAttnChunk key rows (-inf past n), kPos positions at a time.
-// qv: the head's scaled query, CH vectors (CH known at compile time, or 0: `chunks` at run time).
+// qv: the head's scaled query, CH vectors (CH known at compile time, or 0: `chunks` at run time). Each position's
+// dot product is one chain of FMAs over the head's vectors in order; kChains positions' chains run side by side
+// (one chain alone waits on each FMA's latency), which changes no position's arithmetic.
+constexpr int kChains = Vec::W == 16 ? 4 : 8;
 template <int CH, typename C>
 __attribute__((always_inline)) inline void head_scores(const Vec* qv, int64_t chunks, const C* const* k_rows,
                                                        int64_t n, float* scores) {
@@ -52,11 +71,18 @@ __attribute__((always_inline)) inline void head_scores(const Vec* qv, int64_t ch
   for (int64_t o0 = 0; o0 < n; o0 += kPos) {
     const int64_t m = std::min<int64_t>(kPos, n - o0);
     Vec dots[kPos];
-    for (int o = 0; o < kPos; ++o) {
-      const C* r = k_rows[o0 + std::min<int64_t>(o, m - 1)];  // past the end: the last row again, dropped below
-      Vec dot = Vec::zero();
-      for (int64_t c = 0; c < count; ++c) dot = fmadd(qv[c], Vec::load(r + c * Vec::W), dot);
-      dots[o] = dot;
+    for (int o = 0; o < kPos; o += kChains) {
+      const C* r[kChains];
+      Vec dot[kChains];
+      for (int j = 0; j < kChains; ++j) {
+        r[j] = k_rows[o0 + std::min<int64_t>(o + j, m - 1)];  // past the end: the last row again, dropped below
+        dot[j] = Vec::zero();
+      }
+      for (int64_t c = 0; c < count; ++c) {
+        const Vec qc = qv[c];
+        for (int j = 0; j < kChains; ++j) dot[j] = fmadd(qc, Vec::load(r[j] + c * Vec::W), dot[j]);
+      }
+      for (int j = 0; j < kChains; ++j) dots[o + j] = dot[j];
     }
     alignas(64) float sums[kPos];
     sums16(dots, sums);
@@ -145,46 +171,53 @@ template <typename T, typename C>
 void attend_chunk(const AttnItem& item, const T* q, const C* k_cache, const C* v_cache, const int64_t* block_tables,
                   const int64_t* lengths, int64_t heads, int64_t kv_heads, int64_t dim, int64_t max_blocks,
                   int64_t block_size, float scale, AttnPartials& partials, AttnScratch& s, int64_t window) {
-  const int64_t b = item.b, kvh = item.kvh;
+  const int64_t kvh = item.kvh, last = item.b_end - 1;  // the item's rows share the last row's table
   const int64_t h0 = kvh * (heads / kv_heads) + item.g0, group = item.g1 - item.g0;  // this item's query heads
-  const int64_t* table = block_tables + b * max_blocks;
-  const int64_t chunk_begin = item.chunk * kAttnChunk, chunk_end = std::min(chunk_begin + kAttnChunk, lengths[b]);
-  const int64_t p_begin = window > 0 ? std::max(chunk_begin, lengths[b] - window) : chunk_begin;
-  const int64_t n = chunk_end - p_begin;
-  if (n <= 0) {  // wholly outside the window: weight 0 in the merge
-    for (int64_t g = 0; g < group; ++g) {
-      float* part = partials.at(b, h0 + g, item.chunk);
-      std::fill(part, part + dim, 0.f);
-      part[dim] = -INFINITY;
-      part[dim + 1] = 0.f;
-    }
-    return;
-  }
+  const int64_t* table = block_tables + last * max_blocks;
+  const int64_t chunk_begin = item.chunk * kAttnChunk;
+  const int64_t first_pos = window > 0 ? std::max(chunk_begin, lengths[item.b] - window) : chunk_begin;
+  const int64_t span = std::min(chunk_begin + kAttnChunk, lengths[last]) - first_pos;  // rows' positions in all
   const C* k_rows[kAttnChunk];
   const C* v_rows[kAttnChunk];
-  for (int64_t o = 0, block = p_begin / block_size, slot = p_begin % block_size; o < n; ++o) {  // no division per row
-    const int64_t at = ((table[block] * block_size + slot) * kv_heads + kvh) * dim;
+  for (int64_t o = 0, block = first_pos / block_size, slot = first_pos % block_size; o < span; ++o) {
+    const int64_t at = ((table[block] * block_size + slot) * kv_heads + kvh) * dim;  // no division per row
     k_rows[o] = k_cache + at;
     v_rows[o] = v_cache + at;
     if (++slot == block_size) slot = 0, ++block;
   }
   // The rows come from memory (a step's weight stream evicts them): ask for all of the chunk's rows up front.
   const int64_t row_bytes = dim * static_cast<int64_t>(sizeof(C));
-  for (int64_t o = 0; o < n; ++o)
+  for (int64_t o = 0; o < span; ++o)
     for (int64_t l = 0; l < row_bytes; l += 64) {
       prefetch(reinterpret_cast<const char*>(k_rows[o]) + l);
       prefetch(reinterpret_cast<const char*>(v_rows[o]) + l);
     }
-  auto passes = [&](auto d) {
-    constexpr int D = decltype(d)::value, GP = kHeadsPerPass<D>;
-    for (int64_t g0 = 0; g0 < group; g0 += GP)
-      attend_pass<D, GP, T, C>(std::min<int64_t>(GP, group - g0), b, h0 + g0, item.chunk, q, k_rows, v_rows, n,
-                               heads, scale, partials);
-  };
-  if (dim == 32) passes(std::integral_constant<int, 32>{});
-  else if (dim == 64) passes(std::integral_constant<int, 64>{});
-  else if (dim == 128) passes(std::integral_constant<int, 128>{});
-  else attend_generic(b, h0, group, item.chunk, q, k_rows, v_rows, n, heads, dim, scale, partials, s);
+  for (int64_t b = item.b; b < item.b_end; ++b) {
+    const int64_t chunk_end = std::min(chunk_begin + kAttnChunk, lengths[b]);
+    const int64_t p_begin = window > 0 ? std::max(chunk_begin, lengths[b] - window) : chunk_begin;
+    const int64_t n = chunk_end - p_begin;
+    if (n <= 0) {  // wholly outside the window: weight 0 in the merge
+      for (int64_t g = 0; g < group; ++g) {
+        float* part = partials.at(b, h0 + g, item.chunk);
+        std::fill(part, part + dim, 0.f);
+        part[dim] = -INFINITY;
+        part[dim + 1] = 0.f;
+      }
+      continue;
+    }
+    const C* const* kr = k_rows + (p_begin - first_pos);
+    const C* const* vr = v_rows + (p_begin - first_pos);
+    auto passes = [&](auto d) {
+      constexpr int D = decltype(d)::value, GP = kHeadsPerPass<D>;
+      for (int64_t g0 = 0; g0 < group; g0 += GP)
+        attend_pass<D, GP, T, C>(std::min<int64_t>(GP, group - g0), b, h0 + g0, item.chunk, q, kr, vr, n, heads,
+                                 scale, partials);
+    };
+    if (dim == 32) passes(std::integral_constant<int, 32>{});
+    else if (dim == 64) passes(std::integral_constant<int, 64>{});
+    else if (dim == 128) passes(std::integral_constant<int, 128>{});
+    else attend_generic(b, h0, group, item.chunk, q, kr, vr, n, heads, dim, scale, partials, s);
+  }
 }
 
 // out[b, h] from the head's chunks, combined in chunk order.
@@ -223,7 +256,7 @@ template <typename T, typename C>
 void paged_decode(const T* q, const C* k_cache, const C* v_cache, const int64_t* block_tables,
                   const int64_t* lengths, T* out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
                   int64_t max_blocks, int64_t block_size, float scale) {
-  const std::vector<AttnItem> items = attn_items(lengths, batch, kv_heads, heads / kv_heads);
+  const std::vector<AttnItem> items = attn_items(lengths, batch, kv_heads, heads / kv_heads, block_tables, max_blocks);
   AttnPartials partials;
   partials.reset(lengths, batch, heads, dim);
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {

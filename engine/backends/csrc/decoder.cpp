@@ -191,7 +191,7 @@ class LlamaDecoder {
     const int64_t *slotp = slot.data_ptr<int64_t>(), *tp = tables.data_ptr<int64_t>(), *lenp = lens.data_ptr<int64_t>();
     const int64_t max_blocks = tables.size(1);
     const float eps = static_cast<float>(eps_), scale = static_cast<float>(scale_);
-    std::vector<AttnItem> items = attn_items(lenp, B, KVH, group);
+    std::vector<AttnItem> items = attn_items(lenp, B, KVH, group, tp, max_blocks);
     AttnPartials partials;
     partials.reset(lenp, B, H, D);
     SpinBarrier barrier;
@@ -210,7 +210,7 @@ class LlamaDecoder {
         if (items.size() < kItemsPerThread * barrier.n && group > 1) {
           std::vector<AttnItem> heads;
           for (const AttnItem& it : items)
-            for (int64_t g = 0; g < group; ++g) heads.push_back({it.b, it.kvh, it.chunk, g, g + 1});
+            for (int64_t g = 0; g < group; ++g) heads.push_back({it.b, it.kvh, it.chunk, g, g + 1, it.b_end});
           items = std::move(heads);
           items_per_chunk = group;
         }
@@ -274,11 +274,13 @@ class LlamaDecoder {
           const AttnItem& it = items[i];
           attend_chunk(it, qp, kc, vc, tp, lenp, H, KVH, D, max_blocks, block_size_, scale, partials, s.attn,
                        l.window);
-          // counts add up over the layers: this layer's last item brings the count to (layer + 1) * items
-          const int64_t due = static_cast<int64_t>(li + 1) * attn_chunks(lenp[it.b]) * items_per_chunk;
-          if (attended[it.b * KVH + it.kvh].fetch_add(1, std::memory_order_acq_rel) + 1 == due)
-            for (int64_t h = it.kvh * group; h < (it.kvh + 1) * group; ++h)
-              merge_chunks(it.b, h, lenp, ap, H, D, partials);
+          // counts add up over the layers: a row's last item of this layer brings its count to (layer + 1) * items
+          for (int64_t b = it.b; b < it.b_end; ++b) {
+            const int64_t due = static_cast<int64_t>(li + 1) * attn_chunks(lenp[b]) * items_per_chunk;
+            if (attended[b * KVH + it.kvh].fetch_add(1, std::memory_order_acq_rel) + 1 == due)
+              for (int64_t h = it.kvh * group; h < (it.kvh + 1) * group; ++h)
+                merge_chunks(b, h, lenp, ap, H, D, partials);
+          }
         }
         barrier.wait();
         matmul(l.o, ap, dp);

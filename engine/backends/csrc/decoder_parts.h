@@ -66,7 +66,9 @@ constexpr size_t kItemsPerThread = 4;
 // partial), and round robin gave one thread most of it.
 inline std::vector<size_t> split_items(const std::vector<AttnItem>& items, const int64_t* lengths, int threads) {
   auto positions = [&](const AttnItem& it) {
-    return std::min(kAttnChunk, lengths[it.b] - it.chunk * kAttnChunk) * (it.g1 - it.g0);
+    int64_t n = 0;
+    for (int64_t b = it.b; b < it.b_end; ++b) n += std::min(kAttnChunk, lengths[b] - it.chunk * kAttnChunk);
+    return n * (it.g1 - it.g0);
   };
   int64_t total = 0;
   for (const AttnItem& it : items) total += positions(it);
