@@ -338,7 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     levels = load_levels(args)
     opts = peers.PeerOptions(gguf=gguf, dense_dir=dense or Path(), dtype=args.dtype, threads=args.threads,
                              max_concurrency=max(lv["concurrency"] for lv in levels),
-                             context_per_request=(args.input_len if args.dataset == "random" else 1536) + (args.output_len or 384) + 64,
+                             # the prompts are built with the bundled tokenizer: another model's (Gemma's, Phi's
+                             # SentencePiece) can take twice the tokens for the same text, past a slot's context
+                             context_per_request=2 * (args.input_len if args.dataset == "random" else 1536) + (args.output_len or 384) + 64,
                              peregrine_args=tuple(shlex.split(args.peregrine_args)),
                              llama_server=args.llama_server, peers_python=args.peers_python)  # fmt: skip
     if args.base_url:
