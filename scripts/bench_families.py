@@ -104,8 +104,10 @@ def write_f16(name: str, shape: Shape, path: Path, vocab: Path, seed: int = 0) -
         writer.add_rope_scaling_orig_ctx_len(shape.original_context)
         scale = shape.context / shape.original_context
         writer.add_rope_scaling_attn_factors(float(np.sqrt(1 + np.log(scale) / np.log(shape.original_context))))
-    padded = {"tokenizer.ggml.tokens": [f"<unused_pad_{i}>" for i in range(pad)],
-              "tokenizer.ggml.token_type": [int(gguf.TokenType.UNUSED)] * pad, "tokenizer.ggml.scores": [0.0] * pad}
+    # normal tokens: llama-server renders an UNUSED one as no text, and random weights pick them often, so its
+    # stream carried no text and the load generator counted its requests as failed
+    padded = {"tokenizer.ggml.tokens": [f"pad{i}" for i in range(pad)],
+              "tokenizer.ggml.token_type": [int(gguf.TokenType.NORMAL)] * pad, "tokenizer.ggml.scores": [0.0] * pad}
     for key, field in reader.fields.items():
         if key.startswith("tokenizer."):
             sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
