@@ -221,8 +221,20 @@ class OpenPeer:
             return None
         return sum(int(kb) for kb in peaks) / 1024 if peaks else None
 
+    def rss_mb(self) -> float | None:
+        """The server's process tree's resident memory now (after the run: weights, the KV cache pages written so
+        far, buffers), or None in-process."""
+        if self.pid is None:
+            return None
+        try:
+            procs = [psutil.Process(self.pid), *psutil.Process(self.pid).children(recursive=True)]
+            return sum(p.memory_info().rss for p in procs) / 2**20
+        except psutil.Error:
+            return None
+
     def result(self) -> dict[str, Any]:
         rss = {"peak_rss_mb": mb} if (mb := self.peak_rss_mb()) is not None else {}
+        rss |= {"rss_mb": mb} if (mb := self.rss_mb()) is not None else {}
         if len(self.rounds) == 1:
             return self.info | {"rows": self.rounds[0]} | rss
         rounds = {"rows": median_rows(self.rounds), "rounds": self.rounds}

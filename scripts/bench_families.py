@@ -186,11 +186,12 @@ def run(names: list[str], formats: list[str], args: argparse.Namespace) -> None:
             rows += summarize(name, fmt, gguf, json.loads(out.read_text()))
     print(json.dumps(rows))
     print("\n| shape | format | streams | Peregrine tok/s | llama-server tok/s | ratio | TTFT p50 P / L (s) "
-          "| peak RSS P / L (MB), P over the file |")
+          "| RSS peak, after P / L (MB); P's after over the file |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        rss = (f"{r['rss_peregrine']:.0f} / {r['rss_llamacpp']:.0f}, {r['rss_peregrine'] / r['file_mb']:.2f}x"
-               if r["rss_peregrine"] and r["rss_llamacpp"] else "n/a")
+        mem = [r["rss_peregrine"], r["rss_now_peregrine"], r["rss_llamacpp"], r["rss_now_llamacpp"]]
+        rss = (f"{mem[0]:.0f}, {mem[1]:.0f} / {mem[2]:.0f}, {mem[3]:.0f}; {mem[1] / r['file_mb']:.2f}x"
+               if all(mem) else "n/a")
         print(f"| {r['shape']} | {r['format']} | {r['concurrency']} | {r['peregrine']:.1f} | {r['llamacpp']:.1f} "
               f"| {r['ratio']:.2f}x | {r['ttft_peregrine']:.2f} / {r['ttft_llamacpp']:.2f} | {rss} |")
 
@@ -199,6 +200,7 @@ def summarize(name: str, fmt: str, gguf: Path, result: dict) -> list[dict]:
     """One row per concurrency level: each server's output tok/s and TTFT p50, and the ratio."""
     by_peer = {run["peer"]: {row["concurrency"]: row for row in run["rows"]} for run in result["runs"]}
     rss = {run["peer"]: run.get("peak_rss_mb") for run in result["runs"]}  # the server's whole run, every level
+    now = {run["peer"]: run.get("rss_mb") for run in result["runs"]}  # after it
     rows = []
     for conc, ours in sorted(by_peer.get("peregrine", {}).items()):
         theirs = by_peer.get("llamacpp", {}).get(conc)
@@ -208,7 +210,8 @@ def summarize(name: str, fmt: str, gguf: Path, result: dict) -> list[dict]:
                      "peregrine": ours["output_throughput"], "llamacpp": theirs["output_throughput"],
                      "ratio": ours["output_throughput"] / theirs["output_throughput"],
                      "ttft_peregrine": ours["ttft_ms"]["p50"] / 1e3, "ttft_llamacpp": theirs["ttft_ms"]["p50"] / 1e3,
-                     "rss_peregrine": rss.get("peregrine"), "rss_llamacpp": rss.get("llamacpp")})  # fmt: skip
+                     "rss_peregrine": rss.get("peregrine"), "rss_llamacpp": rss.get("llamacpp"),
+                     "rss_now_peregrine": now.get("peregrine"), "rss_now_llamacpp": now.get("llamacpp")})  # fmt: skip
     return rows
 
 

@@ -258,10 +258,12 @@ def test_a_servers_peak_resident_memory_is_reported() -> None:
     try:
         assert proc.stdout is not None and proc.stdout.readline() == "ok\n"
         peak = bench.OpenPeer("child", {}, pid=proc.pid).peak_rss_mb()
+        now = bench.OpenPeer("child", {}, pid=proc.pid).rss_mb()
     finally:
         proc.kill()
         proc.wait(timeout=60)
     assert peak is not None and 200 <= peak < 1000, peak
+    assert now is not None and now < peak, (now, peak)  # most of it let go: now below the peak
     assert bench.OpenPeer("engine", {}).peak_rss_mb() is None  # in-process: no server of its own
 
 

@@ -43,6 +43,7 @@ def test_rows_pair_the_servers_at_each_level(tmp_path: Path) -> None:
     assert [(r["concurrency"], r["ratio"]) for r in rows] == [(1, 1.5), (16, 1.5)]
     assert rows[1]["ttft_peregrine"] == pytest.approx(0.9) and rows[1]["ttft_llamacpp"] == pytest.approx(3.0)
     assert (rows[0]["rss_peregrine"], rows[0]["rss_llamacpp"]) == (120.0, None)  # a run without the figure: None
+    assert rows[0]["rss_now_peregrine"] is None
 
 
 def test_fused_windowed_and_padded_shapes_are_written_as_llama_cpp_reads_them(tmp_path: Path) -> None:
