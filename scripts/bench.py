@@ -29,6 +29,7 @@ import shlex
 import signal
 import sys
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -198,39 +199,36 @@ class OpenPeer:
         self.rounds.append(run_levels(self.name, self.target, self.engine, tokenizer, args, warmup=warmup,
                                       round_no=round_no))  # fmt: skip
 
-    def cpu_s(self) -> float:
-        """CPU seconds of the server's process tree so far (0 in-process, or when it is gone)."""
+    def _tree(self, measure: Callable[[psutil.Process], float]) -> float | None:
+        """`measure` summed over the server's process tree; None in-process, or when it is gone or cannot say."""
         if self.pid is None:
-            return 0.0
+            return None
         try:
             proc = psutil.Process(self.pid)
-            return sum(sum(p.cpu_times()[:2]) for p in (proc, *proc.children(recursive=True)))
-        except psutil.Error:
-            return 0.0
+            return sum(measure(p) for p in (proc, *proc.children(recursive=True)))
+        except (psutil.Error, OSError, StopIteration):
+            return None
+
+    def cpu_s(self) -> float:
+        """CPU seconds of the server's process tree so far (0 in-process, or when it is gone)."""
+        return self._tree(lambda p: sum(p.cpu_times()[:2])) or 0.0
 
     def peak_rss_mb(self) -> float | None:
         """The most resident memory the server's process tree has held (Linux's VmHWM of each process, summed;
         weights, KV cache and buffers alike), or None in-process or where /proc does not say."""
-        if self.pid is None:
-            return None
-        try:
-            procs = [psutil.Process(self.pid), *psutil.Process(self.pid).children(recursive=True)]
-            peaks = [line.split()[1] for p in procs for line in Path(f"/proc/{p.pid}/status").read_text().splitlines()
-                     if line.startswith("VmHWM:")]  # fmt: skip
-        except (psutil.Error, OSError):
-            return None
-        return sum(int(kb) for kb in peaks) / 1024 if peaks else None
+
+        def peak_kb(p: psutil.Process) -> float:
+            lines = Path(f"/proc/{p.pid}/status").read_text().splitlines()
+            return float(next(line.split()[1] for line in lines if line.startswith("VmHWM:")))
+
+        kb = self._tree(peak_kb)
+        return None if kb is None else kb / 1024
 
     def rss_mb(self) -> float | None:
         """The server's process tree's resident memory now (after the run: weights, the KV cache pages written so
         far, buffers), or None in-process."""
-        if self.pid is None:
-            return None
-        try:
-            procs = [psutil.Process(self.pid), *psutil.Process(self.pid).children(recursive=True)]
-            return sum(p.memory_info().rss for p in procs) / 2**20
-        except psutil.Error:
-            return None
+        rss = self._tree(lambda p: p.memory_info().rss)
+        return None if rss is None else rss / 2**20
 
     def result(self) -> dict[str, Any]:
         rss = {"peak_rss_mb": mb} if (mb := self.peak_rss_mb()) is not None else {}
