@@ -115,14 +115,17 @@ inline void silu_mul(const T* gate, const T* up, T* act) {
   (round_to<T>(g * sigmoid) * u).store(act);
 }
 
-// act = to_T(to_T(gelu_tanh(gate)) * up), Vec::W elements (Gemma's GeGLU; transformers' gelu_pytorch_tanh).
+// act = to_T(to_T(gelu_tanh(gate)) * up), Vec::W elements (Gemma's GeGLU; transformers' gelu_pytorch_tanh):
+// 0.5 * (1 + tanh(y)) is sigmoid(2y), so gelu_tanh(g) = g * sigmoid(2 * sqrt(2 / pi) * (g + 0.044715 g^3)), through
+// silu's vector exp (libm's tanhf, one element at a time, had been 8% of a 16-row Gemma-3-1B decode step).
 template <typename T>
 inline void gelu_tanh_mul(const T* gate, const T* up, T* act) {
-  for (int i = 0; i < Vec::W; ++i) {
-    const float g = static_cast<float>(gate[i]);
-    const float gelu = 0.5f * g * (1.f + std::tanh(0.7978845608028654f * (g + 0.044715f * g * g * g)));
-    act[i] = static_cast<T>(static_cast<float>(static_cast<T>(gelu)) * static_cast<float>(up[i]));
-  }
+  const Vec g = Vec::load(gate), u = Vec::load(up), one = Vec::set1(1.f);
+  const Vec y = Vec::set1(1.5957691216057308f) * fmadd(Vec::set1(0.044715f) * g * g, g, g);
+  const Vec e = exp_nonpositive(Vec::zero() - abs(y));  // exp(-|y|)
+  const Vec inv = one / (one + e);
+  const Vec sigmoid = select_ge0(y, inv, e * inv);
+  (round_to<T>(g * sigmoid) * u).store(act);
 }
 
 }  // namespace

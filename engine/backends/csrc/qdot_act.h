@@ -158,7 +158,7 @@ inline void quantize_row_k(const T* x, int64_t K, int8_t* q, float* d, int16_t* 
 // Per-thread buffers: the activations quantized (rows x K, in either set of blocks), and one weight row's scales and
 // minimums (and those scales times each activation row's).
 struct QScratch {
-  std::vector<int8_t> q, kq;
+  std::vector<int8_t> q, kq, wq;  // wq: one weight row's values, decoded once for many activation rows
   std::vector<float> d, s, wd, mins, sc, kd, ksf;
   std::vector<int16_t> ks;
   void rows(int64_t M, int64_t K, QRows& r) {
@@ -184,6 +184,7 @@ struct QScratch {
       mins.resize(K / kQK + 8);
       sc.resize((K / kQK + 8) * 4);
     }
+    if (static_cast<int64_t>(wq.size()) < K) wq.resize(K);
   }
 };
 

@@ -144,16 +144,27 @@ void qlinear_range(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, con
     if constexpr (!scales_inline(T))
       for (int64_t b = 0; b < nb; ++b) scales_block<T>(row + b * L.bytes, wd + b, mins + b);
     const float bn = bias ? bias[n] : 0.f;
-    auto src = [&](int64_t g) { return weights32<T>(row + g * L.bytes); };
     float res[4];
     int64_t m = 0;
     auto put = [&](int count) {  // groups of four rows, then two, then one
       for (int r = 0; r < count; ++r) out[(m + r) * ldo + n] = static_cast<O>(res[r] + bn);
       m += count;
     };
-    while (m + 4 <= M) dot_rows<T, 4>(src, row, wd, mins, x, m, res), put(4);
-    if (m + 2 <= M) dot_rows<T, 2>(src, row, wd, mins, x, m, res), put(2);
-    if (m < M) dot_rows<T, 1>(src, row, wd, mins, x, m, res), put(1);
+    auto rows = [&](const auto& src) {
+      while (m + 4 <= M) dot_rows<T, 4>(src, row, wd, mins, x, m, res), put(4);
+      if (m + 2 <= M) dot_rows<T, 2>(src, row, wd, mins, x, m, res), put(2);
+      if (m < M) dot_rows<T, 1>(src, row, wd, mins, x, m, res), put(1);
+    };
+#if defined(__AVX2__)
+    if (M > 4) {  // the row's weights decoded once, not once for every four activation rows: the same values
+      int8_t* wq = s.wq.data();
+      for (int64_t g = 0; g < nb; ++g)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(wq + g * kQK), weights32<T>(row + g * L.bytes));
+      rows([&](int64_t g) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + g * kQK)); });
+      continue;
+    }
+#endif
+    rows([&](int64_t g) { return weights32<T>(row + g * L.bytes); });
   }
 }
 
