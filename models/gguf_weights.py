@@ -21,6 +21,7 @@ import shutil
 import struct
 import tempfile
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import torch
@@ -259,14 +260,9 @@ def load(gguf_path: Path, folder: Path, dtype: torch.dtype, trust_remote_code: b
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     tensors = {hf_name(t.name, arch): t for t in reader.tensors if t.name not in ROPE_FACTORS}
     quantized: dict[str, QuantWeight] = {}
-    for name, t in sorted(tensors.items(), key=lambda item: item[0].endswith(".bias")):  # weights before biases
-        value = _tensor(t, dtype, name, config, arch)
-        _check_shape(model, name, tuple(value.shape))
-        if isinstance(value, QuantWeight):
-            quantized[name] = value
-            _place_quantized(model, name.removesuffix(".weight"), value, dtype)
-        else:
-            _set(model, name, nn.Parameter(value, requires_grad=False))
+    with open(gguf_path, "rb", buffering=0) as file:
+        for name, t in sorted(tensors.items(), key=lambda item: item[0].endswith(".bias")):  # weights before biases
+            _load_tensor(model, name, _tensor(t, file, dtype, name, config, arch), quantized, dtype)
     _tie_head(model, quantized)
     _rebuild_rotary(model, rope_scaling(reader, arch, context or int(config.max_position_embeddings)))
     leftover = [n for n, p in (*model.named_parameters(), *model.named_buffers()) if p.is_meta]
@@ -275,6 +271,16 @@ def load(gguf_path: Path, folder: Path, dtype: torch.dtype, trust_remote_code: b
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+def _load_tensor(model: nn.Module, name: str, value: torch.Tensor | QuantWeight, quantized: dict[str, QuantWeight],
+                 dtype: torch.dtype) -> None:
+    _check_shape(model, name, tuple(value.shape))
+    if isinstance(value, QuantWeight):
+        quantized[name] = value
+        _place_quantized(model, name.removesuffix(".weight"), value, dtype)
+    else:
+        _set(model, name, nn.Parameter(value, requires_grad=False))
 
 
 def unsupported_types(tensors: list[object]) -> str:
@@ -289,9 +295,10 @@ def unsupported_types(tensors: list[object]) -> str:
     return f"tensor {named}{more}: the kernels take {kernels}"
 
 
-def _tensor(t: object, dtype: torch.dtype, name: str, config: object, arch: str) -> torch.Tensor | QuantWeight:
+def _tensor(t: object, file: BinaryIO, dtype: torch.dtype, name: str, config: object,
+            arch: str) -> torch.Tensor | QuantWeight:
     qtype = int(t.tensor_type)
-    data = torch.from_numpy(np.array(t.data))  # a copy out of the read-only memory map
+    data = torch.from_numpy(_read(t, file))
     if qtype in FORMATS:
         cols, rows = (int(d) for d in t.shape)  # ggml order: the row length first
         value: torch.Tensor | QuantWeight = QuantWeight(data.reshape(rows, -1), qtype, (rows, cols))
@@ -307,6 +314,22 @@ def _tensor(t: object, dtype: torch.dtype, name: str, config: object, arch: str)
         else:
             value = value.index_select(0, order).contiguous()
     return value.repack() if isinstance(value, QuantWeight) else value  # Q4_0 / Q4_1 / Q8_0 row-packed for the kernels
+
+
+def _read(t: object, file: BinaryIO) -> np.ndarray:
+    """The tensor's values (`t.data`'s dtype and shape) read from the file into memory of their own. Read, not copied
+    out of the reader's memory map: the map's pages would count as resident beside the copies until it is closed,
+    the file's size twice at the end of the load."""
+    out = np.empty(t.data.shape, dtype=t.data.dtype)  # (t.data's shape and dtype: no page of the map is read)
+    view = memoryview(out.reshape(-1).view(np.uint8))
+    file.seek(int(t.data_offset))
+    done = 0
+    while done < len(view):
+        n = file.readinto(view[done:])
+        if not n:
+            raise BadFile(f"{t.name} ends past the end of the file")
+        done += n
+    return out
 
 
 def _permuted_heads(name: str, config: object) -> int | None:

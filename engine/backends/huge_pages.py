@@ -8,9 +8,10 @@ Zen 5). Linux gives huge pages to memory marked MADV_HUGEPAGE (the default `madv
 
 `gather(tensors, views)` copies what `tensors` read of their storages, in that order, into one such buffer and
 re-points every tensor object on those storages (`tensors` and `views`: the model's parameters and buffers, the
-fused weights) storage by storage, so the old copy is freed as it goes (the peak is one storage more, not a second
-model). Bytes no tensor reads are left behind, so a storage that only partly holds weights (tensors viewing
-slices of a larger buffer) does not bring its unread rest along.
+fused weights) storage by storage, so the old copy is freed as it goes, and handed back to the OS every 64 MiB moved
+(glibc keeps freed heap blocks, so without that the peak held the weights twice). Bytes no tensor reads are left
+behind, so a storage that only partly holds weights (tensors viewing slices of a larger buffer) does not bring its
+unread rest along.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ log = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
 ALIGN = 64  # each storage starts on a cache line
+TRIM_EVERY = 64 << 20  # bytes moved between two hand-backs of the freed old copies
 
 
 def huge_page_buffer(nbytes: int) -> torch.Tensor | None:
@@ -90,6 +92,7 @@ def gather(tensors: Sequence[torch.Tensor], views: Iterable[torch.Tensor]) -> in
     if buffer is None:
         return 0
     target, base = buffer.untyped_storage(), buffer.storage_offset()
+    untrimmed = 0
     with torch.no_grad():
         for key in list(users):
             found = users.pop(key)  # (the old storage goes once its last tensor is re-pointed)
@@ -101,7 +104,11 @@ def gather(tensors: Sequence[torch.Tensor], views: Iterable[torch.Tensor]) -> in
                 start, _, slot = _holding(spans[key], t)
                 t.set_(target, (base + slot + _span(t)[0] - start) // t.element_size(), t.size(), t.stride())
             del found
-    release_freed_memory()  # the old copies were small heap blocks: glibc would keep them
+            untrimmed += sum(end - start for start, end, _ in spans[key])
+            if untrimmed >= TRIM_EVERY:  # the old copies are mostly heap blocks glibc would keep: hand them back as
+                release_freed_memory()  # they go, so the peak is the buffer plus what is not moved yet, not twice
+                untrimmed = 0
+    release_freed_memory()
     log.info("decode-step weights on transparent huge pages: %.1f MiB in one buffer", total / 2**20)
     return total
 
