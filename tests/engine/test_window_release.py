@@ -107,3 +107,31 @@ def test_a_prefix_hit_after_a_release_gives_the_cache_off_answer(gemma: tuple[Lo
     full_hit = (len(first) - 1) // bs * bs
     assert outs["again"][0].cached_tokens < full_hit or released_first * bs <= full_hit + 1 - window
     assert outs["turn"][0].cached_tokens >= (len(first) + len(answer) - 1) // bs * bs  # the whole first exchange
+
+
+def test_layer_windows_are_the_windows_transformers_modules_apply() -> None:
+    """engine.model.families.layer_windows, what the KV cache gives back behind: the `sliding_window` each of
+    transformers' attention modules passes to the paged attention."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from engine.model.families import layer_windows
+
+    small = {"vocab_size": 64, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
+             "num_attention_heads": 2, "num_key_value_heads": 1}
+    configs = {
+        "gemma3_text": {"head_dim": 32, "sliding_window": 8,
+                        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
+        "mistral": {"sliding_window": 16},
+        "qwen2": {"use_sliding_window": False, "sliding_window": 16},
+        "llama": {},
+    }
+    expected = {"gemma3_text": (8, 0, 8), "mistral": (16, 16, 16), "qwen2": (0, 0, 0), "llama": (0, 0, 0)}
+    for model_type, extra in configs.items():
+        config = AutoConfig.for_model(model_type, **small, **extra)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        if model_type == "mistral":  # MistralAttention passes the config's window
+            passed = tuple(config.sliding_window for _ in model.model.layers)
+        else:
+            passed = tuple(getattr(layer.self_attn, "sliding_window", None) or 0 for layer in model.model.layers)
+        assert layer_windows(config) == expected[model_type] == passed, model_type
