@@ -15,6 +15,7 @@ Q4_1 rows are rearranged as they are read (`QuantWeight.repack`: the same bytes,
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import shutil
@@ -430,11 +431,10 @@ def _check_shape(model: nn.Module, name: str, shape: tuple[int, ...]) -> None:
 
 
 def open_reader(gguf_path: Path) -> object:
-    """The file's GGUFReader, or BadFile when it cannot be read whole (truncated, not a GGUF file)."""
-    from gguf import GGUFReader
-
+    """The file's GGUFReader (`_reader_class`: its arrays read whole), or BadFile when it cannot be read whole
+    (truncated, not a GGUF file)."""
     try:
-        reader = GGUFReader(gguf_path)
+        reader = _reader_class()(gguf_path)
     except (ValueError, OSError, IndexError, KeyError, struct.error) as exc:
         raise BadFile(f"{gguf_path.name} is truncated or not a GGUF file ({exc})") from exc
     end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
@@ -444,6 +444,37 @@ def open_reader(gguf_path: Path) -> object:
     if "general.architecture" not in reader.fields:
         raise BadFile(f"{gguf_path.name} has no general.architecture")
     return reader
+
+
+@functools.cache
+def _reader_class() -> type:
+    """gguf's GGUFReader, with the values of an array field read as one part instead of one numpy array (and a
+    recursive call) per element: a 150k-token vocabulary (tokens, merges, types, scores) took that reader 25 s and
+    0.5 GB of small objects at each of a start's three reads, and left the heap fragmented. Numeric arrays keep
+    their values (`contents()` gives the whole list); string arrays are skipped as one span of bytes (`contents()`
+    is []): nothing here reads them (transformers converts the tokenizer with its own reader)."""
+    from gguf import GGUFReader, GGUFValueType
+
+    class Reader(GGUFReader):
+        def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list, list[int], list]:
+            if raw_type != GGUFValueType.ARRAY or self.byte_order == "S":
+                return super()._get_field_parts(orig_offs, raw_type)
+            raw_itype, count = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
+            itype, n, start = GGUFValueType(int(raw_itype[0])), int(count[0]), orig_offs + 12
+            types = [GGUFValueType.ARRAY, itype]
+            if (nptype := self.gguf_scalar_to_np.get(itype)) is not None:
+                values = self._get(start, nptype, n)
+                return 12 + int(values.nbytes), [raw_itype, count, values], [2], types
+            if itype != GGUFValueType.STRING:  # arrays of arrays: the reader's own way
+                return super()._get_field_parts(orig_offs, raw_type)
+            data, end = memoryview(self.data), start
+            for _ in range(n):  # each string: its length (u64), then its bytes
+                end += 8 + int.from_bytes(data[end : end + 8], "little")
+            if end > len(data):
+                raise ValueError(f"array at {orig_offs} runs past the end of the file")
+            return end - orig_offs, [raw_itype, count, self._get(start, np.uint8, end - start)], [], types
+
+    return Reader
 
 
 def check(gguf_path: Path) -> str:
@@ -460,6 +491,4 @@ def check(gguf_path: Path) -> str:
 
 def tensor_bytes(gguf_path: Path) -> int:
     """Bytes of every tensor in the file: the resident size of the weights when served quantized."""
-    from gguf import GGUFReader
-
-    return sum(int(t.n_bytes) for t in GGUFReader(gguf_path).tensors)
+    return sum(int(t.n_bytes) for t in _reader_class()(gguf_path).tensors)
