@@ -3,7 +3,8 @@ written to disk.
 
 What is cached (once, in `<cache>/gguf/<name>-<hash>-quantized/`): config.json, the tokenizer and its chat
 template, generation_config.json: a few MB, converted by transformers from the file's metadata. The weights are
-read from the file at each start with the `gguf` package's GGUFReader (memory-mapped): 2-D quantized matmul
+read from the file at each start, where the `gguf` package's GGUFReader (memory-mapped; its array fields read whole,
+`_reader_class`) says they lie, each into memory of its own: 2-D quantized matmul
 weights (q, k, v, o, gate, up, down, the LM head and the token embedding) become `QuantLinear` /
 `QuantEmbedding` over a copy of their raw blocks; 1-D, F32 and F16 tensors are dequantized to the serving dtype.
 
