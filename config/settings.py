@@ -158,6 +158,13 @@ class Settings(DerivedValues, BaseSettings):
         "prompt, tool definitions, chat history) in whole blocks; idle cached blocks are evicted least recently "
         "used when memory is needed. --no-prefix-caching turns it off.",
     )
+    kv_window_release: bool = Field(
+        True,
+        description="Sliding-window layers (Gemma 3's 5 of 6) read only their last W positions: once a sequence's "
+        "KV block lies behind every window it will still attend, the CPU gives back that block's memory in those "
+        "layers (the global layers keep it), so a long context costs the global layers' KV plus a window's. "
+        "--no-kv-window-release keeps every block resident.",
+    )
     speculative: Literal["off", "ngram", "draft"] = Field(
         "off",
         description="Speculative decoding: something cheap proposes a decoding sequence's next tokens and one step "

@@ -64,7 +64,8 @@ class LLMEngine:
         part = 1.0 - kv_share(spec, draft_spec) if draft_spec is not None else 1.0
         self.kv_cache = _allocate_kv(spec, cfg, free, device, max_model_len, part)
         self.max_model_len = min(max_model_len, self.kv_cache.num_slots)
-        self.blocks = BlockManager(self.kv_cache.num_blocks, cfg.block_size, cfg.prefix_caching)
+        self.blocks = BlockManager(self.kv_cache.num_blocks, cfg.block_size, cfg.prefix_caching,
+                                   window=self.kv_cache.release_window)  # windowed layers' dead blocks given back
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.kernels = backend.kernels(dtype)  # chosen once, passed once
         self.runner = ModelRunner(backend.prepare(model, self.kernels), self.kv_cache, device,
@@ -128,6 +129,7 @@ class LLMEngine:
             # decodes and verifications only: a prompt chunk's rows run another path (and would dominate the fit)
             self.step_cost.observe(batch.num_batched_tokens, time.perf_counter() - started)
         grown = self.scheduler.update(batch, [tokens[0].token_id for tokens in per_item])
+        self.kv_cache.release(self.blocks.take_released())
         self.counters.steps += 1
         outputs = []
         for item, seq, tokens in zip(sampling, grown, per_item, strict=True):
@@ -383,7 +385,7 @@ def _allocate_kv(spec: KVCacheSpec, cfg: EngineConfig, free_bytes: int, device: 
         None if cfg.kv_cache_bytes is None else int(cfg.kv_cache_bytes * part),
         max_useful_tokens=cfg.max_num_seqs * max_model_len,
     )
-    cache = KVCache(spec, num_blocks, cfg.block_size, device)
+    cache = KVCache(spec, num_blocks, cfg.block_size, device, release=cfg.kv_window_release)
     log.info("KV cache sized from %s (free after load: %.0f MiB), allocated in %.2fs",
              "kv_cache_bytes" if cfg.kv_cache_bytes is not None else f"{cfg.kv_cache_memory_fraction:.0%} of free",
              free_bytes / 2**20, time.perf_counter() - started)

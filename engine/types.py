@@ -203,6 +203,7 @@ class EngineConfig:
     weight_format: str = "auto"  # auto | quantized | dense: a GGUF's weights kept quantized in RAM, or dense
     quantize: str | None = None  # "int8": linear weights of a dense model to Q8_0 blocks at load
     prefix_caching: bool = True  # reuse the KV of full blocks whose prefix was computed before (block_manager)
+    kv_window_release: bool = True  # sliding-window layers give back the KV pages of blocks behind every window
     speculative: str = "off"  # off | ngram | draft: speculative decoding's proposer (engine/core/speculative.py)
     speculative_tokens: int = 5  # most tokens proposed per sequence and step
     speculative_adaptive: bool = True  # propose as many as pay (Adaptive, StepCost); False: always speculative_tokens

@@ -213,6 +213,7 @@ def engine_config(settings: Settings, path: Path, device: str, dtype: str) -> En
         weight_format=settings.weight_format,
         quantize=None if settings.quantize == "none" else settings.quantize,
         prefix_caching=settings.prefix_caching,
+        kv_window_release=settings.kv_window_release,
         speculative=settings.speculative,
         speculative_tokens=settings.speculative_tokens,
         speculative_adaptive=settings.speculative_adaptive,

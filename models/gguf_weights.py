@@ -3,7 +3,8 @@ written to disk.
 
 What is cached (once, in `<cache>/gguf/<name>-<hash>-quantized/`): config.json, the tokenizer and its chat
 template, generation_config.json: a few MB, converted by transformers from the file's metadata. The weights are
-read from the file at each start with the `gguf` package's GGUFReader (memory-mapped): 2-D quantized matmul
+read from the file at each start, where the `gguf` package's GGUFReader (memory-mapped; its array fields read whole,
+`_reader_class`) says they lie, each into memory of its own: 2-D quantized matmul
 weights (q, k, v, o, gate, up, down, the LM head and the token embedding) become `QuantLinear` /
 `QuantEmbedding` over a copy of their raw blocks; 1-D, F32 and F16 tensors are dequantized to the serving dtype.
 
@@ -15,12 +16,14 @@ Q4_1 rows are rearranged as they are read (`QuantWeight.repack`: the same bytes,
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import shutil
 import struct
 import tempfile
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import torch
@@ -259,14 +262,9 @@ def load(gguf_path: Path, folder: Path, dtype: torch.dtype, trust_remote_code: b
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     tensors = {hf_name(t.name, arch): t for t in reader.tensors if t.name not in ROPE_FACTORS}
     quantized: dict[str, QuantWeight] = {}
-    for name, t in sorted(tensors.items(), key=lambda item: item[0].endswith(".bias")):  # weights before biases
-        value = _tensor(t, dtype, name, config, arch)
-        _check_shape(model, name, tuple(value.shape))
-        if isinstance(value, QuantWeight):
-            quantized[name] = value
-            _place_quantized(model, name.removesuffix(".weight"), value, dtype)
-        else:
-            _set(model, name, nn.Parameter(value, requires_grad=False))
+    with open(gguf_path, "rb", buffering=0) as file:
+        for name, t in sorted(tensors.items(), key=lambda item: item[0].endswith(".bias")):  # weights before biases
+            _load_tensor(model, name, _tensor(t, file, dtype, name, config, arch), quantized, dtype)
     _tie_head(model, quantized)
     _rebuild_rotary(model, rope_scaling(reader, arch, context or int(config.max_position_embeddings)))
     leftover = [n for n, p in (*model.named_parameters(), *model.named_buffers()) if p.is_meta]
@@ -275,6 +273,16 @@ def load(gguf_path: Path, folder: Path, dtype: torch.dtype, trust_remote_code: b
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+def _load_tensor(model: nn.Module, name: str, value: torch.Tensor | QuantWeight, quantized: dict[str, QuantWeight],
+                 dtype: torch.dtype) -> None:
+    _check_shape(model, name, tuple(value.shape))
+    if isinstance(value, QuantWeight):
+        quantized[name] = value
+        _place_quantized(model, name.removesuffix(".weight"), value, dtype)
+    else:
+        _set(model, name, nn.Parameter(value, requires_grad=False))
 
 
 def unsupported_types(tensors: list[object]) -> str:
@@ -289,9 +297,10 @@ def unsupported_types(tensors: list[object]) -> str:
     return f"tensor {named}{more}: the kernels take {kernels}"
 
 
-def _tensor(t: object, dtype: torch.dtype, name: str, config: object, arch: str) -> torch.Tensor | QuantWeight:
+def _tensor(t: object, file: BinaryIO, dtype: torch.dtype, name: str, config: object,
+            arch: str) -> torch.Tensor | QuantWeight:
     qtype = int(t.tensor_type)
-    data = torch.from_numpy(np.array(t.data))  # a copy out of the read-only memory map
+    data = torch.from_numpy(_read(t, file))
     if qtype in FORMATS:
         cols, rows = (int(d) for d in t.shape)  # ggml order: the row length first
         value: torch.Tensor | QuantWeight = QuantWeight(data.reshape(rows, -1), qtype, (rows, cols))
@@ -307,6 +316,22 @@ def _tensor(t: object, dtype: torch.dtype, name: str, config: object, arch: str)
         else:
             value = value.index_select(0, order).contiguous()
     return value.repack() if isinstance(value, QuantWeight) else value  # Q4_0 / Q4_1 / Q8_0 row-packed for the kernels
+
+
+def _read(t: object, file: BinaryIO) -> np.ndarray:
+    """The tensor's values (`t.data`'s dtype and shape) read from the file into memory of their own. Read, not copied
+    out of the reader's memory map: the map's pages would count as resident beside the copies until it is closed,
+    the file's size twice at the end of the load."""
+    out = np.empty(t.data.shape, dtype=t.data.dtype)  # (t.data's shape and dtype: no page of the map is read)
+    view = memoryview(out.reshape(-1).view(np.uint8))
+    file.seek(int(t.data_offset))
+    done = 0
+    while done < len(view):
+        n = file.readinto(view[done:])
+        if not n:
+            raise BadFile(f"{t.name} ends past the end of the file")
+        done += n
+    return out
 
 
 def _permuted_heads(name: str, config: object) -> int | None:
@@ -407,11 +432,10 @@ def _check_shape(model: nn.Module, name: str, shape: tuple[int, ...]) -> None:
 
 
 def open_reader(gguf_path: Path) -> object:
-    """The file's GGUFReader, or BadFile when it cannot be read whole (truncated, not a GGUF file)."""
-    from gguf import GGUFReader
-
+    """The file's GGUFReader (`_reader_class`: its arrays read whole), or BadFile when it cannot be read whole
+    (truncated, not a GGUF file)."""
     try:
-        reader = GGUFReader(gguf_path)
+        reader = _reader_class()(gguf_path)
     except (ValueError, OSError, IndexError, KeyError, struct.error) as exc:
         raise BadFile(f"{gguf_path.name} is truncated or not a GGUF file ({exc})") from exc
     end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
@@ -421,6 +445,37 @@ def open_reader(gguf_path: Path) -> object:
     if "general.architecture" not in reader.fields:
         raise BadFile(f"{gguf_path.name} has no general.architecture")
     return reader
+
+
+@functools.cache
+def _reader_class() -> type:
+    """gguf's GGUFReader, with the values of an array field read as one part instead of one numpy array (and a
+    recursive call) per element: a 150k-token vocabulary (tokens, merges, types, scores) took that reader 25 s and
+    0.5 GB of small objects at each of a start's three reads, and left the heap fragmented. Numeric arrays keep
+    their values (`contents()` gives the whole list); string arrays are skipped as one span of bytes (`contents()`
+    is []): nothing here reads them (transformers converts the tokenizer with its own reader)."""
+    from gguf import GGUFReader, GGUFValueType
+
+    class Reader(GGUFReader):
+        def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list, list[int], list]:
+            if raw_type != GGUFValueType.ARRAY or self.byte_order == "S":
+                return super()._get_field_parts(orig_offs, raw_type)
+            raw_itype, count = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
+            itype, n, start = GGUFValueType(int(raw_itype[0])), int(count[0]), orig_offs + 12
+            types = [GGUFValueType.ARRAY, itype]
+            if (nptype := self.gguf_scalar_to_np.get(itype)) is not None:
+                values = self._get(start, nptype, n)
+                return 12 + int(values.nbytes), [raw_itype, count, values], [2], types
+            if itype != GGUFValueType.STRING:  # arrays of arrays: the reader's own way
+                return super()._get_field_parts(orig_offs, raw_type)
+            data, end = memoryview(self.data), start
+            for _ in range(n):  # each string: its length (u64), then its bytes
+                end += 8 + int.from_bytes(data[end : end + 8], "little")
+            if end > len(data):
+                raise ValueError(f"array at {orig_offs} runs past the end of the file")
+            return end - orig_offs, [raw_itype, count, self._get(start, np.uint8, end - start)], [], types
+
+    return Reader
 
 
 def check(gguf_path: Path) -> str:
@@ -437,6 +492,4 @@ def check(gguf_path: Path) -> str:
 
 def tensor_bytes(gguf_path: Path) -> int:
     """Bytes of every tensor in the file: the resident size of the weights when served quantized."""
-    from gguf import GGUFReader
-
-    return sum(int(t.n_bytes) for t in GGUFReader(gguf_path).tensors)
+    return sum(int(t.n_bytes) for t in _reader_class()(gguf_path).tensors)

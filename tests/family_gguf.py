@@ -85,18 +85,19 @@ def gguf_name(hf: str, arch: str) -> str:
 
 
 def write_family(folder: Path, family: str, vocab: int, seed: int = 0, tokenizer: Any = None,
-                 vocab_file: Path | None = None, chat_template: str | None = None, context: int = 256) -> torch.nn.Module:
+                 vocab_file: Path | None = None, chat_template: str | None = None, context: int = 256,
+                 extra: dict[str, Any] | None = None) -> torch.nn.Module:
     """`folder`/tiny.gguf and its config.json; returns the float32 reference on the dequantized weights. With a
     (byte-level BPE) `tokenizer`, or a real one from llama.cpp's vocab-only GGUF `vocab_file` (its `tokenizer.*`
     keys, the token list padded with unused tokens to `vocab`), the file also holds the metadata llama.cpp's
     converter writes (hyperparameters, Granite's multipliers, the tokenizer, `chat_template`), for transformers'
-    GGUF conversion and llama.cpp to read."""
+    GGUF conversion and llama.cpp to read. `extra`: config values over the family's own (e.g. another window)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     spec = SPECS[family]
     torch.manual_seed(seed)
     config = config_of(spec.model_type, vocab, tie_word_embeddings=spec.tied, max_position_embeddings=context,
-                       **spec.extra)
+                       **{**spec.extra, **(extra or {})})
     model = AutoModelForCausalLM.from_config(config).float().eval()
     _randomize(model)
     served = {k: v for k, v in config.to_dict().items() if k not in (*spec.served_drop, "model_type")}

@@ -8,15 +8,17 @@ Zen 5). Linux gives huge pages to memory marked MADV_HUGEPAGE (the default `madv
 
 `gather(tensors, views)` copies what `tensors` read of their storages, in that order, into one such buffer and
 re-points every tensor object on those storages (`tensors` and `views`: the model's parameters and buffers, the
-fused weights) storage by storage, so the old copy is freed as it goes (the peak is one storage more, not a second
-model). Bytes no tensor reads are left behind, so a storage that only partly holds weights (tensors viewing
-slices of a larger buffer) does not bring its unread rest along.
+fused weights) storage by storage, so the old copy is freed as it goes, and handed back to the OS every 64 MiB moved
+(glibc keeps freed heap blocks, so without that the peak held the weights twice). Bytes no tensor reads are left
+behind, so a storage that only partly holds weights (tensors viewing slices of a larger buffer) does not bring its
+unread rest along.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import mmap
 from collections.abc import Iterable, Sequence
@@ -27,6 +29,8 @@ log = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
 ALIGN = 64  # each storage starts on a cache line
+TRIM_EVERY = 64 << 20  # bytes moved between two hand-backs of the freed old copies
+PIECE = 16 << 20  # a storage is copied in pieces of this many bytes, each given back once copied (`_move`)
 
 
 def huge_page_buffer(nbytes: int) -> torch.Tensor | None:
@@ -89,24 +93,56 @@ def gather(tensors: Sequence[torch.Tensor], views: Iterable[torch.Tensor]) -> in
     buffer = huge_page_buffer(total) if users else None
     if buffer is None:
         return 0
-    target, base = buffer.untyped_storage(), buffer.storage_offset()
+    untrimmed = 0
     with torch.no_grad():
         for key in list(users):
-            found = users.pop(key)  # (the old storage goes once its last tensor is re-pointed)
-            old = torch.empty(0, dtype=torch.uint8).set_(next(iter(found.values())).untyped_storage())
-            for start, end, slot in spans[key]:
-                buffer[slot : slot + end - start].copy_(old[start:end])
-            del old
-            for t in found.values():
-                start, _, slot = _holding(spans[key], t)
-                t.set_(target, (base + slot + _span(t)[0] - start) // t.element_size(), t.size(), t.stride())
-            del found
-    release_freed_memory()  # the old copies were small heap blocks: glibc would keep them
+            _move(users.pop(key), spans[key], buffer)  # (the old storage goes once its last tensor is re-pointed)
+            untrimmed += sum(end - start for start, end, _ in spans[key])
+            if untrimmed >= TRIM_EVERY:  # the old copies are mostly heap blocks glibc would keep: hand them back as
+                release_freed_memory()  # they go, so the peak is the buffer plus what is not moved yet, not twice
+                untrimmed = 0
+    release_freed_memory()
     log.info("decode-step weights on transparent huge pages: %.1f MiB in one buffer", total / 2**20)
     return total
+
+
+def _move(found: dict[int, torch.Tensor], spans: list[list[int]], buffer: torch.Tensor) -> None:
+    """Copy one storage's read spans to their slots in `buffer` and re-point its tensors (`found`: every tensor object
+    on it). Where those are all the storage's users (its use count says so: nothing else can read it), each piece
+    copied is given back to the OS at once, so the storage being moved is not resident twice (the embedding of a
+    large vocabulary is a few hundred MB)."""
+    storage = next(iter(found.values())).untyped_storage()
+    old = torch.empty(0, dtype=torch.uint8).set_(storage)
+    sole = torch._C._storage_Use_Count(storage._cdata) == len(found) + 2  # found's, old's and `storage` itself
+    for start, end, slot in spans:
+        for lo in range(start, end, PIECE):
+            hi = min(end, lo + PIECE)
+            buffer[slot + lo - start : slot + hi - start].copy_(old[lo:hi])
+            if sole:
+                give_back(old.data_ptr() + lo, hi - lo)
+    del old, storage
+    target, base = buffer.untyped_storage(), buffer.storage_offset()
+    for t in found.values():
+        start, _, slot = _holding(spans, t)
+        t.set_(target, (base + slot + _span(t)[0] - start) // t.element_size(), t.size(), t.stride())
+
+
+def give_back(address: int, nbytes: int) -> None:
+    """madvise(MADV_DONTNEED) the whole pages inside [address, address + nbytes) of private anonymous memory that
+    nothing reads again (it reads as zero after; the allocator may still free and reuse it)."""
+    page = mmap.PAGESIZE
+    lo, hi = -(-address // page) * page, (address + nbytes) // page * page
+    if hi > lo and hasattr(mmap, "MADV_DONTNEED"):
+        with contextlib.suppress(OSError, AttributeError):  # not glibc: the copy is simply freed at the end
+            _libc().madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), mmap.MADV_DONTNEED)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL("libc.so.6")
 
 
 def release_freed_memory() -> None:
     """Hand the heap's freed pages back to the OS (glibc keeps them otherwise, and RSS stays at its peak)."""
     with contextlib.suppress(OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        _libc().malloc_trim(0)

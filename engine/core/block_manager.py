@@ -17,6 +17,19 @@ Conversations likely to be continued (`SamplingParams.keep_prefix`: a stored Res
 `previous_response_id` extends) leave their cached blocks in a second LRU, evicted only once the first is empty,
 so the next turn's prefill covers only its new input even after other traffic. At most `kept_share` of the cache
 is held that way; past it the oldest kept blocks go back to the common LRU, first in line.
+
+Sliding-window layers (`window` > 0: the KV cache's `release_window`, the widest window of the model's windowed
+layers). A step computing positions from s on reads, in those layers, positions s + 1 - window and later only (the
+one-call step's attention, the op-by-op rows and the generic path all start there). So once a sequence has computed
+n positions, its blocks that end at or before n + 1 - window are dead for it: `retire(seq)` (after each step) marks
+them, keeping one block more than that (so that a continuation of the sequence, or an n > 1 sibling taking its
+prompt, still finds its prefix usable, below). A block dead for every sequence that references it is released:
+`take_released()` hands it to the KV cache once, which gives back its pages in the windowed layers (they read as
+zero). Global layers keep every block, and the block stays in its table, its key and its place in the LRU.
+The prefix-cache rule for released blocks: a hit of n blocks (P = n * block_size positions, computed from P on) is
+valid only if every released block in it ends at or before P + 1 - window, so no windowed layer of the new
+sequence reads it; `cached_prefix` returns the longest such hit (possibly none). A released block handed out afresh
+(`_take`) is written again before anything reads it, its pages faulting back in as zeros.
 """
 
 from __future__ import annotations
@@ -42,7 +55,8 @@ def block_key(parent: BlockKey, tokens: list[int]) -> BlockKey:
 class BlockManager:
     """Hands out and takes back fixed-size KV blocks. All operations are O(blocks touched)."""
 
-    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False, kept_share: float = 0.5) -> None:
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False, kept_share: float = 0.5,
+                 window: int = 0) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"need num_blocks > 0 and block_size > 0, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
@@ -56,6 +70,11 @@ class BlockManager:
         self._key_of: list[BlockKey | None] = [None] * num_blocks
         self._cached: dict[BlockKey, int] = {}  # published key -> block id
         self.evictions_total = 0
+        self.window = window  # sliding-window layers' widest window: blocks behind it are released (0: never)
+        self._dead = [0] * num_blocks  # of a block's references, the sequences whose windows have left it
+        self._released = [False] * num_blocks  # its windowed layers' pages given back (or about to be)
+        self._to_release: dict[int, None] = {}  # released, not yet handed to the KV cache (take_released)
+        self.released_blocks_total = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -101,7 +120,19 @@ class BlockManager:
             if block is None:
                 break
             found.append(block)
-        return found
+        return found[: self._usable(found)]
+
+    def _usable(self, found: list[int]) -> int:
+        """The longest start of the cached chain `found` that a sequence may take: each released block in it ends at
+        or before P + 1 - window, P the positions taken (the new sequence's windowed layers never read it)."""
+        last = [-1] * len(found)  # last[n - 1]: the last released block among found[:n]
+        for i, block in enumerate(found):
+            last[i] = i if self._released[block] else last[i - 1] if i else -1
+        bs = self.block_size
+        for n in range(len(found), 0, -1):
+            if last[n - 1] < 0 or (last[n - 1] + 1) * bs <= n * bs + 1 - self.window:
+                return n
+        return 0
 
     def allocate(self, seq: Sequence, prefix: list[int], num_tokens: int) -> bool:
         """Start the empty block table of `seq` with the cached `prefix` blocks, then grow it to `num_tokens`
@@ -117,6 +148,7 @@ class BlockManager:
             self._refs[block] += 1
         seq.block_table = list(prefix)
         seq.num_published_blocks = len(prefix)
+        seq.num_dead_blocks = 0
         return self.grow(seq, num_tokens)
 
     def publish(self, seq: Sequence) -> None:
@@ -135,13 +167,43 @@ class BlockManager:
                 self._key_of[block] = keys[i]
         seq.num_published_blocks = full
 
+    def retire(self, seq: Sequence) -> None:
+        """Sliding-window layers: mark the blocks of `seq` that its windows have left for good, one block short of
+        what they have left (the module docstring), and release those no other sequence still reads."""
+        if not self.window:
+            return
+        dead = min(len(seq.block_table), (seq.num_computed_tokens + 1 - self.window) // self.block_size - 1)
+        for i in range(seq.num_dead_blocks, dead):
+            block = seq.block_table[i]
+            self._dead[block] += 1
+            self._release_if_dead(block)
+        seq.num_dead_blocks = max(seq.num_dead_blocks, dead)
+
+    def take_released(self) -> list[int]:
+        """The blocks released since the last call, for the KV cache to give back their windowed pages."""
+        released, self._to_release = list(self._to_release), {}
+        return released
+
+    def is_released(self, block: int) -> bool:
+        """Whether `block`'s windowed pages were given back since it was last handed out."""
+        return self._released[block]
+
+    def _release_if_dead(self, block: int) -> None:
+        if not self._released[block] and self._dead[block] == self._refs[block] > 0:
+            self._released[block] = True
+            self._to_release[block] = None
+            self.released_blocks_total += 1
+
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s references. Its last blocks are released first, so the LRU order evicts a prefix's
         tail before its head (the head is what other requests are likeliest to share)."""
         lru = self._kept if seq.params.keep_prefix else self._evictable
-        for block in reversed(seq.block_table):
+        for i in reversed(range(len(seq.block_table))):
+            block = seq.block_table[i]
+            self._dead[block] -= i < seq.num_dead_blocks
             self._refs[block] -= 1
             if self._refs[block] > 0:
+                self._release_if_dead(block)  # the sequences left may all be past it
                 continue
             if self._key_of[block] is not None:
                 lru[block] = None
@@ -153,6 +215,7 @@ class BlockManager:
             self._evictable.move_to_end(block, last=False)
         seq.block_table = []
         seq.num_published_blocks = 0
+        seq.num_dead_blocks = 0
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (blocks in use stay with their sequences)."""
@@ -176,6 +239,8 @@ class BlockManager:
                 del self._cached[key]
             self.evictions_total += 1
         self._refs[block] = 1
+        self._released[block] = False  # written afresh (a page given back faults in as zeros)
+        self._to_release.pop(block, None)  # not yet given back: and now it must not be
         return block
 
     def _keys(self, seq: Sequence, num_blocks: int) -> list[BlockKey]:

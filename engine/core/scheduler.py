@@ -116,6 +116,7 @@ class Scheduler:
             item.seq.num_computed_tokens += item.num_tokens - len(item.draft)  # proposals count once accepted
             self.computed_tokens_total += item.num_tokens
             self.blocks.publish(item.seq)
+            self.blocks.retire(item.seq)
         grown = []
         for item, token in zip(out.sampling, sampled, strict=True):
             item.seq.output_token_ids.append(token)
@@ -127,6 +128,7 @@ class Scheduler:
         in the cache), and `token` is the sampled token after it."""
         seq.num_computed_tokens += 1
         self.blocks.publish(seq)
+        self.blocks.retire(seq)
         seq.output_token_ids.append(token)
 
     def finish(self, seq: Sequence, reason: FinishReason, stop_reason: str | int | None = None) -> None:

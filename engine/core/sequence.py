@@ -42,6 +42,8 @@ class Sequence:
     block_keys: list[bytes] = field(default_factory=list)
     num_published_blocks: int = 0
     num_cached_tokens: int = 0
+    # sliding-window layers (engine.core.block_manager.retire): the first blocks of this table its windows have left
+    num_dead_blocks: int = 0
     # speculative decoding (engine.core.speculative): tokens proposed to follow this sequence, checked in the next
     # step (set by the engine before scheduling, cleared after; the scheduler may shorten it to fit)
     draft: list[int] = field(default_factory=list)

@@ -58,11 +58,12 @@ def paged_attention(
     peregrine: AttentionMetadata | None = None,
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
-    """Returns ([1, total_tokens, heads, dim], None), the shape transformers' attention modules expect."""
+    """Returns ([1, total_tokens, heads, dim], None), the shape transformers' attention modules expect. A layer the
+    model gives a `sliding_window` attends to its last that many positions, as transformers' mask would."""
     if peregrine is None:
         raise RuntimeError("peregrine_paged attention needs the step metadata (model(..., peregrine=meta))")
     out = attend(module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-                 peregrine, scaling)
+                 peregrine, scaling, int(kwargs.get("sliding_window") or 0))
     return out.unsqueeze(0), None
 
 

@@ -92,7 +92,7 @@ def block_of(config: object, dtype: torch.dtype = torch.float32) -> Block:
     if not family.sliding:
         return Block(family, head_dim, head_dim**-0.5)
     types = tuple(config.layer_types[: config.num_hidden_layers])
-    windows = tuple(int(config.sliding_window) if t == "sliding_attention" else 0 for t in types)
+    windows = layer_windows(config)
     scale = float(torch.tensor(config.hidden_size**0.5, dtype=dtype))  # Gemma rounds it to the model dtype
     return Block(family, head_dim, float(config.query_pre_attn_scalar) ** -0.5, scale, layer_types=types,
                  windows=windows)
@@ -106,6 +106,20 @@ def sliding_window(config: object) -> bool:
     if hasattr(config, "use_sliding_window"):  # Qwen2/Qwen3 keep a window size even when it is off
         return bool(config.use_sliding_window) and getattr(config, "sliding_window", None) is not None
     return getattr(config, "sliding_window", None) is not None
+
+
+def layer_windows(config: object) -> tuple[int, ...]:
+    """Each layer's attention window, as the model's own attention applies it (0: the whole context): the
+    `sliding_attention` layers of `layer_types` where the config has them, else every layer when the config turns a
+    window on (Mistral). The KV cache gives back what lies behind them (engine/model/kv_cache.py)."""
+    layers = int(config.num_hidden_layers)
+    size = int(getattr(config, "sliding_window", None) or 0)
+    if not size or not sliding_window(config):
+        return (0,) * layers
+    types = getattr(config, "layer_types", None)
+    if types:
+        return tuple(size if t == "sliding_attention" else 0 for t in types[:layers])
+    return (size,) * layers
 
 
 def attn_linears(layer: nn.Module, family: Family) -> tuple[nn.Module, ...]:

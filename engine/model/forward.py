@@ -149,7 +149,10 @@ class LlamaFastForward:
         self.head_dim = self.block.head_dim
         self.eps = config.rms_norm_eps
         self.scaling = self.block.attention_scale
-        self.layers = [self._layer(layer) for layer in inner.layers[: config.num_hidden_layers]]
+        self.layers = []
+        for layer in inner.layers[: config.num_hidden_layers]:
+            self.layers.append(self._layer(layer))
+            huge_pages.release_freed_memory()  # its unfused copies, freed: glibc would keep them (the peak held both)
         decoder = kernels.decoder  # engine.backends.cpu_kernels.llama_decoder_for: None unless on CPU
         self._decoder_factory = decoder
         self._decoder: tuple[KVCache, object] | None = None  # built on the first decode-only step

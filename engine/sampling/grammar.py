@@ -27,7 +27,6 @@ from typing import Any
 import llguidance
 import numpy as np
 import torch
-from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask_par
 
 from engine.sampling.grammar_text import GrammarError, grammar_text
 from engine.types import Constraint
@@ -253,6 +252,11 @@ class GrammarState:
                 log.debug("lazy grammar: %d of %d tokens after the trigger fit", done, len(tokens))
 
 
+def _bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """int32 [rows, ceil(vocab_size / 32)], all bits set (llguidance.torch's allocate_token_bitmask, on the CPU)."""
+    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+
 class BitmaskFiller:
     """Fills the token bitmasks of the constrained rows of a step, all in one llguidance call, and unpacks them
     (numpy, single-threaded, in the caller's thread: the engine runs both beside the forward pass)."""
@@ -263,14 +267,17 @@ class BitmaskFiller:
         self._eos = sorted(t for t in eos_token_ids if t < vocab_size)
         self._ll_eos = self.lltok.eos_token
         self._executor = llguidance.LLExecutor(num_threads=2)
-        self._buffer = allocate_token_bitmask(8, self.lltok.vocab_size)
+        self._buffer = _bitmask(8, self.lltok.vocab_size)
 
     def fill(self, states: list[GrammarState]) -> torch.Tensor:
         """[len(states), words] int32 bitmask, one row per state (each must be `active`)."""
         if self._buffer.shape[0] < len(states):
-            self._buffer = allocate_token_bitmask(max(len(states), 2 * self._buffer.shape[0]), self.lltok.vocab_size)
-        mask = self._buffer[: len(states)]
-        fill_next_token_bitmask_par(self._executor, [(s.matcher, i) for i, s in enumerate(states)], mask)
+            self._buffer = _bitmask(max(len(states), 2 * self._buffer.shape[0]), self.lltok.vocab_size)
+        mask = self._buffer[: len(states)]  # rows of a contiguous buffer: contiguous
+        # llguidance.torch's fill_next_token_bitmask_par, without importing that module: its torch.compile decorator
+        # imports torch's dynamo and inductor (about 8 s and 150 MB at start, for a function this engine never calls)
+        self._executor.unsafe_compute_mask_ptr([(s.matcher, i) for i, s in enumerate(states)], mask.data_ptr(),
+                                               mask.shape[1] * 4, len(states))
         return mask
 
     def forbidden(self, mask: torch.Tensor) -> torch.Tensor:

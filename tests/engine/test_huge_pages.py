@@ -73,6 +73,17 @@ def test_gather_leaves_the_bytes_no_tensor_reads() -> None:
     assert first.untyped_storage().data_ptr() == second.untyped_storage().data_ptr()  # one buffer now
 
 
+def test_a_storage_someone_else_views_keeps_its_bytes() -> None:
+    """A storage's copied pieces are given back to the OS only when the tensors gather was handed are all its users:
+    a view it was not told about still reads the old storage's values, never the zeros of a given-back page."""
+    whole = (torch.arange(3 << 20, dtype=torch.int64) % 251).to(torch.uint8)  # 3 MiB: pieces of whole pages
+    unknown = whole[1 << 20 : (1 << 20) + 8192]  # not among the tensors gather is given
+    expected = unknown.clone()
+    assert huge_pages.gather([whole], views=[]) == 3 << 20
+    assert torch.equal(unknown, expected) and unknown.data_ptr() != whole.data_ptr() + (1 << 20)
+    assert torch.equal(whole, (torch.arange(3 << 20, dtype=torch.int64) % 251).to(torch.uint8))
+
+
 def test_gather_of_nothing_moves_nothing() -> None:
     assert huge_pages.gather([], views=[torch.ones(3)]) == 0
 

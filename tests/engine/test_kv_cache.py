@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import mmap
 from typing import Any
 
 import pytest
@@ -50,7 +51,8 @@ def test_engine_logs_kv_size_and_reports_usage(tiny: Any, engine_factory: Any,
 
 
 def test_blocks_are_zeroed_before_first_use() -> None:
-    cache = KVCache(SPEC, num_blocks=200, block_size=4, device=torch.device("cpu"))
+    """Where the cache is not anonymous memory (torch.empty: a GPU), blocks are zeroed as they come into use."""
+    cache = KVCache(SPEC, num_blocks=200, block_size=4, device=torch.device("cpu"), anonymous=False)
     for t in (*cache.k, *cache.v):
         t[: 200 * 4].fill_(float("nan"))  # what never-written memory may hold
     cache.ensure_zeroed(3)
@@ -58,6 +60,40 @@ def test_blocks_are_zeroed_before_first_use() -> None:
     assert torch.isnan(cache.v[1][64 * 4]).all()
     cache.ensure_zeroed(150)
     assert torch.count_nonzero(cache.v[1][: 150 * 4]) == 0
+
+
+def test_cpu_cache_reads_zero_and_gives_back_the_windowed_layers_pages() -> None:
+    """On the CPU each tensor is an anonymous mapping, page aligned, reading zero until written (nothing zeroed at
+    start); `release` gives back the pages of the given blocks in the windowed layers only (they read zero again)."""
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.float32, windows=(8, 0))
+    cache = KVCache(spec, num_blocks=8, block_size=16, device=torch.device("cpu"))  # a block: 4 KiB a tensor
+    assert cache.block_bytes == 4096 and cache.release_window == 8
+    assert all(t.data_ptr() % mmap.PAGESIZE == 0 and torch.count_nonzero(t) == 0 for t in (*cache.k, *cache.v))
+    for t in (*cache.k, *cache.v):
+        t[: 8 * 16].fill_(1.0)
+    cache.release([5, 2, 3])
+    assert cache.released_bytes_total == 2 * 3 * 4096  # K and V of the one windowed layer, 3 blocks
+
+    def per_block(t: torch.Tensor) -> list[int]:
+        return t[: 8 * 16].reshape(8, -1).count_nonzero(dim=1).tolist()
+
+    written = 16 * 2 * 32
+    assert per_block(cache.k[0]) == per_block(cache.v[0]) == [written, written, 0, 0, written, 0, written, written]
+    assert per_block(cache.k[1]) == per_block(cache.v[1]) == [written] * 8  # the global layer keeps everything
+    cache.k[0][2 * 16].fill_(3.0)  # a given-back block written again: its page faults back in
+    assert cache.k[0][2 * 16].eq(3.0).all() and torch.count_nonzero(cache.k[0][2 * 16 + 1 : 3 * 16]) == 0
+
+
+def test_nothing_is_given_back_without_a_window_a_whole_page_or_the_setting() -> None:
+    cpu = torch.device("cpu")
+    windowed = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.float32, windows=(8, 0))
+    assert KVCache(windowed, 8, 16, cpu, release=False).release_window == 0
+    assert KVCache(windowed, 8, 8, cpu).release_window == 0  # 2 KiB blocks: no whole page inside one
+    assert KVCache(SPEC, 8, 16, cpu).release_window == 0  # no windowed layer
+    small = KVCache(windowed, 8, 8, cpu)
+    small.k[0].fill_(1.0)
+    small.release([1, 2, 3])
+    assert small.released_bytes_total == 0 and torch.count_nonzero(small.k[0][:64]) == 64 * 2 * 32
 
 
 def test_decode_is_not_poisoned_by_unwritten_memory(tiny: Any, engine_factory: Any) -> None:
