@@ -3,8 +3,9 @@ written to disk.
 
 What is cached (once, in `<cache>/gguf/<name>-<hash>-quantized/`): config.json, the tokenizer and its chat
 template, generation_config.json: a few MB, converted by transformers from the file's metadata. The weights are
-read from the file at each start, where the `gguf` package's GGUFReader (memory-mapped; its array fields read whole,
-`_reader_class`) says they lie, each into memory of its own: 2-D quantized matmul
+read from the file at each start, its header parsed without its vocabulary's arrays (`HeaderReader`; the `gguf`
+package's GGUFReader, its array fields read whole (`_reader_class`), reads the metadata for the conversion) and each
+tensor read into memory of its own: 2-D quantized matmul
 weights (q, k, v, o, gate, up, down, the LM head and the token embedding) become `QuantLinear` /
 `QuantEmbedding` over a copy of their raw blocks; 1-D, F32 and F16 tensors are dequantized to the serving dtype.
 
@@ -31,6 +32,7 @@ from torch import nn
 
 from engine.model.quant import FORMATS, QuantEmbedding, QuantLinear, QuantWeight
 from models.fingerprint import gguf_fingerprint
+from models.preflight import GgufLayout, read_gguf_layout
 
 log = logging.getLogger(__name__)
 
@@ -250,7 +252,7 @@ def load(gguf_path: Path, folder: Path, dtype: torch.dtype, trust_remote_code: b
     BadFile when it is damaged or contradicts its metadata."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    reader = open_reader(gguf_path)
+    reader = HeaderReader.open(gguf_path)
     arch = str(reader.fields["general.architecture"].contents())
     if arch not in ARCHITECTURES:
         raise Unsupported(f"architecture {arch!r} (served quantized: {', '.join(ARCHITECTURES)})")
@@ -439,12 +441,81 @@ def open_reader(gguf_path: Path) -> object:
     except (ValueError, OSError, IndexError, KeyError, struct.error) as exc:
         raise BadFile(f"{gguf_path.name} is truncated or not a GGUF file ({exc})") from exc
     end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
+    _check_extent(gguf_path, end, "general.architecture" in reader.fields)
+    return reader
+
+
+class _Value:
+    """One metadata value, read as GGUFReader's fields are (`contents()`)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    def contents(self) -> object:
+        return self.value
+
+
+class HeaderReader:
+    """What `load` reads of a GGUF file, from its header (preflight.read_gguf_layout) and a read-only memory map of
+    its tensor data: GGUFReader's `fields`, scalars and strings only (arrays are left out), and its `tensors` (the
+    gguf package's ReaderTensor, typed and shaped as GGUFReader makes them). GGUFReader first maps every entry of
+    the vocabulary's arrays into numpy: tens of seconds for Qwen's 151k tokens and merges, at every load."""
+
+    def __init__(self, gguf_path: Path) -> None:
+        layout = read_gguf_layout(gguf_path)
+        data = np.memmap(gguf_path, dtype=np.uint8, mode="r")
+        self.fields = {key: _Value(value) for key, value in layout.meta.items()}
+        self.tensors = [_reader_tensor(name, layout, data) for name in layout.shapes]
+
+    @classmethod
+    def open(cls, gguf_path: Path) -> HeaderReader:
+        """The file's reader, or BadFile as `open_reader` says it."""
+        try:
+            reader = cls(gguf_path)
+        except (ValueError, OSError, IndexError, KeyError, struct.error) as exc:
+            raise BadFile(f"{gguf_path.name} is truncated or not a GGUF file ({exc})") from exc
+        end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
+        _check_extent(gguf_path, end, "general.architecture" in reader.fields)
+        return reader
+
+
+def _reader_tensor(name: str, layout: GgufLayout, data: np.ndarray) -> object:
+    """One tensor as GGUFReader gives it: F16 / F32 / F64 and integer tensors as their numpy type in numpy's
+    order of dimensions (ggml's reversed), the others as bytes, a row's blocks last."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, ReaderTensor
+    from gguf.quants import quant_shape_to_byte_shape
+
+    qtype = GGMLQuantizationType(layout.types[name])
+    dims = np.array(layout.shapes[name], dtype=np.uint64)
+    elements = int(np.prod(dims))
+    block, block_bytes = GGML_QUANT_SIZES[qtype]
+    n_bytes = elements * block_bytes // block
+    start = layout.data_start + layout.offsets[name]
+    shape = tuple(reversed(dims.tolist()))
+    item = _NUMPY_TYPES.get(qtype.name)
+    if item is None:
+        item, shape = np.uint8, quant_shape_to_byte_shape(shape, qtype)
+    if start + n_bytes > data.size:
+        raise ValueError(f"tensor {name} ends at byte {start + n_bytes}, the file at {data.size}")
+    values = data[start:start + n_bytes].view(item).reshape(shape)
+    return ReaderTensor(name=name, tensor_type=qtype, shape=dims, n_elements=elements, n_bytes=n_bytes,
+                        data_offset=start, data=values, field=None)
+
+
+_NUMPY_TYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "I16": np.int16,
+                "I32": np.int32, "I64": np.int64}
+
+
+def _check_extent(gguf_path: Path, end: int, has_arch: bool) -> None:
+    """BadFile when the file's tensors end past the file (`end`: where the last one's bytes end) or it names no
+    architecture."""
     if end > gguf_path.stat().st_size:
         raise BadFile(f"{gguf_path.name} is truncated: its tensors end at byte {end}, the file at "
                       f"{gguf_path.stat().st_size}")
-    if "general.architecture" not in reader.fields:
+    if not has_arch:
         raise BadFile(f"{gguf_path.name} has no general.architecture")
-    return reader
 
 
 @functools.cache
@@ -480,10 +551,18 @@ def _reader_class() -> type:
 
 def check(gguf_path: Path) -> str:
     """The file's architecture, once it is known to be readable whole and of an architecture something here serves
-    (quantized, or densely through transformers); BadFile otherwise. Run before anything converts it."""
+    (quantized, or densely through transformers); BadFile otherwise. Run before anything converts it, at each start
+    and each load: from the header alone (preflight.read_gguf_layout), not GGUFReader, which maps every token of a
+    vocabulary into numpy (tens of seconds for Qwen's 151k tokens and merges)."""
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
-    arch = str(open_reader(gguf_path).fields["general.architecture"].contents())
+    try:
+        layout = read_gguf_layout(gguf_path)
+        end = layout.data_end
+    except (ValueError, OSError, IndexError, KeyError, struct.error) as exc:
+        raise BadFile(f"{gguf_path.name} is truncated or not a GGUF file ({exc})") from exc
+    _check_extent(gguf_path, end, "general.architecture" in layout.meta)
+    arch = str(layout.meta["general.architecture"])
     if arch not in (*ARCHITECTURES, *GGUF_SUPPORTED_ARCHITECTURES):
         raise BadFile(f"{gguf_path.name}: unknown architecture {arch!r} (served quantized: "
                       f"{', '.join(ARCHITECTURES)}; densely: the architectures transformers' GGUF loader reads)")

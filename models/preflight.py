@@ -215,6 +215,33 @@ def read_gguf_tensors(path: Path) -> tuple[dict[str, object], dict[str, tuple[in
     Reads only the header, in a fraction of a second: gguf.GGUFReader maps every tokenizer entry into
     numpy and takes tens of seconds on a 50k-token vocabulary.
     """
+    layout = read_gguf_layout(path)
+    return layout.meta, layout.shapes, layout.types
+
+
+@dataclass(frozen=True)
+class GgufLayout:
+    """A GGUF file's header: metadata (scalars and strings; arrays are skipped), each tensor's shape, ggml type and
+    offset from `data_start`, where the tensor data begins."""
+
+    meta: dict[str, object]
+    shapes: dict[str, tuple[int, ...]]
+    types: dict[str, int]
+    offsets: dict[str, int]
+    data_start: int
+
+    @property
+    def data_end(self) -> int:
+        """The byte where the last tensor's data ends (past the file's end: the file is truncated); ValueError for
+        a tensor type the gguf package does not know."""
+        ends = (self.offsets[n] + gguf_tensor_bytes(self.shapes[n], self.types[n]) for n in self.shapes)
+        return self.data_start + max(ends, default=0)
+
+
+def read_gguf_layout(path: Path) -> GgufLayout:
+    """The header of a GGUF file, read without mapping its arrays (read_gguf_tensors); ValueError or struct.error
+    when it is not a whole GGUF header."""
+    size = path.stat().st_size
     with open(path, "rb") as f:
         magic, version = f.read(4), _unpack(f, "<I")
         if magic != b"GGUF" or version < 2:
@@ -222,37 +249,46 @@ def read_gguf_tensors(path: Path) -> tuple[dict[str, object], dict[str, tuple[in
         n_tensors, n_kv = _unpack(f, "<Q"), _unpack(f, "<Q")
         meta: dict[str, object] = {}
         for _ in range(n_kv):
-            key = _gguf_string(f)
-            value = _gguf_value(f, _unpack(f, "<I"))
+            key = _gguf_string(f, size)
+            value = _gguf_value(f, _unpack(f, "<I"), size)
             if value is not None:
                 meta[key] = value
-        shapes, types = {}, {}
+        shapes, types, offsets = {}, {}, {}
         for _ in range(n_tensors):
-            name = _gguf_string(f)
+            name = _gguf_string(f, size)
+            if name in shapes:
+                raise ValueError(f"tensor {name} is in the file twice")
             shapes[name] = tuple(_unpack(f, "<Q") for _ in range(_unpack(f, "<I")))
             types[name] = _unpack(f, "<I")
-            f.read(8)  # data offset
-    return meta, shapes, types
+            offsets[name] = _unpack(f, "<Q")
+        alignment = int(meta.get("general.alignment", 32))  # type: ignore[call-overload]
+        start = -(-f.tell() // alignment) * alignment  # the tensor data begins at the next multiple
+    return GgufLayout(meta, shapes, types, offsets, start)
 
 
-def _gguf_value(f: BinaryIO, vtype: int) -> object:
+def _gguf_value(f: BinaryIO, vtype: int, size: int) -> object:
     if vtype in _GGUF_SCALARS:
         return _unpack(f, _GGUF_SCALARS[vtype])
     if vtype == _GGUF_STRING:
-        return _gguf_string(f)
+        return _gguf_string(f, size)
     if vtype == _GGUF_ARRAY:
         item_type, count = _unpack(f, "<I"), _unpack(f, "<Q")
         if item_type in _GGUF_SCALARS:
             f.seek(struct.calcsize(_GGUF_SCALARS[item_type]) * count, os.SEEK_CUR)
+        elif count > size:  # each item takes a byte at least
+            raise ValueError(f"an array of {count} items in a file of {size} bytes")
         else:
             for _ in range(count):
-                _gguf_value(f, item_type)
+                _gguf_value(f, item_type, size)
         return None
     raise ValueError(f"unknown GGUF value type {vtype}")
 
 
-def _gguf_string(f: BinaryIO) -> str:
-    return f.read(_unpack(f, "<Q")).decode("utf-8", errors="replace")
+def _gguf_string(f: BinaryIO, size: int) -> str:
+    length = _unpack(f, "<Q")
+    if length > size:  # a damaged length: never read (allocate) past the file
+        raise ValueError(f"a string of {length} bytes in a file of {size} bytes")
+    return f.read(length).decode("utf-8", errors="replace")
 
 
 def _unpack(f: BinaryIO, fmt: str) -> Any:

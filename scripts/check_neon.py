@@ -3,8 +3,10 @@
 No aarch64 g++ is needed: the `ziglang` PyPI package carries a clang that targets aarch64-linux-gnu with its own
 libc and libc++ headers. Each `engine/backends/csrc/*.cpp` is checked with `-fsyntax-only` against this torch's headers, so
 vec.h's NEON backend and every kernel over it type-check for aarch64 (nothing is linked or run: torch's headers
-are the host's, and zig ships no omp.h, so a two-function stub stands in for it). The first run builds zig's
-libc++ header cache (minutes); later runs take seconds per file.
+are the host's, and zig ships no omp.h, so a two-function stub stands in for it). `-c`: zig compiles only, so it
+builds none of the libraries a link would need (without it, zig's libc++, libc++abi and glibc stubs for aarch64: 100 s
+on 2 cores, cached by a key that holds zig's own path, so rebuilt for every new venv: every fresh clone's suite).
+The probe takes seconds; a file with torch's headers, minutes.
 
     python -m venv .cache/zig-venv && .cache/zig-venv/bin/pip install ziglang
     python scripts/check_neon.py --zig-python .cache/zig-venv/bin/python
@@ -33,7 +35,7 @@ def command(zig_python: str, source: Path, stub_dir: Path) -> list[str]:
     from torch.utils.cpp_extension import include_paths
 
     includes = [f"-I{p}" for p in (*include_paths(), sysconfig.get_paths()["include"])]
-    return [zig_python, "-m", "ziglang", "c++", "-target", "aarch64-linux-gnu", "-std=c++17", "-fsyntax-only",
+    return [zig_python, "-m", "ziglang", "c++", "-target", "aarch64-linux-gnu", "-std=c++17", "-c", "-fsyntax-only",
             "-fopenmp", "-Wno-everything", f"-I{stub_dir}", *includes, "-DTORCH_EXTENSION_NAME=check",
             str(source)]
 

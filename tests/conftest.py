@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+import main
 from tests.support import (
     Loaded,
     TinyModel,
@@ -22,6 +23,31 @@ from tests.support import (
     make_engine,
     smollm2_dir,
 )
+
+# The tests' own torch waits as the server's does (main.py): libgomp's default spin of milliseconds after every op
+# takes the core that a server or the other xdist worker needs. Set before anything imports torch.
+main.quiet_openmp_waits()
+
+# Test files that share one pytest-xdist worker, one after the other: each Ray test starts a private local cluster,
+# and two clusters starting at once on one machine is what no user does.
+SHARED_WORKER = {"tests/ray/": "tests/ray/"}
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)  # only pytest-xdist calls it
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`--dist loadfile` (scripts/test.sh: `-n 2 --dist loadfile`): each test file runs whole, in its order, on one
+    worker, so a module's server starts once; the files SHARED_WORKER names run on one worker together. Any other
+    `--dist` is xdist's own."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class ByFile(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return next((group for prefix, group in SHARED_WORKER.items() if path.startswith(prefix)), path)
+
+    return ByFile(config, log)
 
 
 @pytest.fixture(scope="session")

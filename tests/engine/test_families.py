@@ -207,6 +207,36 @@ def test_truncated_file_is_one_clear_error(tmp_path: Path, byte_level_tokenizer:
     assert "\n" not in str(caught.value)
 
 
+def test_the_header_reader_reads_what_gguf_reader_reads(tmp_path: Path, byte_level_tokenizer: object) -> None:
+    """`load` reads the header and maps the tensor data (gguf_weights.HeaderReader), not GGUFReader, which maps each
+    entry of a vocabulary's arrays into numpy first: the same tensors (name, type, shape, offset, bytes, numpy type
+    and shape of the data) and the same scalar and string metadata; arrays are left out. A family file with a
+    tokenizer, and one of F16, Q4_1 and integer tensors."""
+    write_family(tmp_path, "gemma3", vocab_of(byte_level_tokenizer), tokenizer=byte_level_tokenizer,
+                 chat_template="{{ messages }}")
+    writer = gguf.GGUFWriter(tmp_path / "types.gguf", "llama")
+    writer.add_uint32("llama.block_count", 1)
+    writer.add_tensor("token_embd.weight", np.arange(64, dtype=np.float16).reshape(2, 32))
+    blocks = gguf.quants.quantize(np.linspace(-1, 1, 128, dtype=np.float32).reshape(2, 64), gguf.GGMLQuantizationType.Q4_1)
+    writer.add_tensor("blk.0.attn_q.weight", blocks, raw_dtype=gguf.GGMLQuantizationType.Q4_1)
+    writer.add_tensor("positions", np.arange(5, dtype=np.int32))
+    for step in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        step()
+    writer.close()
+    for path in (tmp_path / "tiny.gguf", tmp_path / "types.gguf"):
+        ours, theirs = gguf_weights.HeaderReader.open(path), gguf.GGUFReader(path)
+        scalars = {k: f.contents() for k, f in theirs.fields.items()
+                   if not k.startswith("GGUF.") and f.types[0] != gguf.GGUFValueType.ARRAY}
+        assert {k: f.contents() for k, f in ours.fields.items()} == scalars
+        assert "tokenizer.ggml.tokens" in theirs.fields or path.name == "types.gguf"
+
+        def described(reader: object) -> list[tuple]:
+            return [(t.name, int(t.tensor_type), list(t.shape), t.n_elements, t.n_bytes, t.data_offset, t.data.dtype,
+                     t.data.shape, t.data.tobytes()) for t in reader.tensors]
+
+        assert described(ours) == described(theirs)
+
+
 def test_unknown_architecture_is_one_clear_error(tmp_path: Path) -> None:
     write_unknown(tmp_path / "odd.gguf")
     with pytest.raises(gguf_weights.BadFile, match="unknown architecture 'nosucharch'"):
