@@ -32,7 +32,7 @@ from torch import nn
 
 from engine.model.quant import FORMATS, QuantEmbedding, QuantLinear, QuantWeight
 from models.fingerprint import gguf_fingerprint
-from models.preflight import GgufLayout, read_gguf_layout
+from models.preflight import GgufLayout, gguf_tensor_bytes, read_gguf_layout
 
 log = logging.getLogger(__name__)
 
@@ -484,14 +484,13 @@ class HeaderReader:
 def _reader_tensor(name: str, layout: GgufLayout, data: np.ndarray) -> object:
     """One tensor as GGUFReader gives it: F16 / F32 / F64 and integer tensors as their numpy type in numpy's
     order of dimensions (ggml's reversed), the others as bytes, a row's blocks last."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, ReaderTensor
+    from gguf import GGMLQuantizationType, ReaderTensor
     from gguf.quants import quant_shape_to_byte_shape
 
     qtype = GGMLQuantizationType(layout.types[name])
     dims = np.array(layout.shapes[name], dtype=np.uint64)
     elements = int(np.prod(dims))
-    block, block_bytes = GGML_QUANT_SIZES[qtype]
-    n_bytes = elements * block_bytes // block
+    n_bytes = gguf_tensor_bytes(layout.shapes[name], layout.types[name])
     start = layout.data_start + layout.offsets[name]
     shape = tuple(reversed(dims.tolist()))
     item = _NUMPY_TYPES.get(qtype.name)
@@ -571,4 +570,5 @@ def check(gguf_path: Path) -> str:
 
 def tensor_bytes(gguf_path: Path) -> int:
     """Bytes of every tensor in the file: the resident size of the weights when served quantized."""
-    return sum(int(t.n_bytes) for t in _reader_class()(gguf_path).tensors)
+    layout = read_gguf_layout(gguf_path)  # the header alone
+    return sum(gguf_tensor_bytes(shape, layout.types[name]) for name, shape in layout.shapes.items())
