@@ -30,7 +30,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from config import DEFAULT_CACHE_DIR  # noqa: E402
+from config import tool_cache_dir  # noqa: E402
+from engine.backends.cpu_features import CHOICES  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.model.forward import LlamaFastForward  # noqa: E402
 from engine.types import EngineConfig, SamplingParams  # noqa: E402
@@ -123,7 +124,9 @@ def main() -> None:
                         help="lone requests timed for batch-1 decode (the best is reported, all are listed)")
     parser.add_argument("--bandwidth", type=float, metavar="GB/S",
                         help="memory read bandwidth (scripts/bandwidth.py) for the batch-1 roofline figures")
-    parser.add_argument("--cache-dir", default=str(DEFAULT_CACHE_DIR))
+    parser.add_argument("--cache-dir", default=str(tool_cache_dir()))
+    parser.add_argument("--gguf", type=Path, help="a GGUF file to serve instead of the bundled SmolLM2-135M Q4_1 "
+                        "(scripts/gguf_random.py rebuilds one of random weights from a header)")
     parser.add_argument("--weight-format", default="auto", choices=("auto", "quantized", "dense"),
                         help="the GGUF's weights kept quantized or converted to dense (Peregrine's --weight-format)")
     parser.add_argument("--temperature", type=float, default=0.0,
@@ -133,14 +136,18 @@ def main() -> None:
                         help="the KV cache's element type (Peregrine's --kv-cache-dtype; auto: the model dtype)")
     parser.add_argument("--cpu-kernels", action=argparse.BooleanOptionalAction, default=True,
                         help="Peregrine's CPU kernels (engine.backends.cpu_kernels); --no-cpu-kernels: torch's own ops")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N (Peregrine's --device)")
+    parser.add_argument("--cpu-isa", default="auto", choices=CHOICES,
+                        help="the highest ISA level the CPU kernels may use (Peregrine's --cpu-isa)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
+    folder, gguf_file = (str(args.gguf.resolve().parent), args.gguf.name) if args.gguf else (bundled_folder(), GGUF)
     cfg = EngineConfig(
-        model_path=bundled_folder(),
-        model_name="smollm2",
-        gguf_file=GGUF,
-        device="cpu",
+        model_path=folder,
+        model_name=gguf_file,
+        gguf_file=gguf_file,
+        device=args.device,
         dtype=args.dtype,
         max_num_seqs=max(args.concurrency),
         max_model_len=args.prompt_len + args.output_len + 16,
@@ -148,6 +155,7 @@ def main() -> None:
         cpu_kernels=args.cpu_kernels,
         weight_format=args.weight_format,
         kv_cache_dtype=args.kv_cache_dtype,
+        cpu_isa=args.cpu_isa,
     )
     loaded = load_model(cfg)
     engine = LLMEngine(loaded.model, loaded.tokenizer, cfg, loaded.device, loaded.dtype, loaded.max_model_len)
@@ -164,6 +172,13 @@ def main() -> None:
         hf_rows(loaded.model, prompts[: args.hf_requests], args.output_len) if args.hf_requests > 0 else (None, None)
     )
     report(rows, hf_row, decodes, hf_decode, args, str(loaded.dtype).removeprefix("torch."), step_bytes(engine, args))
+
+
+def engine_isa(cap: str) -> str | None:
+    """The build of the CPU kernels the engine uses under `cap` (--cpu-isa)."""
+    from engine.backends import cpu_kernels
+
+    return cpu_kernels.build_level(cap)
 
 
 def sampling(args: argparse.Namespace) -> str:
@@ -199,7 +214,7 @@ def report(
         roofline = {name: {"tok_s": round(bandwidth / b, 1), "percent": round(100 * decode_1 * b / bandwidth, 1)}
                     for name, b in (("weights", weights), ("weights_and_kv", total))}
     print(
-        f"\nSmolLM2-135M ({dtype}, cpu, {torch.get_num_threads()} threads), "
+        f"\n{args.gguf.name if args.gguf else 'SmolLM2-135M'} ({dtype}, {args.device}, {torch.get_num_threads()} threads), "
         f"{args.prompt_len} prompt / {args.output_len} output tokens, {sampling(args)}, ignore_eos, "
         f"cpu kernels {'on' if args.cpu_kernels else 'off'}"
     )
@@ -225,9 +240,10 @@ def report(
     print(
         json.dumps(
             {
-                "model": "SmolLM2-135M-Instruct",
+                "model": args.gguf.name if args.gguf else "SmolLM2-135M-Instruct",
+                "cpu_isa": engine_isa(args.cpu_isa),
                 "dtype": dtype,
-                "device": "cpu",
+                "device": args.device,
                 "threads": torch.get_num_threads(),
                 "cpu_kernels": args.cpu_kernels,
                 "prompt_len": args.prompt_len,
