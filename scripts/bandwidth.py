@@ -24,9 +24,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # config and engine, from any working folder
 
 
 def best_seconds(fn: Callable[[], object], repeats: int) -> float:
