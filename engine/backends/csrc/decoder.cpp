@@ -79,7 +79,7 @@ class LlamaDecoder {
       for (const auto* c : {&l.k_cache, &l.v_cache})
         TORCH_CHECK(c->scalar_type() == kType<C> && c->is_contiguous() && c->dim() == 3 &&
                     c->size(1) == kv_heads && c->size(2) == head_dim,
-                    "LlamaDecoder: caches [slots, KVH, D] in ", c10::toString(kType<C>));
+                    std::string("LlamaDecoder: caches [slots, KVH, D] in ") + c10::toString(kType<C>));
       layers_.push_back(std::move(l));
     }
     TORCH_CHECK(final_norm.scalar_type() == kType<T> && final_norm.numel() == hidden_, "LlamaDecoder: final norm");

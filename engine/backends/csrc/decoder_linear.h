@@ -102,7 +102,7 @@ Linear make_linear(const std::vector<torch::Tensor>& ws, const std::vector<int64
     if (p.qtype == 0) {
       TORCH_CHECK(w.is_contiguous() && w.scalar_type() == kType<T>, "LlamaDecoder: dense weights in the model dtype");
     } else {
-      TORCH_CHECK(q::supported(p.qtype), "LlamaDecoder: unsupported GGUF quantization type ", p.qtype);
+      TORCH_CHECK(q::supported(p.qtype), "LlamaDecoder: unsupported GGUF quantization type " + std::to_string(p.qtype));
       const q::Layout lay = q::layout_of(p.qtype);
       TORCH_CHECK(w.scalar_type() == at::kByte && w.size(1) % lay.bytes == 0, "LlamaDecoder: uint8 rows of blocks");
       K = w.size(1) / lay.bytes * lay.elems;

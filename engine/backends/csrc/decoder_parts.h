@@ -23,7 +23,7 @@ struct PackedBuffer {
     constexpr size_t huge = size_t(2) << 20;
     const size_t bytes = (static_cast<size_t>(elements) * 2 + kAheadBytes + huge - 1) / huge * huge;
     data = static_cast<uint16_t*>(std::aligned_alloc(huge, bytes));
-    TORCH_CHECK(data, "LlamaDecoder: cannot allocate ", bytes, " bytes for the packed weights");
+    TORCH_CHECK(data, "LlamaDecoder: cannot allocate " + std::to_string(bytes) + " bytes for the packed weights");
     madvise(data, bytes, MADV_HUGEPAGE);
   }
   ~PackedBuffer() { std::free(data); }

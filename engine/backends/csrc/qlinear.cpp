@@ -8,7 +8,9 @@ namespace peregrine {
 torch::Tensor qlinear(const torch::Tensor& x, const torch::Tensor& w, int64_t type,
                       const c10::optional<torch::Tensor>& bias) {
   namespace q = peregrine_quant;
-  TORCH_CHECK(q::supported(type), "qlinear: unsupported GGUF quantization type ", type);
+  // Each check's message is one string: on an Intel Xeon with torch 2.11 and GCC 13.3 the process died where a check
+  // formatted a number into its message (the arguments "text ", n); checks with one string raised as they should.
+  TORCH_CHECK(q::supported(type), "qlinear: unsupported GGUF quantization type " + std::to_string(type));
   const q::Layout L = q::layout_of(static_cast<int>(type));
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "qlinear: x [M, K] float32 or bfloat16, contiguous rows");

@@ -81,21 +81,21 @@ void dispatch(int64_t type, F&& f) {
     case kQ4_0R: f(std::integral_constant<int, kQ4_0R>{}); break;
     case kQ4_1R: f(std::integral_constant<int, kQ4_1R>{}); break;
     case kQ8_0R: f(std::integral_constant<int, kQ8_0R>{}); break;
-    default: TORCH_CHECK(false, "unsupported GGUF quantization type ", type);
+    default: TORCH_CHECK(false, "unsupported GGUF quantization type " + std::to_string(type));
   }
 }
 
 void check_weight(const torch::Tensor& w, int64_t type, int64_t K) {
   const Layout L = layout_of(type);
-  TORCH_CHECK(L.elems > 0, "unsupported GGUF quantization type ", type);
+  TORCH_CHECK(L.elems > 0, "unsupported GGUF quantization type " + std::to_string(type));  // one string: qlinear.cpp
   TORCH_CHECK(w.dtype() == torch::kUInt8 && w.dim() == 2 && w.stride(1) == 1, "weight: 2-D uint8 rows of blocks");
-  TORCH_CHECK(K % L.elems == 0 && w.size(1) == K / L.elems * L.bytes, "weight rows do not hold K=", K, " values");
+  TORCH_CHECK(K % L.elems == 0 && w.size(1) == K / L.elems * L.bytes, "weight rows do not hold K=" + std::to_string(K) + " values");
 }
 
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, int64_t type) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [M, K]");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(M <= kMaxRows, "linear takes at most ", kMaxRows, " rows; dequantize for more");
+  TORCH_CHECK(M <= kMaxRows, "linear takes at most " + std::to_string(kMaxRows) + " rows; dequantize for more");
   check_weight(w, type, K);
   auto out = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
