@@ -32,11 +32,12 @@ FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "
          "amx_tile", "amx_int8", "amx_bf16")  # the flags the levels are made of
 
 
-def kernel_levels() -> list[str]:
-    """Each level this CPU runs whose CPU kernels are a build of their own (amx is avx512_bf16's build), ascending."""
+def kernel_levels(flags: frozenset[str] | None = None) -> list[str]:
+    """Each level this CPU (or one of `flags`) runs whose CPU kernels are a build of their own (amx is avx512_bf16's
+    build), ascending."""
     builds: dict[str, str] = {}
-    for level in cpu_features.available_levels():
-        build = cpu_features.kernel_build(level)
+    for level in cpu_features.available_levels(flags):
+        build = cpu_features.kernel_build(level, flags)
         if level != "none" and build is not None and build not in builds.values():
             builds[level] = build
     return list(builds)
