@@ -130,11 +130,16 @@ def _move(found: dict[int, torch.Tensor], spans: list[list[int]], buffer: torch.
 def give_back(address: int, nbytes: int) -> None:
     """madvise(MADV_DONTNEED) the whole pages inside [address, address + nbytes) of private anonymous memory that
     nothing reads again (it reads as zero after; the allocator may still free and reuse it)."""
-    page = mmap.PAGESIZE
-    lo, hi = -(-address // page) * page, (address + nbytes) // page * page
+    lo, hi = whole_pages(address, address + nbytes)
     if hi > lo and hasattr(mmap, "MADV_DONTNEED"):
         with contextlib.suppress(OSError, AttributeError):  # not glibc: the copy is simply freed at the end
             _libc().madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), mmap.MADV_DONTNEED)
+
+
+def whole_pages(start: int, end: int) -> tuple[int, int]:
+    """[lo, hi): the whole pages inside the byte range [start, end) (hi <= lo where it holds none)."""
+    page = mmap.PAGESIZE
+    return -(-start // page) * page, end // page * page
 
 
 @functools.cache

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.backends.huge_pages import whole_pages
 from engine.model.families import layer_windows
 from engine.types import DTYPE_BYTES, kv_bytes_per_token
 
@@ -155,9 +156,9 @@ class KVCache:
         those blocks again before they are written again."""
         if not self.release_window:
             return
-        span, page = self.block_bytes, mmap.PAGESIZE
+        span = self.block_bytes
         for first, end in _runs(sorted(set(blocks))):
-            lo, hi = -(-first * span // page) * page, end * span // page * page
+            lo, hi = whole_pages(first * span, end * span)
             if hi <= lo:
                 continue
             for layer in self._windowed:
