@@ -27,7 +27,7 @@ from engine.backends.build import build_extension  # noqa: E402
 
 def modules(levels: list[str]) -> dict[tuple[str, str], list[Path]]:
     """(module name, build) -> its sources, for every level: the CPU kernels' build and the quantized variant."""
-    cpu_sources = sorted(p for p in cpu_kernels.CSRC.glob("*.cpp") if not p.name.startswith("quant"))
+    cpu_sources = cpu_kernels.sources()
     quant_sources = [quant_kernels.CSRC / s for s in quant_kernels.SOURCES]
     found: dict[tuple[str, str], list[Path]] = {}
     for level in levels:

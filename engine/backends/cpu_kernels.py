@@ -110,13 +110,17 @@ def load(cache_dir: Path, level: str | None = None, cap: str = "auto") -> Module
         reason = f"no {level} build (the kernels are built for {', '.join(LEVELS)})"
     if level is None or reason is not None:
         return _off(reason)
-    sources = sorted(p for p in CSRC.glob("*.cpp") if not p.name.startswith("quant"))  # quant*: quant_kernels.py
-    module, reason = load_extension(NAME, sources, level, cache_dir)
+    module, reason = load_extension(NAME, sources(), level, cache_dir)
     if module is None:
         return _off(reason)
     _once(f"CPU kernels: {module.isa()} path (built for {level}; this CPU: {cpu_features.detected_level()}, "
           f"cap {cpu_features.ceiling(cap)})")
     return module
+
+
+def sources() -> list[Path]:
+    """The kernels' source files (quant*.cpp are quant_kernels.py's module)."""
+    return sorted(p for p in CSRC.glob("*.cpp") if not p.name.startswith("quant"))
 
 
 def _once(message: str) -> None:
