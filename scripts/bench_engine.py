@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from config import tool_cache_dir  # noqa: E402
+from engine.backends import cpu_kernels  # noqa: E402
 from engine.backends.cpu_features import CHOICES  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.model.forward import LlamaFastForward  # noqa: E402
@@ -174,13 +175,6 @@ def main() -> None:
     report(rows, hf_row, decodes, hf_decode, args, str(loaded.dtype).removeprefix("torch."), step_bytes(engine, args))
 
 
-def engine_isa(cap: str) -> str | None:
-    """The build of the CPU kernels the engine uses under `cap` (--cpu-isa)."""
-    from engine.backends import cpu_kernels
-
-    return cpu_kernels.build_level(cap)
-
-
 def sampling(args: argparse.Namespace) -> str:
     if args.temperature <= 0.0:
         return "greedy"
@@ -241,7 +235,7 @@ def report(
         json.dumps(
             {
                 "model": args.gguf.name if args.gguf else "SmolLM2-135M-Instruct",
-                "cpu_isa": engine_isa(args.cpu_isa),
+                "cpu_isa": cpu_kernels.build_level(args.cpu_isa),  # the build it ran
                 "dtype": dtype,
                 "device": args.device,
                 "threads": torch.get_num_threads(),
