@@ -1,8 +1,8 @@
 #!/bin/bash
 # The checks for a lent machine (16 cores and an NVIDIA GPU, no network; the device tool), in one call: the CPU's ISA
-# levels side by side (AVX2, AVX-512 without BF16, the best it has: scripts/bench_isa.py on random-weight GGUFs of
-# real shapes), the CUDA tests and the engine on the GPU, then the kernel tests on every level the CPU has. What it
-# reports goes to $OUT. Prepared here first, in the ignored folder .devcarry (carried to the machine):
+# levels side by side (AVX2, AVX-VNNI, AVX-512 without BF16, the best it has: scripts/bench_isa.py on random-weight
+# GGUFs of real shapes), the CUDA tests and the engine on the GPU, then the kernel tests on every level the CPU has.
+# What it reports goes to $OUT. Prepared here first, in the ignored folder .devcarry (carried to the machine):
 #   .devcarry/whl/     wheels for Python 3.12 of what the machine's image lacks (pydantic, pydantic-settings,
 #                      python-dotenv, gguf, llguidance, ... : docs/testing.md)
 #   .devcarry/models/  GGUF headers (scripts/gguf_random.py header): smollm2-135m-q4_1.header, llama-3.2-1b-Q4_K_M.header
@@ -19,8 +19,8 @@ if [ -z "$SKIP_PIP" ]; then
   export PYTHONPATH=/tmp/site
 fi
 $PY -c "import main, engine.llm_engine, models.loader; print('imports ok')" 2>&1 | tail -3
-# avx2, avx512 and the CPU's best level (each a build of its own)
-LEVELS=$($PY -c "import sys; sys.path.insert(0, 'scripts'); import bench_isa; l = bench_isa.kernel_levels(); print(','.join(dict.fromkeys(x for x in l if x in ('avx2', 'avx512') or x == l[-1])))")
+# avx2, avx_vnni, avx512 and the CPU's best level (each a build of its own)
+LEVELS=$($PY -c "import sys; sys.path.insert(0, 'scripts'); import bench_isa; l = bench_isa.kernel_levels(); print(','.join(dict.fromkeys(x for x in l if x in ('avx2', 'avx_vnni', 'avx512') or x == l[-1])))")
 say "levels: $LEVELS"
 $PY scripts/build_kernels.py "$LEVELS" > $OUT/build.log 2>&1 &
 BUILD=$!

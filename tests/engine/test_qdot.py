@@ -94,6 +94,21 @@ def test_qlinear_k_quant_tiles_keep_rows_bitwise(module: Any, fmt: str) -> None:
         assert torch.equal(module.qlinear(x[rows], torch.from_numpy(blocks), TYPES[fmt], None), got[rows]), rows
 
 
+@pytest.mark.parametrize("fmt", KQUANTS)
+def test_k_quant_sums_are_the_avx2_bodys_bits_on_every_path(module: Any, fmt: str) -> None:
+    """The AVX-512 builds multiply two 32-value groups a 512-bit register (qdot_kquant.h, PEREGRINE_KQ512): the
+    same integer sums as the AVX2 body, so the same bits, for one to five activation rows and a batch of 16."""
+    if module.isa() == "none":
+        pytest.skip("the portable build sums in its own order")
+    avx2 = cpu_kernels.load(tool_cache_dir(), level="avx2")
+    assert avx2 is not None
+    blocks = torch.from_numpy(make_blocks(fmt, 37, 1024, np.random.default_rng(11)))
+    x = torch.randn(16, 1024, generator=torch.Generator().manual_seed(6))
+    for rows in (1, 2, 3, 5, 16):
+        want = avx2.qlinear(x[:rows], blocks, TYPES[fmt], None)
+        assert torch.equal(module.qlinear(x[:rows], blocks, TYPES[fmt], None), want), rows
+
+
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1"])
 @pytest.mark.parametrize("k", [576, 1536])  # 18 groups (a last pair past the fours of groups), 48 (none)
 def test_qlinear_on_row_packed_weights_is_bitwise_the_gguf_layout(module: Any, fmt: str, k: int) -> None:

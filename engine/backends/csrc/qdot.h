@@ -20,7 +20,8 @@
 //
 // The K-quants (Q4_K, Q5_K, Q6_K) and IQ4_XS are multiplied as the file stores them, against activations quantized in
 // blocks of 256 instead (ggml's Q8_K): a super-block's sums stay in integers, its group scales applied by `vpmaddwd`,
-// and one float FMA a super-block and activation row (qdot_kquant.h). IQ4_NL goes through the 32-value loop as a
+// and one float FMA a super-block and activation row (qdot_kquant.h; the AVX-512 build takes two groups a 512-bit
+// register there, the same integer sums). IQ4_NL goes through the 32-value loop as a
 // signed format (its nibbles looked up in its table by one `vpshufb`, qdot_formats.h).
 //
 // Each output element is the same instruction sequence in the same order whatever the number of rows, the thread
