@@ -73,16 +73,19 @@ inline __m256i fifths_k(__m256i qh, int g) {
 }
 #endif
 
-// The AVX-512 build's K-quant loops (AVX-512 BW): two 32-value groups in one 512-bit register (the lower group in the
-// low 256 bits), multiplied with their 64 activations, which lie next to each other, in one `vpmaddubsw` and one
-// `vpmaddwd`: half the instructions of the AVX2 body. Each row's int32 sums keep the lower groups' in the low lanes
-// and the upper groups' in the high ones, folded into eight lanes (fold512) before the same float steps as the AVX2
-// body: the same integers, so bitwise its results.
+// The AVX-512 build's Q4_K / Q5_K / Q6_K loops (AVX-512 BW): two 32-value groups in one 512-bit register (the lower
+// group in the low 256 bits), multiplied with their 64 activations, which lie next to each other, in one `vpmaddubsw`
+// and one `vpmaddwd`: half the instructions of the AVX2 body. Each row's int32 sums keep the lower groups' in the low
+// lanes and the upper groups' in the high ones, folded into eight lanes (fold512) before the same float steps as the
+// AVX2 body: the same integers, so bitwise its results. One thread, one activation row, L2-resident rows
+// (scripts/bench_qdot.py), AMD EPYC Zen 4, against the AVX2 build: Q4_K 66.5-68.6 against 74.4-74.8 ns a row at
+// K = 2048, Q5_K 79.4 against 88.2-88.4, Q6_K 70.4-71.5 against 81.5-83.3. IQ4_XS keeps the AVX2 body: without
+// `vpsignb` its signed product took more instructions at 512 bits (92.3-95.3 against 84.1-85.1 ns).
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
 #define PEREGRINE_KQ512 1
-inline __m512i pair512(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
-inline __m512i scales_pair(int16_t lo, int16_t hi) { return pair512(_mm256_set1_epi16(lo), _mm256_set1_epi16(hi)); }
-inline __m256i fold512(__m512i v) { return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1)); }
+inline __m256i fold512(__m512i v) {
+  return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+}
 // sum += (w . a per 16-bit pair) * s, the pair products' int16 sums times the groups' scales, in int32 lanes.
 inline __m512i dot_scaled(__m512i sum, __m512i w, const int8_t* a, __m512i s) {
   return _mm512_add_epi32(sum, _mm512_madd_epi16(_mm512_maddubs_epi16(w, _mm512_loadu_si512(a)), s));
@@ -108,14 +111,28 @@ inline void dot_q45k(const uint8_t* row, const QRows& x, int64_t m0, float* res)
     const __m256i qh = T == kQ5_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16))
                                   : _mm256_setzero_si256();
 #if defined(PEREGRINE_KQ512)
+    // (no 256-bit halves put together: a lane-crossing insert each costs as much as it saves on CPUs that split
+    // 512-bit operations in two, AMD Zen 4. The 32 bytes of nibbles are loaded into both halves and the high half
+    // shifted; the scales are picked by one `vpshufb` from the eight in every 128-bit lane; Q5_K's fifth bits are
+    // tested into a byte mask that adds 16.)
     __m512i sum2[R];
     for (int r = 0; r < R; ++r) sum2[r] = _mm512_setzero_si512();
+    const __m512i sc4 = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(sc)));
+    const __m512i pick = _mm512_set_epi64(0x0302030203020302, 0x0302030203020302, 0x0302030203020302,
+                                          0x0302030203020302, 0x0100010001000100, 0x0100010001000100,
+                                          0x0100010001000100, 0x0100010001000100);  // words 0 (low half), 1 (high)
+    const __m512i qh2 = _mm512_broadcast_i64x4(qh);
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {  // groups 2j (the low nibbles, low half) and 2j + 1 (the high ones)
-      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + qs + 32 * j));
-      __m512i w = _mm512_and_si512(pair512(q, _mm256_srli_epi16(q, 4)), _mm512_set1_epi8(0xF));
-      if constexpr (T == kQ5_K) w = _mm512_or_si512(w, pair512(fifths_k(qh, 2 * j), fifths_k(qh, 2 * j + 1)));
-      const __m512i s = scales_pair(sc[2 * j], sc[2 * j + 1]);
+      const __m512i q =
+          _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + qs + 32 * j)));
+      __m512i w = _mm512_and_si512(_mm512_mask_srli_epi16(q, 0xFFFF0000u, q, 4), _mm512_set1_epi8(0xF));
+      if constexpr (T == kQ5_K) {
+        const __m512i bit = _mm512_mask_blend_epi64(0xF0, _mm512_set1_epi8(static_cast<char>(1 << (2 * j))),
+                                                    _mm512_set1_epi8(static_cast<char>(1 << (2 * j + 1))));
+        w = _mm512_mask_add_epi8(w, _mm512_test_epi8_mask(qh2, bit), w, _mm512_set1_epi8(0x10));
+      }
+      const __m512i s = _mm512_shuffle_epi8(sc4, _mm512_add_epi8(pick, _mm512_set1_epi8(static_cast<char>(4 * j))));
       for (int r = 0; r < R; ++r) sum2[r] = dot_scaled(sum2[r], w, x.kq + (m0 + r) * K + b * kQK_K + 64 * j, s);
     }
     for (int r = 0; r < R; ++r) sumi[r] = fold512(sum2[r]);
@@ -184,23 +201,26 @@ inline void dot_q6k(const uint8_t* row, const QRows& x, int64_t m0, float* res) 
     const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
     __m256i sumi[R];
 #if defined(PEREGRINE_KQ512)
-    // groups 4n, 4n + 1 in one register (their low bits: l0's and l1's nibbles), 4n + 2, 4n + 3 in another; the
-    // scales of their 16-value halves, sc[8n .. 8n + 3] (then sc[8n + 4 ..]), one to each 128-bit lane
-    const __m512i sc512 = _mm512_castsi256_si512(sc16);
-    const __m512i quarter = _mm512_set_epi64(0x0003000300030003, 0x0003000300030003, 0x0002000200020002,
-                                             0x0002000200020002, 0x0001000100010001, 0x0001000100010001, 0, 0);
+    // groups 4n, 4n + 1 in one register (their low bits: l0's and l1's nibbles; their high bits: h's and h's shifted
+    // by 2, h loaded into both halves), 4n + 2, 4n + 3 in another; the scales of their 16-value halves,
+    // sc[8n .. 8n + 3] (then sc[8n + 4 ..]), one to each 128-bit lane, picked by `vpshufb` from half n's eight
+    const __m512i pick = _mm512_set_epi64(0x0706070607060706, 0x0706070607060706, 0x0504050405040504,
+                                          0x0504050405040504, 0x0302030203020302, 0x0302030203020302,
+                                          0x0100010001000100, 0x0100010001000100);  // lane i: word i
     __m512i sum2[R];
     for (int r = 0; r < R; ++r) sum2[r] = _mm512_setzero_si512();
     for (int n = 0; n < 2; ++n) {
       const __m512i l = _mm512_loadu_si512(blk + 64 * n), m4 = _mm512_set1_epi8(0xF), m2 = _mm512_set1_epi8(3);
-      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * n));
-      const __m512i h01 = pair512(h, _mm256_srli_epi16(h, 2)), h23 = pair512(_mm256_srli_epi16(h, 4),
-                                                                              _mm256_srli_epi16(h, 6));
+      const __m512i h =
+          _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * n)));
+      const __m512i h01 = _mm512_mask_srli_epi16(h, 0xFFFF0000u, h, 2), h23 = _mm512_srli_epi16(h01, 4);
       const __m512i w01 = _mm512_or_si512(_mm512_and_si512(l, m4), _mm512_slli_epi16(_mm512_and_si512(h01, m2), 4));
       const __m512i w23 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4),
                                           _mm512_slli_epi16(_mm512_and_si512(h23, m2), 4));
-      const __m512i s01 = _mm512_permutexvar_epi16(_mm512_add_epi16(quarter, _mm512_set1_epi16(8 * n)), sc512);
-      const __m512i s23 = _mm512_permutexvar_epi16(_mm512_add_epi16(quarter, _mm512_set1_epi16(8 * n + 4)), sc512);
+      const __m512i s8 = _mm512_broadcast_i32x4(
+          _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 192 + 8 * n))));
+      const __m512i s01 = _mm512_shuffle_epi8(s8, pick),
+                    s23 = _mm512_shuffle_epi8(s8, _mm512_add_epi8(pick, _mm512_set1_epi8(8)));
       for (int r = 0; r < R; ++r) {
         const int8_t* a = x.kq + (m0 + r) * K + b * kQK_K + 128 * n;
         sum2[r] = dot_scaled(dot_scaled(sum2[r], w01, a, s01), w23, a + 64, s23);
@@ -275,31 +295,6 @@ inline void dot_iq4xs(const uint8_t* row, const QRows& x, int64_t m0, float* res
   superblocks<kIQ4_XS, R>(row, x, m0, res, [&](const uint8_t* blk, int64_t b, __m256* acc) {
     const int64_t K = x.K, nb = K / kQK_K;
     __m256i sumi[R];
-#if defined(PEREGRINE_KQ512)
-    // groups j, j + 1: their 32 bytes of nibbles as [j's low, j's high, j + 1's low, j + 1's high] (128-bit lanes),
-    // looked up in the table; signed times signed as the sign trick does it (AVX-512 has no `vpsignb`): |w| times a,
-    // negated where w < 0
-    const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4)));
-    __m512i sum2[R];
-    for (int r = 0; r < R; ++r) sum2[r] = _mm512_setzero_si512();
-#pragma GCC unroll 4
-    for (int j = 0; j < 8; j += 2) {
-      const __m256i t = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 8 + 16 * j));
-      const __m512i z = pair512(t, _mm256_srli_epi16(t, 4));
-      const __m512i w = _mm512_shuffle_epi8(
-          table, _mm512_and_si512(_mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0)), _mm512_set1_epi8(0xF)));
-      const __m512i wu = _mm512_abs_epi8(w);
-      const __mmask64 negative = _mm512_movepi8_mask(w);
-      const __m512i s = scales_pair(static_cast<int16_t>(iq4xs_scale(blk, j)),
-                                    static_cast<int16_t>(iq4xs_scale(blk, j + 1)));
-      for (int r = 0; r < R; ++r) {
-        const __m512i a = _mm512_loadu_si512(x.kq + (m0 + r) * K + b * kQK_K + 32 * j);
-        const __m512i sa = _mm512_mask_sub_epi8(a, negative, _mm512_setzero_si512(), a);
-        sum2[r] = _mm512_add_epi32(sum2[r], _mm512_madd_epi16(_mm512_maddubs_epi16(wu, sa), s));
-      }
-    }
-    for (int r = 0; r < R; ++r) sumi[r] = fold512(sum2[r]);
-#else
     const __m256i table = iq4_table();
     for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
 #pragma GCC unroll 8
@@ -312,7 +307,6 @@ inline void dot_iq4xs(const uint8_t* row, const QRows& x, int64_t m0, float* res
         sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(wu, _mm256_sign_epi8(a, w)), s));
       }
     }
-#endif
     const __m256 d = _mm256_set1_ps(half_to_float(blk));
     for (int r = 0; r < R; ++r) {
       const int64_t xb = (m0 + r) * nb + b;
