@@ -31,7 +31,7 @@ $PY scripts/gguf_random.py fill .devcarry/models/llama-3.2-1b-Q4_K_M.header /tmp
 GPU=$!
 wait $BUILD; say "built"; grep -E "built|FAILED|rror" $OUT/build.log | head -20
 wait $GPU; say "cuda tests and gpu bench done"; tail -3 $OUT/cuda_tests.log; grep -v "^INFO" $OUT/gpu_bench.log | tail -9
-timeout $(left 330) $PY scripts/bench_isa.py --threads 2 --levels $LEVELS --gguf /tmp/smollm2-rand.gguf --output-len 128 --json $OUT/isa_135m_t2.json --log $OUT/isa_135m_t2.log 2>&1 | grep -v '^{' | tail -8
+timeout $(left 330) $PY scripts/bench_isa.py --threads 2 --levels ${SMALL_LEVELS:-$LEVELS} --gguf /tmp/smollm2-rand.gguf --output-len 128 --json $OUT/isa_135m_t2.json --log $OUT/isa_135m_t2.log 2>&1 | grep -v '^{' | tail -8
 say "bench 135M 2 threads done"
 timeout $(left 430) $PY scripts/bench_isa.py --threads 16 --levels ${BIG_LEVELS:-avx2,avx512} --gguf /tmp/llama1b-rand.gguf --output-len 64 --batch1-repeats 2 --json $OUT/isa_llama1b_t16.json --log $OUT/isa_llama1b_t16.log 2>&1 | grep -v '^{' | tail -8
 say "bench llama 1B 16 threads done"
