@@ -25,6 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import gguf_random  # noqa: E402  (scripts/, beside this file)
+
 from config import tool_cache_dir  # noqa: E402
 from engine.backends import cpu_kernels  # noqa: E402
 from engine.model.quant import FORMATS, QuantWeight  # noqa: E402
@@ -35,24 +37,17 @@ TYPES = {name: t for t, (name, _, _) in FORMATS.items()
 ROWS_BYTES = 550_000  # about half of a 1 MiB L2
 
 
-# The K-quants' and IQ4's f16 scale fields (byte offset in a block): gguf's numpy code cannot quantize to them, so their
-# blocks are random bytes with these fields set to a small normal value (random ones could be NaN or subnormal).
-K_SCALES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
-
-
 def random_blocks(fmt: str, n: int, k: int) -> np.ndarray:
-    """uint8 [n, bytes a row] of `fmt` (the values do not change the speed)."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+    """uint8 [n, bytes a row] of `fmt` (the values do not change the speed): real blocks of normal values where the
+    gguf package quantizes to the format, else random bytes with small scale fields (scripts/gguf_random.py)."""
+    from gguf import GGMLQuantizationType, quants
 
-    qtype = getattr(GGMLQuantizationType, fmt)
     rng = np.random.default_rng(0)
-    if fmt not in K_SCALES:
+    qtype = getattr(GGMLQuantizationType, fmt)
+    try:
         return quants.quantize(rng.standard_normal((n, k)).astype(np.float32), qtype).view(np.uint8).reshape(n, -1)
-    per_block, block_bytes = GGML_QUANT_SIZES[qtype]
-    blocks = rng.integers(0, 256, (n, k // per_block, block_bytes), dtype=np.uint8)
-    for offset in K_SCALES[fmt]:
-        blocks[..., offset : offset + 2] = np.full(blocks.shape[:2] + (1,), 0.001, np.float16).view(np.uint8)
-    return blocks.reshape(n, -1)
+    except NotImplementedError:  # the K-quants and IQ4
+        return np.frombuffer(gguf_random.tensor_values(fmt, (k, n), rng), np.uint8).reshape(n, -1)
 
 
 def time_rows(module: object, fmt: str, k: int, rows: int, repeats: int) -> dict[str, float]:
