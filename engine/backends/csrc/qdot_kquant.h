@@ -353,7 +353,7 @@ constexpr int64_t kActTileBytes = 32 << 10, kWeightTileBytes = 128 << 10;
 template <int T, typename O>
 void qlinear_range_k(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, const float* bias, O* out,
                      int64_t ldo, int64_t n_begin, int64_t n_end) {
-  const int64_t ahead = prefetch_rows(ldw, M);
+  const int64_t ahead = prefetch_rows(ldw, M, 4096);
   const int64_t mt = std::max<int64_t>(4, kActTileBytes / x.K / 4 * 4);
   const int64_t nt = M <= mt ? n_end - n_begin : std::max<int64_t>(4, kWeightTileBytes / ldw);
   prefetch_first(w, ldw, n_begin, n_end, ahead);
