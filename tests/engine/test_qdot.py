@@ -98,8 +98,8 @@ def test_qlinear_k_quant_tiles_keep_rows_bitwise(module: Any, fmt: str) -> None:
 def test_k_quant_sums_are_the_avx2_bodys_bits_on_every_path(module: Any, fmt: str) -> None:
     """The AVX-512 builds multiply two 32-value groups a 512-bit register (qdot_kquant.h, PEREGRINE_KQ512): the
     same integer sums as the AVX2 body, so the same bits, for one to five activation rows and a batch of 16."""
-    if module.isa() == "none":
-        pytest.skip("the portable build sums in its own order")
+    if module.isa() in ("none", "avx2"):
+        pytest.skip("the portable build sums in its own order; avx2 is the reference itself")
     avx2 = cpu_kernels.load(tool_cache_dir(), level="avx2")
     assert avx2 is not None
     blocks = torch.from_numpy(make_blocks(fmt, 37, 1024, np.random.default_rng(11)))

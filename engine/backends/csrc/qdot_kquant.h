@@ -79,7 +79,7 @@ inline __m256i fifths_k(__m256i qh, int g) {
 // lanes and the upper groups' in the high ones, folded into eight lanes (fold512) before the same float steps as the
 // AVX2 body: the same integers, so bitwise its results. One thread, one activation row, L2-resident rows
 // (scripts/bench_qdot.py), AMD EPYC Zen 4, against the AVX2 build: Q4_K 66.5-68.6 against 74.4-74.8 ns a row at
-// K = 2048, Q5_K 79.4 against 88.2-88.4, Q6_K 70.4-71.5 against 81.5-83.3. IQ4_XS keeps the AVX2 body: without
+// K = 2048, Q5_K 79.4 against 88.2-88.4, Q6_K 71.1-71.5 against 81.5-83.3. IQ4_XS keeps the AVX2 body: without
 // `vpsignb` its signed product took more instructions at 512 bits (92.3-95.3 against 84.1-85.1 ns).
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
 #define PEREGRINE_KQ512 1
@@ -294,8 +294,8 @@ inline void dot_iq4xs(const uint8_t* row, const QRows& x, int64_t m0, float* res
 #if defined(__AVX2__)
   superblocks<kIQ4_XS, R>(row, x, m0, res, [&](const uint8_t* blk, int64_t b, __m256* acc) {
     const int64_t K = x.K, nb = K / kQK_K;
-    __m256i sumi[R];
     const __m256i table = iq4_table();
+    __m256i sumi[R];
     for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
