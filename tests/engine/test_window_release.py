@@ -7,7 +7,6 @@ zero in the windowed layer only; a prefix-cache hit after a release is the answe
 from __future__ import annotations
 
 import random
-from pathlib import Path
 from typing import Any
 
 import pytest
