@@ -97,14 +97,15 @@ def test_qlinear_k_quant_tiles_keep_rows_bitwise(module: Any, fmt: str) -> None:
 @pytest.mark.parametrize("fmt", KQUANTS)
 def test_k_quant_sums_are_the_avx2_bodys_bits_on_every_path(module: Any, fmt: str) -> None:
     """The AVX-512 builds multiply two 32-value groups a 512-bit register (qdot_kquant.h, PEREGRINE_KQ512): the
-    same integer sums as the AVX2 body, so the same bits, for one to five activation rows and a batch of 16."""
+    same integer sums as the AVX2 body, so the same bits, for one to five activation rows and batches of 11 and 16
+    (eight rows a weight row at a time there, kRowsK, then four, two, one), with `vpdpwssd` where the build has VNNI."""
     if module.isa() in ("none", "avx2"):
         pytest.skip("the portable build sums in its own order; avx2 is the reference itself")
     avx2 = cpu_kernels.load(tool_cache_dir(), level="avx2")
     assert avx2 is not None
     blocks = torch.from_numpy(make_blocks(fmt, 37, 1024, np.random.default_rng(11)))
     x = torch.randn(16, 1024, generator=torch.Generator().manual_seed(6))
-    for rows in (1, 2, 3, 5, 16):
+    for rows in (1, 2, 3, 5, 11, 16):
         want = avx2.qlinear(x[:rows], blocks, TYPES[fmt], None)
         assert torch.equal(module.qlinear(x[:rows], blocks, TYPES[fmt], None), want), rows
 

@@ -8,7 +8,7 @@
 // more, with the activation's 32-value sums times dx (ksf). Q5_K is Q4_K with a fifth bit a value (qh), or'ed into
 // the nibbles before the same integer dot. The per-32 design converted and multiplied each group: eight conversions
 // and FMAs a super-block and row. Each activation row's sums are its own and in the same order whatever the number of
-// rows (one to four a weight row at a time): batch invariant.
+// rows (one to kRowsK a weight row at a time): batch invariant.
 #pragma once
 
 #include "qdot_packed.h"
@@ -73,6 +73,20 @@ inline __m256i fifths_k(__m256i qh, int g) {
 }
 #endif
 
+#if defined(__AVX2__)
+// sum += p . s per pair of int16 lanes (p: `vpmaddubsw`'s pair sums, s: the groups' scales), in int32 lanes: VNNI's
+// `vpdpwssd` where the build has it (one instruction for `vpmaddwd` and the add, the same integers).
+inline __m256i scaled_add(__m256i sum, __m256i p, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpwssd_epi32(sum, p, s);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpwssd_avx_epi32(sum, p, s);
+#else
+  return _mm256_add_epi32(sum, _mm256_madd_epi16(p, s));
+#endif
+}
+#endif
+
 // The AVX-512 build's Q4_K / Q5_K / Q6_K loops (AVX-512 BW): two 32-value groups in one 512-bit register (the lower
 // group in the low 256 bits), multiplied with their 64 activations, which lie next to each other, in one `vpmaddubsw`
 // and one `vpmaddwd`: half the instructions of the AVX2 body. Each row's int32 sums keep the lower groups' in the low
@@ -86,9 +100,16 @@ inline __m256i fifths_k(__m256i qh, int g) {
 inline __m256i fold512(__m512i v) {
   return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
 }
-// sum += (w . a per 16-bit pair) * s, the pair products' int16 sums times the groups' scales, in int32 lanes.
+// sum += (w . a per 16-bit pair) * s, the pair products' int16 sums times the groups' scales, in int32 lanes (with
+// VNNI, `vpdpwssd` multiplies and adds in one instruction: the same integers, 1.07-1.09x the GMAC/s of `vpmaddwd` and
+// an add at 128 rows on Zen 4, scripts/bench_prefill.py).
 inline __m512i dot_scaled(__m512i sum, __m512i w, const int8_t* a, __m512i s) {
-  return _mm512_add_epi32(sum, _mm512_madd_epi16(_mm512_maddubs_epi16(w, _mm512_loadu_si512(a)), s));
+  const __m512i p = _mm512_maddubs_epi16(w, _mm512_loadu_si512(a));
+#if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(sum, p, s);
+#else
+  return _mm512_add_epi32(sum, _mm512_madd_epi16(p, s));
+#endif
 }
 #endif
 
@@ -150,11 +171,10 @@ inline void dot_q45k(const uint8_t* row, const QRows& x, int64_t m0, float* res)
       const __m256i s0 = _mm256_set1_epi16(sc[2 * j]), s1 = _mm256_set1_epi16(sc[2 * j + 1]);
       for (int r = 0; r < R; ++r) {
         const int8_t* a = x.kq + (m0 + r) * K + b * kQK_K + 64 * j;
-        const __m256i p0 = _mm256_madd_epi16(
-            _mm256_maddubs_epi16(w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))), s0);
-        const __m256i p1 = _mm256_madd_epi16(
-            _mm256_maddubs_epi16(w1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 32))), s1);
-        sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(p0, p1));
+        sumi[r] = scaled_add(
+            sumi[r], _mm256_maddubs_epi16(w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))), s0);
+        sumi[r] = scaled_add(
+            sumi[r], _mm256_maddubs_epi16(w1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 32))), s1);
       }
     }
 #endif
@@ -250,9 +270,7 @@ inline void dot_q6k(const uint8_t* row, const QRows& x, int64_t m0, float* res) 
         const __m256i s = _mm256_set_m128i(_mm_set1_epi16(sc[2 * j + 1]), _mm_set1_epi16(sc[2 * j]));
         for (int r = 0; r < R; ++r) {
           const int8_t* a = x.kq + (m0 + r) * K + b * kQK_K + 32 * j;
-          sumi[r] = _mm256_add_epi32(
-              sumi[r], _mm256_madd_epi16(
-                           _mm256_maddubs_epi16(w, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))), s));
+          sumi[r] = scaled_add(sumi[r], _mm256_maddubs_epi16(w, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))), s);
         }
       }
     }
@@ -304,7 +322,7 @@ inline void dot_iq4xs(const uint8_t* row, const QRows& x, int64_t m0, float* res
       for (int r = 0; r < R; ++r) {
         const int8_t* ar = x.kq + (m0 + r) * K + b * kQK_K + 32 * j;
         const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ar));
-        sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(wu, _mm256_sign_epi8(a, w)), s));
+        sumi[r] = scaled_add(sumi[r], _mm256_maddubs_epi16(wu, _mm256_sign_epi8(a, w)), s);
       }
     }
     const __m256 d = _mm256_set1_ps(half_to_float(blk));
@@ -338,6 +356,16 @@ inline void dot_k(const uint8_t* row, const QRows& x, int64_t m0, float* res) {
     dot_q45k<T, R>(row, x, m0, res);
 }
 
+// Activation rows a weight row meets at a time (dot_k's R) in qlinear_range_k: eight in the AVX-512 build's K-quant
+// loops, whose 32 registers hold eight rows' sums (the weights' unpacking then shared by twice the rows: a 128-token
+// prefill step of Llama-3.2-1B Q4_K_M 1.13x faster on Zen 4, scripts/bench_prefill.py; sixteen spilled and was
+// slower), four elsewhere (AVX2's 16 registers). Each row's sums are its own whatever R.
+#if defined(PEREGRINE_KQ512)
+constexpr int kRowsK = 8;
+#else
+constexpr int kRowsK = 4;
+#endif
+
 // qlinear_range_k's tiles, in bytes: the activation rows (int8, K bytes each) each weight row meets before the next
 // weight row (L1), and the weight rows that meet every such tile of activation rows before the next block of them
 // (L2). A 128-row prefill chunk's activations (256 KiB at K = 2048, 1 MiB at K = 8192) do not stay in L1 or L2
@@ -347,14 +375,14 @@ constexpr int64_t kActTileBytes = 32 << 10, kWeightTileBytes = 128 << 10;
 
 // out[m * ldo + n] = x[m] . W[n] (+ bias[n]) for n in [n_begin, n_end), m < M, W a K-quant's rows (`ldw` bytes
 // apart), in tiles: a block of weight rows (kWeightTileBytes, in L2) against a block of activation rows at a time
-// (kActTileBytes, in L1), each weight row with up to four activation rows at a time, the next weight rows
+// (kActTileBytes, in L1), each weight row with up to kRowsK activation rows at a time, the next weight rows
 // prefetched in the first block of activation rows. A row's result does not depend on the tile it falls in: each
 // goes through dot_k, whose sums are the same whatever R.
 template <int T, typename O>
 void qlinear_range_k(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, const float* bias, O* out,
                      int64_t ldo, int64_t n_begin, int64_t n_end) {
   const int64_t ahead = prefetch_rows(ldw, M, 4096);
-  const int64_t mt = std::max<int64_t>(4, kActTileBytes / x.K / 4 * 4);
+  const int64_t mt = std::max<int64_t>(kRowsK, kActTileBytes / x.K / 4 * 4);
   const int64_t nt = M <= mt ? n_end - n_begin : std::max<int64_t>(4, kWeightTileBytes / ldw);
   prefetch_first(w, ldw, n_begin, n_end, ahead);
   for (int64_t n0 = n_begin; n0 < n_end; n0 += nt) {
@@ -366,12 +394,14 @@ void qlinear_range_k(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, c
         if (m0 == 0 && n + ahead < n_end)
           for (int64_t o = 0; o < ldw; o += 64) __builtin_prefetch(row + ahead * ldw + o);
         const float bn = bias ? bias[n] : 0.f;
-        float res[4];
+        float res[kRowsK];
         int64_t m = m0;
         auto put = [&](int count) {
           for (int r = 0; r < count; ++r) out[(m + r) * ldo + n] = static_cast<O>(res[r] + bn);
           m += count;
         };
+        if constexpr (kRowsK == 8 && T != kIQ4_XS)  // (IQ4_XS keeps the 256-bit body: four)
+          while (m + 8 <= m1) dot_k<T, 8>(row, x, m, res), put(8);
         while (m + 4 <= m1) dot_k<T, 4>(row, x, m, res), put(4);
         if (m + 2 <= m1) dot_k<T, 2>(row, x, m, res), put(2);
         if (m < m1) dot_k<T, 1>(row, x, m, res), put(1);
