@@ -371,7 +371,10 @@ constexpr int kRowsK = 4;
 // (L2). A 128-row prefill chunk's activations (256 KiB at K = 2048, 1 MiB at K = 8192) do not stay in L1 or L2
 // otherwise. One thread, AMD EPYC Zen 3, M = 128 (CPU time, the best of 9, a loaded machine):
 // Q4_K [2048, 2048] 36.0-37.9 against 35.4-35.9 GMAC/s untiled, Q6_K [1024, 8192] 38.8-39.2 against 32.9-34.9.
-constexpr int64_t kActTileBytes = 32 << 10, kWeightTileBytes = 128 << 10;
+// Half of a 32 KiB L1 for the activations, as the weight rows stream through it too: 16 rows of K = 2048 in 32 KiB
+// were 1.22x slower than two tiles of eight (Q4_K, 535 against 437 ns a weight row, scripts/bench_qdot.py --rows 16,
+// AMD EPYC Zen 4).
+constexpr int64_t kActTileBytes = 16 << 10, kWeightTileBytes = 128 << 10;
 
 // out[m * ldo + n] = x[m] . W[n] (+ bias[n]) for n in [n_begin, n_end), m < M, W a K-quant's rows (`ldw` bytes
 // apart), in tiles: a block of weight rows (kWeightTileBytes, in L2) against a block of activation rows at a time
