@@ -32,7 +32,7 @@ from engine.backends import cpu_kernels  # noqa: E402
 from engine.model.quant import FORMATS, QuantWeight  # noqa: E402
 
 TYPES = {name: t for t, (name, _, _) in FORMATS.items()
-         if name in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")}
+         if name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")}
 # (Q4_0 / Q4_1 / Q8_0 are packed at load, QuantWeight.repack; the K-quants are served as the file stores them)
 ROWS_BYTES = 550_000  # about half of a 1 MiB L2
 
