@@ -29,9 +29,10 @@ inline void q4k_scales_mins(const uint8_t* b, int16_t* sc, uint8_t* mn) {
 #if defined(__AVX2__)
 // A Q4_K (or Q5_K) block's eight scales and eight minimums in one register, as bytes (sc[0..7] in lanes 0-7,
 // mn[0..7] in 8-15), unpacked by shuffles from one 16-byte load: no scalar steps, and no trip through memory, whose
-// 4-byte stores a wider load cannot take forwarded (one row at K = 8192 on Zen 4: 269-270 against 282-285 ns). Scales 0-3 and minimums 0-3 are the low six bits of bytes 0-3 and 4-7; scales
-// 4-7 the low nibbles of bytes 8-11 with the top two bits of bytes 0-3 above, minimums 4-7 the high nibbles with the
-// top bits of bytes 4-7 (ggml's get_scale_min_k4).
+// 4-byte stores a wider load cannot take forwarded (one row at K = 8192 on Zen 4: 269-270 against 282-285 ns).
+// Scales 0-3 and minimums 0-3 are the low six bits of bytes 0-3 and 4-7; scales 4-7 the low nibbles of bytes 8-11
+// with the top two bits of bytes 0-3 above, minimums 4-7 the high nibbles with the top bits of bytes 4-7 (ggml's
+// get_scale_min_k4).
 inline __m128i q4k_scales_mins_x(const uint8_t* b) {
   const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4));  // (and 4 bytes past them, unused)
   const __m128i low = _mm_and_si128(_mm_shuffle_epi8(x, _mm_setr_epi8(0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7, -1, -1,
@@ -107,8 +108,8 @@ inline __m256i fold512(__m512i v) {
   return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
 }
 // sum += (w . a per 16-bit pair) * s, the pair products' int16 sums times the groups' scales, in int32 lanes (with
-// VNNI, `vpdpwssd` multiplies and adds in one instruction: the same integers, 1.07-1.09x the GMAC/s of `vpmaddwd` and
-// an add at 128 rows on Zen 4, scripts/bench_prefill.py).
+// VNNI, `vpdpwssd` multiplies and adds in one instruction: the same integers; at 128 rows on Zen 4 the Q4_K matmuls
+// 1.07-1.09x and the Q6_K ones 1.04-1.07x the GMAC/s of `vpmaddwd` and an add, scripts/bench_prefill.py).
 inline __m512i dot_scaled(__m512i sum, __m512i w, const int8_t* a, __m512i s) {
   const __m512i p = _mm512_maddubs_epi16(w, _mm512_loadu_si512(a));
 #if defined(__AVX512VNNI__)
@@ -275,7 +276,8 @@ inline void dot_q6k(const uint8_t* row, const QRows& x, int64_t m0, float* res) 
         const __m256i s = _mm256_set_m128i(_mm_set1_epi16(sc[2 * j + 1]), _mm_set1_epi16(sc[2 * j]));
         for (int r = 0; r < R; ++r) {
           const int8_t* a = x.kq + (m0 + r) * K + b * kQK_K + 32 * j;
-          sumi[r] = scaled_add(sumi[r], _mm256_maddubs_epi16(w, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))), s);
+          sumi[r] =
+              scaled_add(sumi[r], _mm256_maddubs_epi16(w, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))), s);
         }
       }
     }
