@@ -197,7 +197,7 @@ def test_bundled_float16_kv_cache_against_float32(bundled: tuple[Loaded, Loaded,
         full, half = ([lp for o in runs[kv][r] for lp in o.logprobs] for kv in ("float32", "float16"))
         assert len(full) == len(half) == 24
         shared = next((i for i, (a, b) in enumerate(zip(full, half, strict=True)) if a.token_id != b.token_id), 24)
-        worst = max(worst, *(abs(a.logprob - b.logprob) for a, b in zip(full[:shared], half[:shared], strict=True)))
+        worst = max([worst, *(abs(a.logprob - b.logprob) for a, b in zip(full[:shared], half[:shared], strict=True))])
         if shared < 24:  # they part at a near tie of the float32 run, both choosing at about the same logprob
             first, second = full[shared].top[:2]
             assert first.logprob - second.logprob <= 0.5 and abs(first.logprob - half[shared].logprob) <= 0.5, r

@@ -110,19 +110,36 @@ def test_k_quant_sums_are_the_avx2_bodys_bits_on_every_path(module: Any, fmt: st
         assert torch.equal(module.qlinear(x[:rows], blocks, TYPES[fmt], None), want), rows
 
 
+LANES = ("avx512", "avx512_bf16")  # the builds whose packed Q4_0 / Q4_1 rows go through qdot_lanes.h
+
+
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1"])
 @pytest.mark.parametrize("k", [576, 1536])  # 18 groups (a last pair past the fours of groups), 48 (none)
-def test_qlinear_on_row_packed_weights_is_bitwise_the_gguf_layout(module: Any, fmt: str, k: int) -> None:
-    """Q4_0 / Q4_1 rows packed for the kernels (as the loader keeps them) give the same bits as the file's blocks,
-    for every number of rows (the same sums in the same order: only the loads differ), on the few-rows path (1-3
-    activation rows: four weight rows at a time, scales in registers) and the general one."""
+def test_qlinear_on_row_packed_weights(module: Any, fmt: str, k: int) -> None:
+    """Q4_0 / Q4_1 rows packed for the kernels (as the loader keeps them), 43 of them (two tiles of 16 and a part):
+    where the build runs dot_packed, the same bits as the file's blocks for every number of rows (the same sums in the
+    same order: only the loads differ), on the few-rows path (1-3 activation rows: four weight rows at a time, scales
+    in registers) and the general one. In the AVX-512 builds (qdot_lanes.h: 16 weight rows at a time, one a lane, a
+    float order of their own) within 1e-5 of the exact product of the dequantized weights and the int8 activations,
+    and a row's bits the same whatever the number of activation rows (1 to 16), its tile and its lane (the matrix
+    taken from its 5th row on moves every row to another lane, and the last tile's rows from a part tile to a
+    whole one)."""
     blocks = torch.from_numpy(make_blocks(fmt, 43, k, np.random.default_rng(7)))  # (43: rows past fours of rows)
     packed = QuantWeight(blocks, TYPES[fmt], (43, k)).repack()
     assert packed.qtype == TYPES[fmt] + 1000
     x = torch.randn(16, k, generator=torch.Generator().manual_seed(2))
-    for rows in (1, 2, 3, 5, 16):
-        want = module.qlinear(x[:rows], blocks, TYPES[fmt], None)
-        assert torch.equal(module.qlinear(x[:rows], packed.blocks, packed.qtype, None), want), rows
+    if module.isa() not in LANES:
+        for rows in (1, 2, 3, 5, 16):
+            want = module.qlinear(x[:rows], blocks, TYPES[fmt], None)
+            assert torch.equal(module.qlinear(x[:rows], packed.blocks, packed.qtype, None), want), rows
+        return
+    got = module.qlinear(x, packed.blocks, packed.qtype, None)
+    exact = int8_activations(x).double() @ torch.from_numpy(dequantize(blocks.numpy(), fmt)).double().T
+    assert float((got.double() - exact).abs().max()) <= 1e-5 * float(exact.abs().max())
+    for rows in (slice(0, 1), slice(0, 2), slice(3, 6), slice(5, 12), slice(2, 16), slice(15, 16)):
+        assert torch.equal(module.qlinear(x[rows], packed.blocks, packed.qtype, None), got[rows]), rows
+    shifted = module.qlinear(x, packed.blocks[5:].contiguous(), packed.qtype, None)
+    assert torch.equal(shifted, got[:, 5:])
 
 
 @pytest.mark.parametrize("k", [576, 1536])

@@ -1,0 +1,208 @@
+// Row-packed Q4_0 / Q4_1 (quant.h: kQ4_0R / kQ4_1R) in the AVX-512 VNNI builds: sixteen weight rows at a time, one
+// row a 32-bit lane. dot_packed (qdot_packed.h) gives each (weight row, activation row) a 512-bit dot of 64 weights,
+// then a scale permute, a conversion and an FMA of its own: four vector operations for 64 products, whatever the
+// number of activation rows. Here the 32-byte pairs of groups of 16 rows are transposed in registers (lane j: row j's
+// four bytes; 24 shuffles for 16 rows), so a `vpdpbusd` against one broadcast activation dword adds four products to
+// each of the 16 rows, and a group's conversion, scale and FMA serve 16 rows at once: 16 `vpdpbusd` and 6 float
+// operations for 16 rows x 64 weights and an activation row, the transpose shared by up to four activation rows.
+//
+// Each lane is one weight row's own sequence of operations (its group sums exact in int32, then acc = fma(sum,
+// d_w * d_a, acc) group by group, two chains: even and odd groups, the minimums in a third), so a row's result is
+// the same bits whatever its tile, lane, thread split or number of activation rows (batch invariant). They are not
+// dot_packed's bits (a different order of float sums): the AVX-512 builds use this loop for every number of rows.
+// scripts/bench_qdot.py, packed Q4_1, one thread, rows in L2, AMD EPYC Zen 4, ns a weight row (dot_packed's in
+// brackets): K = 576, 1 activation row 15.7-16.0 (17.5-17.8), 2 rows 18.5 (33.7), 4 rows 25.5-25.7 (66.6-68.3),
+// 16 rows 83-86 (222-240); K = 2048, 1 row 53-54 (51-52), 16 rows 299-304 (629-670).
+#pragma once
+
+#include "qdot_packed.h"
+
+namespace peregrine_quant {
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__FMA__) && defined(__F16C__)
+constexpr bool lanes_packed(int T) { return T == kQ4_0R || T == kQ4_1R; }
+// kLaneRowsR activation rows share a transpose (their accumulators, three registers each, and the 16 decoded
+// weight registers fill the 32). The weights of the tile kLanesAhead tiles on are prefetched into L2, spread over the
+// pairs of groups: one tile ahead into L1, as the row loops do, left one activation row at 0.69-0.72 ms against
+// their 0.53-0.59 (a 49152 x 576 Q4_1 matrix from memory, 2 threads, AMD EPYC Zen 4): the 16 rows are read
+// across, which the hardware's stream prefetch does not follow; three tiles ahead into L2 gave 0.49-0.59.
+constexpr int kLanes = 16, kLaneRowsR = 4, kLanesAhead = 3;
+
+// t[k] holds row k's eight dwords in its low 256 bits and row k + 8's in its high ones; on return t[i] holds dword i
+// of rows 0-15, lane j row j's.
+inline void transpose_dwords(__m512i t[8]) {
+  __m512i u[8], v[8];
+  for (int q = 0; q < 4; ++q) {
+    u[2 * q] = _mm512_unpacklo_epi32(t[2 * q], t[2 * q + 1]);
+    u[2 * q + 1] = _mm512_unpackhi_epi32(t[2 * q], t[2 * q + 1]);
+  }
+  for (int h = 0; h < 2; ++h) {  // rows 0-3 (h = 0) and 4-7 (8-11 and 12-15 above): dwords (0, 4), (1, 5), ...
+    v[4 * h + 0] = _mm512_unpacklo_epi64(u[4 * h], u[4 * h + 2]);
+    v[4 * h + 1] = _mm512_unpackhi_epi64(u[4 * h], u[4 * h + 2]);
+    v[4 * h + 2] = _mm512_unpacklo_epi64(u[4 * h + 1], u[4 * h + 3]);
+    v[4 * h + 3] = _mm512_unpackhi_epi64(u[4 * h + 1], u[4 * h + 3]);
+  }
+  // v[c] (c < 4): rows 0-3's dword c in 128-bit block 0, dword c + 4 in block 1, rows 8-11's in blocks 2, 3;
+  // v[4 + c]: the same for rows 4-7 and 12-15.
+  const __m512i lo = _mm512_set_epi64(13, 12, 5, 4, 9, 8, 1, 0), hi = _mm512_set_epi64(15, 14, 7, 6, 11, 10, 3, 2);
+  for (int c = 0; c < 4; ++c) {
+    t[c] = _mm512_permutex2var_epi64(v[c], lo, v[4 + c]);
+    t[c + 4] = _mm512_permutex2var_epi64(v[c], hi, v[4 + c]);
+  }
+}
+
+// Eight groups' f16 scales of 16 rows (row j's at p[j] + off) as float32 columns: col[g] lane j = row j's group g.
+// Only the first n (even) are read; the columns past n are left as they are.
+inline void transpose_halves(const uint8_t* const p[kLanes], int64_t off, int64_t n, float* col) {
+  __m256i t[8], u[8], v[8];
+  const __m128i mask = _mm256_castsi256_si128(lanes_below(n / 2));
+  for (int k = 0; k < 8; ++k) {
+    auto load = [&](const uint8_t* q) {
+      return n == 8 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + off))
+                    : _mm_maskload_epi32(reinterpret_cast<const int*>(q + off), mask);
+    };
+    t[k] = _mm256_inserti128_si256(_mm256_castsi128_si256(load(p[k])), load(p[k + 8]), 1);
+  }
+  for (int q = 0; q < 4; ++q) {
+    u[2 * q] = _mm256_unpacklo_epi16(t[2 * q], t[2 * q + 1]);
+    u[2 * q + 1] = _mm256_unpackhi_epi16(t[2 * q], t[2 * q + 1]);
+  }
+  for (int h = 0; h < 2; ++h) {
+    v[4 * h + 0] = _mm256_unpacklo_epi32(u[4 * h], u[4 * h + 2]);
+    v[4 * h + 1] = _mm256_unpackhi_epi32(u[4 * h], u[4 * h + 2]);
+    v[4 * h + 2] = _mm256_unpacklo_epi32(u[4 * h + 1], u[4 * h + 3]);
+    v[4 * h + 3] = _mm256_unpackhi_epi32(u[4 * h + 1], u[4 * h + 3]);
+  }
+  // v[c]: words 2c and 2c + 1 of rows 0-3 (of rows 8-11 in the high 128 bits), v[4 + c] those of rows 4-7 (12-15)
+  for (int c = 0; c < 4; ++c) {
+    const __m256i even = _mm256_unpacklo_epi64(v[c], v[4 + c]), odd = _mm256_unpackhi_epi64(v[c], v[4 + c]);
+    if (2 * c < n) _mm512_storeu_ps(col + (2 * c) * kLanes, _mm512_cvtph_ps(even));
+    if (2 * c + 1 < n) _mm512_storeu_ps(col + (2 * c + 1) * kLanes, _mm512_cvtph_ps(odd));
+  }
+}
+
+// The tile's columns of scales (and minimums) for every group: sd[g * 16 + j], sm[g * 16 + j].
+template <int T>
+inline void tile_scales(const uint8_t* const p[kLanes], int64_t K, float* sd, float* sm) {
+  const int64_t groups = K / kQK;
+  for (int64_t g = 0; g < groups; g += 8) {
+    const int64_t n = std::min<int64_t>(8, groups - g);
+    transpose_halves(p, scales_at<T>(K) + 2 * g, n, sd + g * kLanes);
+    if constexpr (T == kQ4_1R) transpose_halves(p, K / 2 + 2 * groups + 2 * g, n, sm + g * kLanes);
+  }
+  if constexpr (T == kQ4_0R) {
+    const __m512 eight = _mm512_set1_ps(offset_min<T>());
+    for (int64_t g = 0; g < groups; ++g)
+      _mm512_storeu_ps(sm + g * kLanes, _mm512_mul_ps(eight, _mm512_loadu_ps(sd + g * kLanes)));
+  }
+}
+
+// res[r] (16 lanes) = activation row m0 + r times the tile's 16 rows, r < R.
+template <int T, int R>
+inline void lanes_block(const uint8_t* const p[kLanes], const float* sd, const float* sm, const QRows& x, int64_t m0,
+                        __m512* res, const uint8_t* fetch = nullptr, int64_t fetch_bytes = 0) {
+  const int64_t K = x.K, groups = K / kQK;
+  __m512 acc[R][2], macc[R];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = macc[r] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0xF);
+  const int64_t pairs = groups / 2, step = (fetch_bytes / pairs + 63) / 64 * 64;  // the lines to fetch a pair
+  for (int64_t g = 0; g < groups; g += 2) {
+    for (int64_t o = (g / 2) * step; o < std::min(fetch_bytes, (g / 2 + 1) * step); o += 64)
+      __builtin_prefetch(fetch + o, 0, 1);  // into L2 (prefetcht2)
+    __m512i t[8];
+    for (int k = 0; k < 8; ++k)
+      t[k] = _mm512_inserti64x4(
+          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[k] + 16 * g))),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[k + 8] + 16 * g)), 1);
+    transpose_dwords(t);
+    __m512i w0[8], w1[8];  // groups g and g + 1: values 4i .. 4i + 3 of each row
+    for (int i = 0; i < 8; ++i) {
+      w0[i] = _mm512_and_si512(t[i], low);
+      w1[i] = _mm512_and_si512(_mm512_srli_epi16(t[i], 4), low);
+    }
+    const __m512 d0 = _mm512_loadu_ps(sd + g * kLanes), d1 = _mm512_loadu_ps(sd + (g + 1) * kLanes);
+    const __m512 m0v = _mm512_loadu_ps(sm + g * kLanes), m1v = _mm512_loadu_ps(sm + (g + 1) * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const int8_t* a = x.q + (m0 + r) * K + g * kQK;
+      auto four = [a](int i) {  // activations 4i .. 4i + 3 of the pair, in every lane
+        int32_t v;
+        std::memcpy(&v, a + 4 * i, 4);
+        return _mm512_set1_epi32(v);
+      };
+      __m512i s0a = _mm512_setzero_si512(), s0b = s0a, s1a = s0a, s1b = s0a;  // two chains a group
+      for (int i = 0; i < 8; i += 2) {
+        s0a = _mm512_dpbusd_epi32(s0a, w0[i], four(i));
+        s0b = _mm512_dpbusd_epi32(s0b, w0[i + 1], four(i + 1));
+        s1a = _mm512_dpbusd_epi32(s1a, w1[i], four(8 + i));
+        s1b = _mm512_dpbusd_epi32(s1b, w1[i + 1], four(9 + i));
+      }
+      const float* da = x.d + (m0 + r) * groups + g;
+      const float* sa = x.s + (m0 + r) * groups + g;
+      acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0a, s0b)),
+                                  _mm512_mul_ps(d0, _mm512_set1_ps(da[0])), acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s1a, s1b)),
+                                  _mm512_mul_ps(d1, _mm512_set1_ps(da[1])), acc[r][1]);
+      macc[r] = _mm512_fmadd_ps(m1v, _mm512_set1_ps(sa[1]), _mm512_fmadd_ps(m0v, _mm512_set1_ps(sa[0]), macc[r]));
+    }
+  }
+  for (int r = 0; r < R; ++r) res[r] = _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), macc[r]);
+}
+
+// The first `count` lanes of v to out (as O).
+template <typename O>
+inline void store_lanes(O* out, __m512 v, int64_t count) {
+  const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
+  if constexpr (std::is_same_v<O, float>) {
+    _mm512_mask_storeu_ps(out, mask, v);
+  } else {
+    alignas(64) float tmp[kLanes];
+    _mm512_store_ps(tmp, v);
+    for (int64_t j = 0; j < count; ++j) out[j] = static_cast<O>(tmp[j]);
+  }
+}
+
+template <int T, typename O>
+void qlinear_lanes(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, const float* bias, O* out, int64_t ldo,
+                   int64_t n_begin, int64_t n_end, QScratch& s) {
+  const int64_t K = x.K, groups = K / kQK;
+  if (static_cast<int64_t>(s.sc.size()) < 2 * (groups + 8) * kLanes) s.sc.resize(2 * (groups + 8) * kLanes);
+  float *sd = s.sc.data(), *sm = sd + (groups + 8) * kLanes;
+  const int64_t ahead = kLanes * kLanesAhead;  // rows
+  prefetch_first(w, ldw, n_begin, n_end, ahead);
+  for (int64_t n = n_begin; n < n_end; n += kLanes) {
+    const int64_t count = std::min<int64_t>(kLanes, n_end - n);
+    const uint8_t* p[kLanes];
+    for (int j = 0; j < kLanes; ++j) p[j] = w + (n + std::min<int64_t>(j, count - 1)) * ldw;
+    const int64_t fetch_end = std::min(n_end, n + ahead + kLanes) * ldw;  // the tile `ahead` rows on
+    const uint8_t* fetch = w + (n + ahead) * ldw;
+    const int64_t fetch_bytes = std::max<int64_t>(0, fetch_end - (n + ahead) * ldw);
+    tile_scales<T>(p, K, sd, sm);
+    const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
+    __m512 res[kLaneRowsR];
+    auto block = [&](int64_t m, auto rr) {
+      constexpr int RR = decltype(rr)::value;
+      if (m == 0)
+        lanes_block<T, RR>(p, sd, sm, x, m, res, fetch, fetch_bytes);
+      else
+        lanes_block<T, RR>(p, sd, sm, x, m, res);
+      for (int r = 0; r < RR; ++r) store_lanes(out + (m + r) * ldo + n, _mm512_add_ps(res[r], b), count);
+    };
+    int64_t m = 0;
+    for (; m + kLaneRowsR <= M; m += kLaneRowsR) block(m, std::integral_constant<int, kLaneRowsR>{});
+    switch (M - m) {
+      case 3: block(m, std::integral_constant<int, 3>{}); break;
+      case 2: block(m, std::integral_constant<int, 2>{}); break;
+      case 1: block(m, std::integral_constant<int, 1>{}); break;
+      default: break;
+    }
+  }
+}
+#else
+constexpr bool lanes_packed(int) { return false; }
+template <int T, typename O>  // never called here (lanes_packed): declared for qlinear_rows' discarded branch
+void qlinear_lanes(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, const float* bias, O* out, int64_t ldo,
+                   int64_t n_begin, int64_t n_end, QScratch& s);
+#endif
+
+}  // namespace peregrine_quant
