@@ -148,10 +148,9 @@ inline void lanes_block(const uint8_t* const p[kLanes], const float* sd, const f
   for (int r = 0; r < R; ++r) res[r] = _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), macc[r]);
 }
 
-// The first `count` lanes of v to out (as O).
+// The first `count` lanes of v (those set in `mask`) to out (as O).
 template <typename O>
-inline void store_lanes(O* out, __m512 v, int64_t count) {
-  const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
+inline void store_lanes(O* out, __m512 v, int64_t count, __mmask16 mask) {
   if constexpr (std::is_same_v<O, float>) {
     _mm512_mask_storeu_ps(out, mask, v);
   } else {
@@ -173,9 +172,8 @@ void qlinear_lanes(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, con
     const int64_t count = std::min<int64_t>(kLanes, n_end - n);
     const uint8_t* p[kLanes];
     for (int j = 0; j < kLanes; ++j) p[j] = w + (n + std::min<int64_t>(j, count - 1)) * ldw;
-    const int64_t fetch_end = std::min(n_end, n + ahead + kLanes) * ldw;  // the tile `ahead` rows on
-    const uint8_t* fetch = w + (n + ahead) * ldw;
-    const int64_t fetch_bytes = std::max<int64_t>(0, fetch_end - (n + ahead) * ldw);
+    const int64_t fetch_begin = std::min(n_end, n + ahead) * ldw;  // the tile `ahead` rows on
+    const int64_t fetch_bytes = std::min(n_end, n + ahead + kLanes) * ldw - fetch_begin;
     tile_scales<T>(p, K, sd, sm);
     const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
     const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
@@ -183,10 +181,10 @@ void qlinear_lanes(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, con
     auto block = [&](int64_t m, auto rr) {
       constexpr int RR = decltype(rr)::value;
       if (m == 0)
-        lanes_block<T, RR>(p, sd, sm, x, m, res, fetch, fetch_bytes);
+        lanes_block<T, RR>(p, sd, sm, x, m, res, w + fetch_begin, fetch_bytes);
       else
         lanes_block<T, RR>(p, sd, sm, x, m, res);
-      for (int r = 0; r < RR; ++r) store_lanes(out + (m + r) * ldo + n, _mm512_add_ps(res[r], b), count);
+      for (int r = 0; r < RR; ++r) store_lanes(out + (m + r) * ldo + n, _mm512_add_ps(res[r], b), count, mask);
     };
     int64_t m = 0;
     for (; m + kLaneRowsR <= M; m += kLaneRowsR) block(m, std::integral_constant<int, kLaneRowsR>{});
