@@ -110,7 +110,7 @@ def test_k_quant_sums_are_the_avx2_bodys_bits_on_every_path(module: Any, fmt: st
         assert torch.equal(module.qlinear(x[:rows], blocks, TYPES[fmt], None), want), rows
 
 
-LANES = ("avx512", "avx512_bf16")  # the builds whose packed Q4_0 / Q4_1 rows go through qdot_lanes.h
+LANES = ("avx512", "avx512_bf16")  # the builds whose packed Q4_0 / Q4_1 / Q8_0 rows go through qdot_lanes.h
 
 
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1"])
@@ -144,10 +144,11 @@ def test_qlinear_on_row_packed_weights(module: Any, fmt: str, k: int) -> None:
 
 @pytest.mark.parametrize("k", [576, 1536])
 def test_qlinear_on_packed_q8_0_matches_the_dequantized_product(module: Any, k: int) -> None:
-    """Q8_0 rows packed at load (values, then scales): the AVX-512 build multiplies them unsigned (q + 128, then 128
-    times the activation group's sum taken off), so its sums are not bitwise the file layout's, but within the same
-    1e-5 of the exact int8 product; a row gives the same bits alone, in threes and in the batch of 16, on the
-    few-rows path and the general one. The AVX2 build multiplies them signed, as it does the file's blocks."""
+    """Q8_0 rows packed at load (values, then scales): the AVX-512 builds multiply them unsigned (q + 128, then 128
+    times the activation group's sum taken off), 16 weight rows a lane each (qdot_lanes.h), so their sums are not
+    bitwise the file layout's, but within the same 1e-5 of the exact int8 product; a row gives the same bits alone,
+    in threes and in the batch of 16, on the few-rows path and the general one, and (lanes) in any lane and tile.
+    The AVX2 build multiplies them signed, as it does the file's blocks."""
     blocks = make_blocks("Q8_0", 43, k, np.random.default_rng(7))
     packed = QuantWeight(torch.from_numpy(blocks), TYPES["Q8_0"], (43, k)).repack()
     assert packed.qtype == 1008 and torch.equal(packed.unpack().blocks, torch.from_numpy(blocks))
@@ -156,8 +157,10 @@ def test_qlinear_on_packed_q8_0_matches_the_dequantized_product(module: Any, k: 
     got = module.qlinear(x, packed.blocks, packed.qtype, None)
     exact = int8_activations(x).double() @ w.T
     assert float((got.double() - exact).abs().max()) <= 1e-5 * float(exact.abs().max())
-    for rows in (slice(0, 1), slice(5, 6), slice(4, 7), slice(0, 5)):
+    for rows in (slice(0, 1), slice(5, 6), slice(4, 7), slice(0, 5), slice(2, 16), slice(15, 16)):
         assert torch.equal(module.qlinear(x[rows], packed.blocks, packed.qtype, None), got[rows]), rows
+    shifted = module.qlinear(x, packed.blocks[5:].contiguous(), packed.qtype, None)  # every row in another lane
+    assert torch.equal(shifted, got[:, 5:])
     if module.isa() in ("avx2", "avx_vnni"):  # packed Q8_0 multiplied signed, as the file's (kUnsignedQ8)
         assert torch.equal(got, module.qlinear(x, torch.from_numpy(blocks), TYPES["Q8_0"], None))
 

@@ -16,7 +16,7 @@
 // With one to three activation rows (a decode step of one to three requests), four weight rows go through that loop
 // together, their scales converted in registers eight groups at a time (`qlinear_few_packed`): the same sums, with
 // four rows' independent chains in flight instead of one row's prologue, loop and reductions one after the other
-// (1.45x at one row on AVX-512). In the AVX-512 builds packed Q4_0 / Q4_1 take qdot_lanes.h instead: sixteen weight
+// (1.45x at one row on AVX-512). In the AVX-512 builds packed Q4_0 / Q4_1 / Q8_0 take qdot_lanes.h instead: 16 weight
 // rows at a time, one a 32-bit lane (a group's conversion, scale and FMA shared by 16 rows), for every number of
 // activation rows; its own order of float sums (not the file layout's bits), the same for a row in any batch.
 //
@@ -33,8 +33,8 @@
 //
 // The pieces, each including the one before: qdot_act.h (the activations quantized), qdot_formats.h (each format's
 // scales and weights decoded), qdot_rows.h (the row loop for the file's layouts), qdot_packed.h (the loop for the
-// row-packed layouts), qdot_kquant.h (the K-quants'), qdot_lanes.h (packed Q4_0 / Q4_1, AVX-512); this file picks
-// one per format (qlinear_rows).
+// row-packed layouts), qdot_kquant.h (the K-quants'), qdot_lanes.h (packed Q4_0 / Q4_1 / Q8_0, AVX-512); this file
+// picks one per format (qlinear_rows).
 #pragma once
 
 #include "qdot_kquant.h"
@@ -62,7 +62,9 @@ void qlinear_rows(int type, const uint8_t* w, int64_t ldw, const QRows& x, int64
     case kQ4_1R:
       if constexpr (lanes_packed(kQ4_1R)) return qlinear_lanes<kQ4_1R>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
       return qlinear_range_packed<kQ4_1R>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
-    case kQ8_0R: return qlinear_range_packed<kQ8_0R>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
+    case kQ8_0R:
+      if constexpr (lanes_packed(kQ8_0R)) return qlinear_lanes<kQ8_0R>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
+      return qlinear_range_packed<kQ8_0R>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
     default: return;  // the callers check the type first (supported())
   }
 }
