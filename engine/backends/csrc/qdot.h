@@ -37,8 +37,7 @@
 // picks one per format (qlinear_rows).
 #pragma once
 
-#include "qdot_kquant.h"
-#include "qdot_lanes.h"
+#include "qdot_lanes_k.h"
 
 namespace peregrine_quant {
 
@@ -51,7 +50,9 @@ void qlinear_rows(int type, const uint8_t* w, int64_t ldw, const QRows& x, int64
     case kQ5_0: return qlinear_range<kQ5_0>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
     case kQ5_1: return qlinear_range<kQ5_1>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
     case kQ8_0: return qlinear_range<kQ8_0>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
-    case kQ4_K: return qlinear_range_k<kQ4_K>(w, ldw, x, M, bias, out, ldo, n_begin, n_end);
+    case kQ4_K:
+      if constexpr (lanes_k(kQ4_K)) return qlinear_lanes_k<kQ4_K>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
+      return qlinear_range_k<kQ4_K>(w, ldw, x, M, bias, out, ldo, n_begin, n_end);
     case kQ5_K: return qlinear_range_k<kQ5_K>(w, ldw, x, M, bias, out, ldo, n_begin, n_end);
     case kQ6_K: return qlinear_range_k<kQ6_K>(w, ldw, x, M, bias, out, ldo, n_begin, n_end);
     case kIQ4_NL: return qlinear_range<kIQ4_NL>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);

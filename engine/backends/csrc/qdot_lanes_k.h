@@ -1,0 +1,181 @@
+// Q4_K rows (the file's blocks) in the AVX-512 VNNI builds, sixteen weight rows at a time, one a 32-bit lane, as
+// qdot_lanes.h does for the packed 32-value formats: a super-block's 32-byte pairs of groups (low nibbles group 2j,
+// high nibbles 2j + 1, as packed Q4_0 keeps them) are transposed in registers, and each `vpdpbusd` against one
+// broadcast activation dword adds four products to each of the 16 rows. A group's integer sum is multiplied by its
+// 6-bit scale in int32 (`vpmulld`), the super-block's sum converted once and scaled by d * dx, and its minimums
+// (dmin * mn, float) taken off with the activation's 32-value sums (ksf): each row's own sequence of operations in
+// its lane, so a row's result is the same bits in any tile, lane, thread split or batch. The tile's scales and
+// minimums are unpacked once (q4k_scales_mins_x for each of the 16 rows, a 16 x 16 byte transpose) into scratch.
+// The K-quant row loop (qdot_kquant.h) decodes a row's scales and weights for each (weight row, up to eight
+// activation rows), and reduces 8 lanes a super-block and activation row; here one decode serves 16 weight rows and
+// up to kLaneRowsR activation rows, and nothing is reduced across lanes.
+#pragma once
+
+#include "qdot_kquant.h"
+#include "qdot_lanes.h"
+
+namespace peregrine_quant {
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__FMA__) && defined(__F16C__)
+constexpr bool lanes_k(int T) { return T == kQ4_K; }
+
+// v[k] (16 bytes of row k) to v[c] (byte c of rows 0-15, lane k row k's).
+inline void transpose_bytes16(__m128i v[16]) {
+  __m128i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {  // t[i]: columns 0-7 of rows 2i, 2i + 1 as byte pairs; t[8 + i]: columns 8-15
+    t[i] = _mm_unpacklo_epi8(v[2 * i], v[2 * i + 1]);
+    t[8 + i] = _mm_unpackhi_epi8(v[2 * i], v[2 * i + 1]);
+  }
+  for (int h = 0; h < 2; ++h)  // u[8h + i]: columns 8h + 0-3 of rows 4i .. 4i + 3 (a dword a column); u[8h + 4 + i]: 4-7
+    for (int i = 0; i < 4; ++i) {
+      u[8 * h + i] = _mm_unpacklo_epi16(t[8 * h + 2 * i], t[8 * h + 2 * i + 1]);
+      u[8 * h + 4 + i] = _mm_unpackhi_epi16(t[8 * h + 2 * i], t[8 * h + 2 * i + 1]);
+    }
+  for (int q = 0; q < 4; ++q) {  // columns 4q .. 4q + 3: u[4q + i] holds them for rows 4i .. 4i + 3
+    const __m128i a0 = _mm_unpacklo_epi32(u[4 * q], u[4 * q + 1]);      // cols 4q, 4q + 1 of rows 0-7
+    const __m128i a1 = _mm_unpackhi_epi32(u[4 * q], u[4 * q + 1]);      // cols 4q + 2, 4q + 3 of rows 0-7
+    const __m128i b0 = _mm_unpacklo_epi32(u[4 * q + 2], u[4 * q + 3]);  // the same of rows 8-15
+    const __m128i b1 = _mm_unpackhi_epi32(u[4 * q + 2], u[4 * q + 3]);
+    v[4 * q] = _mm_unpacklo_epi64(a0, b0);
+    v[4 * q + 1] = _mm_unpackhi_epi64(a0, b0);
+    v[4 * q + 2] = _mm_unpacklo_epi64(a1, b1);
+    v[4 * q + 3] = _mm_unpackhi_epi64(a1, b1);
+  }
+}
+
+// A tile's super-block b, in scratch: its eight 6-bit scales as bytes (16 a group: sc + 16 * (8b + j)), d and
+// dmin * mn as float (fl + 16 * (9b + 0) for d, fl + 16 * (9b + 1 + j) for group j's minimum).
+constexpr int64_t kLaneKFloats = 9 * kLanes, kLaneKBytes = 8 * kLanes;
+inline void tile_scales_k4(const uint8_t* const p[kLanes], int64_t nb, uint8_t* sc, float* fl) {
+  constexpr int64_t bytes = layout_of(kQ4_K).bytes;
+  for (int64_t b = 0; b < nb; ++b) {
+    __m128i v[16];
+    alignas(64) uint32_t dd[kLanes];
+    for (int k = 0; k < kLanes; ++k) {
+      v[k] = q4k_scales_mins_x(p[k] + b * bytes);
+      std::memcpy(&dd[k], p[k] + b * bytes, 4);  // f16 d, f16 dmin
+    }
+    transpose_bytes16(v);
+    const __m512i h = _mm512_load_si512(dd);
+    const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h));
+    const __m512 dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(h, 16)));
+    float* f = fl + b * kLaneKFloats;
+    _mm512_storeu_ps(f, d);
+    for (int j = 0; j < 8; ++j) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(sc + b * kLaneKBytes + kLanes * j), v[j]);
+      _mm512_storeu_ps(f + kLanes * (1 + j), _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v[8 + j]))));
+    }
+  }
+}
+
+// res[r] (16 lanes) = activation row m0 + r times the tile's 16 Q4_K rows, r < R.
+template <int R>
+inline void lanes_block_k4(const uint8_t* const p[kLanes], const uint8_t* sc, const float* fl, const QRows& x,
+                           int64_t m0, __m512* res, const uint8_t* fetch = nullptr, int64_t fetch_bytes = 0) {
+  constexpr int64_t bytes = layout_of(kQ4_K).bytes;
+  const int64_t K = x.K, nb = K / kQK_K;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0xF);
+  const int64_t pairs = 4 * nb, step = (fetch_bytes / pairs + 63) / 64 * 64;  // the lines to fetch a pair
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i isum[R];
+    for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+    for (int j = 0; j < 4; ++j) {
+      const int64_t pair = 4 * b + j;
+      for (int64_t o = pair * step; o < std::min(fetch_bytes, (pair + 1) * step); o += 64)
+        __builtin_prefetch(fetch + o, 0, 1);  // into L2 (prefetcht2)
+      __m512i t[8];
+      for (int k = 0; k < 8; ++k)
+        t[k] = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[k] + b * bytes + 16 + 32 * j))),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[k + 8] + b * bytes + 16 + 32 * j)), 1);
+      transpose_dwords(t);
+      __m512i w0[8], w1[8];  // groups 2j and 2j + 1: values 4i .. 4i + 3 of each row
+      for (int i = 0; i < 8; ++i) {
+        w0[i] = _mm512_and_si512(t[i], low);
+        w1[i] = _mm512_and_si512(_mm512_srli_epi16(t[i], 4), low);
+      }
+      const __m512i s0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
+                        sc + b * kLaneKBytes + kLanes * (2 * j)))),
+                    s1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
+                        sc + b * kLaneKBytes + kLanes * (2 * j + 1))));
+      for (int r = 0; r < R; ++r) {
+        const int8_t* a = x.kq + (m0 + r) * K + b * kQK_K + 64 * j;
+        auto four = [a](int i) {  // activations 4i .. 4i + 3 of the pair, in every lane
+          int32_t v;
+          std::memcpy(&v, a + 4 * i, 4);
+          return _mm512_set1_epi32(v);
+        };
+        __m512i s0a = _mm512_setzero_si512(), s0b = s0a, s1a = s0a, s1b = s0a;  // two chains a group
+        for (int i = 0; i < 8; i += 2) {
+          s0a = _mm512_dpbusd_epi32(s0a, w0[i], four(i));
+          s0b = _mm512_dpbusd_epi32(s0b, w0[i + 1], four(i + 1));
+          s1a = _mm512_dpbusd_epi32(s1a, w1[i], four(8 + i));
+          s1b = _mm512_dpbusd_epi32(s1b, w1[i + 1], four(9 + i));
+        }
+        isum[r] = _mm512_add_epi32(isum[r], _mm512_add_epi32(_mm512_mullo_epi32(_mm512_add_epi32(s0a, s0b), s0),
+                                                             _mm512_mullo_epi32(_mm512_add_epi32(s1a, s1b), s1)));
+      }
+    }
+    const float* f = fl + b * kLaneKFloats;
+    const __m512 d = _mm512_loadu_ps(f);
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = m0 + r;
+      __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(d, _mm512_set1_ps(x.kd[row * nb + b])),
+                                 acc[r]);
+      const float* ksf = x.ksf + row * (K / kQK) + 8 * b;
+      for (int j = 0; j < 8; ++j) v = _mm512_fnmadd_ps(_mm512_loadu_ps(f + kLanes * (1 + j)), _mm512_set1_ps(ksf[j]), v);
+      acc[r] = v;
+    }
+  }
+  for (int r = 0; r < R; ++r) res[r] = acc[r];
+}
+
+template <int T, typename O>
+void qlinear_lanes_k(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, const float* bias, O* out,
+                     int64_t ldo, int64_t n_begin, int64_t n_end, QScratch& s) {
+  static_assert(T == kQ4_K, "lanes_k");
+  const int64_t nb = x.K / kQK_K;
+  const int64_t floats = nb * (kLaneKFloats + kLaneKBytes / 4);
+  if (static_cast<int64_t>(s.sc.size()) < floats) s.sc.resize(floats);
+  float* fl = s.sc.data();
+  uint8_t* sc = reinterpret_cast<uint8_t*>(fl + nb * kLaneKFloats);
+  const int64_t ahead = kLanes * kLanesAhead;  // rows
+  prefetch_first(w, ldw, n_begin, n_end, ahead);
+  for (int64_t n = n_begin; n < n_end; n += kLanes) {
+    const int64_t count = std::min<int64_t>(kLanes, n_end - n);
+    const uint8_t* p[kLanes];
+    for (int j = 0; j < kLanes; ++j) p[j] = w + (n + std::min<int64_t>(j, count - 1)) * ldw;
+    const int64_t fetch_begin = std::min(n_end, n + ahead) * ldw;  // the tile `ahead` rows on
+    const int64_t fetch_bytes = std::min(n_end, n + ahead + kLanes) * ldw - fetch_begin;
+    tile_scales_k4(p, nb, sc, fl);
+    const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
+    __m512 res[kLaneRowsR];
+    auto block = [&](int64_t m, auto rr) {
+      constexpr int RR = decltype(rr)::value;
+      if (m == 0)
+        lanes_block_k4<RR>(p, sc, fl, x, m, res, w + fetch_begin, fetch_bytes);
+      else
+        lanes_block_k4<RR>(p, sc, fl, x, m, res);
+      for (int r = 0; r < RR; ++r) store_lanes(out + (m + r) * ldo + n, _mm512_add_ps(res[r], bv), count, mask);
+    };
+    int64_t m = 0;
+    for (; m + kLaneRowsR <= M; m += kLaneRowsR) block(m, std::integral_constant<int, kLaneRowsR>{});
+    switch (M - m) {
+      case 3: block(m, std::integral_constant<int, 3>{}); break;
+      case 2: block(m, std::integral_constant<int, 2>{}); break;
+      case 1: block(m, std::integral_constant<int, 1>{}); break;
+      default: break;
+    }
+  }
+}
+#else
+constexpr bool lanes_k(int) { return false; }
+template <int T, typename O>  // never called here (lanes_k): declared for qlinear_rows' discarded branch
+void qlinear_lanes_k(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, const float* bias, O* out,
+                     int64_t ldo, int64_t n_begin, int64_t n_end, QScratch& s);
+#endif
+
+}  // namespace peregrine_quant
