@@ -71,6 +71,8 @@ def test_qlinear_matches_the_dequantized_product(module: Any, fmt: str) -> None:
     assert float((got.double() - floats).abs().max()) <= 2e-2 * span
     for row in (0, 3, 15):  # alone (and in threes), a row gives the same bits as in the batch of 16
         assert torch.equal(module.qlinear(x[row : row + 1], torch.from_numpy(blocks), TYPES[fmt], bias)[0], got[row])
+    shifted = module.qlinear(x, torch.from_numpy(blocks[5:].copy()), TYPES[fmt], bias[5:])  # rows in other lanes
+    assert torch.equal(shifted, got[:, 5:]), "a weight row's result changed with its place in the matrix"
     assert torch.equal(module.qlinear(x[4:7], torch.from_numpy(blocks), TYPES[fmt], bias), got[4:7])
     halves = module.qlinear(x.bfloat16(), torch.from_numpy(blocks), TYPES[fmt], None)  # bfloat16 activations
     want = int8_activations(x.bfloat16(), block).double() @ w.T
@@ -78,7 +80,7 @@ def test_qlinear_matches_the_dequantized_product(module: Any, fmt: str) -> None:
 
 
 LANES = ("avx512", "avx512_bf16")  # the builds whose packed Q4_0 / Q4_1 / Q8_0 rows go through qdot_lanes.h
-LANES_K = ("Q4_K",)  # and the K-quants that go through qdot_lanes_k.h there
+LANES_K = ("Q4_K",)  # and the K-quants that go through qdot_lanes_k.h there (Q5_0: qdot_lanes_q5.h)
 
 
 @pytest.mark.parametrize("fmt", KQUANTS)

@@ -23,8 +23,10 @@
 // The K-quants (Q4_K, Q5_K, Q6_K) and IQ4_XS are multiplied as the file stores them, against activations quantized in
 // blocks of 256 instead (ggml's Q8_K): a super-block's sums stay in integers, its group scales applied by `vpmaddwd`,
 // and one float FMA a super-block and activation row (qdot_kquant.h; the AVX-512 build takes two groups a 512-bit
-// register there, the same integer sums). IQ4_NL goes through the 32-value loop as a
-// signed format (its nibbles looked up in its table by one `vpshufb`, qdot_formats.h).
+// register there, the same integer sums). In the AVX-512 VNNI builds Q4_K goes 16 weight rows a lane each instead
+// (qdot_lanes_k.h), and so does Q5_0 (qdot_lanes_q5.h): their own order of float sums, the same for a row in any
+// batch. IQ4_NL goes through the 32-value loop as a signed format (its nibbles looked up in its table by one
+// `vpshufb`, qdot_formats.h).
 //
 // Each output element is the same instruction sequence in the same order whatever the number of rows, the thread
 // split or the tile position: results are batch invariant. Decoding has an AVX2 body (also used by the AVX-512
@@ -33,11 +35,12 @@
 //
 // The pieces, each including the one before: qdot_act.h (the activations quantized), qdot_formats.h (each format's
 // scales and weights decoded), qdot_rows.h (the row loop for the file's layouts), qdot_packed.h (the loop for the
-// row-packed layouts), qdot_kquant.h (the K-quants'), qdot_lanes.h (packed Q4_0 / Q4_1 / Q8_0, AVX-512); this file
-// picks one per format (qlinear_rows).
+// row-packed layouts), qdot_kquant.h (the K-quants'), qdot_lanes.h (packed Q4_0 / Q4_1 / Q8_0, AVX-512), with
+// qdot_lanes_k.h (Q4_K) and qdot_lanes_q5.h (Q5_0) beside it; this file picks one per format (qlinear_rows).
 #pragma once
 
 #include "qdot_lanes_k.h"
+#include "qdot_lanes_q5.h"
 
 namespace peregrine_quant {
 
@@ -47,7 +50,11 @@ void qlinear_rows(int type, const uint8_t* w, int64_t ldw, const QRows& x, int64
   switch (type) {
     case kQ4_0: return qlinear_range<kQ4_0>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
     case kQ4_1: return qlinear_range<kQ4_1>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
-    case kQ5_0: return qlinear_range<kQ5_0>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
+    case kQ5_0:
+      if constexpr (lanes_q5(kQ5_0))  // (pairs of groups: rows of a multiple of 64 values)
+        if (x.K % 64 == 0)
+          return qlinear_lanes_q5<kQ5_0>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
+      return qlinear_range<kQ5_0>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
     case kQ5_1: return qlinear_range<kQ5_1>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
     case kQ8_0: return qlinear_range<kQ8_0>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
     case kQ4_K:

@@ -26,7 +26,8 @@ inline void transpose_bytes16(__m128i v[16]) {
     t[i] = _mm_unpacklo_epi8(v[2 * i], v[2 * i + 1]);
     t[8 + i] = _mm_unpackhi_epi8(v[2 * i], v[2 * i + 1]);
   }
-  for (int h = 0; h < 2; ++h)  // u[8h + i]: columns 8h + 0-3 of rows 4i .. 4i + 3 (a dword a column); u[8h + 4 + i]: 4-7
+  // u[8h + i]: columns 8h + 0-3 of rows 4i .. 4i + 3 (a dword a column); u[8h + 4 + i]: columns 8h + 4-7
+  for (int h = 0; h < 2; ++h)
     for (int i = 0; i < 4; ++i) {
       u[8 * h + i] = _mm_unpacklo_epi16(t[8 * h + 2 * i], t[8 * h + 2 * i + 1]);
       u[8 * h + 4 + i] = _mm_unpackhi_epi16(t[8 * h + 2 * i], t[8 * h + 2 * i + 1]);
@@ -86,10 +87,11 @@ inline void lanes_block_k4(const uint8_t* const p[kLanes], const uint8_t* sc, co
       for (int64_t o = pair * step; o < std::min(fetch_bytes, (pair + 1) * step); o += 64)
         __builtin_prefetch(fetch + o, 0, 1);  // into L2 (prefetcht2)
       __m512i t[8];
+      const int64_t at = b * bytes + 16 + 32 * j;  // the pair's 32 bytes of nibbles
       for (int k = 0; k < 8; ++k)
         t[k] = _mm512_inserti64x4(
-            _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[k] + b * bytes + 16 + 32 * j))),
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[k + 8] + b * bytes + 16 + 32 * j)), 1);
+            _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[k] + at))),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[k + 8] + at)), 1);
       transpose_dwords(t);
       __m512i w0[8], w1[8];  // groups 2j and 2j + 1: values 4i .. 4i + 3 of each row
       for (int i = 0; i < 8; ++i) {
@@ -125,7 +127,8 @@ inline void lanes_block_k4(const uint8_t* const p[kLanes], const uint8_t* sc, co
       __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(d, _mm512_set1_ps(x.kd[row * nb + b])),
                                  acc[r]);
       const float* ksf = x.ksf + row * (K / kQK) + 8 * b;
-      for (int j = 0; j < 8; ++j) v = _mm512_fnmadd_ps(_mm512_loadu_ps(f + kLanes * (1 + j)), _mm512_set1_ps(ksf[j]), v);
+      for (int j = 0; j < 8; ++j)
+        v = _mm512_fnmadd_ps(_mm512_loadu_ps(f + kLanes * (1 + j)), _mm512_set1_ps(ksf[j]), v);
       acc[r] = v;
     }
   }
