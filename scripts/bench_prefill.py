@@ -30,13 +30,13 @@ TYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K",
               20: "IQ4_NL", 23: "IQ4_XS"}
 
 
-def step_times(loaded, tokens: int, repeats: int) -> list[float]:
+def step_times(loaded, tokens: int, repeats: int, cpu_isa: str = "auto") -> list[float]:
     """Seconds of the engine step that prefills a whole `tokens`-token prompt (one chunk), once per repeat."""
     from engine.llm_engine import LLMEngine
 
     cfg = EngineConfig(model_path="in-memory", model_name="bench", device="cpu", kv_cache_bytes=64 << 20,
                        max_num_seqs=1, max_num_batched_tokens=tokens, prefix_caching=False,
-                       cache_dir=str(tool_cache_dir()))
+                       cache_dir=str(tool_cache_dir()), cpu_isa=cpu_isa)
     engine = LLMEngine(loaded.model, loaded.tokenizer, cfg, torch.device("cpu"), loaded.dtype, 4096)
     vocab = loaded.model.config.vocab_size
     times = []
@@ -81,16 +81,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--skip-step", action="store_true", help="only the matmuls")
+    p.add_argument("--cpu-isa", default="auto", help="the kernels' ISA level (auto: this CPU's; avx2, avx512, ...)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = EngineConfig(model_path=str(args.gguf.parent), gguf_file=args.gguf.name, model_name="bench", device="cpu",
-                       dtype="auto", weight_format="quantized", cache_dir=str(tool_cache_dir()))
+                       dtype="auto", weight_format="quantized", cache_dir=str(tool_cache_dir()), cpu_isa=args.cpu_isa)
     loaded = load_model(cfg)
-    kernels = cpu_kernels.load(tool_cache_dir())
-    out = {"gguf": str(args.gguf), "tokens": args.tokens, "threads": torch.get_num_threads()}
+    kernels = cpu_kernels.load(tool_cache_dir(), cap=args.cpu_isa)
+    out = {"gguf": str(args.gguf), "tokens": args.tokens, "threads": torch.get_num_threads(), "isa": kernels.isa()}
     if not args.skip_step:
-        times = step_times(loaded, args.tokens, args.repeats)
+        times = step_times(loaded, args.tokens, args.repeats, args.cpu_isa)
         out["step_s"] = times
         med = statistics.median(times)
         print(f"prefill step of {args.tokens} tokens: median {med * 1e3:.0f} ms "

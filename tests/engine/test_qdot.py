@@ -80,7 +80,6 @@ def test_qlinear_matches_the_dequantized_product(module: Any, fmt: str) -> None:
 
 
 LANES = ("avx512", "avx512_bf16")  # the builds whose packed Q4_0 / Q4_1 / Q8_0 rows go through qdot_lanes.h
-LANES_K = ("Q4_K",)  # and the K-quants that go through qdot_lanes_k.h there (Q5_0: qdot_lanes_q5.h)
 
 
 @pytest.mark.parametrize("fmt", KQUANTS)
@@ -89,7 +88,8 @@ def test_qlinear_k_quant_tiles_keep_rows_bitwise(module: Any, fmt: str) -> None:
     block of weight rows at a time): a prefill-sized batch of 29 rows (tiles of 8, the last of 5) over 150 weight rows
     (more than one block of them) is within the exact int8 product's bound, and each row gives the same bits alone,
     in a batch of 3 that straddles a tile, and in the whole batch; and with the matrix taken from its 6th row on (in
-    the AVX-512 builds' Q4_K lanes, qdot_lanes_k.h, every row in another lane and the last tile a whole one)."""
+    Q4_K's lanes, qdot_lanes_k.h's 16 and qdot_lanes8.h's 8, every row in another lane and the last tile a whole
+    one; qdot_lanes8.h's blocks of 16 activation rows and 56 weight rows at K = 4096 crossed as well)."""
     k, n = 4096, 150
     blocks = make_blocks(fmt, n, k, np.random.default_rng(5))
     w = torch.from_numpy(dequantize(blocks, fmt)).double()
@@ -107,11 +107,11 @@ def test_qlinear_k_quant_tiles_keep_rows_bitwise(module: Any, fmt: str) -> None:
 def test_k_quant_sums_are_the_avx2_bodys_bits_on_every_path(module: Any, fmt: str) -> None:
     """The AVX-512 builds multiply two 32-value groups a 512-bit register (qdot_kquant.h, PEREGRINE_KQ512): the
     same integer sums as the AVX2 body, so the same bits, for one to five activation rows and batches of 11 and 16
-    (eight rows a weight row at a time there, kRowsK, then four, two, one), with `vpdpwssd` where the build has VNNI."""
+    (eight rows a weight row at a time there, kRowsK, then four, two, one), with `vpdpwssd` where the build has VNNI.
+    Q4_K goes through lanes in both (qdot_lanes_k.h's 16 rows with `vpdpbusd` there, qdot_lanes8.h's 8 with
+    `vpmaddubsw` in the AVX2 build): the same integer sums and float operations, so the same bits too."""
     if module.isa() in ("none", "avx2"):
         pytest.skip("the portable build sums in its own order; avx2 is the reference itself")
-    if fmt in LANES_K and module.isa() in LANES:
-        pytest.skip("Q4_K goes through qdot_lanes_k.h here: its own order (test_qlinear_k_quant_tiles_keep_rows_bitwise)")
     avx2 = cpu_kernels.load(tool_cache_dir(), level="avx2")
     assert avx2 is not None
     blocks = torch.from_numpy(make_blocks(fmt, 37, 1024, np.random.default_rng(11)))

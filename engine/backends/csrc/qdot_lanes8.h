@@ -1,0 +1,191 @@
+// Q4_K rows (the file's blocks) in the AVX2 builds without AVX-512 VNNI (the avx2 and avx_vnni levels), eight weight
+// rows at a time, one a 32-bit lane of a 256-bit register: qdot_lanes_k.h's design at half the width, with
+// `vpmaddubsw` for `vpdpbusd`. A tile's super-block is decoded once into scratch (its four 32-byte pairs of groups of
+// the eight rows transposed, 8 x 8 dwords, the nibbles split: 2 KiB), with its scales (each group's 6-bit scale of the
+// eight rows in both int16 halves of their lanes), d and dmin * mn; then every activation row of the block meets it:
+// a `vpmaddubsw` against one broadcast activation dword adds two pair sums to each of the eight rows, eight of them a
+// group added in int16 (at most 8 x 2 x 15 x 128 = 30720: exact), one `vpmaddwd` by the group's scales to int32. The
+// row loop (qdot_kquant.h) multiplies each weight row with each activation row on its own (`vpmaddubsw`, `vpmaddwd`
+// and an add for 32 products) and reduces eight lanes a super-block; here one `vpmaddubsw` and one add give 32
+// products, and nothing is reduced across lanes.
+//
+// Each lane is its row's own sequence: the super-block's exact int32 sum of scaled group sums, then fma(sum, d * dx,
+// acc) and the eight minimums' fnmadd, super-block by super-block: the operations of qdot_lanes_k.h's lanes, so a
+// row's result is the same bits here, in the AVX-512 VNNI builds, in any tile, thread split or batch.
+#pragma once
+
+#include "qdot_kquant.h"
+
+namespace peregrine_quant {
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && \
+    !(defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__))
+constexpr bool lanes_k8(int T) { return T == kQ4_K; }
+constexpr int kLanes8 = 8, kLanes8Ahead = 3;  // rows a tile; tiles ahead prefetched into L2
+
+// r[k] (row k's eight dwords) to r[i] (dword i of rows 0-7, lane k row k's).
+inline void transpose8_dwords(__m256i r[8]) {
+  __m256i t[8], u[8];
+  for (int q = 0; q < 4; ++q) {
+    t[2 * q] = _mm256_unpacklo_epi32(r[2 * q], r[2 * q + 1]);  // dwords 0, 1 (4, 5) of rows 2q, 2q + 1
+    t[2 * q + 1] = _mm256_unpackhi_epi32(r[2 * q], r[2 * q + 1]);  // dwords 2, 3 (6, 7)
+  }
+  for (int h = 0; h < 2; ++h) {  // rows 4h .. 4h + 3: u[4h + c] dword c (c + 4 in the high half)
+    u[4 * h + 0] = _mm256_unpacklo_epi64(t[4 * h], t[4 * h + 2]);
+    u[4 * h + 1] = _mm256_unpackhi_epi64(t[4 * h], t[4 * h + 2]);
+    u[4 * h + 2] = _mm256_unpacklo_epi64(t[4 * h + 1], t[4 * h + 3]);
+    u[4 * h + 3] = _mm256_unpackhi_epi64(t[4 * h + 1], t[4 * h + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    r[c] = _mm256_permute2x128_si256(u[c], u[4 + c], 0x20);
+    r[c + 4] = _mm256_permute2x128_si256(u[c], u[4 + c], 0x31);
+  }
+}
+
+// Scratch for one tile's super-block: the eight groups' values (wd[8g + i]: values 4i .. 4i + 3 of group g of each
+// lane's row), their scales (sc[g]: lane k row k's scale in both int16 halves), d, and dmin * mn (mins[g]).
+struct Lanes8Block {
+  __m256i wd[64];
+  __m256i sc[8];
+  __m256 d, mins[8];
+};
+
+inline void decode_block8(const uint8_t* const p[kLanes8], int64_t at, Lanes8Block& blk) {
+  const __m256i low = _mm256_set1_epi8(0xF);
+  for (int j = 0; j < 4; ++j) {  // pair j: group 2j in the low nibbles, 2j + 1 in the high ones
+    __m256i t[8];
+    for (int k = 0; k < kLanes8; ++k)
+      t[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[k] + at + 16 + 32 * j));
+    transpose8_dwords(t);
+    for (int i = 0; i < 8; ++i) {
+      _mm256_store_si256(&blk.wd[8 * (2 * j) + i], _mm256_and_si256(t[i], low));
+      _mm256_store_si256(&blk.wd[8 * (2 * j + 1) + i], _mm256_and_si256(_mm256_srli_epi16(t[i], 4), low));
+    }
+  }
+  // the eight rows' scales and minimums (bytes 0-7, 8-15 of q4k_scales_mins_x) transposed: c[g / 2] bytes
+  // 8 (g % 2) .. + 7 hold group g's of rows 0-7
+  __m128i m[8];
+  alignas(16) uint16_t dh[kLanes8], mh[kLanes8];
+  for (int k = 0; k < kLanes8; ++k) {
+    m[k] = q4k_scales_mins_x(p[k] + at);
+    std::memcpy(&dh[k], p[k] + at, 2);
+    std::memcpy(&mh[k], p[k] + at + 2, 2);
+  }
+  __m128i s2[4], n2[4];
+  for (int q = 0; q < 4; ++q) {
+    s2[q] = _mm_unpacklo_epi8(m[2 * q], m[2 * q + 1]);  // scales, groups 0-7, rows 2q and 2q + 1
+    n2[q] = _mm_unpackhi_epi8(m[2 * q], m[2 * q + 1]);  // minimums
+  }
+  auto columns = [](const __m128i v[4], __m128i c[4]) {  // byte pairs of rows (0,1) .. (6,7) to groups' columns
+    const __m128i a0 = _mm_unpacklo_epi16(v[0], v[1]), a1 = _mm_unpackhi_epi16(v[0], v[1]);  // rows 0-3
+    const __m128i b0 = _mm_unpacklo_epi16(v[2], v[3]), b1 = _mm_unpackhi_epi16(v[2], v[3]);  // rows 4-7
+    c[0] = _mm_unpacklo_epi32(a0, b0), c[1] = _mm_unpackhi_epi32(a0, b0);  // groups 0, 1 / 2, 3
+    c[2] = _mm_unpacklo_epi32(a1, b1), c[3] = _mm_unpackhi_epi32(a1, b1);  // groups 4, 5 / 6, 7
+  };
+  __m128i sc[4], mn[4];
+  columns(s2, sc);
+  columns(n2, mn);
+  blk.d = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(dh)));
+  const __m256 dmin = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(mh)));
+  for (int g = 0; g < 8; ++g) {
+    const __m128i s8 = g % 2 ? _mm_srli_si128(sc[g / 2], 8) : sc[g / 2];
+    const __m128i m8 = g % 2 ? _mm_srli_si128(mn[g / 2], 8) : mn[g / 2];
+    const __m256i s32 = _mm256_cvtepu8_epi32(s8);
+    _mm256_store_si256(&blk.sc[g], _mm256_or_si256(s32, _mm256_slli_epi32(s32, 16)));
+    blk.mins[g] = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(m8)));
+  }
+}
+
+// acc[r] (eight lanes) += activation row m + r's super-block b times the tile's decoded super-block, r < R: each
+// decoded weight register loaded once for the R rows (a load for each `vpmaddubsw` was what bounded one row at a time:
+// two loads a product of 32).
+template <int R>
+__attribute__((always_inline)) inline void lanes8_rows(const Lanes8Block& blk, const QRows& x, int64_t m, int64_t b,
+                                                       float* accs) {
+  const int64_t K = x.K, nb = K / kQK_K;
+  const int8_t* a[R];
+  __m256i isum[R];
+  for (int r = 0; r < R; ++r) a[r] = x.kq + (m + r) * K + b * kQK_K, isum[r] = _mm256_setzero_si256();
+  for (int g = 0; g < 8; ++g) {
+    __m256i p[R];
+    for (int r = 0; r < R; ++r) p[r] = _mm256_setzero_si256();
+    for (int i = 0; i < 8; ++i) {
+      const __m256i wv = _mm256_load_si256(&blk.wd[8 * g + i]);
+      for (int r = 0; r < R; ++r) {
+        int32_t v;
+        std::memcpy(&v, a[r] + 32 * g + 4 * i, 4);
+        p[r] = _mm256_add_epi16(p[r], _mm256_maddubs_epi16(wv, _mm256_set1_epi32(v)));
+      }
+    }
+    for (int r = 0; r < R; ++r) isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p[r], blk.sc[g]));
+  }
+  for (int r = 0; r < R; ++r) {
+    const int64_t row = m + r;
+    float* acc = accs + r * kLanes8;
+    __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]),
+                               _mm256_mul_ps(blk.d, _mm256_set1_ps(x.kd[row * nb + b])), _mm256_loadu_ps(acc));
+    const float* ksf = x.ksf + row * (K / kQK) + 8 * b;
+    for (int j = 0; j < 8; ++j) v = _mm256_fnmadd_ps(blk.mins[j], _mm256_set1_ps(ksf[j]), v);
+    _mm256_storeu_ps(acc, v);
+  }
+}
+
+// out[m * ldo + n] = x[m] . W[n] (+ bias[n]) for n in [n_begin, n_end), m < M: tiles of eight weight rows (the last
+// tile's missing rows standing in as its last row, not stored), each super-block decoded once for a block of
+// activation rows (their accumulators in scratch); blocks of weight rows that stay in L2 against blocks of activation
+// rows that stay in L1 / L2 when M is large. The tile kLanes8Ahead on is prefetched into L2, a share a super-block.
+template <int T, typename O>
+void qlinear_lanes_k8(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, const float* bias, O* out,
+                      int64_t ldo, int64_t n_begin, int64_t n_end, QScratch& s) {
+  static_assert(T == kQ4_K, "lanes_k8");
+  constexpr int64_t bytes = layout_of(kQ4_K).bytes;
+  const int64_t K = x.K, nb = K / kQK_K;
+  const int64_t mt = std::max<int64_t>(8, (64 << 10) / K);
+  const int64_t nt = M <= mt ? n_end - n_begin : std::max<int64_t>(kLanes8, kWeightTileBytes / ldw / kLanes8 * kLanes8);
+  const int64_t floats = (sizeof(Lanes8Block) + 32) / 4 + std::min(M, mt) * kLanes8;
+  if (static_cast<int64_t>(s.sc.size()) < floats) s.sc.resize(floats);
+  auto* blk = reinterpret_cast<Lanes8Block*>((reinterpret_cast<uintptr_t>(s.sc.data()) + 31) & ~uintptr_t{31});
+  float* accs = reinterpret_cast<float*>(blk + 1);
+  const int64_t ahead = kLanes8 * kLanes8Ahead;
+  prefetch_first(w, ldw, n_begin, n_end, ahead);
+  for (int64_t n0 = n_begin; n0 < n_end; n0 += nt) {
+    const int64_t n1 = std::min(n_end, n0 + nt);
+    for (int64_t m0 = 0; m0 < M; m0 += mt) {
+      const int64_t m1 = std::min(M, m0 + mt);
+      for (int64_t n = n0; n < n1; n += kLanes8) {
+        const int64_t count = std::min<int64_t>(kLanes8, n1 - n);
+        const uint8_t* p[kLanes8];
+        for (int k = 0; k < kLanes8; ++k) p[k] = w + (n + std::min<int64_t>(k, count - 1)) * ldw;
+        // the tile `ahead` rows on, in the first block of activation rows: a share of its lines a super-block
+        const int64_t fetch_begin = std::min(n_end, n + ahead) * ldw;
+        const int64_t fetch_bytes = m0 == 0 ? std::min(n_end, n + ahead + kLanes8) * ldw - fetch_begin : 0;
+        const int64_t step = (fetch_bytes / nb + 63) / 64 * 64;
+        for (int64_t m = m0; m < m1; ++m) _mm256_storeu_ps(accs + (m - m0) * kLanes8, _mm256_setzero_ps());
+        for (int64_t b = 0; b < nb; ++b) {
+          for (int64_t o = b * step; o < std::min(fetch_bytes, (b + 1) * step); o += 64)
+            __builtin_prefetch(w + fetch_begin + o, 0, 1);
+          decode_block8(p, b * bytes, *blk);
+          int64_t m = m0;
+          for (; m + 4 <= m1; m += 4) lanes8_rows<4>(*blk, x, m, b, accs + (m - m0) * kLanes8);
+          if (m + 2 <= m1) lanes8_rows<2>(*blk, x, m, b, accs + (m - m0) * kLanes8), m += 2;
+          if (m < m1) lanes8_rows<1>(*blk, x, m, b, accs + (m - m0) * kLanes8);
+        }
+        const __m256i mask = lanes_below(count);
+        const __m256 bv = bias ? _mm256_maskload_ps(bias + n, mask) : _mm256_setzero_ps();
+        for (int64_t m = m0; m < m1; ++m) {
+          alignas(32) float res[kLanes8];
+          _mm256_store_ps(res, _mm256_add_ps(_mm256_loadu_ps(accs + (m - m0) * kLanes8), bv));
+          for (int64_t k = 0; k < count; ++k) out[m * ldo + n + k] = static_cast<O>(res[k]);
+        }
+      }
+    }
+  }
+}
+#else
+constexpr bool lanes_k8(int) { return false; }
+template <int T, typename O>  // never called here (lanes_k8): declared for qlinear_rows' discarded branch
+void qlinear_lanes_k8(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, const float* bias, O* out,
+                      int64_t ldo, int64_t n_begin, int64_t n_end, QScratch& s);
+#endif
+
+}  // namespace peregrine_quant
