@@ -104,99 +104,68 @@ inline void tile_scales(const uint8_t* const p[kLanes], int64_t K, float* sd, fl
   }
 }
 
-// 32 bytes of each of the 16 rows at byte `at`, transposed: t[i] lane j holds row j's dword i.
-__attribute__((always_inline)) inline void load_lanes32(const uint8_t* const p[kLanes], int64_t at, __m512i t[8]) {
-  for (int k = 0; k < 8; ++k)
-    t[k] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[k] + at))),
-                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[k + 8] + at)), 1);
-  transpose_dwords(t);
-}
-
-// The tile kLanesAhead on (`fetch_bytes` at `fetch`) is prefetched into L2 in `parts` shares, one a step of the loop
-// over the weights: fetch_step lines a share, prefetch_share the share `part`.
-inline int64_t fetch_step(int64_t fetch_bytes, int64_t parts) { return (fetch_bytes / parts + 63) / 64 * 64; }
-inline void prefetch_share(const uint8_t* fetch, int64_t fetch_bytes, int64_t step, int64_t part) {
-  for (int64_t o = part * step; o < std::min(fetch_bytes, (part + 1) * step); o += 64)
-    __builtin_prefetch(fetch + o, 0, 1);  // into L2 (prefetcht2)
-}
-
-// Two groups' int32 sums against one activation row: w0 (w1) holds values 4i .. 4i + 3 of the first (second) group
-// of each lane's row, `a` the pair's 64 activations. A `vpdpbusd` with a broadcast activation dword adds four products
-// to each lane; two chains a group.
-__attribute__((always_inline)) inline void pair_sums(const __m512i w0[8], const __m512i w1[8], const int8_t* a,
-                                                     __m512i& s0, __m512i& s1) {
-  auto four = [a](int i) {  // activations 4i .. 4i + 3 of the pair, in every lane
-    int32_t v;
-    std::memcpy(&v, a + 4 * i, 4);
-    return _mm512_set1_epi32(v);
-  };
-  __m512i s0a = _mm512_setzero_si512(), s0b = s0a, s1a = s0a, s1b = s0a;
-  for (int i = 0; i < 8; i += 2) {
-    s0a = _mm512_dpbusd_epi32(s0a, w0[i], four(i));
-    s0b = _mm512_dpbusd_epi32(s0b, w0[i + 1], four(i + 1));
-    s1a = _mm512_dpbusd_epi32(s1a, w1[i], four(8 + i));
-    s1b = _mm512_dpbusd_epi32(s1b, w1[i + 1], four(9 + i));
-  }
-  s0 = _mm512_add_epi32(s0a, s0b);
-  s1 = _mm512_add_epi32(s1a, s1b);
-}
-
-// (These pieces, and the decode callbacks below, are forced inline: a callback left out of line passed its 16
-// weight registers through memory, Q5_0 at one row 67 against 55 ns a weight row.)
-// res[r] (16 lanes) = activation row m0 + r times the tile's 16 rows, r < R, for the formats with a scale and a
-// minimum a group of 32 (scratch sd, sm: sd[g * 16 + j] row j's): decode(g, w0, w1) gives groups g and g + 1 of the
-// 16 rows, values 4i .. 4i + 3 of each in w0[i] (w1[i]), unsigned.
-template <int R, typename Decode>
-__attribute__((always_inline)) inline void lanes_pairs(Decode&& decode, const float* sd, const float* sm,
-                                                       const QRows& x, int64_t m0, __m512* res, const uint8_t* fetch,
-                                                       int64_t fetch_bytes) {
-  const int64_t K = x.K, groups = K / kQK, step = fetch_step(fetch_bytes, groups / 2);
-  __m512 acc[R][2], macc[R];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = macc[r] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; g += 2) {
-    prefetch_share(fetch, fetch_bytes, step, g / 2);
-    __m512i w0[8], w1[8];
-    decode(g, w0, w1);
-    const __m512 d0 = _mm512_loadu_ps(sd + g * kLanes), d1 = _mm512_loadu_ps(sd + (g + 1) * kLanes);
-    const __m512 m0v = _mm512_loadu_ps(sm + g * kLanes), m1v = _mm512_loadu_ps(sm + (g + 1) * kLanes);
-    for (int r = 0; r < R; ++r) {
-      __m512i s0, s1;
-      pair_sums(w0, w1, x.q + (m0 + r) * K + g * kQK, s0, s1);
-      const float* da = x.d + (m0 + r) * groups + g;
-      const float* sa = x.s + (m0 + r) * groups + g;
-      acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_mul_ps(d0, _mm512_set1_ps(da[0])), acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_mul_ps(d1, _mm512_set1_ps(da[1])), acc[r][1]);
-      macc[r] = _mm512_fmadd_ps(m1v, _mm512_set1_ps(sa[1]), _mm512_fmadd_ps(m0v, _mm512_set1_ps(sa[0]), macc[r]));
-    }
-  }
-  for (int r = 0; r < R; ++r) res[r] = _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), macc[r]);
-}
-
-// The packed formats' pairs of groups: Q8_0's 32 bytes a group and row (signed, flipped to q + 128), Q4_0 / Q4_1's
-// 32 bytes a pair (g's values in the low nibbles, g + 1's in the high ones).
+// res[r] (16 lanes) = activation row m0 + r times the tile's 16 rows, r < R.
 template <int T, int R>
 inline void lanes_block(const uint8_t* const p[kLanes], const float* sd, const float* sm, const QRows& x, int64_t m0,
-                        __m512* res, const uint8_t* fetch, int64_t fetch_bytes) {
-  auto decode = [&p](int64_t g, __m512i* w0, __m512i* w1) __attribute__((always_inline)) {
-    if constexpr (T == kQ8_0R) {
+                        __m512* res, const uint8_t* fetch = nullptr, int64_t fetch_bytes = 0) {
+  const int64_t K = x.K, groups = K / kQK;
+  __m512 acc[R][2], macc[R];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = macc[r] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0xF);
+  const int64_t pairs = groups / 2, step = (fetch_bytes / pairs + 63) / 64 * 64;  // the lines to fetch a pair
+  for (int64_t g = 0; g < groups; g += 2) {
+    for (int64_t o = (g / 2) * step; o < std::min(fetch_bytes, (g / 2 + 1) * step); o += 64)
+      __builtin_prefetch(fetch + o, 0, 1);  // into L2 (prefetcht2)
+    __m512i w0[8], w1[8];  // groups g and g + 1: values 4i .. 4i + 3 of each row
+    auto rows16 = [&p](int64_t at, __m512i t[8]) {  // 32 bytes of each row at `at`, transposed
+      for (int k = 0; k < 8; ++k)
+        t[k] = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[k] + at))),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[k + 8] + at)), 1);
+      transpose_dwords(t);
+    };
+    if constexpr (T == kQ8_0R) {  // a group's 32 values a row, signed: flipped to q + 128
       const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-      load_lanes32(p, kQK * g, w0);
-      load_lanes32(p, kQK * (g + 1), w1);
+      rows16(kQK * g, w0);
+      rows16(kQK * (g + 1), w1);
       for (int i = 0; i < 8; ++i) {
         w0[i] = _mm512_xor_si512(w0[i], flip);
         w1[i] = _mm512_xor_si512(w1[i], flip);
       }
-    } else {
-      const __m512i low = _mm512_set1_epi8(0xF);
+    } else {  // the pair's 32 bytes a row: g's values in the low nibbles, g + 1's in the high ones
       __m512i t[8];
-      load_lanes32(p, 16 * g, t);
+      rows16(16 * g, t);
       for (int i = 0; i < 8; ++i) {
         w0[i] = _mm512_and_si512(t[i], low);
         w1[i] = _mm512_and_si512(_mm512_srli_epi16(t[i], 4), low);
       }
     }
-  };
-  lanes_pairs<R>(decode, sd, sm, x, m0, res, fetch, fetch_bytes);
+    const __m512 d0 = _mm512_loadu_ps(sd + g * kLanes), d1 = _mm512_loadu_ps(sd + (g + 1) * kLanes);
+    const __m512 m0v = _mm512_loadu_ps(sm + g * kLanes), m1v = _mm512_loadu_ps(sm + (g + 1) * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const int8_t* a = x.q + (m0 + r) * K + g * kQK;
+      auto four = [a](int i) {  // activations 4i .. 4i + 3 of the pair, in every lane
+        int32_t v;
+        std::memcpy(&v, a + 4 * i, 4);
+        return _mm512_set1_epi32(v);
+      };
+      __m512i s0a = _mm512_setzero_si512(), s0b = s0a, s1a = s0a, s1b = s0a;  // two chains a group
+      for (int i = 0; i < 8; i += 2) {
+        s0a = _mm512_dpbusd_epi32(s0a, w0[i], four(i));
+        s0b = _mm512_dpbusd_epi32(s0b, w0[i + 1], four(i + 1));
+        s1a = _mm512_dpbusd_epi32(s1a, w1[i], four(8 + i));
+        s1b = _mm512_dpbusd_epi32(s1b, w1[i + 1], four(9 + i));
+      }
+      const float* da = x.d + (m0 + r) * groups + g;
+      const float* sa = x.s + (m0 + r) * groups + g;
+      acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0a, s0b)),
+                                  _mm512_mul_ps(d0, _mm512_set1_ps(da[0])), acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s1a, s1b)),
+                                  _mm512_mul_ps(d1, _mm512_set1_ps(da[1])), acc[r][1]);
+      macc[r] = _mm512_fmadd_ps(m1v, _mm512_set1_ps(sa[1]), _mm512_fmadd_ps(m0v, _mm512_set1_ps(sa[0]), macc[r]));
+    }
+  }
+  for (int r = 0; r < R; ++r) res[r] = _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), macc[r]);
 }
 
 // The first `count` lanes of v (those set in `mask`) to out (as O).
@@ -211,14 +180,12 @@ inline void store_lanes(O* out, __m512 v, int64_t count, __mmask16 mask) {
   }
 }
 
-// The loop every lanes matmul shares: out[m * ldo + n] = x[m] . W[n] (+ bias[n]) for n in [n_begin, n_end), m < M,
-// sixteen weight rows (a tile) at a time, the last tile's missing rows standing in as its last row (not stored).
-// prepare(p, count) once a tile (its scales into scratch); block(rr, p, m, res, fetch, fetch_bytes) for kLaneRowsR
-// activation rows at a time (rr: their number, fewer at the end), the first of them prefetching the tile kLanesAhead
-// on into L2.
-template <typename O, typename Prepare, typename Block>
-void lanes_tiles(const uint8_t* w, int64_t ldw, int64_t M, const float* bias, O* out, int64_t ldo, int64_t n_begin,
-                 int64_t n_end, Prepare&& prepare, Block&& block) {
+template <int T, typename O>
+void qlinear_lanes(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, const float* bias, O* out, int64_t ldo,
+                   int64_t n_begin, int64_t n_end, QScratch& s) {
+  const int64_t K = x.K, groups = K / kQK;
+  if (static_cast<int64_t>(s.sc.size()) < 2 * (groups + 8) * kLanes) s.sc.resize(2 * (groups + 8) * kLanes);
+  float *sd = s.sc.data(), *sm = sd + (groups + 8) * kLanes;
   const int64_t ahead = kLanes * kLanesAhead;  // rows
   prefetch_first(w, ldw, n_begin, n_end, ahead);
   for (int64_t n = n_begin; n < n_end; n += kLanes) {
@@ -227,38 +194,27 @@ void lanes_tiles(const uint8_t* w, int64_t ldw, int64_t M, const float* bias, O*
     for (int j = 0; j < kLanes; ++j) p[j] = w + (n + std::min<int64_t>(j, count - 1)) * ldw;
     const int64_t fetch_begin = std::min(n_end, n + ahead) * ldw;  // the tile `ahead` rows on
     const int64_t fetch_bytes = std::min(n_end, n + ahead + kLanes) * ldw - fetch_begin;
-    prepare(p, count);
+    tile_scales<T>(p, K, sd, sm);
     const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
     const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
     __m512 res[kLaneRowsR];
-    auto rows = [&](int64_t m, auto rr) {
-      block(rr, p, m, res, m == 0 ? w + fetch_begin : nullptr, m == 0 ? fetch_bytes : 0);
-      for (int r = 0; r < decltype(rr)::value; ++r)
-        store_lanes(out + (m + r) * ldo + n, _mm512_add_ps(res[r], b), count, mask);
+    auto block = [&](int64_t m, auto rr) {
+      constexpr int RR = decltype(rr)::value;
+      if (m == 0)
+        lanes_block<T, RR>(p, sd, sm, x, m, res, w + fetch_begin, fetch_bytes);
+      else
+        lanes_block<T, RR>(p, sd, sm, x, m, res);
+      for (int r = 0; r < RR; ++r) store_lanes(out + (m + r) * ldo + n, _mm512_add_ps(res[r], b), count, mask);
     };
     int64_t m = 0;
-    for (; m + kLaneRowsR <= M; m += kLaneRowsR) rows(m, std::integral_constant<int, kLaneRowsR>{});
+    for (; m + kLaneRowsR <= M; m += kLaneRowsR) block(m, std::integral_constant<int, kLaneRowsR>{});
     switch (M - m) {
-      case 3: rows(m, std::integral_constant<int, 3>{}); break;
-      case 2: rows(m, std::integral_constant<int, 2>{}); break;
-      case 1: rows(m, std::integral_constant<int, 1>{}); break;
+      case 3: block(m, std::integral_constant<int, 3>{}); break;
+      case 2: block(m, std::integral_constant<int, 2>{}); break;
+      case 1: block(m, std::integral_constant<int, 1>{}); break;
       default: break;
     }
   }
-}
-
-template <int T, typename O>
-void qlinear_lanes(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, const float* bias, O* out, int64_t ldo,
-                   int64_t n_begin, int64_t n_end, QScratch& s) {
-  const int64_t K = x.K, groups = K / kQK;
-  if (static_cast<int64_t>(s.sc.size()) < 2 * (groups + 8) * kLanes) s.sc.resize(2 * (groups + 8) * kLanes);
-  float *sd = s.sc.data(), *sm = sd + (groups + 8) * kLanes;
-  lanes_tiles(
-      w, ldw, M, bias, out, ldo, n_begin, n_end,
-      [&](const uint8_t* const* p, int64_t) { tile_scales<T>(p, K, sd, sm); },
-      [&](auto rr, const uint8_t* const* p, int64_t m, __m512* res, const uint8_t* fetch, int64_t fetch_bytes) {
-        lanes_block<T, decltype(rr)::value>(p, sd, sm, x, m, res, fetch, fetch_bytes);
-      });
 }
 #else
 constexpr bool lanes_packed(int) { return false; }

@@ -72,19 +72,27 @@ inline void tile_scales_k4(const uint8_t* const p[kLanes], int64_t nb, uint8_t* 
 // res[r] (16 lanes) = activation row m0 + r times the tile's 16 Q4_K rows, r < R.
 template <int R>
 inline void lanes_block_k4(const uint8_t* const p[kLanes], const uint8_t* sc, const float* fl, const QRows& x,
-                           int64_t m0, __m512* res, const uint8_t* fetch, int64_t fetch_bytes) {
+                           int64_t m0, __m512* res, const uint8_t* fetch = nullptr, int64_t fetch_bytes = 0) {
   constexpr int64_t bytes = layout_of(kQ4_K).bytes;
-  const int64_t K = x.K, nb = K / kQK_K, step = fetch_step(fetch_bytes, 4 * nb);
+  const int64_t K = x.K, nb = K / kQK_K;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0xF);
+  const int64_t pairs = 4 * nb, step = (fetch_bytes / pairs + 63) / 64 * 64;  // the lines to fetch a pair
   for (int64_t b = 0; b < nb; ++b) {
     __m512i isum[R];
     for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
     for (int j = 0; j < 4; ++j) {
-      prefetch_share(fetch, fetch_bytes, step, 4 * b + j);
+      const int64_t pair = 4 * b + j;
+      for (int64_t o = pair * step; o < std::min(fetch_bytes, (pair + 1) * step); o += 64)
+        __builtin_prefetch(fetch + o, 0, 1);  // into L2 (prefetcht2)
       __m512i t[8];
-      load_lanes32(p, b * bytes + 16 + 32 * j, t);  // the pair's 32 bytes of nibbles
+      const int64_t at = b * bytes + 16 + 32 * j;  // the pair's 32 bytes of nibbles
+      for (int k = 0; k < 8; ++k)
+        t[k] = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[k] + at))),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[k + 8] + at)), 1);
+      transpose_dwords(t);
       __m512i w0[8], w1[8];  // groups 2j and 2j + 1: values 4i .. 4i + 3 of each row
       for (int i = 0; i < 8; ++i) {
         w0[i] = _mm512_and_si512(t[i], low);
@@ -95,9 +103,21 @@ inline void lanes_block_k4(const uint8_t* const p[kLanes], const uint8_t* sc, co
                     s1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
                         sc + b * kLaneKBytes + kLanes * (2 * j + 1))));
       for (int r = 0; r < R; ++r) {
-        __m512i u0, u1;
-        pair_sums(w0, w1, x.kq + (m0 + r) * K + b * kQK_K + 64 * j, u0, u1);
-        isum[r] = _mm512_add_epi32(isum[r], _mm512_add_epi32(_mm512_mullo_epi32(u0, s0), _mm512_mullo_epi32(u1, s1)));
+        const int8_t* a = x.kq + (m0 + r) * K + b * kQK_K + 64 * j;
+        auto four = [a](int i) {  // activations 4i .. 4i + 3 of the pair, in every lane
+          int32_t v;
+          std::memcpy(&v, a + 4 * i, 4);
+          return _mm512_set1_epi32(v);
+        };
+        __m512i s0a = _mm512_setzero_si512(), s0b = s0a, s1a = s0a, s1b = s0a;  // two chains a group
+        for (int i = 0; i < 8; i += 2) {
+          s0a = _mm512_dpbusd_epi32(s0a, w0[i], four(i));
+          s0b = _mm512_dpbusd_epi32(s0b, w0[i + 1], four(i + 1));
+          s1a = _mm512_dpbusd_epi32(s1a, w1[i], four(8 + i));
+          s1b = _mm512_dpbusd_epi32(s1b, w1[i + 1], four(9 + i));
+        }
+        isum[r] = _mm512_add_epi32(isum[r], _mm512_add_epi32(_mm512_mullo_epi32(_mm512_add_epi32(s0a, s0b), s0),
+                                                             _mm512_mullo_epi32(_mm512_add_epi32(s1a, s1b), s1)));
       }
     }
     const float* f = fl + b * kLaneKFloats;
@@ -124,12 +144,35 @@ void qlinear_lanes_k(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, c
   if (static_cast<int64_t>(s.sc.size()) < floats) s.sc.resize(floats);
   float* fl = s.sc.data();
   uint8_t* sc = reinterpret_cast<uint8_t*>(fl + nb * kLaneKFloats);
-  lanes_tiles(
-      w, ldw, M, bias, out, ldo, n_begin, n_end,
-      [&](const uint8_t* const* p, int64_t) { tile_scales_k4(p, nb, sc, fl); },
-      [&](auto rr, const uint8_t* const* p, int64_t m, __m512* res, const uint8_t* fetch, int64_t fetch_bytes) {
-        lanes_block_k4<decltype(rr)::value>(p, sc, fl, x, m, res, fetch, fetch_bytes);
-      });
+  const int64_t ahead = kLanes * kLanesAhead;  // rows
+  prefetch_first(w, ldw, n_begin, n_end, ahead);
+  for (int64_t n = n_begin; n < n_end; n += kLanes) {
+    const int64_t count = std::min<int64_t>(kLanes, n_end - n);
+    const uint8_t* p[kLanes];
+    for (int j = 0; j < kLanes; ++j) p[j] = w + (n + std::min<int64_t>(j, count - 1)) * ldw;
+    const int64_t fetch_begin = std::min(n_end, n + ahead) * ldw;  // the tile `ahead` rows on
+    const int64_t fetch_bytes = std::min(n_end, n + ahead + kLanes) * ldw - fetch_begin;
+    tile_scales_k4(p, nb, sc, fl);
+    const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
+    __m512 res[kLaneRowsR];
+    auto block = [&](int64_t m, auto rr) {
+      constexpr int RR = decltype(rr)::value;
+      if (m == 0)
+        lanes_block_k4<RR>(p, sc, fl, x, m, res, w + fetch_begin, fetch_bytes);
+      else
+        lanes_block_k4<RR>(p, sc, fl, x, m, res);
+      for (int r = 0; r < RR; ++r) store_lanes(out + (m + r) * ldo + n, _mm512_add_ps(res[r], bv), count, mask);
+    };
+    int64_t m = 0;
+    for (; m + kLaneRowsR <= M; m += kLaneRowsR) block(m, std::integral_constant<int, kLaneRowsR>{});
+    switch (M - m) {
+      case 3: block(m, std::integral_constant<int, 3>{}); break;
+      case 2: block(m, std::integral_constant<int, 2>{}); break;
+      case 1: block(m, std::integral_constant<int, 1>{}); break;
+      default: break;
+    }
+  }
 }
 #else
 constexpr bool lanes_k(int) { return false; }

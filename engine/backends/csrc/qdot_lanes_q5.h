@@ -47,7 +47,7 @@ inline __m512i with_fifths(__m512i v, __m512i qh) {
 
 // Group g's 32 values of the 16 rows from t (t[i], i < 4, bytes 4i .. 4i + 3 of its nibbles): w[i] values 4i ..,
 // w[4 + i] values 16 + 4i ...
-__attribute__((always_inline)) inline void values_q5(const __m512i* t, __m512i qh, __m512i* w) {
+inline void values_q5(const __m512i* t, __m512i qh, __m512i* w) {
   const __m512i low = _mm512_set1_epi8(0xF);
   w[0] = with_fifths<0>(_mm512_and_si512(t[0], low), qh);
   w[1] = with_fifths<4>(_mm512_and_si512(t[1], low), qh);
@@ -59,43 +59,103 @@ __attribute__((always_inline)) inline void values_q5(const __m512i* t, __m512i q
   w[7] = with_fifths<28>(_mm512_and_si512(_mm512_srli_epi16(t[3], 4), low), qh);
 }
 
+// res[r] (16 lanes) = activation row m0 + r times the tile's 16 Q5_0 rows, r < R.
+template <int R>
+inline void lanes_block_q5(const uint8_t* const p[kLanes], const float* sd, const float* sm, const uint32_t* qh,
+                           const QRows& x, int64_t m0, __m512* res, const uint8_t* fetch = nullptr,
+                           int64_t fetch_bytes = 0) {
+  constexpr int64_t bytes = 22;
+  const int64_t K = x.K, groups = K / kQK;
+  __m512 acc[R][2], macc[R];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = macc[r] = _mm512_setzero_ps();
+  const int64_t pairs = groups / 2, step = (fetch_bytes / pairs + 63) / 64 * 64;  // the lines to fetch a pair
+  for (int64_t g = 0; g < groups; g += 2) {
+    for (int64_t o = (g / 2) * step; o < std::min(fetch_bytes, (g / 2 + 1) * step); o += 64)
+      __builtin_prefetch(fetch + o, 0, 1);  // into L2 (prefetcht2)
+    __m512i t[8];
+    auto nib = [&](int k, int64_t gg) {
+      return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[k] + gg * bytes + 6));
+    };
+    for (int k = 0; k < 8; ++k) {  // row k: group g's 16 bytes, then g + 1's; row k + 8's above
+      const __m256i lo = _mm256_inserti128_si256(_mm256_castsi128_si256(nib(k, g)), nib(k, g + 1), 1);
+      const __m256i hi = _mm256_inserti128_si256(_mm256_castsi128_si256(nib(k + 8, g)), nib(k + 8, g + 1), 1);
+      t[k] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    }
+    transpose_dwords(t);  // t[i], i < 4: group g's bytes 4i .. 4i + 3; t[4 + i]: group g + 1's
+    __m512i w0[8], w1[8];
+    values_q5(t, _mm512_loadu_si512(qh + g * kLanes), w0);
+    values_q5(t + 4, _mm512_loadu_si512(qh + (g + 1) * kLanes), w1);
+    const __m512 d0 = _mm512_loadu_ps(sd + g * kLanes), d1 = _mm512_loadu_ps(sd + (g + 1) * kLanes);
+    const __m512 m0v = _mm512_loadu_ps(sm + g * kLanes), m1v = _mm512_loadu_ps(sm + (g + 1) * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const int8_t* a = x.q + (m0 + r) * K + g * kQK;
+      auto four = [a](int i) {  // activations 4i .. 4i + 3 of the pair, in every lane
+        int32_t v;
+        std::memcpy(&v, a + 4 * i, 4);
+        return _mm512_set1_epi32(v);
+      };
+      // w[i] holds values 4i .. (i < 4) or 16 + 4(i - 4) .. (i >= 4): activations at the same offsets, 4i in both
+      __m512i s0a = _mm512_setzero_si512(), s0b = s0a, s1a = s0a, s1b = s0a;  // two chains a group
+      for (int i = 0; i < 8; i += 2) {
+        s0a = _mm512_dpbusd_epi32(s0a, w0[i], four(i));
+        s0b = _mm512_dpbusd_epi32(s0b, w0[i + 1], four(i + 1));
+        s1a = _mm512_dpbusd_epi32(s1a, w1[i], four(8 + i));
+        s1b = _mm512_dpbusd_epi32(s1b, w1[i + 1], four(9 + i));
+      }
+      const float* da = x.d + (m0 + r) * groups + g;
+      const float* sa = x.s + (m0 + r) * groups + g;
+      acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0a, s0b)),
+                                  _mm512_mul_ps(d0, _mm512_set1_ps(da[0])), acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s1a, s1b)),
+                                  _mm512_mul_ps(d1, _mm512_set1_ps(da[1])), acc[r][1]);
+      macc[r] = _mm512_fmadd_ps(m1v, _mm512_set1_ps(sa[1]), _mm512_fmadd_ps(m0v, _mm512_set1_ps(sa[0]), macc[r]));
+    }
+  }
+  for (int r = 0; r < R; ++r) res[r] = _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), macc[r]);
+}
+
 template <int T, typename O>
 void qlinear_lanes_q5(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, const float* bias, O* out,
                       int64_t ldo, int64_t n_begin, int64_t n_end, QScratch& s) {
   static_assert(T == kQ5_0, "lanes_q5");
-  constexpr int64_t bytes = 22;
   const int64_t K = x.K, groups = K / kQK;
   const int64_t per = (groups + 2) * kLanes;
   if (static_cast<int64_t>(s.sc.size()) < 3 * per) s.sc.resize(3 * per);
   float *sd = s.sc.data(), *sm = sd + per;
   uint32_t* qh = reinterpret_cast<uint32_t*>(sm + per);
-  auto prepare = [&](const uint8_t* const* p, int64_t count) {  // row j's blocks at p[0] + index lane j
+  const int64_t ahead = kLanes * kLanesAhead;  // rows
+  prefetch_first(w, ldw, n_begin, n_end, ahead);
+  for (int64_t n = n_begin; n < n_end; n += kLanes) {
+    const int64_t count = std::min<int64_t>(kLanes, n_end - n);
+    const uint8_t* p[kLanes];
+    for (int j = 0; j < kLanes; ++j) p[j] = w + (n + std::min<int64_t>(j, count - 1)) * ldw;
+    const int64_t fetch_begin = std::min(n_end, n + ahead) * ldw;  // the tile `ahead` rows on
+    const int64_t fetch_bytes = std::min(n_end, n + ahead + kLanes) * ldw - fetch_begin;
     const __m512i index = _mm512_mullo_epi32(
         _mm512_min_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                          _mm512_set1_epi32(static_cast<int>(count - 1))),
         _mm512_set1_epi32(static_cast<int>(ldw)));
     tile_scales_q5(p[0], index, groups, sd, sm, qh);
-  };
-  auto block = [&](auto rr, const uint8_t* const* p, int64_t m, __m512* res, const uint8_t* fetch,
-                   int64_t fetch_bytes) {
-    auto decode = [&](int64_t g, __m512i* w0, __m512i* w1) __attribute__((always_inline)) {
-      auto nib = [&](int k, int64_t gg) {
-        return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[k] + gg * bytes + 6));
-      };
-      __m512i t[8];
-      for (int k = 0; k < 8; ++k) {  // row k: group g's 16 bytes, then g + 1's; row k + 8's above
-        const __m256i lo = _mm256_inserti128_si256(_mm256_castsi128_si256(nib(k, g)), nib(k, g + 1), 1);
-        const __m256i hi = _mm256_inserti128_si256(_mm256_castsi128_si256(nib(k + 8, g)), nib(k + 8, g + 1), 1);
-        t[k] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-      }
-      transpose_dwords(t);  // t[i], i < 4: group g's bytes 4i .. 4i + 3; t[4 + i]: group g + 1's
-      // w[i] holds values 4i .. (i < 4) or 16 + 4(i - 4) .. (i >= 4): 4i .. 4i + 3 in both cases
-      values_q5(t, _mm512_loadu_si512(qh + g * kLanes), w0);
-      values_q5(t + 4, _mm512_loadu_si512(qh + (g + 1) * kLanes), w1);
+    const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
+    __m512 res[kLaneRowsR];
+    auto block = [&](int64_t m, auto rr) {
+      constexpr int RR = decltype(rr)::value;
+      if (m == 0)
+        lanes_block_q5<RR>(p, sd, sm, qh, x, m, res, w + fetch_begin, fetch_bytes);
+      else
+        lanes_block_q5<RR>(p, sd, sm, qh, x, m, res);
+      for (int r = 0; r < RR; ++r) store_lanes(out + (m + r) * ldo + n, _mm512_add_ps(res[r], b), count, mask);
     };
-    lanes_pairs<decltype(rr)::value>(decode, sd, sm, x, m, res, fetch, fetch_bytes);
-  };
-  lanes_tiles(w, ldw, M, bias, out, ldo, n_begin, n_end, prepare, block);
+    int64_t m = 0;
+    for (; m + kLaneRowsR <= M; m += kLaneRowsR) block(m, std::integral_constant<int, kLaneRowsR>{});
+    switch (M - m) {
+      case 3: block(m, std::integral_constant<int, 3>{}); break;
+      case 2: block(m, std::integral_constant<int, 2>{}); break;
+      case 1: block(m, std::integral_constant<int, 1>{}); break;
+      default: break;
+    }
+  }
 }
 #else
 constexpr bool lanes_q5(int) { return false; }
