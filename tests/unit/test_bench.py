@@ -457,3 +457,17 @@ def test_the_speculative_workload_runs_end_to_end(tmp_path: Path, capsys: pytest
     assert data["meta"]["machine"]["read_gb_s"] == 20 and data["meta"]["workload"] == "speculative"
     text = capsys.readouterr().out
     assert "Speculative decoding (" in text and "| copy | 1 |" in text and "read 20.0 GB/s" in text
+
+
+def test_the_isa_table_marks_the_roofline_target(capsys: pytest.CaptureFixture[str]) -> None:
+    import bench_workloads
+
+    rows = [{"level": "avx2", "output_tok_s": {"1": 172.4, "16": 228.1}, "batch1_decode_tok_s": 177.3,
+             "roofline_percent": 49.4, "ratios": [1.0, 1.0, 1.0]},
+            {"level": "avx512", "output_tok_s": {"1": 260.0, "16": 415.0}, "batch1_decode_tok_s": 260.0,
+             "roofline_percent": 72.4, "ratios": [1.51, 1.82, 1.47]}]  # fmt: skip
+    bench_workloads.print_result("isa", {"model": "m", "best_read_gb_s": 34.6, "rows": rows})
+    text = capsys.readouterr().out
+    assert "best read 34.6 GB/s" in text
+    assert "| avx2 | 1: 172.4, 16: 228.1 | 177.3 | 49.4% | 1.00x, 1.00x, 1.00x | roofline NOT met |" in text
+    assert "| avx512 | 1: 260.0, 16: 415.0 | 260.0 | 72.4% | 1.51x, 1.82x, 1.47x | roofline met |" in text
