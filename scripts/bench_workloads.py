@@ -196,9 +196,10 @@ def _print_speculative(result: dict[str, Any]) -> None:
     rows = result["rows"]
     weights = result.get("weight_bytes")
     roof = rows[0]["roofline_tok_s"] if rows else None
-    print(f"\nSpeculative decoding ({result['peregrine'].get('target', 'bundled model')}; a step reads "
-          f"{weights / 1e6:.1f} MB of weights" if weights else "\nSpeculative decoding (", end="")
-    print(f", roofline {roof:.0f} tok/s)" if roof else ")")
+    sizes = [f"a step reads {weights / 1e6:.1f} MB of weights"] if weights else []
+    sizes += [f"roofline {roof:.0f} tok/s"] if roof else []
+    about = "; ".join([result["peregrine"].get("target", "bundled model"), *([", ".join(sizes)] if sizes else [])])
+    print(f"\nSpeculative decoding ({about})")
     print("| workload | streams | Peregrine plain tok/s | Peregrine best (mode; x plain; kept) | llama-server plain "
           "tok/s | llama-server best (config; x plain) | best / best | of roofline | targets |\n"
           "|---|---|---|---|---|---|---|---|---|")
