@@ -184,7 +184,7 @@ class Settings(DerivedValues, BaseSettings):
         "SmolLM2-135M drafting for a larger SmolLM2.",
     )
     speculative_tokens: int = Field(
-        5, ge=1, le=16, description="Most tokens a sequence proposes per step with --speculative ngram or draft."
+        8, ge=1, le=16, description="Most tokens a sequence proposes per step with --speculative ngram or draft."
     )
     speculative_adaptive: bool = Field(
         True,
@@ -193,7 +193,7 @@ class Settings(DerivedValues, BaseSettings):
         "--speculative-tokens (what vLLM and llama.cpp do; for measuring).",
     )
     speculative_ngram_max: int = Field(
-        3, ge=1, le=8, description="Prompt lookup matches the last n tokens, n from this down to the minimum."
+        4, ge=1, le=8, description="Prompt lookup matches the last n tokens, n from this down to the minimum."
     )
     speculative_ngram_min: int = Field(
         1, ge=1, le=8, description="The shortest match prompt lookup proposes from (at most the maximum)."

@@ -98,6 +98,9 @@ class DraftProposer:
         self.catchup = StepCost()  # catch-up steps: rows = tokens computed
         self._shadows: dict[SeqId, _Shadow] = {}
 
+    def kind(self, seq: Sequence) -> int | None:
+        return 0  # one kind: the draft's greedy continuation
+
     def propose(self, seq: Sequence, k: int) -> list[int]:
         return self.propose_batch([(seq, k)])[0]
 

@@ -21,7 +21,14 @@ from engine.core.block_manager import BlockManager
 from engine.core.outputs import SequenceOutput
 from engine.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from engine.core.sequence import DraftRow, SampledToken, SampleRow, Sequence
-from engine.core.speculative import Adaptive, NgramProposer, Proposer, StepCost, accepted_prefix, plan_lengths
+from engine.core.speculative import (
+    Acceptance,
+    NgramProposer,
+    Proposer,
+    StepCost,
+    accepted_prefix,
+    plan_lengths,
+)
 from engine.draft import DraftModel, DraftProposer, check_same_vocabulary, kv_share
 from engine.model.kv_cache import KVCache, KVCacheSpec, kv_cache_dtype, plan_num_blocks
 from engine.model.runner import ModelRunner
@@ -88,7 +95,7 @@ class LLMEngine:
             assert draft is not None
             drafter = self._draft_proposer(draft, draft_spec, free, 1.0 - part)
         self.proposer: Proposer | None = make_proposer(cfg, drafter)
-        self._adaptive: dict[tuple[str, int], Adaptive] = {}
+        self._adaptive = Acceptance()  # the adaptive rule's acceptance rates
         self.step_cost = StepCost()  # what a row costs: how many proposals pay
 
     def _draft_proposer(self, draft: DraftModel, spec: KVCacheSpec, free: int, share: float) -> DraftProposer:
@@ -172,9 +179,7 @@ class LLMEngine:
         accepted = accepted_prefix(draft, [t.token_id for t in tokens])
         self.counters.spec_proposed_tokens += len(draft)
         self.counters.spec_accepted_tokens += accepted
-        adaptive = self._adaptive.get(seq.seq_id)
-        if adaptive is not None:
-            adaptive.record(len(draft), accepted)
+        self._adaptive.record(seq.seq_id, len(draft), accepted)
         outputs = []
         for token in tokens[1 : accepted + 1]:
             if seq.finished:
@@ -313,7 +318,7 @@ class LLMEngine:
         self.sampler.release(seq)
         if self.proposer is not None:
             self.proposer.release(seq)
-            self._adaptive.pop(seq.seq_id, None)
+            self._adaptive.release(seq.seq_id)
         self._grammars.pop(seq.seq_id, None)
         return self._outputs.pop(seq.seq_id)
 

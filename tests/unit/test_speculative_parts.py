@@ -10,12 +10,14 @@ from engine.core.block_manager import BlockManager
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import Sequence
 from engine.core.speculative import (
+    Acceptance,
     Adaptive,
     NgramIndex,
     NgramProposer,
     StepCost,
     accepted_prefix,
     ngram_propose,
+    plan_lengths,
 )
 from engine.types import SamplingParams
 
@@ -54,6 +56,75 @@ def test_proposer_follows_a_growing_sequence() -> None:
     assert proposer.propose(seq, 8) == [14, 15, 11, 12, 13]
     proposer.release(seq)
     assert proposer._index == {}
+
+
+def test_proposal_kind_is_the_match_length_up_to_three() -> None:
+    seq = Sequence("r", 0, [1, 2, 3, 4, 5, 6, 7, 9, 4, 5, 6, 7, 8, 3], SamplingParams(), max_tokens=20)
+    proposer = NgramProposer(4, 1)
+    assert proposer.kind(seq) == 1 and proposer.propose(seq, 2) == [4, 5]  # 3 alone matched
+    seq.output_token_ids += [4]
+    assert proposer.kind(seq) == 2 and proposer.propose(seq, 2) == [5, 6]  # (3, 4)
+    seq.output_token_ids += [5, 6, 7]
+    assert proposer.kind(seq) == 3 and proposer.propose(seq, 3) == [8, 3, 4]  # (4, 5, 6, 7): the latest, capped at 3
+    seq.output_token_ids += [10]
+    assert proposer.kind(seq) is None and proposer.propose(seq, 3) == []  # 10 never occurred before
+
+
+def test_acceptance_is_tracked_per_kind_and_a_new_sequence_starts_from_the_kind_rate() -> None:
+    acc = Acceptance()
+    one, long = acc.state("a", 1), acc.state("a", 3)
+    assert one is not long and one.alpha == long.alpha == 2 / 3
+    for _ in range(6):
+        acc.state("a", 1)
+        acc.record("a", 3, 0)  # one-token matches fail
+        acc.state("a", 3)
+        acc.record("a", 5, 5)  # long matches hold
+    assert one.alpha < 0.2 and long.alpha > 0.9
+    assert acc.rate(1) < 0.3 and acc.rate(3) > 0.8
+    # another request starts where the last ones left each kind, not at the prior
+    assert abs(acc.state("b", 1).alpha - acc.rate(1)) < 1e-12 and abs(acc.state("b", 3).alpha - acc.rate(3)) < 1e-12
+    acc.record("b", 4, 4)  # charged to the kind planned last for "b" (3)
+    assert acc.state("b", 3).alpha > acc.rate(1) and acc.state("b", 1).alpha < 0.3
+    acc.release("a")
+    assert "a" not in acc._states and "a" not in acc._planned
+    acc.record("a", 3, 3)  # a released sequence's late verification changes nothing
+    assert "a" not in acc._states
+
+
+class _Kinds:
+    """A proposer whose kind per sequence is given; proposing is free."""
+
+    def __init__(self, kinds: dict) -> None:
+        self.kinds = kinds
+
+    def kind(self, seq: Sequence) -> int | None:
+        return self.kinds[seq.seq_id]
+
+    def token_cost(self, rows: int) -> float:
+        return 0.0
+
+    def catchup_cost(self, seq: Sequence) -> float:
+        return 0.0
+
+
+def test_plan_lengths_follows_the_kind_each_sequence_would_get_now() -> None:
+    seqs = [Sequence(f"r{i}", 0, [1, 2, 3], SamplingParams(), max_tokens=50) for i in range(3)]
+    acc, cost = Acceptance(), StepCost()
+    for _ in range(20):
+        cost.observe(1, 0.004)
+        cost.observe(9, 0.004 + 8 * 0.0008)
+    for _ in range(8):  # one-token matches fail, long ones hold
+        acc.state("x", 1)
+        acc.record("x", 2, 0)
+        acc.state("x", 3)
+        acc.record("x", 8, 8)
+    kinds = {seqs[0].seq_id: 3, seqs[1].seq_id: 1, seqs[2].seq_id: None}
+    lengths = plan_lengths([(s, 8) for s in seqs], 3, _Kinds(kinds), cost, acc, 8, 4096)
+    assert lengths[0] == 8  # a long match: all 8 pay
+    assert lengths[1] == 1  # a one-token match does not pay: one try, then a pause
+    assert lengths[2] == 0 and seqs[2].seq_id not in acc._states  # nothing to propose: no state kept
+    kinds[seqs[1].seq_id] = 3  # the same sequence with a long match now proposes in full, its 1-gram pause aside
+    assert plan_lengths([(seqs[1], 8)], 1, _Kinds(kinds), cost, acc, 8, 4096) == [8]
 
 
 def test_adaptive_verifies_as_many_proposals_as_pay() -> None:
