@@ -129,7 +129,7 @@ def run_preflight(settings: Settings, source: ModelSource, plan: DownloadPlan | 
     from models import preflight
     from models.hub import default_download_dir
 
-    footprint, dense = source_footprint(settings, source, plan, device, dtype)
+    footprint, dense, dtype = source_footprint(settings, source, plan, device, dtype)
     download_dir = settings.download_dir or default_download_dir()
     gpu = cuda_index(device)
     resources = preflight.measure_resources([download_dir, settings.cache_dir], gpu)
@@ -149,16 +149,21 @@ def run_preflight(settings: Settings, source: ModelSource, plan: DownloadPlan | 
 
 def source_footprint(
     settings: Settings, source: ModelSource, plan: DownloadPlan | None, device: str, dtype: str
-) -> tuple[ModelFootprint, tuple[str, ...]]:
-    """What the model needs, from its metadata, and the dense dtypes `--weight-format auto` would time beside a
-    GGUF kept quantized."""
-    from models import preflight
+) -> tuple[ModelFootprint, tuple[str, ...], str]:
+    """What the model needs, from its metadata, the dense dtypes `--weight-format auto` would time beside a GGUF kept
+    quantized, and the dtype its weights are counted in (`dtype`, or a BF16 GGUF's own under `--dtype auto`)."""
+    from models import gguf_weights, preflight
     from models.hub import fetch_config
     from models.loader import gguf_cache_folder, is_converted
 
     dense: tuple[str, ...] = ()
     try:
-        if source.kind == "gguf":
+        held = gguf_weights.held_dtype(preflight.read_gguf_layout(source.path).types) if (
+            source.kind == "gguf" and device == "cpu") else None
+        if held is not None:  # no quantized tensor (F16, BF16): read as it is into the serving dtype
+            footprint = preflight.gguf_footprint(source.path, cached=True)
+            dtype = held if dtype == "auto" and held == "bfloat16" else dtype
+        elif source.kind == "gguf":
             quantized = settings.weight_format != "dense" and device == "cpu"  # kept as the file holds them
             cached = quantized or is_converted(gguf_cache_folder(source.path, settings.cache_dir))
             footprint = preflight.gguf_footprint(source.path, cached=cached, quantized=quantized)
@@ -171,7 +176,7 @@ def source_footprint(
             footprint = preflight.hub_footprint(plan.param_count, plan.files, plan.missing_bytes, config)
     except (OSError, ValueError, KeyError) as exc:
         raise StartError(f"preflight cannot read {source.label}: {exc} (--skip-preflight skips the check)") from None
-    return footprint, dense
+    return footprint, dense, dtype
 
 
 def local_footprint(prepared: Prepared, model: str) -> ModelFootprint:

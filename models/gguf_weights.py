@@ -7,7 +7,9 @@ read from the file at each start, its header parsed without its vocabulary's arr
 package's GGUFReader, its array fields read whole (`_reader_class`), reads the metadata for the conversion) and each
 tensor read into memory of its own: 2-D quantized matmul
 weights (q, k, v, o, gate, up, down, the LM head and the token embedding) become `QuantLinear` /
-`QuantEmbedding` over a copy of their raw blocks; 1-D, F32 and F16 tensors are dequantized to the serving dtype.
+`QuantEmbedding` over a copy of their raw blocks; 1-D, F32, F16 and BF16 tensors are converted to the serving dtype.
+A file with no quantized tensor at all (an F16 or BF16 GGUF: `held_dtype`) is served dense as it is, read the same
+way (models/loader.py `load_dense_gguf`): nothing converted to disk, no quantized model to time dense copies against.
 
 llama.cpp's converter permutes the rows of Q and K of Llama models for its RoPE layout; transformers'
 GGUF loader un-permutes them (modeling_gguf_pytorch_utils.LlamaTensorProcessor), and so does `unpermute_rows`
@@ -41,7 +43,9 @@ META_FORMAT = 4  # bump when the cached metadata layout changes (4: the BOS as l
 # and Ministral files say "llama")
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "granite", "phi3", "gemma3")
 PERMUTED = ("llama", "granite")  # llama.cpp's converter permutes Q and K rows of these (its LlamaModel)
-DENSE_TYPES = (0, 1)  # F32, F16: dequantized to the serving dtype
+DENSE_TYPES = (0, 1, 30)  # F32, F16, BF16: converted to the serving dtype
+HELD_DTYPES = {30: "bfloat16", 1: "float16", 0: "float32"}  # a dense file's type, the first found in this order
+HELD_NAMES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 LAYER_NAMES = {  # GGUF blk.N.<name> -> transformers model.layers.N.<name>
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -287,6 +291,16 @@ def _load_tensor(model: nn.Module, name: str, value: torch.Tensor | QuantWeight,
         _set(model, name, nn.Parameter(value, requires_grad=False))
 
 
+def held_dtype(types: dict[str, int]) -> str | None:
+    """The dtype a GGUF holds its weights in when none of its tensors is quantized (`types`: name -> ggml type, as
+    preflight.read_gguf_layout gives them): "bfloat16" for a BF16 file, "float16" for an F16 one, "float32"; None
+    when any tensor is quantized or of a type the loader does not read."""
+    kinds = set(types.values())
+    if not kinds or not kinds <= set(DENSE_TYPES):
+        return None
+    return next(HELD_DTYPES[k] for k in HELD_DTYPES if k in kinds)
+
+
 def unsupported_types(tensors: list[object]) -> str:
     """What Unsupported says of tensors whose types the kernels do not take: the first tensor of each such type,
     by name, and how many more there are."""
@@ -303,6 +317,8 @@ def _tensor(t: object, file: BinaryIO, dtype: torch.dtype, name: str, config: ob
             arch: str) -> torch.Tensor | QuantWeight:
     qtype = int(t.tensor_type)
     data = torch.from_numpy(_read(t, file))
+    if qtype == 30:  # BF16: numpy has no such type, the reader gives its bytes
+        data = data.view(torch.bfloat16)
     if qtype in FORMATS:
         cols, rows = (int(d) for d in t.shape)  # ggml order: the row length first
         value: torch.Tensor | QuantWeight = QuantWeight(data.reshape(rows, -1), qtype, (rows, cols))

@@ -11,6 +11,10 @@ dequantizes exactly into float32, while bfloat16 would round the result), plus t
 template, config.json and generation_config.json. The folder is named after the file and a hash of its
 size and first and last 4 MiB, so a changed file gets a new conversion and a reinstalled identical one
 does not. Serving in bfloat16 casts from that copy at load time.
+
+On the CPU a GGUF is read as it is instead (models/gguf_weights.py), nothing written but a few MB of metadata: its
+quantized tensors kept quantized (`load_quantized_gguf`), or, for a file with no quantized tensor (F16, BF16),
+every tensor read straight into the serving dtype (`load_dense_gguf`).
 """
 
 from __future__ import annotations
@@ -61,11 +65,15 @@ def load_model(cfg: EngineConfig) -> LoadedModel:
     device, dtype = placement(cfg.device, cfg.dtype)
     backend = backend_for(cfg, device)  # every device decision (placement, kernels) is the backend's
     start, asked = time.perf_counter(), dtype
-    loaded = load_quantized_gguf(cfg, device, dtype) if serves_quantized_gguf(cfg, device) else None
+    held = held_gguf_dtype(cfg, device)
+    if held is not None:
+        loaded = load_dense_gguf(cfg, device, dtype, held)
+    else:
+        loaded = load_quantized_gguf(cfg, device, dtype) if serves_quantized_gguf(cfg, device) else None
     if loaded is not None:
         (model, tokenizer, dtype, folder), loaded = loaded, None  # the model only: a dense one may replace it
         backend.prepare_weights(model)  # the quantized-weight kernels the config allows (none: --cpu-kernels off)
-        if cfg.weight_format == "auto":  # `--dtype auto` (placement's None) gives float32 and bfloat16 candidates
+        if cfg.weight_format == "auto" and held is None:  # `--dtype auto` gives float32 and bfloat16 candidates
             model, dtype = fastest_format(model, tokenizer, cfg, device, dtype, auto_dtype=asked is None)
     else:
         folder = model_folder(cfg)
@@ -191,6 +199,66 @@ def load_quantized_gguf(
         log.warning("GGUF %s: %s; converting to dense float32 instead (--weight-format auto)", path.name, exc)
         return None
     log.info("GGUF %s: weights kept quantized (%s)", path.name, quant_summary(model))
+    return model, tokenizer, dtype, folder
+
+
+def held_gguf_dtype(cfg: EngineConfig, device: torch.device) -> str | None:
+    """The dtype a GGUF with no quantized tensor holds (`gguf_weights.held_dtype`: an F16 or BF16 file), which the
+    CPU serves as it is whatever `--weight-format` says; None for any other model or device."""
+    from models import gguf_weights
+
+    path = Path(cfg.model_path) / str(cfg.gguf_file)
+    if cfg.gguf_file is None or not path.is_file() or not backend_for(cfg, device).serves_quantized:
+        return None
+    try:
+        return gguf_weights.held_dtype(preflight.read_gguf_layout(path).types)
+    except (OSError, ValueError):
+        return None  # damaged: the quantized load's check says how
+
+
+def load_dense_gguf(
+    cfg: EngineConfig, device: torch.device, dtype: torch.dtype | None, held: str
+) -> tuple[Any, Any, torch.dtype, Path] | None:
+    """A GGUF with no quantized tensor (`held`: its type), each tensor read from the file into the serving dtype,
+    nothing converted to disk. `--dtype auto`: a BF16 file in bfloat16, its own type; an F16 or F32 file timed in
+    float32 and bfloat16 as a dense folder is (`load_fastest`'s rule and probe). None: an architecture the reader
+    does not take (the conversion serves it)."""
+    from models import gguf_weights
+
+    path = Path(cfg.model_path) / str(cfg.gguf_file)
+    if not cfg.cache_dir:
+        raise LoadError("a GGUF model needs EngineConfig.cache_dir for its metadata (config.DEFAULT_CACHE_DIR)")
+    probe = False
+    if dtype is None and held == "bfloat16":
+        log.info("dtype auto: bfloat16, the file's own type")
+        dtype = torch.bfloat16
+    elif dtype is None:
+        dtypes, why = memory.auto_cpu_dtypes(
+            preflight.gguf_footprint(path, cached=True), preflight.measure_resources([]).ram_free,
+            max_model_len=cfg.max_model_len, kv_cache_bytes=cfg.kv_cache_bytes, kv_dtype=cfg.kv_cache_dtype,
+            packed_copy=preflight.packed_copy_kept(str(device), cfg.cpu_kernels, cfg.cpu_isa),
+        )  # fmt: skip
+        probe, dtype = len(dtypes) > 1, torch.float32 if len(dtypes) > 1 else torch.bfloat16
+        if why:
+            log.info("dtype auto: bfloat16 (%s)", why)
+    try:
+        gguf_weights.check(path)
+        folder = gguf_weights.metadata_folder(path, Path(cfg.cache_dir).expanduser())
+        tokenizer = load_tokenizer(folder, cfg.trust_remote_code, cfg.chat_template)
+        model = gguf_weights.load(path, folder, dtype, cfg.trust_remote_code, cfg.max_model_len)
+    except gguf_weights.BadFile as exc:
+        raise LoadError(str(exc)) from None
+    except gguf_weights.Unsupported as exc:
+        if cfg.weight_format == "quantized":
+            raise LoadError(f"{path.name} cannot be served as it is: {exc}") from exc
+        log.warning("GGUF %s: %s; converting to dense float32 instead", path.name, exc)
+        return None
+    log.info("GGUF %s: %s weights read as the file holds them into %s (nothing converted to disk)", path.name,
+             gguf_weights.HELD_NAMES[held], str(dtype).removeprefix("torch."))
+    if probe:
+        model, dtype = dtype_probe.choose(model, tokenizer, cfg, device, context_length(model.config, cfg.max_model_len))
+        gc.collect()  # the other dtype's copy and the probe's engines
+        release_freed_memory()
     return model, tokenizer, dtype, folder
 
 

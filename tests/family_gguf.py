@@ -86,12 +86,13 @@ def gguf_name(hf: str, arch: str) -> str:
 
 def write_family(folder: Path, family: str, vocab: int, seed: int = 0, tokenizer: Any = None,
                  vocab_file: Path | None = None, chat_template: str | None = None, context: int = 256,
-                 extra: dict[str, Any] | None = None) -> torch.nn.Module:
+                 extra: dict[str, Any] | None = None, matmul: str = "Q8_0") -> torch.nn.Module:
     """`folder`/tiny.gguf and its config.json; returns the float32 reference on the dequantized weights. With a
     (byte-level BPE) `tokenizer`, or a real one from llama.cpp's vocab-only GGUF `vocab_file` (its `tokenizer.*`
     keys, the token list padded with unused tokens to `vocab`), the file also holds the metadata llama.cpp's
     converter writes (hyperparameters, Granite's multipliers, the tokenizer, `chat_template`), for transformers'
-    GGUF conversion and llama.cpp to read. `extra`: config values over the family's own (e.g. another window)."""
+    GGUF conversion and llama.cpp to read. `extra`: config values over the family's own (e.g. another window).
+    `matmul`: the matmul weights' type (Q8_0, or F16 / BF16 for a file with no quantized tensor)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     spec = SPECS[family]
@@ -115,7 +116,7 @@ def write_family(folder: Path, family: str, vocab: int, seed: int = 0, tokenizer
     for name, value in model.state_dict().items():
         if name == "lm_head.weight" and spec.tied:
             continue
-        state[name] = _write(writer, name, value, spec.arch, config)
+        state[name] = _write(writer, name, value, spec.arch, config, GGMLQuantizationType[matmul])
     if family == "llama3":  # Llama 3.x: the factors RoPE's inverse frequencies are divided by
         writer.add_tensor("rope_freqs.weight", _rope_factors(model).numpy())
     if family == "phi3-long":  # as llama.cpp's converter writes longrope (conversion/phi.py)
@@ -130,18 +131,19 @@ def write_family(folder: Path, family: str, vocab: int, seed: int = 0, tokenizer
     return model
 
 
-def _write(writer: gguf.GGUFWriter, name: str, value: torch.Tensor, arch: str, config: Any) -> torch.Tensor:
-    """Writes one tensor (matmul weights in Q8_0, the rest F32); returns the values the file holds."""
+def _write(writer: gguf.GGUFWriter, name: str, value: torch.Tensor, arch: str, config: Any,
+           matmul: GGMLQuantizationType = GGMLQuantizationType.Q8_0) -> torch.Tensor:
+    """Writes one tensor (matmul weights in `matmul`, the rest F32); returns the values the file holds."""
     array = value.detach().float().numpy()
     if array.ndim == 1:  # llama.cpp's converter stores Gemma's norm weights as 1 + w
         writer.add_tensor(gguf_name(name, arch), array + 1 if arch in gguf_weights.NORM_PLUS_ONE else array)
         return value
-    blocks = quants.quantize(array.astype(np.float32), GGMLQuantizationType.Q8_0)
+    blocks = quants.quantize(array.astype(np.float32), matmul)
     heads = {"self_attn.q_proj": config.num_attention_heads, "self_attn.k_proj": config.num_key_value_heads}
     permuted = next((h for k, h in heads.items() if f".{k}." in name), None) if arch in ("llama", "granite") else None
     stored = blocks[llama_cpp_order(blocks.shape[0], permuted)] if permuted else blocks
-    writer.add_tensor(gguf_name(name, arch), stored, raw_dtype=GGMLQuantizationType.Q8_0)
-    return torch.from_numpy(quants.dequantize(blocks, GGMLQuantizationType.Q8_0).astype(np.float32))
+    writer.add_tensor(gguf_name(name, arch), stored, raw_dtype=matmul)
+    return torch.from_numpy(quants.dequantize(blocks, matmul).astype(np.float32))
 
 
 def _hyperparameters(writer: gguf.GGUFWriter, config: Any) -> None:
