@@ -152,14 +152,13 @@ def source_footprint(
 ) -> tuple[ModelFootprint, tuple[str, ...], str]:
     """What the model needs, from its metadata, the dense dtypes `--weight-format auto` would time beside a GGUF kept
     quantized, and the dtype its weights are counted in (`dtype`, or a BF16 GGUF's own under `--dtype auto`)."""
-    from models import gguf_weights, preflight
+    from models import preflight
     from models.hub import fetch_config
     from models.loader import gguf_cache_folder, is_converted
 
     dense: tuple[str, ...] = ()
     try:
-        held = gguf_weights.held_dtype(preflight.read_gguf_layout(source.path).types) if (
-            source.kind == "gguf" and device == "cpu") else None
+        held = held_gguf(Path(source.path), device) if source.kind == "gguf" else None
         if held is not None:  # no quantized tensor (F16, BF16): read as it is into the serving dtype
             footprint = preflight.gguf_footprint(source.path, cached=True)
             dtype = held if dtype == "auto" and held == "bfloat16" else dtype
@@ -177,6 +176,21 @@ def source_footprint(
     except (OSError, ValueError, KeyError) as exc:
         raise StartError(f"preflight cannot read {source.label}: {exc} (--skip-preflight skips the check)") from None
     return footprint, dense, dtype
+
+
+def held_gguf(path: Path, device: str) -> str | None:
+    """The dtype a GGUF with no quantized tensor holds (F16, BF16: `gguf_weights.held_dtype`), served as it is on the
+    CPU; None for any other file or device."""
+    from models import gguf_weights, preflight
+
+    return gguf_weights.held_dtype(preflight.read_gguf_layout(path).types) if device == "cpu" else None
+
+
+def counted_dtype(prepared: Prepared) -> str:
+    """The dtype a model's weights are counted in: `prepared.dtype`, or a BF16 GGUF's own under `--dtype auto`."""
+    if prepared.dtype != "auto" or prepared.model_path.suffix != ".gguf":
+        return prepared.dtype
+    return "bfloat16" if held_gguf(prepared.model_path, prepared.device) == "bfloat16" else prepared.dtype
 
 
 def local_footprint(prepared: Prepared, model: str) -> ModelFootprint:

@@ -22,7 +22,7 @@ from typing import Any
 
 from config import ConfigError, Settings
 from config.models_file import ModelEntry, model_entries
-from models.acquire import Prepared, StartError, acquire, import_libraries, local_footprint
+from models.acquire import Prepared, StartError, acquire, counted_dtype, import_libraries, local_footprint
 
 log = logging.getLogger("peregrine")
 
@@ -101,7 +101,7 @@ def model_spec(entry: ModelEntry, prepared: Prepared) -> Any:
     settings = entry.settings
     footprint = local_footprint(prepared, settings.model)
     size = memory.serving_size(
-        footprint, prepared.dtype, kv_dtype=settings.kv_cache_dtype, max_model_len=settings.max_model_len,
+        footprint, counted_dtype(prepared), kv_dtype=settings.kv_cache_dtype, max_model_len=settings.max_model_len,
         kv_cache_bytes=settings.kv_cache_bytes,
         packed_copy=preflight.packed_copy_kept(prepared.device, settings.cpu_kernels, settings.cpu_isa),
     )  # fmt: skip

@@ -108,3 +108,19 @@ def test_the_preflight_counts_a_bf16_file_in_bfloat16_without_dense_copies(
         acquire(settings)
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("preflight: needs"))
     assert "in bfloat16" in line and "copy timed" not in line, line
+
+
+def test_several_models_count_a_bf16_file_in_bfloat16(tmp_path: Path, byte_level_tokenizer: object) -> None:
+    """The multi-model registry's memory need (serving/start.py model_spec) counts the dtype the loader will serve."""
+    from models.acquire import Prepared, counted_dtype
+
+    bf16, _ = written(tmp_path / "bf16", "qwen3", "BF16", byte_level_tokenizer)
+    f16, _ = written(tmp_path / "f16", "qwen3", "F16", byte_level_tokenizer)
+
+    def prepared(path: Path, dtype: str, device: str = "cpu") -> Prepared:
+        return Prepared(path, device, dtype, config(path, tmp_path / "cache", dtype))
+
+    assert counted_dtype(prepared(bf16, "auto")) == "bfloat16"
+    assert counted_dtype(prepared(bf16, "float32")) == "float32"  # asked for: served so
+    assert counted_dtype(prepared(f16, "auto")) == "auto"  # timed in float32 and bfloat16
+    assert counted_dtype(prepared(bf16, "auto", device="cuda:0")) == "auto"  # converted there
