@@ -194,13 +194,16 @@ def counted_dtype(prepared: Prepared) -> str:
 
 
 def local_footprint(prepared: Prepared, model: str) -> ModelFootprint:
-    """What the (now local) model needs, from its headers: a .gguf file or a transformers folder."""
+    """What the (now local) model needs, from its headers: a .gguf file (on the CPU its quantized tensors' bytes, as
+    they are kept) or a transformers folder."""
     from models import preflight
 
     path = prepared.model_path
     try:
         if path.suffix == ".gguf":
-            return preflight.gguf_footprint(path, cached=True)
+            quantized = (prepared.device == "cpu" and prepared.engine_config.weight_format != "dense"
+                         and held_gguf(path, prepared.device) is None)
+            return preflight.gguf_footprint(path, cached=True, quantized=quantized)
         return preflight.folder_footprint(path)
     except (OSError, ValueError, KeyError) as exc:
         raise StartError(f"cannot read the size of {model} at {path}: {exc}") from None

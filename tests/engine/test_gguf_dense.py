@@ -124,3 +124,20 @@ def test_several_models_count_a_bf16_file_in_bfloat16(tmp_path: Path, byte_level
     assert counted_dtype(prepared(bf16, "float32")) == "float32"  # asked for: served so
     assert counted_dtype(prepared(f16, "auto")) == "auto"  # timed in float32 and bfloat16
     assert counted_dtype(prepared(bf16, "auto", device="cuda:0")) == "auto"  # converted there
+
+
+def test_several_models_count_a_quantized_file_by_its_bytes(tmp_path: Path, byte_level_tokenizer: object) -> None:
+    """A GGUF kept quantized on the CPU needs its tensors' bytes, not float32 copies of its parameters."""
+    from models import memory
+    from models.acquire import Prepared, local_footprint
+
+    path, _ = written(tmp_path / "q8", "qwen3", "Q8_0", byte_level_tokenizer)
+
+    def need(weight_format: str) -> int:
+        prepared = Prepared(path, "cpu", "auto", config(path, tmp_path / "cache", "auto", weight_format))
+        return memory.serving_size(local_footprint(prepared, "t"), "auto", kv_dtype="auto", max_model_len=256,
+                                   kv_cache_bytes=1 << 20, packed_copy=False).need_bytes
+
+    tensors = preflight.gguf_footprint(path, cached=True, quantized=True).weight_bytes
+    assert need("auto") == need("quantized") == tensors + (1 << 20)
+    assert need("dense") > 2 * need("auto")  # converted: float32 weights and the bfloat16 copy the probe times
