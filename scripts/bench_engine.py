@@ -200,9 +200,9 @@ def report(
     rows: list[Row], hf: Row | None, decodes: list[float], hf_decode: float | None, args: argparse.Namespace,
     dtype: str, read: dict[str, int] | None,
 ) -> None:
-    decode_1 = max(decodes)  # the best lone request, as scripts/bandwidth.py takes the best of its repeats
+    decode_1 = max(decodes, default=0.0)  # the best lone request, as scripts/bandwidth.py takes the best of its repeats
     roofline = None
-    if read and args.bandwidth:  # tok/s if every byte came at the measured bandwidth, and the share reached
+    if read and args.bandwidth and decodes:  # tok/s if every byte came at the measured bandwidth, and the share reached
         weights, total = read["weights"], read["weights"] + read["kv_at_mean_context"]
         bandwidth = args.bandwidth * 1e9
         roofline = {name: {"tok_s": round(bandwidth / b, 1), "percent": round(100 * decode_1 * b / bandwidth, 1)}
@@ -218,11 +218,12 @@ def report(
 
     for row in [hf, *rows] if hf else rows:
         print(f"{row.name:<26}{row.concurrency:>11}{row.tok_s:>14.1f}{vs_hf(row.tok_s, hf and hf.tok_s)}")
-    print(
-        f"{'batch-1 decode tok/s':<26}{'':>11}{decode_1:>14.1f}{vs_hf(decode_1, hf_decode)}"
-        f"   (HF generate: {f'{hf_decode:.1f}' if hf_decode else 'not run'}; best of {len(decodes)}: "
-        f"{' / '.join(f'{d:.1f}' for d in decodes)})"
-    )
+    if decodes:  # --batch1-repeats 0: none
+        print(
+            f"{'batch-1 decode tok/s':<26}{'':>11}{decode_1:>14.1f}{vs_hf(decode_1, hf_decode)}"
+            f"   (HF generate: {f'{hf_decode:.1f}' if hf_decode else 'not run'}; best of {len(decodes)}: "
+            f"{' / '.join(f'{d:.1f}' for d in decodes)})"
+        )
     if read:
         print(f"a batch-1 step reads {read['weights'] / 1e6:.1f} MB of weights and "
               f"{read['kv_at_mean_context'] / 1e6:.1f} MB of KV cache (at the mean context, {mean_context(args):.0f} "
@@ -244,7 +245,7 @@ def report(
                 "output_len": args.output_len,
                 "temperature": args.temperature,
                 "top_p": args.top_p,
-                "batch1_decode_tok_s": round(decode_1, 2),
+                "batch1_decode_tok_s": round(decode_1, 2) if decodes else None,
                 "batch1_decode_tok_s_runs": [round(d, 2) for d in decodes],
                 "batch1_bytes_per_token": read,
                 "batch1_roofline": roofline,
