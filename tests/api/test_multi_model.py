@@ -3,7 +3,8 @@ random model, served under four names:
 
 - `smollm2` (listed first: the default, loaded at start, keep_alive -1),
 - `tiny` (loaded on demand),
-- `tiny-wide` (the tiny model with a 500 MiB KV cache: it fits the 1 GiB budget only once SmolLM2 is unloaded),
+- `tiny-wide` (the tiny model with a 900 MiB KV cache: it fits the 1 GiB budget only once SmolLM2, counted as its
+  96.6 MB of quantized weights and a 128 MiB KV cache, is unloaded),
 - `huge` (the tiny model with a 2 GiB KV cache: more than the whole budget, refused with the arithmetic).
 
 `--model-load-wait 0.001` makes every request that has to wait for a load answer 503 with Retry-After (the load
@@ -37,7 +38,7 @@ def multi(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         "models:\n"
         "  - {model: 'bundled:smollm2', kv_cache_bytes: 128MiB, max_model_len: 2048, keep_alive: -1}\n"
         f"  - {{model: '{tiny}', name: tiny}}\n"
-        f"  - {{model: '{tiny}', name: tiny-wide, kv_cache_bytes: 500MiB}}\n"
+        f"  - {{model: '{tiny}', name: tiny-wide, kv_cache_bytes: 900MiB}}\n"
         f"  - {{model: '{tiny}', name: huge, kv_cache_bytes: 2GiB}}\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("PEREGRINE_")}
@@ -146,7 +147,7 @@ def test_chat_page_lists_the_models_and_waits_for_a_load(page, multi: httpx.Clie
 
 
 def test_memory_budget_unloads_idle_models_and_refuses_what_cannot_fit(multi: httpx.Client) -> None:
-    answer, _ = chat(multi, "tiny-wide")  # 128 MiB + weights of SmolLM2 + 500 MiB > 1 GiB: SmolLM2 makes room
+    answer, _ = chat(multi, "tiny-wide")  # SmolLM2's 96.6 MB + 128 MiB, + 900 MiB > 1 GiB: SmolLM2 makes room
     assert answer["model"] == "tiny-wide"
     states = _states(multi)
     assert states["tiny-wide"] == "loaded" and states["smollm2"] == "unloaded"
