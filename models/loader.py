@@ -73,6 +73,8 @@ def load_model(cfg: EngineConfig) -> LoadedModel:
     if loaded is not None:
         (model, tokenizer, dtype, folder), loaded = loaded, None  # the model only: a dense one may replace it
         backend.prepare_weights(model)  # the quantized-weight kernels the config allows (none: --cpu-kernels off)
+        if held is not None and cfg.quantize == "int8":
+            quantize_int8(model, device, cfg)
         if cfg.weight_format == "auto" and held is None:  # `--dtype auto` gives float32 and bfloat16 candidates
             model, dtype = fastest_format(model, tokenizer, cfg, device, dtype, auto_dtype=asked is None)
     else:
@@ -229,7 +231,10 @@ def load_dense_gguf(
     if not cfg.cache_dir:
         raise LoadError("a GGUF model needs EngineConfig.cache_dir for its metadata (config.DEFAULT_CACHE_DIR)")
     probe = False
-    if dtype is None and held == "bfloat16":
+    if dtype is None and cfg.quantize == "int8":  # quantized next: activations in float32, as for quantized files
+        log.info("dtype auto: float32 for activations (--quantize int8: the kernels compute in float32)")
+        dtype = torch.float32
+    elif dtype is None and held == "bfloat16":
         log.info("dtype auto: bfloat16, the file's own type")
         dtype = torch.bfloat16
     elif dtype is None:

@@ -141,3 +141,13 @@ def test_several_models_count_a_quantized_file_by_its_bytes(tmp_path: Path, byte
     tensors = preflight.gguf_footprint(path, cached=True, quantized=True).weight_bytes
     assert need("auto") == need("quantized") == tensors + (1 << 20)
     assert need("dense") > 2 * need("auto")  # converted: float32 weights and the bfloat16 copy the probe times
+
+
+def test_quantize_int8_takes_a_bf16_file_read_as_it_is(tmp_path: Path, byte_level_tokenizer: object) -> None:
+    import dataclasses
+
+    path, _ = written(tmp_path / "file", "qwen3", "BF16", byte_level_tokenizer)
+    loaded = load_model(dataclasses.replace(config(path, tmp_path / "cache", "auto"), quantize="int8"))
+    assert loaded.dtype == torch.float32  # activations, as for a quantized file
+    assert any(isinstance(m, QuantLinear) for m in loaded.model.modules())
+    assert not gguf_cache_folder(path, tmp_path / "cache").exists()
