@@ -28,6 +28,7 @@ from engine.core.speculative import (
     StepCost,
     accepted_prefix,
     plan_lengths,
+    until_stop,
 )
 from engine.draft import DraftModel, DraftProposer, check_same_vocabulary, kv_share
 from engine.model.kv_cache import KVCache, KVCacheSpec, kv_cache_dtype, plan_num_blocks
@@ -168,7 +169,7 @@ class LLMEngine:
         wants = [(seq, n) for (seq, _), n in zip(candidates, lengths, strict=True) if n > 0]
         drafted = []
         for (seq, _), draft in zip(wants, self.proposer.propose_batch(wants) if wants else [], strict=True):
-            seq.draft = draft
+            seq.draft = until_stop(draft, seq, self.eos_token_ids)  # no rows past where it would end
             if draft:
                 drafted.append(seq)
         return drafted

@@ -17,6 +17,7 @@ torch: it lives outside core/). The engine only calls `kind`, `propose_batch`, `
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -280,6 +281,18 @@ class Acceptance:
     def release(self, seq_id: object) -> None:
         self._states.pop(seq_id, None)
         self._planned.pop(seq_id, None)
+
+
+def until_stop(draft: list[int], seq: Sequence, eos: Collection[int]) -> list[int]:
+    """`draft` up to and including the first proposal that would end `seq` if kept (a stop token, or an EOS unless it
+    ignores EOS, once `min_tokens` are out): nothing after it could be kept, so verifying it would cost rows for
+    nothing. Proposal i is the candidate for output token len(output) + i."""
+    params, done = seq.params, len(seq.output_token_ids)
+    for i, token in enumerate(draft):
+        if done + i + 1 >= params.min_tokens and (
+                token in params.stop_token_ids or (not params.ignore_eos and token in eos)):
+            return draft[: i + 1]
+    return draft
 
 
 def accepted_prefix(draft: list[int] | tuple[int, ...], sampled: list[int]) -> int:

@@ -18,6 +18,7 @@ from engine.core.speculative import (
     accepted_prefix,
     ngram_propose,
     plan_lengths,
+    until_stop,
 )
 from engine.types import SamplingParams
 
@@ -179,6 +180,25 @@ def test_step_cost_fits_the_fixed_part_and_the_cost_per_row() -> None:
     for _ in range(50):
         flat.observe(1, 0.05)  # no spread in rows: the prior's pseudo-point keeps the fit sane
     assert 0.0 < flat.row_share(1) < 0.5
+
+
+def test_proposals_end_where_the_sequence_would() -> None:
+    """No row past a proposal that would end the sequence if kept: an EOS (unless it ignores EOS) or a stop token,
+    once min_tokens are out (before, a stop token is an ordinary token and what follows it may be kept)."""
+    eos = {2}
+
+    def seq(**params: object) -> Sequence:
+        s = Sequence("r", 0, [10, 11], SamplingParams(**params), max_tokens=50)
+        s.output_token_ids += [20, 21, 22]  # three out: proposal i is output token 3 + i
+        return s
+
+    draft = [30, 31, 2, 32, 33]
+    assert until_stop(draft, seq(), eos) == [30, 31, 2]
+    assert until_stop(draft, seq(ignore_eos=True), eos) == draft
+    assert until_stop(draft, seq(ignore_eos=True, stop_token_ids=(31,)), eos) == [30, 31]
+    assert until_stop(draft, seq(min_tokens=6), eos) == [30, 31, 2]  # the EOS would be output token 6: a stop
+    assert until_stop(draft, seq(min_tokens=7, stop_token_ids=(31, 32)), eos) == [30, 31, 2, 32]  # 31 and 2 too early
+    assert until_stop([30, 31], seq(), eos) == [30, 31] and until_stop([], seq(), eos) == []
 
 
 def test_accepted_prefix() -> None:
