@@ -181,9 +181,9 @@ def source_footprint(
 def held_gguf(path: Path, device: str) -> str | None:
     """The dtype a GGUF with no quantized tensor holds (F16, BF16: `gguf_weights.held_dtype`), served as it is on the
     CPU; None for any other file or device."""
-    from models import gguf_weights, preflight
+    from models import gguf_weights
 
-    return gguf_weights.held_dtype(preflight.read_gguf_layout(path).types) if device == "cpu" else None
+    return gguf_weights.file_held_dtype(path) if device == "cpu" else None
 
 
 def counted_dtype(prepared: Prepared) -> str:

@@ -301,6 +301,11 @@ def held_dtype(types: dict[str, int]) -> str | None:
     return next(HELD_DTYPES[k] for k in HELD_DTYPES if k in kinds)
 
 
+def file_held_dtype(path: Path) -> str | None:
+    """`held_dtype` of the file at `path`, from its header (OSError, ValueError: unreadable or damaged)."""
+    return held_dtype(read_gguf_layout(path).types)
+
+
 def unsupported_types(tensors: list[object]) -> str:
     """What Unsupported says of tensors whose types the kernels do not take: the first tensor of each such type,
     by name, and how many more there are."""

@@ -103,11 +103,7 @@ def load_model(cfg: EngineConfig) -> LoadedModel:
 def load_fastest(folder: Path, tokenizer: Any, cfg: EngineConfig, device: torch.device) -> tuple[Any, torch.dtype]:
     """`--dtype auto` on the CPU: float32 and bfloat16 timed on real decode steps when the probe's peak fits in the
     free RAM (the preflight's arithmetic), else bfloat16 without a probe."""
-    dtypes, why = memory.auto_cpu_dtypes(
-        preflight.folder_footprint(folder), preflight.measure_resources([]).ram_free,
-        max_model_len=cfg.max_model_len, kv_cache_bytes=cfg.kv_cache_bytes,
-        packed_copy=preflight.packed_copy_kept(str(device), cfg.cpu_kernels, cfg.cpu_isa), kv_dtype=cfg.kv_cache_dtype,
-    )  # fmt: skip
+    dtypes, why = cpu_dtypes(preflight.folder_footprint(folder), cfg, device)
     if len(dtypes) == 1:
         log.info("dtype auto: bfloat16 (%s)", why)
         return load_weights(folder, torch.bfloat16, device, cfg), torch.bfloat16
@@ -117,6 +113,15 @@ def load_fastest(folder: Path, tokenizer: Any, cfg: EngineConfig, device: torch.
     gc.collect()  # the other dtype's copy and the probe's engines: the KV cache is sized from the RAM free after this
     release_freed_memory()
     return chosen
+
+
+def cpu_dtypes(fp: Any, cfg: EngineConfig, device: torch.device) -> tuple[tuple[str, ...], str]:
+    """The dtypes `--dtype auto` times for a model of footprint `fp` in the RAM free now (`memory.auto_cpu_dtypes`)."""
+    return memory.auto_cpu_dtypes(
+        fp, preflight.measure_resources([]).ram_free, max_model_len=cfg.max_model_len,
+        kv_cache_bytes=cfg.kv_cache_bytes, kv_dtype=cfg.kv_cache_dtype,
+        packed_copy=preflight.packed_copy_kept(str(device), cfg.cpu_kernels, cfg.cpu_isa),
+    )  # fmt: skip
 
 
 def fastest_format(model: Any, tokenizer: Any, cfg: EngineConfig, device: torch.device, dtype: torch.dtype,
@@ -177,31 +182,43 @@ def load_quantized_gguf(
 ) -> tuple[Any, Any, torch.dtype, Path] | None:
     """The GGUF's weights kept quantized (models/gguf_weights.py), or None to fall back to the dense conversion
     (`--weight-format auto` and a file the kernels do not take: logged)."""
-    from models import gguf_weights
 
     path = Path(cfg.model_path) / cfg.gguf_file
     if not path.is_file():
         raise LoadError(f"GGUF file not found: {path}")
-    if not cfg.cache_dir:
-        raise LoadError("a GGUF model needs EngineConfig.cache_dir for its metadata (config.DEFAULT_CACHE_DIR)")
-    cache_dir = Path(cfg.cache_dir).expanduser()
     if dtype is None:
         log.info("dtype auto: float32 for activations (quantized weights: the kernels compute in float32)")
         dtype = torch.float32
+    read = read_gguf(cfg, path, dtype, "quantized")
+    if read is None:
+        return None
+    model, tokenizer, folder = read
+    log.info("GGUF %s: weights kept quantized (%s)", path.name, quant_summary(model))
+    return model, tokenizer, dtype, folder
+
+
+def read_gguf(cfg: EngineConfig, path: Path, dtype: torch.dtype, served: str) -> tuple[Any, Any, Path] | None:
+    """The GGUF read as it is (models/gguf_weights.py: checked, its metadata cached, its tokenizer, its tensors in
+    `dtype`): (model, tokenizer, metadata folder). A damaged file is a LoadError; one the reader does not take is one
+    too under `--weight-format quantized` (`served`: how it would have been served, for the message), else None
+    after a warning (the dense conversion serves it)."""
+    from models import gguf_weights
+
+    if not cfg.cache_dir:
+        raise LoadError("a GGUF model needs EngineConfig.cache_dir for its metadata (config.DEFAULT_CACHE_DIR)")
     try:
         gguf_weights.check(path)
-        folder = gguf_weights.metadata_folder(path, cache_dir)
+        folder = gguf_weights.metadata_folder(path, Path(cfg.cache_dir).expanduser())
         tokenizer = load_tokenizer(folder, cfg.trust_remote_code, cfg.chat_template)
-        model = gguf_weights.load(path, folder, dtype, cfg.trust_remote_code, cfg.max_model_len)
+        return gguf_weights.load(path, folder, dtype, cfg.trust_remote_code, cfg.max_model_len), tokenizer, folder
     except gguf_weights.BadFile as exc:
         raise LoadError(str(exc)) from None
     except gguf_weights.Unsupported as exc:
         if cfg.weight_format == "quantized":
-            raise LoadError(f"{path.name} cannot be served quantized: {exc}") from exc
-        log.warning("GGUF %s: %s; converting to dense float32 instead (--weight-format auto)", path.name, exc)
+            raise LoadError(f"{path.name} cannot be served {served}: {exc}") from exc
+        log.warning("GGUF %s: %s; converting to dense float32 instead (--weight-format %s)", path.name, exc,
+                    cfg.weight_format)
         return None
-    log.info("GGUF %s: weights kept quantized (%s)", path.name, quant_summary(model))
-    return model, tokenizer, dtype, folder
 
 
 def held_gguf_dtype(cfg: EngineConfig, device: torch.device) -> str | None:
@@ -213,7 +230,7 @@ def held_gguf_dtype(cfg: EngineConfig, device: torch.device) -> str | None:
     if cfg.gguf_file is None or not path.is_file() or not backend_for(cfg, device).serves_quantized:
         return None
     try:
-        return gguf_weights.held_dtype(preflight.read_gguf_layout(path).types)
+        return gguf_weights.file_held_dtype(path)
     except (OSError, ValueError):
         return None  # damaged: the quantized load's check says how
 
@@ -228,8 +245,6 @@ def load_dense_gguf(
     from models import gguf_weights
 
     path = Path(cfg.model_path) / str(cfg.gguf_file)
-    if not cfg.cache_dir:
-        raise LoadError("a GGUF model needs EngineConfig.cache_dir for its metadata (config.DEFAULT_CACHE_DIR)")
     probe = False
     if dtype is None and cfg.quantize == "int8":  # quantized next: activations in float32, as for quantized files
         log.info("dtype auto: float32 for activations (--quantize int8: the kernels compute in float32)")
@@ -238,26 +253,14 @@ def load_dense_gguf(
         log.info("dtype auto: bfloat16, the file's own type")
         dtype = torch.bfloat16
     elif dtype is None:
-        dtypes, why = memory.auto_cpu_dtypes(
-            preflight.gguf_footprint(path, cached=True), preflight.measure_resources([]).ram_free,
-            max_model_len=cfg.max_model_len, kv_cache_bytes=cfg.kv_cache_bytes, kv_dtype=cfg.kv_cache_dtype,
-            packed_copy=preflight.packed_copy_kept(str(device), cfg.cpu_kernels, cfg.cpu_isa),
-        )  # fmt: skip
+        dtypes, why = cpu_dtypes(preflight.gguf_footprint(path, cached=True), cfg, device)
         probe, dtype = len(dtypes) > 1, torch.float32 if len(dtypes) > 1 else torch.bfloat16
         if why:
             log.info("dtype auto: bfloat16 (%s)", why)
-    try:
-        gguf_weights.check(path)
-        folder = gguf_weights.metadata_folder(path, Path(cfg.cache_dir).expanduser())
-        tokenizer = load_tokenizer(folder, cfg.trust_remote_code, cfg.chat_template)
-        model = gguf_weights.load(path, folder, dtype, cfg.trust_remote_code, cfg.max_model_len)
-    except gguf_weights.BadFile as exc:
-        raise LoadError(str(exc)) from None
-    except gguf_weights.Unsupported as exc:
-        if cfg.weight_format == "quantized":
-            raise LoadError(f"{path.name} cannot be served as it is: {exc}") from exc
-        log.warning("GGUF %s: %s; converting to dense float32 instead", path.name, exc)
+    read = read_gguf(cfg, path, dtype, "as it is")
+    if read is None:
         return None
+    model, tokenizer, folder = read
     log.info("GGUF %s: %s weights read as the file holds them into %s (nothing converted to disk)", path.name,
              gguf_weights.HELD_NAMES[held], str(dtype).removeprefix("torch."))
     if probe:
