@@ -27,7 +27,7 @@ ON, OFF = KernelOptions(True, CACHE), KernelOptions(False, CACHE)
 REASON = cpu_kernels.unsupported_reason()
 needs_kernel = pytest.mark.skipif(REASON is not None, reason=f"CPU kernel unavailable: {REASON}")
 
-SHAPES = [(1, 576, 960), (1, 1536, 576), (2, 576, 3072), (3, 64, 7), (4, 576, 49152 // 8), (8, 64, 33),
+SHAPES = [(1, 576, 960), (1, 1536, 576), (2, 576, 3072), (3, 64, 7), (4, 576, 49152 // 8), (5, 2048, 40), (8, 64, 33),
           (13, 128, 100)]  # (M, K, N)
 
 
@@ -62,13 +62,16 @@ def test_kernel_matches_a_float32_reference(kernel: Any, m: int, k: int, n: int)
 
 
 @needs_kernel
-def test_each_row_is_independent_of_its_batch_mates(kernel: Any) -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("k", [576, 2048])
+def test_each_row_is_independent_of_its_batch_mates(kernel: Any, k: int, dtype: torch.dtype) -> None:
     """A sequence's logits must not depend on who else is decoding: bitwise, for every batch size (up to 8 rows
-    share a pass over the weights, more take several)."""
-    x, w, b = _case(11, 576, 1000, seed=3)
-    alone = torch.cat([kernel.linear_small(x[i : i + 1], w, b) for i in range(11)])
-    for m in range(2, 12):
-        assert torch.equal(kernel.linear_small(x[:m], w, b), alone[:m])
+    share a pass over the weights, more take several over chunks of weight rows; on AVX-512 three weight rows a
+    block from 8 rows, or from 4 where K >= 2048, one below)."""
+    x, w, b = (t.to(dtype) for t in _case(19, k, 1000, seed=3))
+    alone = torch.cat([kernel.linear_small(x[i : i + 1], w, b) for i in range(19)])
+    for m in range(2, 20):
+        assert torch.equal(kernel.linear_small(x[:m], w, b), alone[:m]), m
     assert torch.equal(kernel.linear_small(x.flip(0), w, b), alone.flip(0))
 
 

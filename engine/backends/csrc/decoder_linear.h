@@ -61,8 +61,7 @@ void linear_rows_unscaled(const Linear& L, const T* x, int64_t ldx, int64_t M, T
       continue;
     }
     const T* w = p.weight.data_ptr<T>();
-    for (int64_t m0 = 0; m0 < M; m0 += 8)
-      gemv_rows(std::min<int64_t>(M - m0, 8), x + m0 * ldx, w, pb, out + m0 * ldo + p.n0, L.K, ldx, ldo, b, e);
+    gemv_many(M, x, w, pb, out + p.n0, L.K, ldx, ldo, b, e);
   }
 }
 

@@ -29,6 +29,10 @@ const char* isa();
 template <typename T>
 void gemv_rows(int64_t rows, const T* x, const T* w, const float* bias, T* out, int64_t K, int64_t ldx, int64_t ldo,
                int64_t n_begin, int64_t n_end);
+// The same for any number of input rows M: up to 8 at a time, over the weight rows in chunks that stay in L2.
+template <typename T>
+void gemv_many(int64_t M, const T* x, const T* w, const float* bias, T* out, int64_t K, int64_t ldx, int64_t ldo,
+               int64_t n_begin, int64_t n_end);
 torch::Tensor linear_small(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias);
 
 // --- qlinear.cpp: x @ W^T for W kept quantized (GGUF blocks), int8 dot products (qdot.h); float32 out ---
