@@ -254,26 +254,29 @@ inline void dot_q6k(const uint8_t* row, const QRows& x, int64_t m0, float* res) 
     }
     for (int r = 0; r < R; ++r) sumi[r] = fold512(sum2[r]);
 #else
-    alignas(32) int16_t sc[16];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(sc), sc16);
+    // each group's two scales as int16 (one for each 16 values), picked from the 16 int8 ones by a shuffle and
+    // widened: two instructions, not two broadcasts from memory and an insert
+    const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
+    const __m128i pick = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
     for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
     for (int n = 0; n < 2; ++n) {  // a half: 128 values, groups 4n .. 4n + 3 of 32
       const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * n)),
                     l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * n + 32)),
                     h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * n)),
-                    m4 = _mm256_set1_epi8(0xF), m2 = _mm256_set1_epi8(3);
+                    m4 = _mm256_set1_epi8(0xF), m30 = _mm256_set1_epi8(0x30);
       const __m256i low[4] = {_mm256_and_si256(l0, m4), _mm256_and_si256(l1, m4),
                               _mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
                               _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4)};
-      const __m256i high[4] = {_mm256_slli_epi16(_mm256_and_si256(h, m2), 4),
-                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), m2), 4),
-                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), m2), 4),
-                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), m2), 4)};
+      // group g's two high bits (bits 2g, 2g + 1 of h) moved to bits 4-5 by one shift and masked: the 16-bit shifts
+      // carry bits across the byte boundary only into bits the mask drops
+      const __m256i high[4] = {_mm256_and_si256(_mm256_slli_epi16(h, 4), m30),
+                               _mm256_and_si256(_mm256_slli_epi16(h, 2), m30), _mm256_and_si256(h, m30),
+                               _mm256_and_si256(_mm256_srli_epi16(h, 2), m30)};
 #pragma GCC unroll 4
       for (int g = 0; g < 4; ++g) {
         const int j = 4 * n + g;
         const __m256i w = _mm256_or_si256(low[g], high[g]);
-        const __m256i s = _mm256_set_m128i(_mm_set1_epi16(sc[2 * j + 1]), _mm_set1_epi16(sc[2 * j]));
+        const __m256i s = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, _mm_add_epi8(pick, _mm_set1_epi8(2 * j))));
         for (int r = 0; r < R; ++r) {
           const int8_t* a = x.kq + (m0 + r) * K + b * kQK_K + 32 * j;
           sumi[r] =
