@@ -233,18 +233,20 @@ inline void dot_q6k(const uint8_t* row, const QRows& x, int64_t m0, float* res) 
     const __m512i pick = _mm512_set_epi64(0x0706070607060706, 0x0706070607060706, 0x0504050405040504,
                                           0x0504050405040504, 0x0302030203020302, 0x0302030203020302,
                                           0x0100010001000100, 0x0100010001000100);  // lane i: word i
+    // (the high bits: groups 4n and 4n + 1 take bits 0-1 and 2-3 of h, h01's halves, to bits 4-5 by one shift
+    // and a mask; groups 4n + 2, 4n + 3 bits 4-5 and 6-7, there already in h01's halves, by the mask alone; the
+    // scales of half n: sc16's 128-bit half n, broadcast)
     __m512i sum2[R];
     for (int r = 0; r < R; ++r) sum2[r] = _mm512_setzero_si512();
     for (int n = 0; n < 2; ++n) {
-      const __m512i l = _mm512_loadu_si512(blk + 64 * n), m4 = _mm512_set1_epi8(0xF), m2 = _mm512_set1_epi8(3);
+      const __m512i l = _mm512_loadu_si512(blk + 64 * n), m4 = _mm512_set1_epi8(0xF), m30 = _mm512_set1_epi8(0x30);
       const __m512i h =
           _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * n)));
-      const __m512i h01 = _mm512_mask_srli_epi16(h, 0xFFFF0000u, h, 2), h23 = _mm512_srli_epi16(h01, 4);
-      const __m512i w01 = _mm512_or_si512(_mm512_and_si512(l, m4), _mm512_slli_epi16(_mm512_and_si512(h01, m2), 4));
-      const __m512i w23 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4),
-                                          _mm512_slli_epi16(_mm512_and_si512(h23, m2), 4));
-      const __m512i s8 = _mm512_broadcast_i32x4(
-          _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 192 + 8 * n))));
+      const __m512i h01 = _mm512_mask_srli_epi16(h, 0xFFFF0000u, h, 2);
+      const __m512i w01 = _mm512_or_si512(_mm512_and_si512(l, m4), _mm512_and_si512(_mm512_slli_epi16(h01, 4), m30));
+      const __m512i w23 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4), _mm512_and_si512(h01, m30));
+      const __m512i s8 =
+          _mm512_broadcast_i32x4(n == 0 ? _mm256_castsi256_si128(sc16) : _mm256_extracti128_si256(sc16, 1));
       const __m512i s01 = _mm512_shuffle_epi8(s8, pick),
                     s23 = _mm512_shuffle_epi8(s8, _mm512_add_epi8(pick, _mm512_set1_epi8(8)));
       for (int r = 0; r < R; ++r) {
