@@ -356,8 +356,9 @@ def drop_build_lists(tokenizer: Any) -> None:
     (encoding, decoding, `get_vocab` and saving read the Rust one)."""
     if type(tokenizer).__name__ in _BUILD_LISTS_UNUSED and getattr(tokenizer, "_tokenizer", None) is not None:
         for name in ("_vocab", "_merges"):
-            if isinstance(getattr(tokenizer, name, None), (dict, list)):
-                setattr(tokenizer, name, type(getattr(tokenizer, name))())
+            built_from = getattr(tokenizer, name, None)
+            if isinstance(built_from, (dict, list)):
+                setattr(tokenizer, name, type(built_from)())
 
 
 def model_type(folder: Path) -> str | None:

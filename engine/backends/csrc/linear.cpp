@@ -1,9 +1,10 @@
 // linear_small: small-batch linear, out[M, N] = x[M, K] @ w[N, K]^T (+ bias), float32 or bfloat16.
 // Decoding a few rows at a time is a matrix-vector product: every weight is read once per step and used M times,
 // so the step is bound by memory bandwidth. Each weight row is streamed once, R rows at a time, for up to 8 inputs
-// per pass (more in passes of 8 over chunks of weight rows that stay in L2), accumulating in float32: bf16 pairs through `vdpbf16ps` where the build has AVX512-BF16, else each
-// vector of weights widened to float32 in registers and multiplied by FMA. Each output element is computed by the
-// same instructions in the same order whatever M is, so a sequence's logits do not depend on its batch mates.
+// per pass (more in passes of 8 over chunks of weight rows that stay in L2), accumulating in float32: bf16 pairs
+// through `vdpbf16ps` where the build has AVX512-BF16, else each vector of weights widened to float32 in registers
+// and multiplied by FMA. Each output element is computed by the same instructions in the same order whatever M is,
+// so a sequence's logits do not depend on its batch mates.
 #include "kernels.h"
 
 namespace peregrine {
@@ -142,7 +143,8 @@ void linear_typed(const torch::Tensor& x, const torch::Tensor& w, const float* b
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0), ldx = x.stride(0);
   const T *xp = x.data_ptr<T>(), *wp = w.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) { gemv_many(M, xp, wp, bias, op, K, ldx, N, begin, end); });
+  at::parallel_for(0, N, 64,
+                   [&](int64_t begin, int64_t end) { gemv_many(M, xp, wp, bias, op, K, ldx, N, begin, end); });
 }
 
 }  // namespace
