@@ -394,8 +394,9 @@ constexpr int64_t kActTileBytes = 16 << 10, kWeightTileBytes = 128 << 10;
 // prefetched in the first block of activation rows. A row's result does not depend on the tile it falls in: each
 // goes through dot_k, whose sums are the same whatever R.
 // The rows ahead are asked for into L2 (prefetcht2), not L1, where a whole row at a time (1.7-6.7 KB for Q6_K)
-// competed with the row in use for the L1 and its miss buffers. Q6_K rows from memory, one activation row, two threads (AMD EPYC
-// Zen 4, each figure the best of 7 over weights on huge pages four times the L3, three rounds alternating, GB/s):
+// competed with the row in use for the L1 and its miss buffers. Q6_K rows from memory, one activation row, two
+// threads (AMD EPYC Zen 4, each figure the best of 7 over weights on huge pages four times the L3, three rounds
+// alternating, GB/s):
 // [16384, 2048] 33.8 / 41.7 / 33.0 -> 49.8 / 48.6 / 38.1, [2048, 8192] 24.0 / 26.4 / 23.9 -> 28.5 / 27.3 / 28.3; the
 // avx2 build 32.5 / 24.9 / 33.0 -> 45.8 / 46.7 / 37.4 and 22.5 / 22.7 / 23.7 -> 27.3 / 24.0 / 24.8.
 template <int T, typename O>
