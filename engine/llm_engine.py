@@ -148,17 +148,17 @@ class LLMEngine:
         return outputs
 
     def _propose(self) -> list[Sequence]:
-        """Set the proposals of the decoding sequences that speculate this step; returns those sequences. None for
-        a constrained sequence (its grammar state only follows accepted tokens), none past max_tokens or the
-        context; as many as pay (`plan_lengths`). The proposer gets every sequence in one call (a draft model batches
-        them)."""
+        """Set the proposals of the decoding sequences that speculate this step; returns those sequences. A
+        constrained sequence's are cut to what its grammar accepts (none before a lazy constraint's trigger); none
+        past max_tokens or the context; as many as pay (`plan_lengths`). The proposer gets every sequence in one
+        call (a draft model batches them)."""
         if self.proposer is None:
             return []
         k = self.cfg.speculative_tokens
         decoding = [s for s in self.scheduler.running if s.num_uncomputed_tokens == 1]
         candidates: list[tuple[Sequence, int]] = []
         for seq in decoding:
-            if seq.seq_id in self._grammars:
+            if seq.seq_id in self._grammars and not self._grammars[seq.seq_id].active:
                 continue
             room = min(k, seq.max_tokens - len(seq.output_token_ids) - 1, self.max_model_len - seq.num_tokens - 1)
             if room > 0:
@@ -169,7 +169,9 @@ class LLMEngine:
         wants = [(seq, n) for (seq, _), n in zip(candidates, lengths, strict=True) if n > 0]
         drafted = []
         for (seq, _), draft in zip(wants, self.proposer.propose_batch(wants) if wants else [], strict=True):
-            seq.draft = until_stop(draft, seq, self.eos_token_ids)  # no rows past where it would end
+            if seq.seq_id in self._grammars:
+                draft = self._grammars[seq.seq_id].valid_prefix(draft, self.eos_token_ids)
+            seq.draft = draft = until_stop(draft, seq, self.eos_token_ids)  # no rows past where it would end
             if draft:
                 drafted.append(seq)
         return drafted
@@ -190,21 +192,17 @@ class LLMEngine:
         return outputs
 
     def _start_masks(self, seqs: list[SampleRow]) -> Future[tuple[list[int], torch.Tensor]] | None:
-        """Start filling the token masks of this step's constrained rows (one llguidance call, GIL released)
-        in a helper thread, so it runs beside the forward pass. None when no row is constrained now."""
+        """Start filling the token masks of this step's constrained rows (verification rows included; one
+        llguidance call, GIL released) in a helper thread, so it runs beside the forward pass. None when no row is
+        constrained now."""
         if not self._grammars:
             return None
-        rows, states = [], []
-        for i, seq in enumerate(seqs):
-            state = self._grammars.get(seq.seq_id)
-            if state is not None and state.active:
-                rows.append(i)
-                states.append(state)
+        rows, work = grammar.mask_work(seqs, self._grammars)
         if not rows:
             return None
         filler = self._filler
         assert filler is not None and self._mask_thread is not None
-        return self._mask_thread.submit(lambda: (rows, filler.forbidden(filler.fill(states))))
+        return self._mask_thread.submit(lambda: (rows, filler.forbidden(filler.fill(work))))
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.validate(prompt_token_ids, params)

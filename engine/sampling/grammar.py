@@ -9,7 +9,9 @@
 - `GrammarState` is one sequence's matcher. It follows the sequence's output tokens (`sync`), so preemption with
   recompute, n > 1 and a lazy `trigger` need nothing special: the state is a function of the tokens so far.
 - `BitmaskFiller` fills the masks of all constrained rows of a step in one `LLExecutor` call (it drops the GIL,
-  so the engine runs it beside the forward pass).
+  so the engine runs it beside the forward pass), speculative verification rows included: row i of a sequence's
+  proposals gets the mask of its state after the first i proposals (`mask_work`; the proposals were cut to what the
+  grammar accepts, `GrammarState.valid_prefix`).
 
 Why llguidance rather than xgrammar: see the README's "Structured output and tools" section.
 """
@@ -20,6 +22,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -227,6 +230,17 @@ class GrammarState:
     def error(self) -> str:
         return self.matcher.get_error() if self.matcher is not None else ""
 
+    def valid_prefix(self, draft: list[int], eos_token_ids: Collection[int]) -> list[int]:
+        """The speculative proposals `draft` up to the first the grammar refuses (and before any EOS: the grammar
+        ends a constrained sequence itself), so each verification row has the mask of its state after the ones
+        before it. [] before a lazy constraint's trigger (its rows are free until the trigger appears, which a
+        proposal could complete) and once the grammar is done."""
+        if not self.active:
+            return []
+        assert self.matcher is not None
+        cut = next((i for i, t in enumerate(draft) if t in eos_token_ids), len(draft))
+        return draft[: self.matcher.validate_tokens(draft[:cut])]  # checks without consuming
+
     def sync(self, output_token_ids: list[int], eos_token_ids: frozenset[int] = frozenset()) -> None:
         """Take the output tokens not seen yet into account (EOS is never fed: it ends the sequence)."""
         new = [t for t in output_token_ids[self._seen:] if t not in eos_token_ids]
@@ -252,6 +266,25 @@ class GrammarState:
                 log.debug("lazy grammar: %d of %d tokens after the trigger fit", done, len(tokens))
 
 
+def mask_work(rows: list[Any], states: dict[tuple[str, int], GrammarState]) -> tuple[list[int], list]:
+    """The constrained rows of a step's sampling rows (their indices) and the `BitmaskFiller.fill` work that masks
+    them: a sequence's row, then one row per proposal it verifies (same `seq_id`, each row's `output_token_ids` the
+    sequence's plus the proposals before it)."""
+    indices: list[int] = []
+    work: list[tuple[GrammarState, list[int]]] = []
+    i = 0
+    while i < len(rows):
+        j = i + 1
+        while j < len(rows) and rows[j].seq_id == rows[i].seq_id:
+            j += 1
+        state = states.get(rows[i].seq_id)
+        if state is not None and state.active:
+            work.append((state, list(rows[j - 1].output_token_ids[len(rows[i].output_token_ids):])))
+            indices.extend(range(i, j))
+        i = j
+    return indices, work
+
+
 def _bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     """int32 [rows, ceil(vocab_size / 32)], all bits set (llguidance.torch's allocate_token_bitmask, on the CPU)."""
     return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
@@ -269,15 +302,26 @@ class BitmaskFiller:
         self._executor = llguidance.LLExecutor(num_threads=2)
         self._buffer = _bitmask(8, self.lltok.vocab_size)
 
-    def fill(self, states: list[GrammarState]) -> torch.Tensor:
-        """[len(states), words] int32 bitmask, one row per state (each must be `active`)."""
-        if self._buffer.shape[0] < len(states):
-            self._buffer = _bitmask(max(len(states), 2 * self._buffer.shape[0]), self.lltok.vocab_size)
-        mask = self._buffer[: len(states)]  # rows of a contiguous buffer: contiguous
-        # llguidance.torch's fill_next_token_bitmask_par, without importing that module: its torch.compile decorator
-        # imports torch's dynamo and inductor (about 8 s and 150 MB at start, for a function this engine never calls)
-        self._executor.unsafe_compute_mask_ptr([(s.matcher, i) for i, s in enumerate(states)], mask.data_ptr(),
-                                               mask.shape[1] * 4, len(states))
+    def fill(self, work: list[tuple[GrammarState, list[int]]]) -> torch.Tensor:
+        """int32 bitmask, for each (state, proposals) in turn (each state `active`, its proposals all valid) one
+        row for the state as it is, then one after each proposal: 1 + len(proposals) rows."""
+        rows = sum(1 + len(draft) for _, draft in work)
+        if self._buffer.shape[0] < rows:
+            self._buffer = _bitmask(max(rows, 2 * self._buffer.shape[0]), self.lltok.vocab_size)
+        mask = self._buffer[:rows]  # rows of a contiguous buffer: contiguous
+        mask.fill_(-1)  # a row past where a grammar stops is left as it is: every token allowed (the row is dropped)
+        starts = [0]
+        for _, draft in work:
+            starts.append(starts[-1] + 1 + len(draft))
+        # llguidance.torch's fill_next_token_bitmask_par (and its _with_draft_tokens form, which takes no empty
+        # list), without importing that module: its torch.compile decorator imports torch's dynamo and inductor
+        # (about 8 s and 150 MB at start). llguidance consumes a row's proposals in turn, then rolls them back
+        plain = [(s.matcher, at) for (s, draft), at in zip(work, starts, strict=False) if not draft]
+        drafted = [(s.matcher, at, draft) for (s, draft), at in zip(work, starts, strict=False) if draft]
+        if plain:
+            self._executor.unsafe_compute_mask_ptr(plain, mask.data_ptr(), mask.shape[1] * 4, rows)
+        if drafted:
+            self._executor.unsafe_compute_mask_ptr_with_draft_token(drafted, mask.data_ptr(), mask.shape[1] * 4, rows)
         return mask
 
     def forbidden(self, mask: torch.Tensor) -> torch.Tensor:

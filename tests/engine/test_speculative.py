@@ -210,23 +210,68 @@ def test_preemption_and_small_budgets_keep_the_answers(smollm2_q4_1: Loaded) -> 
     check_clean(spec)
 
 
-def test_constrained_requests_do_not_propose(smollm2_q4_1: Loaded) -> None:
-    tok = smollm2_q4_1.tokenizer
+def test_constrained_requests_propose_what_the_grammar_accepts_and_answer_the_same(smollm2_q4_1: Loaded) -> None:
+    """A JSON-schema request extracting from its prompt speculates: its proposals are cut to what the grammar
+    accepts, each verification row is masked with the grammar's state after the proposals before it, and the answer
+    is plain constrained decoding's, greedy token for token and seeded number for number, alone and batched."""
     import json
 
+    tok = smollm2_q4_1.tokenizer
     constraint = Constraint("json_schema", json.dumps(PERSON))
-    prompt = chat_ids(tok, "Extract the person as JSON: 'Ada Lovelace, aged 36, wrote the first program.'")
+    prompt = chat_ids(tok, "Extract the person as JSON with the keys name and age: 'Ada Lovelace, aged 36, wrote "
+                           "the first program.' Answer with the JSON only.")
     plain, spec = engines(smollm2_q4_1)
-    params = greedy(60, constraint=constraint)
-    want = text_of(run_all(plain, {"j": (prompt, params)})["j"])
-    got = text_of(run_all(spec, {"j": (prompt, params), "free": (chat_ids(tok, COPY), greedy(40))})["j"])
-    assert got == want and json.loads(got)["age"] >= 0
-    stats = spec.stats()
-    assert stats.spec_proposed_tokens_total > 0  # the free request proposed ...
-    alone = run_all(spec, {"j2": (prompt, params)})["j2"]
-    assert spec.stats().spec_proposed_tokens_total == stats.spec_proposed_tokens_total  # ... the constrained one not
-    assert text_of(alone) == want
+    for params in (greedy(60, constraint=constraint),
+                   SamplingParams(temperature=0.8, seed=5, max_tokens=60, constraint=constraint)):
+        want = run_all(plain, {"j": (prompt, params)})["j"]
+        before = spec.stats()
+        alone = run_all(spec, {"j": (prompt, params)})["j"]
+        after = spec.stats()
+        assert tokens_of(alone) == tokens_of(want) and json.loads(text_of(alone))["age"] >= 0
+        assert after.spec_proposed_tokens_total > before.spec_proposed_tokens_total  # the constrained one proposed
+        batched = run_all(spec, {"j": (prompt, params), "free": (chat_ids(tok, COPY), greedy(40))})
+        assert tokens_of(batched["j"]) == tokens_of(want)
+    assert accepted(spec) > 0
     check_clean(spec)
+
+
+def test_constrained_proposals_and_their_masks(smollm2_q4_1: Loaded) -> None:
+    """The grammar's side: proposals cut at the first token the grammar refuses and before an EOS, nothing
+    consumed by checking; each verification row's mask is the state's after the proposals before it (as plain
+    decoding would compute it one token at a time), and the matcher is left as it was."""
+    import json
+
+    from engine.core.sequence import DraftRow
+    from engine.sampling import grammar
+
+    tok = smollm2_q4_1.tokenizer
+    state = grammar.GrammarState(Constraint("json_schema", json.dumps(PERSON)), tok)
+    ids = tok.encode('{"name": "Ada", "age": 36}', add_special_tokens=False)
+    eos = frozenset({tok.eos_token_id})
+    assert state.valid_prefix(ids, eos) == ids
+    assert state.valid_prefix(ids[:3] + tok.encode("}}}", add_special_tokens=False), eos) == ids[:3]
+    assert state.valid_prefix(ids[:2] + [tok.eos_token_id] + ids[2:], eos) == ids[:2]
+    assert state.valid_prefix(ids + ids, eos) == ids  # the grammar ends with the object
+    filler = grammar.BitmaskFiller(tok, len(tok), eos)
+    one_by_one = []
+    walker = grammar.GrammarState(state.constraint, tok)
+    for i in range(5):
+        one_by_one.append(filler.fill([(walker, [])]).clone())
+        walker.sync(ids[: i + 1])
+    free = grammar.GrammarState(Constraint("regex", "[a-z]+"), tok)
+
+    class Row:  # a sampling row: a sequence's (seq_id, output so far)
+        def __init__(self, seq_id: tuple[str, int], output: list[int]) -> None:
+            self.seq_id, self.output_token_ids = seq_id, output
+
+    rows = [Row(("u", 0), [5]), Row(("c", 0), []), *(DraftRow(Row(("c", 0), []), ids[:i]) for i in (1, 2, 3, 4)),
+            Row(("f", 0), [])]
+    indices, work = grammar.mask_work(rows, {("c", 0): state, ("f", 0): free})
+    assert indices == [1, 2, 3, 4, 5, 6] and [len(d) for _, d in work] == [4, 0]
+    masks = filler.fill(work)
+    for i in range(5):
+        assert torch.equal(masks[i], one_by_one[i][0]), f"row {i}"
+    assert state.valid_prefix(ids, eos) == ids and not state.done  # the matcher was rolled back
 
 
 @pytest.mark.parametrize("kernels", [True, False], ids=["cpu-kernels", "torch-ops"])

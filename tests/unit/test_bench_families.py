@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import gguf
+import numpy as np
 import pytest
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
@@ -32,18 +33,50 @@ def test_a_written_shape_has_its_tensors_and_the_tokenizer(tmp_path: Path) -> No
 
 
 def test_rows_pair_the_servers_at_each_level(tmp_path: Path) -> None:
-    def row(conc: int, tok_s: float, ttft_ms: float) -> dict:
-        return {"concurrency": conc, "output_throughput": tok_s, "ttft_ms": {"p50": ttft_ms}}
+    def row(conc: int, tok_s: float, ttft_ms: float, tpot_ms: float) -> dict:
+        return {"concurrency": conc, "output_throughput": tok_s, "ttft_ms": {"p50": ttft_ms},
+                "tpot_ms": {"p50": tpot_ms}}
 
-    result = {"runs": [{"peer": "peregrine", "rows": [row(1, 30.0, 100.0), row(16, 90.0, 900.0)], "peak_rss_mb": 120.0},
-                       {"peer": "llamacpp", "rows": [row(1, 20.0, 200.0), row(16, 60.0, 3000.0)]}]}  # fmt: skip
+    result = {"runs": [{"peer": "peregrine", "rows": [row(1, 30.0, 100.0, 20.0), row(16, 90.0, 900.0, 150.0)],
+                        "peak_rss_mb": 120.0},
+                       {"peer": "llamacpp", "rows": [row(1, 20.0, 200.0, 25.0), row(16, 60.0, 3000.0, 200.0)]}],
+              "meta": {"machine": {"read_gb_s": 0.0}}}  # fmt: skip
     file = tmp_path / "x.gguf"
     file.write_bytes(b"\0" * 1000)
     rows = bench_families.summarize("s", "Q4_K_M", file, result)
     assert [(r["concurrency"], r["ratio"]) for r in rows] == [(1, 1.5), (16, 1.5)]
     assert rows[1]["ttft_peregrine"] == pytest.approx(0.9) and rows[1]["ttft_llamacpp"] == pytest.approx(3.0)
+    assert (rows[0]["tpot_peregrine"], rows[0]["tpot_llamacpp"]) == (20.0, 25.0)
+    assert rows[0]["roofline_peregrine"] is None  # no read bandwidth measured: no roofline (the file is not read)
     assert (rows[0]["rss_peregrine"], rows[0]["rss_llamacpp"]) == (120.0, None)  # a run without the figure: None
     assert rows[0]["rss_now_peregrine"] is None
+
+
+def test_the_roofline_counts_the_weights_a_step_reads(tmp_path: Path) -> None:
+    """A tied file's embedding is its LM head (read whole each step); an untied file's embedding is one row a step,
+    so only its output matrix counts. The share is the decode rate (1 / TPOT p50) times those bytes over the read
+    bandwidth, at one stream only."""
+    tied = bench_families.Shape("qwen3", 64, 2, 128, 4, 2, 32, "bundled", 1e6, qk_norm=True)
+    path = tmp_path / "tiny-F16.gguf"
+    bench_families.write_f16("tiny", tied, path, bench_peers.bundled_gguf())
+    sizes = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(path).tensors}
+    assert bench_families.weight_bytes_a_token(path) == sum(sizes.values())
+    untied = tmp_path / "untied.gguf"
+    writer = gguf.GGUFWriter(untied, "llama")
+    for name, rows in (("token_embd.weight", 100), ("output.weight", 100), ("blk.0.attn_q.weight", 16)):
+        writer.add_tensor(name, np.zeros((rows, 16), dtype=np.float16))
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file()
+    writer.close()
+    assert bench_families.weight_bytes_a_token(untied) == (100 + 16) * 16 * 2  # the output matrix and the layer
+
+    row = {"concurrency": 1, "output_throughput": 40.0, "ttft_ms": {"p50": 100.0}, "tpot_ms": {"p50": 10.0}}
+    theirs = row | {"tpot_ms": {"p50": 20.0}}
+    result = {"runs": [{"peer": "peregrine", "rows": [row]}, {"peer": "llamacpp", "rows": [theirs]}],
+              "meta": {"machine": {"read_gb_s": 2.0}}}
+    (one,) = bench_families.summarize("tiny", "F16", path, result)
+    step = bench_families.weight_bytes_a_token(path)
+    assert one["roofline_peregrine"] == pytest.approx(step * 100 / 2e9)  # 100 steps a second
+    assert one["roofline_llamacpp"] == pytest.approx(step * 50 / 2e9)
 
 
 def test_fused_windowed_and_padded_shapes_are_written_as_llama_cpp_reads_them(tmp_path: Path) -> None:
