@@ -49,7 +49,7 @@ def walk_exact(tok, constraint: Constraint, language: set[str], seed: int, extra
     for _ in range(64):
         if state.done:
             break
-        allowed = filler.allowed(filler.fill([state]))[0]
+        allowed = filler.allowed(filler.fill([(state, [])]))[0]
         assert allowed.shape == (len(tok) + extra_vocab,)
         expected = {t for t, b in pieces.items() if b and any(w.startswith(text + b) for w in words)}
         got = set(allowed.nonzero().flatten().tolist())
@@ -225,7 +225,7 @@ def test_lazy_trigger_feeds_the_text_after_it(tok):
     state.sync(tok.encode("a fox12", add_special_tokens=False), eos)
     assert state.active
     filler = BitmaskFiller(tok, len(tok), eos)
-    allowed = filler.allowed(filler.fill([state]))[0]
+    allowed = filler.allowed(filler.fill([(state, [])]))[0]
     assert allowed[tok.convert_tokens_to_ids(";")]
     assert not allowed[tok.convert_tokens_to_ids("a")]
 
@@ -234,11 +234,11 @@ def test_eos_ids_of_the_model_follow_the_tokenizers(tok):
     other_eos = 3  # <|im_start|> stands in for a second EOS id from generation_config
     filler = BitmaskFiller(tok, len(tok), frozenset({tok.eos_token_id, other_eos}))
     state = GrammarState(Constraint("choice", '["no"]'), tok)
-    allowed = filler.allowed(filler.fill([state]))[0]
+    allowed = filler.allowed(filler.fill([(state, [])]))[0]
     assert not allowed[other_eos] and not allowed[tok.eos_token_id]
     state = GrammarState(Constraint("regex", "n(o)*"), tok)
     state.sync(tok.encode("no", add_special_tokens=False))
-    allowed = filler.allowed(filler.fill([state]))[0]
+    allowed = filler.allowed(filler.fill([(state, [])]))[0]
     assert allowed[other_eos] and allowed[tok.eos_token_id]
 
 
