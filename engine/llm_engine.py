@@ -127,7 +127,7 @@ class LLMEngine:
             return []
         sampling = batch.sampling  # before `update` grows the sequences
         rows = sample_rows(sampling)
-        masks = self._start_masks(rows)
+        masks = self._start_masks(sampling)
         started = time.perf_counter()
         logits = self.runner.run(batch)
         self._score_prompt(batch, logits[len(rows):])
@@ -191,13 +191,13 @@ class LLMEngine:
             outputs.append(self._emit(seq, token))
         return outputs
 
-    def _start_masks(self, seqs: list[SampleRow]) -> Future[tuple[list[int], torch.Tensor]] | None:
+    def _start_masks(self, items: list[ScheduledSeq]) -> Future[tuple[list[int], torch.Tensor]] | None:
         """Start filling the token masks of this step's constrained rows (verification rows included; one
         llguidance call, GIL released) in a helper thread, so it runs beside the forward pass. None when no row is
         constrained now."""
         if not self._grammars:
             return None
-        rows, work = grammar.mask_work(seqs, self._grammars)
+        rows, work = grammar.mask_work(items, self._grammars)
         if not rows:
             return None
         filler = self._filler

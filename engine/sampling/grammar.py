@@ -266,22 +266,18 @@ class GrammarState:
                 log.debug("lazy grammar: %d of %d tokens after the trigger fit", done, len(tokens))
 
 
-def mask_work(rows: list[Any], states: dict[tuple[str, int], GrammarState]) -> tuple[list[int], list]:
-    """The constrained rows of a step's sampling rows (their indices) and the `BitmaskFiller.fill` work that masks
-    them: a sequence's row, then one row per proposal it verifies (same `seq_id`, each row's `output_token_ids` the
-    sequence's plus the proposals before it)."""
+def mask_work(items: list[Any], states: dict[tuple[str, int], GrammarState]) -> tuple[list[int], list]:
+    """The constrained rows of a step's sampling items (the indices of their logits rows: an item's sequence row,
+    then one row per proposal it verifies, `item.draft`) and the `BitmaskFiller.fill` work that masks them."""
     indices: list[int] = []
     work: list[tuple[GrammarState, list[int]]] = []
-    i = 0
-    while i < len(rows):
-        j = i + 1
-        while j < len(rows) and rows[j].seq_id == rows[i].seq_id:
-            j += 1
-        state = states.get(rows[i].seq_id)
+    at = 0
+    for item in items:
+        state = states.get(item.seq.seq_id)
         if state is not None and state.active:
-            work.append((state, list(rows[j - 1].output_token_ids[len(rows[i].output_token_ids):])))
-            indices.extend(range(i, j))
-        i = j
+            work.append((state, list(item.draft)))
+            indices.extend(range(at, at + 1 + len(item.draft)))
+        at += 1 + len(item.draft)
     return indices, work
 
 
@@ -305,19 +301,20 @@ class BitmaskFiller:
     def fill(self, work: list[tuple[GrammarState, list[int]]]) -> torch.Tensor:
         """int32 bitmask, for each (state, proposals) in turn (each state `active`, its proposals all valid) one
         row for the state as it is, then one after each proposal: 1 + len(proposals) rows."""
-        rows = sum(1 + len(draft) for _, draft in work)
+        plain, drafted, rows = [], [], 0  # each state's first row is `rows` as it stands when it comes
+        for state, draft in work:
+            if draft:
+                drafted.append((state.matcher, rows, draft))
+            else:
+                plain.append((state.matcher, rows))
+            rows += 1 + len(draft)
         if self._buffer.shape[0] < rows:
             self._buffer = _bitmask(max(rows, 2 * self._buffer.shape[0]), self.lltok.vocab_size)
         mask = self._buffer[:rows]  # rows of a contiguous buffer: contiguous
         mask.fill_(-1)  # a row past where a grammar stops is left as it is: every token allowed (the row is dropped)
-        starts = [0]
-        for _, draft in work:
-            starts.append(starts[-1] + 1 + len(draft))
         # llguidance.torch's fill_next_token_bitmask_par (and its _with_draft_tokens form, which takes no empty
         # list), without importing that module: its torch.compile decorator imports torch's dynamo and inductor
         # (about 8 s and 150 MB at start). llguidance consumes a row's proposals in turn, then rolls them back
-        plain = [(s.matcher, at) for (s, draft), at in zip(work, starts, strict=False) if not draft]
-        drafted = [(s.matcher, at, draft) for (s, draft), at in zip(work, starts, strict=False) if draft]
         if plain:
             self._executor.unsafe_compute_mask_ptr(plain, mask.data_ptr(), mask.shape[1] * 4, rows)
         if drafted:

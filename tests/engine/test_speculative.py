@@ -8,6 +8,7 @@ Each check also asserts that proposals were made and accepted, so the speculativ
 from __future__ import annotations
 
 from collections import defaultdict
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -241,7 +242,6 @@ def test_constrained_proposals_and_their_masks(smollm2_q4_1: Loaded) -> None:
     decoding would compute it one token at a time), and the matcher is left as it was."""
     import json
 
-    from engine.core.sequence import DraftRow
     from engine.sampling import grammar
 
     tok = smollm2_q4_1.tokenizer
@@ -260,13 +260,11 @@ def test_constrained_proposals_and_their_masks(smollm2_q4_1: Loaded) -> None:
         walker.sync(ids[: i + 1])
     free = grammar.GrammarState(Constraint("regex", "[a-z]+"), tok)
 
-    class Row:  # a sampling row: a sequence's (seq_id, output so far)
-        def __init__(self, seq_id: tuple[str, int], output: list[int]) -> None:
-            self.seq_id, self.output_token_ids = seq_id, output
+    def item(request_id: str, draft: list[int]) -> SimpleNamespace:  # a step's sampling item (ScheduledSeq)
+        return SimpleNamespace(seq=SimpleNamespace(seq_id=(request_id, 0)), draft=tuple(draft))
 
-    rows = [Row(("u", 0), [5]), Row(("c", 0), []), *(DraftRow(Row(("c", 0), []), ids[:i]) for i in (1, 2, 3, 4)),
-            Row(("f", 0), [])]
-    indices, work = grammar.mask_work(rows, {("c", 0): state, ("f", 0): free})
+    items = [item("u", []), item("c", ids[:4]), item("f", [])]  # rows: u; c and its 4 proposals; f
+    indices, work = grammar.mask_work(items, {("c", 0): state, ("f", 0): free})
     assert indices == [1, 2, 3, 4, 5, 6] and [len(d) for _, d in work] == [4, 0]
     masks = filler.fill(work)
     for i in range(5):
