@@ -89,7 +89,9 @@ def test_qlinear_k_quant_tiles_keep_rows_bitwise(module: Any, fmt: str) -> None:
     (more than one block of them) is within the exact int8 product's bound, and each row gives the same bits alone,
     in a batch of 3 that straddles a tile, and in the whole batch; and with the matrix taken from its 6th row on (in
     Q4_K's lanes, qdot_lanes_k.h's 16 and qdot_lanes8.h's 8, every row in another lane and the last tile a whole
-    one; qdot_lanes8.h's blocks of 16 activation rows and 56 weight rows at K = 4096 crossed as well)."""
+    one; qdot_lanes8.h's blocks of 16 activation rows and 56 weight rows at K = 4096 crossed as well). Q6_K takes its
+    row loop for one to three activation rows and its lanes (qdot_lanes8.h, qdot_lanes_q6.h) from four: the single
+    row and the three against the batch of 29 hold the two to the same bits."""
     k, n = 4096, 150
     blocks = make_blocks(fmt, n, k, np.random.default_rng(5))
     w = torch.from_numpy(dequantize(blocks, fmt)).double()
@@ -109,7 +111,8 @@ def test_k_quant_sums_are_the_avx2_bodys_bits_on_every_path(module: Any, fmt: st
     same integer sums as the AVX2 body, so the same bits, for one to five activation rows and batches of 11 and 16
     (eight rows a weight row at a time there, kRowsK, then four, two, one), with `vpdpwssd` where the build has VNNI.
     Q4_K goes through lanes in both (qdot_lanes_k.h's 16 rows with `vpdpbusd` there, qdot_lanes8.h's 8 with
-    `vpmaddubsw` in the AVX2 build): the same integer sums and float operations, so the same bits too."""
+    `vpmaddubsw` in the AVX2 build), and so does Q6_K from four rows (qdot_lanes_q6.h's 16, qdot_lanes8.h's 8): the
+    same integer sums and float operations, so the same bits too."""
     if module.isa() in ("none", "avx2"):
         pytest.skip("the portable build sums in its own order; avx2 is the reference itself")
     avx2 = cpu_kernels.load(tool_cache_dir(), level="avx2")
@@ -121,6 +124,27 @@ def test_k_quant_sums_are_the_avx2_bodys_bits_on_every_path(module: Any, fmt: st
         assert torch.equal(module.qlinear(x[:rows], blocks, TYPES[fmt], None), want), rows
 
 
+
+
+def test_q6_k_lanes_at_the_extremes_of_their_integers(module: Any) -> None:
+    """Q6_K's lanes (qdot_lanes8.h, qdot_lanes_q6.h) add four `vpmaddubsw` products in int16 (AVX2) and sum each
+    16-value group from -32 times its activations' sum (AVX-512): with every 6-bit value 63 or 0, scales +-127 / -128
+    and activations at +-127 after quantization, the sums the format can reach, the result is the exact int8 product
+    (within 1e-5 of its range, float32 sums), on every path and for a row alone or among 16."""
+    rows, k = 40, 1024
+    blocks = np.zeros((rows, k // 256 * 210), np.uint8).reshape(rows, k // 256, 210)
+    rng = np.random.default_rng(9)
+    blocks[..., :192] = np.where(rng.random((rows, k // 256, 192)) < 0.8, 0xFF, 0x00)  # q = 63 mostly, else 0
+    blocks[..., 192:208] = rng.choice(np.array([127, 0x80, 0x81], np.uint8), (rows, k // 256, 16))  # 127, -128, -127
+    blocks[..., 208:210] = np.frombuffer(np.float16(0.001).tobytes(), np.uint8)
+    blocks = blocks.reshape(rows, -1)
+    w = torch.from_numpy(dequantize(blocks, "Q6_K")).double()
+    x = torch.where(torch.rand(16, k, generator=torch.Generator().manual_seed(8)) < 0.5, 1.0, -1.0)
+    x[:8] = x[:8].abs()  # rows of all +127: every group's sum at its largest
+    got = module.qlinear(x, torch.from_numpy(blocks), TYPES["Q6_K"], None)
+    exact = int8_activations(x, 256).double() @ w.T
+    assert float((got.double() - exact).abs().max()) <= 1e-5 * float(exact.abs().max())
+    assert torch.equal(module.qlinear(x[:1], torch.from_numpy(blocks), TYPES["Q6_K"], None), got[:1])
 
 
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1"])

@@ -24,9 +24,9 @@
 // blocks of 256 instead (ggml's Q8_K): a super-block's sums stay in integers, its group scales applied by `vpmaddwd`,
 // and one float FMA a super-block and activation row (qdot_kquant.h; the AVX-512 build takes two groups a 512-bit
 // register there, the same integer sums). In the AVX-512 VNNI builds Q4_K goes 16 weight rows a lane each instead
-// (qdot_lanes_k.h), and so does Q5_0 (qdot_lanes_q5.h): their own order of float sums, the same for a row in any
-// batch; in the other AVX2 builds Q4_K goes eight weight rows a lane each (qdot_lanes8.h), the same float operations
-// as qdot_lanes_k.h's lanes, so the same bits. IQ4_NL goes through the 32-value loop as a signed format (its nibbles
+// (qdot_lanes_k.h), and so do Q6_K (qdot_lanes_q6.h) and Q5_0 (qdot_lanes_q5.h): their own order of float sums, the
+// same for a row in any batch; in the other AVX2 builds Q4_K and Q6_K go eight weight rows a lane each
+// (qdot_lanes8.h), the same float operations as the 16-lane loops, so the same bits. IQ4_NL goes through the 32-value loop as a signed format (its nibbles
 // looked up in its table by one `vpshufb`, qdot_formats.h).
 //
 // Each output element is the same instruction sequence in the same order whatever the number of rows, the thread
@@ -37,13 +37,15 @@
 // The pieces, each including the one before: qdot_act.h (the activations quantized), qdot_formats.h (each format's
 // scales and weights decoded), qdot_rows.h (the row loop for the file's layouts), qdot_packed.h (the loop for the
 // row-packed layouts), qdot_kquant.h (the K-quants'), qdot_lanes.h (packed Q4_0 / Q4_1 / Q8_0, AVX-512), with
-// qdot_lanes_k.h (Q4_K) and qdot_lanes_q5.h (Q5_0) beside it, and qdot_lanes8.h (Q4_K, AVX2 without AVX-512 VNNI);
+// qdot_lanes_k.h (Q4_K), qdot_lanes_q6.h (Q6_K) and qdot_lanes_q5.h (Q5_0) beside it, and qdot_lanes8.h (Q4_K and
+// Q6_K, AVX2 without AVX-512 VNNI);
 // this file picks one per format (qlinear_rows).
 #pragma once
 
 #include "qdot_lanes8.h"
 #include "qdot_lanes_k.h"
 #include "qdot_lanes_q5.h"
+#include "qdot_lanes_q6.h"
 
 namespace peregrine_quant {
 
@@ -65,7 +67,12 @@ void qlinear_rows(int type, const uint8_t* w, int64_t ldw, const QRows& x, int64
       if constexpr (lanes_k8(kQ4_K)) return qlinear_lanes_k8<kQ4_K>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
       return qlinear_range_k<kQ4_K>(w, ldw, x, M, bias, out, ldo, n_begin, n_end);
     case kQ5_K: return qlinear_range_k<kQ5_K>(w, ldw, x, M, bias, out, ldo, n_begin, n_end);
-    case kQ6_K: return qlinear_range_k<kQ6_K>(w, ldw, x, M, bias, out, ldo, n_begin, n_end);
+    case kQ6_K:
+      if (M >= kLanesQ6Rows) {  // (fewer rows: the row loop, the same bits)
+        if constexpr (lanes_q6(kQ6_K)) return qlinear_lanes_q6<kQ6_K>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
+        if constexpr (lanes_k8(kQ6_K)) return qlinear_lanes_k8<kQ6_K>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
+      }
+      return qlinear_range_k<kQ6_K>(w, ldw, x, M, bias, out, ldo, n_begin, n_end);
     case kIQ4_NL: return qlinear_range<kIQ4_NL>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
     case kIQ4_XS: return qlinear_range_k<kIQ4_XS>(w, ldw, x, M, bias, out, ldo, n_begin, n_end);
     case kQ4_0R:

@@ -219,11 +219,26 @@ inline void dot_q45k(const uint8_t* row, const QRows& x, int64_t m0, float* res)
 
 // res[r] = x[m0 + r] . row for r < R, a Q6_K row: value 16i + l of a block is d * sc_i * (q - 32), so a block's dot
 // is d * dx * (sum_i sc_i (q_i . a_i) - 32 sum_i sc_i sum(a_i)), in integers (q unsigned, 0-63, for `vpmaddubsw`).
+//
+// Each super-block's sum is reduced to one int32 (exact) and added as fma(sum, d * dx, acc), one float chain a row:
+// the float operations of Q6_K's lanes (qdot_lanes8.h, qdot_lanes_q6.h), so this loop and the lanes give a row the
+// same bits and qlinear_rows may pick either by the number of activation rows (this one for one to three, where the
+// lanes' transposes cost more than they share).
+#if defined(__AVX2__)
+inline int32_t hsum8_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 1)));
+}
+#endif
+
 template <int R>
 inline void dot_q6k(const uint8_t* row, const QRows& x, int64_t m0, float* res) {
 #if defined(__AVX2__)
-  superblocks<kQ6_K, R>(row, x, m0, res, [&](const uint8_t* blk, int64_t b, __m256* acc) {
-    const int64_t K = x.K, nb = K / kQK_K;
+  const int64_t K = x.K, nb = K / kQK_K;
+  float acc[R] = {};
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * layout_of(kQ6_K).bytes;
     const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
     __m256i sumi[R];
 #if defined(PEREGRINE_KQ512)
@@ -292,9 +307,11 @@ inline void dot_q6k(const uint8_t* row, const QRows& x, int64_t m0, float* res) 
       const int64_t xb = (m0 + r) * nb + b;
       const __m256i s16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.ks + xb * 16));
       const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(sc16, s16), 5);  // 32 sum_i sc_i sum(a_i)
-      acc[r] = madd8(_mm256_set1_ps(d * x.kd[xb]), _mm256_cvtepi32_ps(_mm256_sub_epi32(sumi[r], offset)), acc[r]);
+      const int32_t isum = hsum8_epi32(_mm256_sub_epi32(sumi[r], offset));
+      acc[r] = std::fma(static_cast<float>(isum), d * x.kd[xb], acc[r]);
     }
-  });
+  }
+  for (int r = 0; r < R; ++r) res[r] = acc[r];
 #else
   superblocks<kQ6_K, R>(row, x, m0, res, [&](const uint8_t* blk, int64_t xb, float& acc) {
     const int8_t* a = x.kq + xb * kQK_K;

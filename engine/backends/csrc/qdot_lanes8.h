@@ -1,26 +1,54 @@
-// Q4_K rows (the file's blocks) in the AVX2 builds without AVX-512 VNNI (the avx2 and avx_vnni levels), eight weight
-// rows at a time, one a 32-bit lane of a 256-bit register: qdot_lanes_k.h's design at half the width, with
-// `vpmaddubsw` for `vpdpbusd`. A tile's super-block is decoded once into scratch (its four 32-byte pairs of groups of
-// the eight rows transposed, 8 x 8 dwords, the nibbles split: 2 KiB), with its scales (each group's 6-bit scale of the
-// eight rows in both int16 halves of their lanes), d and dmin * mn; then every activation row of the block meets it:
-// a `vpmaddubsw` against one broadcast activation dword adds two pair sums to each of the eight rows, eight of them a
-// group added in int16 (at most 8 x 2 x 15 x 128 = 30720: exact), one `vpmaddwd` by the group's scales to int32. The
-// row loop (qdot_kquant.h) multiplies each weight row with each activation row on its own (`vpmaddubsw`, `vpmaddwd`
-// and an add for 32 products) and reduces eight lanes a super-block; here one `vpmaddubsw` and one add give 32
-// products, and nothing is reduced across lanes.
+// Q4_K and Q6_K rows (the file's blocks) in the AVX2 builds without AVX-512 VNNI (the avx2 and avx_vnni levels),
+// eight weight rows at a time, one a 32-bit lane of a 256-bit register: qdot_lanes_k.h's design at half the width,
+// with `vpmaddubsw` for `vpdpbusd`. A tile's super-block is decoded once into scratch (its four 32-byte pairs of
+// groups of the eight rows transposed, 8 x 8 dwords, the nibbles split: 2 KiB), with its scales (each group's 6-bit
+// scale of the eight rows in both int16 halves of their lanes), d and dmin * mn; then every activation row of the
+// block meets it: a `vpmaddubsw` against one broadcast activation dword adds two pair sums to each of the eight rows,
+// eight of them a group added in int16 (at most 8 x 2 x 15 x 128 = 30720: exact), one `vpmaddwd` by the group's
+// scales to int32. The row loop (qdot_kquant.h) multiplies each weight row with each activation row on its own
+// (`vpmaddubsw`, `vpmaddwd` and an add for 32 products) and reduces eight lanes a super-block; here one `vpmaddubsw`
+// and one add give 32 products, and nothing is reduced across lanes. Q6_K (Lanes8BlockQ6, below) the same way: its
+// six-bit values put together once a tile, 16-value groups with an int8 scale each, the offset of 32 in integers.
 //
 // Each lane is its row's own sequence: the super-block's exact int32 sum of scaled group sums, then fma(sum, d * dx,
-// acc) and the eight minimums' fnmadd, super-block by super-block: the operations of qdot_lanes_k.h's lanes, so a
-// row's result is the same bits here, in the AVX-512 VNNI builds, in any tile, thread split or batch.
+// acc) and (Q4_K) the eight minimums' fnmadd, super-block by super-block: the operations of qdot_lanes_k.h's and
+// qdot_lanes_q6.h's lanes, so a row's result is the same bits here, in the AVX-512 VNNI builds, in any tile, thread
+// split or batch.
 #pragma once
 
 #include "qdot_kquant.h"
 
 namespace peregrine_quant {
 
+// Value 128n + 32g + 4i .. + 3 of each lane's row from the transposed dwords of its half's low bits (l0: ql bytes
+// 64n .. + 31, l1: the next 32) and high bits (h: qh bytes 32n .. + 31), as dequant_block<kQ6_K> reads them: groups 0
+// and 2 the low and high nibbles of l0, 1 and 3 those of l1, the high bits two at a time from h (moved to bits 4-5 by
+// one 16-bit shift and a mask: the shifts carry bits across bytes only into bits the mask drops).
+template <int G, typename V, typename Ops>
+inline V q6k_values(V l0, V l1, V h, Ops ops) {
+  const V lowbits = G % 2 ? l1 : l0;
+  V low = lowbits, high = h;
+  if constexpr (G >= 2) low = ops.srli(lowbits, 4);
+  if constexpr (G == 0) high = ops.slli(h, 4);
+  if constexpr (G == 1) high = ops.slli(h, 2);
+  if constexpr (G == 3) high = ops.srli(h, 2);
+  return ops.or_(ops.and_(low, ops.set1(0xF)), ops.and_(high, ops.set1(0x30)));
+}
+
+// A half's four groups of 32 values, store(g, i, v) taking dword i of group g (v, one a lane) from q6k_values.
+template <typename V, typename Ops, typename Store>
+inline void q6k_half(const V l0[8], const V l1[8], const V h[8], Ops ops, Store&& store) {
+  for (int i = 0; i < 8; ++i) {
+    store(0, i, q6k_values<0>(l0[i], l1[i], h[i], ops));
+    store(1, i, q6k_values<1>(l0[i], l1[i], h[i], ops));
+    store(2, i, q6k_values<2>(l0[i], l1[i], h[i], ops));
+    store(3, i, q6k_values<3>(l0[i], l1[i], h[i], ops));
+  }
+}
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && \
     !(defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__))
-constexpr bool lanes_k8(int T) { return T == kQ4_K; }
+constexpr bool lanes_k8(int T) { return T == kQ4_K || T == kQ6_K; }
 constexpr int kLanes8 = 8, kLanes8Ahead = 3;  // rows a tile; tiles ahead prefetched into L2
 
 // r[k] (row k's eight dwords) to r[i] (dword i of rows 0-7, lane k row k's).
@@ -130,6 +158,118 @@ __attribute__((always_inline)) inline void lanes8_rows(const Lanes8Block& blk, c
   }
 }
 
+// Q6_K's super-block of the tile's eight rows, decoded: values 0-63 (q, without the offset of 32), wd[4s + i]
+// values 16s + 4i .. + 3 of each lane's row (s a 16-value group, one int8 scale each); sc[s] group s's scale of each
+// lane in both int16 halves (for `vpmaddwd` after `vpmaddubsw`), scp[t] the scales of groups 2t and 2t + 1 as a
+// lane's int16 pair (for the offset, 32 sum_s sc_s sum(a_s), one `vpmaddwd` against the activation's pair of sums).
+struct Lanes8BlockQ6 {
+  __m256i wd[64];
+  __m256i sc[16];
+  __m256i scp[8];
+  __m256 d;
+};
+
+// The eight rows' int8 scales (16 bytes each) as 16 registers of eight int32 lanes: s32[s] lane k = row k's sc_s.
+inline void q6k_scales8(const uint8_t* const p[kLanes8], int64_t at, __m256i s32[16]) {
+  __m128i m[8];
+  for (int k = 0; k < kLanes8; ++k) m[k] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[k] + at + 192));
+  __m128i lo[4], hi[4];
+  for (int q = 0; q < 4; ++q) {
+    lo[q] = _mm_unpacklo_epi8(m[2 * q], m[2 * q + 1]);  // scales 0-7 of rows 2q, 2q + 1, byte pairs
+    hi[q] = _mm_unpackhi_epi8(m[2 * q], m[2 * q + 1]);  // scales 8-15
+  }
+  for (int h = 0; h < 2; ++h) {
+    const __m128i* v = h ? hi : lo;
+    const __m128i a0 = _mm_unpacklo_epi16(v[0], v[1]), a1 = _mm_unpackhi_epi16(v[0], v[1]);  // rows 0-3
+    const __m128i b0 = _mm_unpacklo_epi16(v[2], v[3]), b1 = _mm_unpackhi_epi16(v[2], v[3]);  // rows 4-7
+    const __m128i c[4] = {_mm_unpacklo_epi32(a0, b0), _mm_unpackhi_epi32(a0, b0), _mm_unpacklo_epi32(a1, b1),
+                          _mm_unpackhi_epi32(a1, b1)};  // c[i]: scales 2i (bytes 0-7) and 2i + 1 of rows 0-7
+    for (int i = 0; i < 4; ++i) {
+      s32[8 * h + 2 * i] = _mm256_cvtepi8_epi32(c[i]);
+      s32[8 * h + 2 * i + 1] = _mm256_cvtepi8_epi32(_mm_srli_si128(c[i], 8));
+    }
+  }
+}
+
+struct Ops256 {
+  __m256i and_(__m256i a, __m256i b) const { return _mm256_and_si256(a, b); }
+  __m256i or_(__m256i a, __m256i b) const { return _mm256_or_si256(a, b); }
+  __m256i srli(__m256i a, int n) const { return _mm256_srli_epi16(a, n); }
+  __m256i slli(__m256i a, int n) const { return _mm256_slli_epi16(a, n); }
+  __m256i set1(int v) const { return _mm256_set1_epi8(static_cast<char>(v)); }
+};
+
+inline void decode_block8(const uint8_t* const p[kLanes8], int64_t at, Lanes8BlockQ6& blk) {
+  for (int n = 0; n < 2; ++n) {
+    __m256i l0[8], l1[8], h[8];
+    for (int k = 0; k < kLanes8; ++k) {
+      l0[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[k] + at + 64 * n));
+      l1[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[k] + at + 64 * n + 32));
+      h[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[k] + at + 128 + 32 * n));
+    }
+    transpose8_dwords(l0);
+    transpose8_dwords(l1);
+    transpose8_dwords(h);
+    q6k_half(l0, l1, h, Ops256{},
+             [&](int g, int i, __m256i v) { _mm256_store_si256(&blk.wd[8 * (4 * n + g) + i], v); });
+  }
+  __m256i s32[16];
+  q6k_scales8(p, at, s32);
+  const __m256i lo16 = _mm256_set1_epi32(0xFFFF);
+  for (int s = 0; s < 16; ++s)
+    _mm256_store_si256(&blk.sc[s], _mm256_or_si256(_mm256_and_si256(s32[s], lo16), _mm256_slli_epi32(s32[s], 16)));
+  for (int t = 0; t < 8; ++t)
+    _mm256_store_si256(&blk.scp[t],
+                       _mm256_or_si256(_mm256_and_si256(s32[2 * t], lo16), _mm256_slli_epi32(s32[2 * t + 1], 16)));
+  alignas(16) uint16_t dh[kLanes8];
+  for (int k = 0; k < kLanes8; ++k) std::memcpy(&dh[k], p[k] + at + 208, 2);
+  blk.d = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(dh)));
+}
+
+// acc[r] (eight lanes) += activation row m + r's super-block b times the tile's decoded Q6_K super-block, r < R: a
+// 16-value group's four `vpmaddubsw` added in int16 two at a time (four products of at most 63 x 128: exact), each
+// pair times the group's scale by `vpmaddwd`; the offset 32 sum_s sc_s sum(a_s) taken off in int32 (the row loop's
+// integers, qdot_kquant.h), then the float steps of the Q4_K lanes without minimums.
+template <int R>
+__attribute__((always_inline)) inline void lanes8_rows(const Lanes8BlockQ6& blk, const QRows& x, int64_t m,
+                                                       int64_t b, float* accs) {
+  const int64_t K = x.K, nb = K / kQK_K;
+  const int8_t* a[R];
+  __m256i isum[R];
+  for (int r = 0; r < R; ++r) a[r] = x.kq + (m + r) * K + b * kQK_K, isum[r] = _mm256_setzero_si256();
+  auto bc = [](const int8_t* v) {
+    int32_t u;
+    std::memcpy(&u, v, 4);
+    return _mm256_set1_epi32(u);
+  };
+  for (int s = 0; s < 16; ++s) {
+    const __m256i w0 = _mm256_load_si256(&blk.wd[4 * s]), w1 = _mm256_load_si256(&blk.wd[4 * s + 1]),
+                  w2 = _mm256_load_si256(&blk.wd[4 * s + 2]), w3 = _mm256_load_si256(&blk.wd[4 * s + 3]);
+    const __m256i sc = _mm256_load_si256(&blk.sc[s]);
+    for (int r = 0; r < R; ++r) {
+      const int8_t* v = a[r] + 16 * s;
+      const __m256i p01 = _mm256_add_epi16(_mm256_maddubs_epi16(w0, bc(v)), _mm256_maddubs_epi16(w1, bc(v + 4)));
+      const __m256i p23 = _mm256_add_epi16(_mm256_maddubs_epi16(w2, bc(v + 8)), _mm256_maddubs_epi16(w3, bc(v + 12)));
+      isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(_mm256_madd_epi16(p01, sc), _mm256_madd_epi16(p23, sc)));
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const int64_t row = m + r;
+    const int16_t* ks = x.ks + row * (K / 16) + 16 * b;
+    __m256i off = _mm256_setzero_si256();
+    for (int t = 0; t < 8; ++t) {
+      int32_t pair;
+      std::memcpy(&pair, ks + 2 * t, 4);
+      off = _mm256_add_epi32(off, _mm256_madd_epi16(_mm256_load_si256(&blk.scp[t]), _mm256_set1_epi32(pair)));
+    }
+    const __m256i sum = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(off, 5));
+    float* acc = accs + r * kLanes8;
+    _mm256_storeu_ps(acc, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum),
+                                          _mm256_mul_ps(blk.d, _mm256_set1_ps(x.kd[row * nb + b])),
+                                          _mm256_loadu_ps(acc)));
+  }
+}
+
 // out[m * ldo + n] = x[m] . W[n] (+ bias[n]) for n in [n_begin, n_end), m < M: tiles of eight weight rows (the last
 // tile's missing rows standing in as its last row, not stored), each super-block decoded once for a block of
 // activation rows (their accumulators in scratch); blocks of weight rows that stay in L2 against blocks of activation
@@ -137,14 +277,15 @@ __attribute__((always_inline)) inline void lanes8_rows(const Lanes8Block& blk, c
 template <int T, typename O>
 void qlinear_lanes_k8(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, const float* bias, O* out,
                       int64_t ldo, int64_t n_begin, int64_t n_end, QScratch& s) {
-  static_assert(T == kQ4_K, "lanes_k8");
-  constexpr int64_t bytes = layout_of(kQ4_K).bytes;
+  static_assert(lanes_k8(T), "lanes_k8");
+  using Block = std::conditional_t<T == kQ4_K, Lanes8Block, Lanes8BlockQ6>;
+  constexpr int64_t bytes = layout_of(T).bytes;
   const int64_t K = x.K, nb = K / kQK_K;
   const int64_t mt = std::max<int64_t>(8, (64 << 10) / K);
   const int64_t nt = M <= mt ? n_end - n_begin : std::max<int64_t>(kLanes8, kWeightTileBytes / ldw / kLanes8 * kLanes8);
-  const int64_t floats = (sizeof(Lanes8Block) + 32) / 4 + std::min(M, mt) * kLanes8;
+  const int64_t floats = (sizeof(Block) + 32) / 4 + std::min(M, mt) * kLanes8;
   if (static_cast<int64_t>(s.sc.size()) < floats) s.sc.resize(floats);
-  auto* blk = reinterpret_cast<Lanes8Block*>((reinterpret_cast<uintptr_t>(s.sc.data()) + 31) & ~uintptr_t{31});
+  auto* blk = reinterpret_cast<Block*>((reinterpret_cast<uintptr_t>(s.sc.data()) + 31) & ~uintptr_t{31});
   float* accs = reinterpret_cast<float*>(blk + 1);
   const int64_t ahead = kLanes8 * kLanes8Ahead;
   prefetch_first(w, ldw, n_begin, n_end, ahead);

@@ -1,0 +1,165 @@
+// Q6_K rows (the file's blocks) in the AVX-512 VNNI builds, sixteen weight rows at a time, one a 32-bit lane: the
+// design of qdot_lanes8.h's Q6_K lanes at twice the width, with `vpdpbusd`. A tile's super-block is decoded once into
+// scratch (the 16 rows' ql and qh bytes transposed in registers, 16 x 8 dwords, the six bits put together: 4 KiB,
+// with the 16 int8 scales of each row as int32 lanes and d), then every activation row of the block meets it: four
+// `vpdpbusd` against broadcast activation dwords give a 16-value group's sum for the 16 rows, started at
+// -32 sum(a_s) (Q6_K's offset of 32), times the group's scale in int32 (`vpmulld`). Q4_K_M files keep attn_v, half
+// the ffn_down matrices and often the output matrix in Q6_K: a third of Phi-3.5-mini's bytes.
+//
+// Each lane is its row's own sequence: the super-block's exact int32 sum sum_s sc_s (q_s . a_s - 32 sum(a_s)) (the
+// integers of the row loop and of qdot_lanes8.h's lanes, however they are grouped), then fma(sum, d * dx, acc)
+// super-block by super-block: qdot_lanes8.h's float operations, so a row's result is the same bits in the AVX2 build,
+// here, in any tile, thread split or batch. Not the row loop's bits (qdot_kquant.h reduces eight lanes at the end).
+#pragma once
+
+#include "qdot_lanes8.h"
+#include "qdot_lanes_k.h"
+
+namespace peregrine_quant {
+
+// Activation rows from which Q6_K goes through the lanes (here and qdot_lanes8.h's); fewer take qdot_kquant.h's row
+// loop, the same bits. scripts/bench_qdot.py --format Q6_K, one thread, rows in L2, AMD EPYC Zen 4, ns a weight row
+// at K = 3072 (8192), lanes against the row loop: avx2 build, 1 row 148-159 (406-410) against 106-107 (286-292),
+// 4 rows 240-255 (690-726) against 234-240 (692-798), 16 rows 636-642 (2317-2333) against 885-1033 (2644-2698);
+// avx512_bf16 build, 1 row 118-187 (351-509) against 101-102 (266-268), 4 rows 180-181 (534-542) against 205-220
+// (574-598), 16 rows 473-474 (1615-1641) against 746-749 (2150-2241).
+constexpr int64_t kLanesQ6Rows = 4;
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__FMA__) && defined(__F16C__)
+constexpr bool lanes_q6(int T) { return T == kQ6_K; }
+
+struct Lanes16BlockQ6 {
+  __m512i wd[64];  // wd[4s + i]: values 16s + 4i .. + 3 of each lane's row, 0-63
+  __m512i sc[16];  // group s's int8 scale of each lane, as int32
+  __m512 d;
+};
+
+struct Ops512 {
+  __m512i and_(__m512i a, __m512i b) const { return _mm512_and_si512(a, b); }
+  __m512i or_(__m512i a, __m512i b) const { return _mm512_or_si512(a, b); }
+  __m512i srli(__m512i a, int n) const { return _mm512_srli_epi16(a, n); }
+  __m512i slli(__m512i a, int n) const { return _mm512_slli_epi16(a, n); }
+  __m512i set1(int v) const { return _mm512_set1_epi8(static_cast<char>(v)); }
+};
+
+// The 16 rows' 32 bytes at offset `at` of each, transposed: t[i] dword i of rows 0-15 (lane k row k's).
+inline void load_transposed16(const uint8_t* const p[kLanes], int64_t at, __m512i t[8]) {
+  for (int k = 0; k < 8; ++k)
+    t[k] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[k] + at))),
+                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[k + 8] + at)), 1);
+  transpose_dwords(t);
+}
+
+inline void decode_block16(const uint8_t* const p[kLanes], int64_t at, Lanes16BlockQ6& blk) {
+  for (int n = 0; n < 2; ++n) {
+    __m512i l0[8], l1[8], h[8];
+    load_transposed16(p, at + 64 * n, l0);
+    load_transposed16(p, at + 64 * n + 32, l1);
+    load_transposed16(p, at + 128 + 32 * n, h);
+    q6k_half(l0, l1, h, Ops512{},
+             [&](int g, int i, __m512i v) { _mm512_store_si512(&blk.wd[8 * (4 * n + g) + i], v); });
+  }
+  __m128i v[16];
+  alignas(32) uint16_t dh[kLanes];
+  for (int k = 0; k < kLanes; ++k) {
+    v[k] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[k] + at + 192));
+    std::memcpy(&dh[k], p[k] + at + 208, 2);
+  }
+  transpose_bytes16(v);
+  for (int s = 0; s < 16; ++s) _mm512_store_si512(&blk.sc[s], _mm512_cvtepi8_epi32(v[s]));
+  blk.d = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(dh)));
+}
+
+// acc[r] (16 lanes) += activation row m + r's super-block b times the tile's decoded super-block, r < R.
+template <int R>
+__attribute__((always_inline)) inline void lanes16_rows_q6(const Lanes16BlockQ6& blk, const QRows& x, int64_t m,
+                                                           int64_t b, float* accs) {
+  const int64_t K = x.K, nb = K / kQK_K;
+  const int8_t* a[R];
+  const int16_t* ks[R];
+  __m512i isum[R];
+  for (int r = 0; r < R; ++r) {
+    a[r] = x.kq + (m + r) * K + b * kQK_K;
+    ks[r] = x.ks + (m + r) * (K / 16) + 16 * b;
+    isum[r] = _mm512_setzero_si512();
+  }
+  auto bc = [](const int8_t* v) {
+    int32_t u;
+    std::memcpy(&u, v, 4);
+    return _mm512_set1_epi32(u);
+  };
+  for (int s = 0; s < 16; ++s) {
+    const __m512i w0 = _mm512_load_si512(&blk.wd[4 * s]), w1 = _mm512_load_si512(&blk.wd[4 * s + 1]),
+                  w2 = _mm512_load_si512(&blk.wd[4 * s + 2]), w3 = _mm512_load_si512(&blk.wd[4 * s + 3]);
+    const __m512i sc = _mm512_load_si512(&blk.sc[s]);
+    for (int r = 0; r < R; ++r) {
+      const int8_t* v = a[r] + 16 * s;
+      __m512i p = _mm512_set1_epi32(-32 * static_cast<int32_t>(ks[r][s]));
+      p = _mm512_dpbusd_epi32(p, w0, bc(v));
+      p = _mm512_dpbusd_epi32(p, w1, bc(v + 4));
+      p = _mm512_dpbusd_epi32(p, w2, bc(v + 8));
+      p = _mm512_dpbusd_epi32(p, w3, bc(v + 12));
+      isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(p, sc));
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float* acc = accs + r * kLanes;
+    _mm512_storeu_ps(acc, _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]),
+                                          _mm512_mul_ps(blk.d, _mm512_set1_ps(x.kd[(m + r) * nb + b])),
+                                          _mm512_loadu_ps(acc)));
+  }
+}
+
+// out[m * ldo + n] = x[m] . W[n] (+ bias[n]) for n in [n_begin, n_end), m < M: qlinear_lanes_k8's tiles and blocks
+// at 16 rows a tile, the tile kLanesAhead tiles on prefetched into L2 a share a super-block.
+template <int T, typename O>
+void qlinear_lanes_q6(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, const float* bias, O* out,
+                      int64_t ldo, int64_t n_begin, int64_t n_end, QScratch& s) {
+  static_assert(T == kQ6_K, "lanes_q6");
+  constexpr int64_t bytes = layout_of(kQ6_K).bytes;
+  const int64_t K = x.K, nb = K / kQK_K;
+  const int64_t mt = std::max<int64_t>(8, (64 << 10) / K);
+  const int64_t nt = M <= mt ? n_end - n_begin : std::max<int64_t>(kLanes, kWeightTileBytes / ldw / kLanes * kLanes);
+  const int64_t floats = (sizeof(Lanes16BlockQ6) + 64) / 4 + std::min(M, mt) * kLanes;
+  if (static_cast<int64_t>(s.sc.size()) < floats) s.sc.resize(floats);
+  auto* blk = reinterpret_cast<Lanes16BlockQ6*>((reinterpret_cast<uintptr_t>(s.sc.data()) + 63) & ~uintptr_t{63});
+  float* accs = reinterpret_cast<float*>(blk + 1);
+  const int64_t ahead = kLanes * kLanesAhead;
+  prefetch_first(w, ldw, n_begin, n_end, ahead);
+  for (int64_t n0 = n_begin; n0 < n_end; n0 += nt) {
+    const int64_t n1 = std::min(n_end, n0 + nt);
+    for (int64_t m0 = 0; m0 < M; m0 += mt) {
+      const int64_t m1 = std::min(M, m0 + mt);
+      for (int64_t n = n0; n < n1; n += kLanes) {
+        const int64_t count = std::min<int64_t>(kLanes, n1 - n);
+        const uint8_t* p[kLanes];
+        for (int k = 0; k < kLanes; ++k) p[k] = w + (n + std::min<int64_t>(k, count - 1)) * ldw;
+        const int64_t fetch_begin = std::min(n_end, n + ahead) * ldw;
+        const int64_t fetch_bytes = m0 == 0 ? std::min(n_end, n + ahead + kLanes) * ldw - fetch_begin : 0;
+        const int64_t step = (fetch_bytes / nb + 63) / 64 * 64;
+        for (int64_t m = m0; m < m1; ++m) _mm512_storeu_ps(accs + (m - m0) * kLanes, _mm512_setzero_ps());
+        for (int64_t b = 0; b < nb; ++b) {
+          for (int64_t o = b * step; o < std::min(fetch_bytes, (b + 1) * step); o += 64)
+            __builtin_prefetch(w + fetch_begin + o, 0, 1);
+          decode_block16(p, b * bytes, *blk);
+          int64_t m = m0;
+          for (; m + 4 <= m1; m += 4) lanes16_rows_q6<4>(*blk, x, m, b, accs + (m - m0) * kLanes);
+          if (m + 2 <= m1) lanes16_rows_q6<2>(*blk, x, m, b, accs + (m - m0) * kLanes), m += 2;
+          if (m < m1) lanes16_rows_q6<1>(*blk, x, m, b, accs + (m - m0) * kLanes);
+        }
+        const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
+        const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
+        for (int64_t m = m0; m < m1; ++m)
+          store_lanes(out + m * ldo + n, _mm512_add_ps(_mm512_loadu_ps(accs + (m - m0) * kLanes), bv), count, mask);
+      }
+    }
+  }
+}
+#else
+constexpr bool lanes_q6(int) { return false; }
+template <int T, typename O>  // never called here (lanes_q6): declared for qlinear_rows' discarded branch
+void qlinear_lanes_q6(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, const float* bias, O* out,
+                      int64_t ldo, int64_t n_begin, int64_t n_end, QScratch& s);
+#endif
+
+}  // namespace peregrine_quant
