@@ -232,84 +232,113 @@ inline int32_t hsum8_epi32(__m256i v) {
 }
 #endif
 
+// Super-block b's (its bytes at blk) integer sums for activation rows m0 .. m0 + R - 1, eight int32 lanes each
+// (the row's sum is theirs): sum_i sc_i (q_i . a_i) - 32 sum_i sc_i sum(a_i).
+#if defined(__AVX2__)
+template <int R>
+inline void q6k_block_sums(const uint8_t* blk, const QRows& x, int64_t m0, int64_t b, __m256i* out) {
+  const int64_t K = x.K, nb = K / kQK_K;
+  const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
+  __m256i sumi[R];
+#if defined(PEREGRINE_KQ512)
+  // groups 4n, 4n + 1 in one register (their low bits: l0's and l1's nibbles; their high bits: h's and h's shifted
+  // by 2, h loaded into both halves), 4n + 2, 4n + 3 in another; the scales of their 16-value halves,
+  // sc[8n .. 8n + 3] (then sc[8n + 4 ..]), one to each 128-bit lane, picked by `vpshufb` from half n's eight
+  const __m512i pick = _mm512_set_epi64(0x0706070607060706, 0x0706070607060706, 0x0504050405040504,
+                                        0x0504050405040504, 0x0302030203020302, 0x0302030203020302,
+                                        0x0100010001000100, 0x0100010001000100);  // lane i: word i
+  // (the high bits: groups 4n and 4n + 1 take bits 0-1 and 2-3 of h, h01's halves, to bits 4-5 by one shift
+  // and a mask; groups 4n + 2, 4n + 3 bits 4-5 and 6-7, there already in h01's halves, by the mask alone; the
+  // scales of half n: sc16's 128-bit half n, broadcast)
+  __m512i sum2[R];
+  for (int r = 0; r < R; ++r) sum2[r] = _mm512_setzero_si512();
+  for (int n = 0; n < 2; ++n) {
+    const __m512i l = _mm512_loadu_si512(blk + 64 * n), m4 = _mm512_set1_epi8(0xF), m30 = _mm512_set1_epi8(0x30);
+    const __m512i h =
+        _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * n)));
+    const __m512i h01 = _mm512_mask_srli_epi16(h, 0xFFFF0000u, h, 2);
+    const __m512i w01 = _mm512_or_si512(_mm512_and_si512(l, m4), _mm512_and_si512(_mm512_slli_epi16(h01, 4), m30));
+    const __m512i w23 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4), _mm512_and_si512(h01, m30));
+    const __m512i s8 =
+        _mm512_broadcast_i32x4(n == 0 ? _mm256_castsi256_si128(sc16) : _mm256_extracti128_si256(sc16, 1));
+    const __m512i s01 = _mm512_shuffle_epi8(s8, pick),
+                  s23 = _mm512_shuffle_epi8(s8, _mm512_add_epi8(pick, _mm512_set1_epi8(8)));
+    for (int r = 0; r < R; ++r) {
+      const int8_t* a = x.kq + (m0 + r) * K + b * kQK_K + 128 * n;
+      sum2[r] = dot_scaled(dot_scaled(sum2[r], w01, a, s01), w23, a + 64, s23);
+    }
+  }
+  for (int r = 0; r < R; ++r) sumi[r] = fold512(sum2[r]);
+#else
+  // each group's two scales as int16 (one for each 16 values), picked from the 16 int8 ones by a shuffle and
+  // widened: two instructions, not two broadcasts from memory and an insert
+  const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
+  const __m128i pick = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
+  for (int n = 0; n < 2; ++n) {  // a half: 128 values, groups 4n .. 4n + 3 of 32
+    const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * n)),
+                  l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * n + 32)),
+                  h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * n)),
+                  m4 = _mm256_set1_epi8(0xF), m30 = _mm256_set1_epi8(0x30);
+    const __m256i low[4] = {_mm256_and_si256(l0, m4), _mm256_and_si256(l1, m4),
+                            _mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                            _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4)};
+    // group g's two high bits (bits 2g, 2g + 1 of h) moved to bits 4-5 by one shift and masked: the 16-bit shifts
+    // carry bits across the byte boundary only into bits the mask drops
+    const __m256i high[4] = {_mm256_and_si256(_mm256_slli_epi16(h, 4), m30),
+                             _mm256_and_si256(_mm256_slli_epi16(h, 2), m30), _mm256_and_si256(h, m30),
+                             _mm256_and_si256(_mm256_srli_epi16(h, 2), m30)};
+#pragma GCC unroll 4
+    for (int g = 0; g < 4; ++g) {
+      const int j = 4 * n + g;
+      const __m256i w = _mm256_or_si256(low[g], high[g]);
+      const __m256i s = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, _mm_add_epi8(pick, _mm_set1_epi8(2 * j))));
+      for (int r = 0; r < R; ++r) {
+        const int8_t* a = x.kq + (m0 + r) * K + b * kQK_K + 32 * j;
+        sumi[r] =
+            scaled_add(sumi[r], _mm256_maddubs_epi16(w, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))), s);
+      }
+    }
+  }
+#endif
+  for (int r = 0; r < R; ++r) {
+    const int64_t xb = (m0 + r) * nb + b;
+    const __m256i s16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.ks + xb * 16));
+    const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(sc16, s16), 5);  // 32 sum_i sc_i sum(a_i)
+    out[r] = _mm256_sub_epi32(sumi[r], offset);
+  }
+}
+
+// The sums of a's lanes and of b's, in lanes 0 and 1 (and again in 2 and 3): two reductions' shuffles shared (one
+// activation row, two super-blocks at a time: half the instructions of two hsum8_epi32).
+inline __m128i hsum2_epi32(__m256i a, __m256i b) {
+  const __m256i t = _mm256_hadd_epi32(a, b);  // a01 a23 b01 b23 | a45 a67 b45 b67
+  const __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+  return _mm_hadd_epi32(u, u);
+}
+#endif
+
 template <int R>
 inline void dot_q6k(const uint8_t* row, const QRows& x, int64_t m0, float* res) {
 #if defined(__AVX2__)
-  const int64_t K = x.K, nb = K / kQK_K;
+  constexpr int64_t bytes = layout_of(kQ6_K).bytes;
+  const int64_t nb = x.K / kQK_K;
   float acc[R] = {};
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = row + b * layout_of(kQ6_K).bytes;
-    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
-    __m256i sumi[R];
-#if defined(PEREGRINE_KQ512)
-    // groups 4n, 4n + 1 in one register (their low bits: l0's and l1's nibbles; their high bits: h's and h's shifted
-    // by 2, h loaded into both halves), 4n + 2, 4n + 3 in another; the scales of their 16-value halves,
-    // sc[8n .. 8n + 3] (then sc[8n + 4 ..]), one to each 128-bit lane, picked by `vpshufb` from half n's eight
-    const __m512i pick = _mm512_set_epi64(0x0706070607060706, 0x0706070607060706, 0x0504050405040504,
-                                          0x0504050405040504, 0x0302030203020302, 0x0302030203020302,
-                                          0x0100010001000100, 0x0100010001000100);  // lane i: word i
-    // (the high bits: groups 4n and 4n + 1 take bits 0-1 and 2-3 of h, h01's halves, to bits 4-5 by one shift
-    // and a mask; groups 4n + 2, 4n + 3 bits 4-5 and 6-7, there already in h01's halves, by the mask alone; the
-    // scales of half n: sc16's 128-bit half n, broadcast)
-    __m512i sum2[R];
-    for (int r = 0; r < R; ++r) sum2[r] = _mm512_setzero_si512();
-    for (int n = 0; n < 2; ++n) {
-      const __m512i l = _mm512_loadu_si512(blk + 64 * n), m4 = _mm512_set1_epi8(0xF), m30 = _mm512_set1_epi8(0x30);
-      const __m512i h =
-          _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * n)));
-      const __m512i h01 = _mm512_mask_srli_epi16(h, 0xFFFF0000u, h, 2);
-      const __m512i w01 = _mm512_or_si512(_mm512_and_si512(l, m4), _mm512_and_si512(_mm512_slli_epi16(h01, 4), m30));
-      const __m512i w23 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4), _mm512_and_si512(h01, m30));
-      const __m512i s8 =
-          _mm512_broadcast_i32x4(n == 0 ? _mm256_castsi256_si128(sc16) : _mm256_extracti128_si256(sc16, 1));
-      const __m512i s01 = _mm512_shuffle_epi8(s8, pick),
-                    s23 = _mm512_shuffle_epi8(s8, _mm512_add_epi8(pick, _mm512_set1_epi8(8)));
-      for (int r = 0; r < R; ++r) {
-        const int8_t* a = x.kq + (m0 + r) * K + b * kQK_K + 128 * n;
-        sum2[r] = dot_scaled(dot_scaled(sum2[r], w01, a, s01), w23, a + 64, s23);
-      }
+  auto dk = [&](int r, int64_t b) { return half_to_float(row + b * bytes + 208) * x.kd[(m0 + r) * nb + b]; };
+  int64_t b = 0;
+  if constexpr (R == 1)
+    for (; b + 2 <= nb; b += 2) {
+      __m256i v0, v1;
+      q6k_block_sums<1>(row + b * bytes, x, m0, b, &v0);
+      q6k_block_sums<1>(row + (b + 1) * bytes, x, m0, b + 1, &v1);
+      const __m128 f = _mm_cvtepi32_ps(hsum2_epi32(v0, v1));  // (the conversion of static_cast<float>)
+      acc[0] = std::fma(_mm_cvtss_f32(f), dk(0, b), acc[0]);
+      acc[0] = std::fma(_mm_cvtss_f32(_mm_movehdup_ps(f)), dk(0, b + 1), acc[0]);
     }
-    for (int r = 0; r < R; ++r) sumi[r] = fold512(sum2[r]);
-#else
-    // each group's two scales as int16 (one for each 16 values), picked from the 16 int8 ones by a shuffle and
-    // widened: two instructions, not two broadcasts from memory and an insert
-    const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
-    const __m128i pick = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
-    for (int n = 0; n < 2; ++n) {  // a half: 128 values, groups 4n .. 4n + 3 of 32
-      const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * n)),
-                    l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * n + 32)),
-                    h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * n)),
-                    m4 = _mm256_set1_epi8(0xF), m30 = _mm256_set1_epi8(0x30);
-      const __m256i low[4] = {_mm256_and_si256(l0, m4), _mm256_and_si256(l1, m4),
-                              _mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
-                              _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4)};
-      // group g's two high bits (bits 2g, 2g + 1 of h) moved to bits 4-5 by one shift and masked: the 16-bit shifts
-      // carry bits across the byte boundary only into bits the mask drops
-      const __m256i high[4] = {_mm256_and_si256(_mm256_slli_epi16(h, 4), m30),
-                               _mm256_and_si256(_mm256_slli_epi16(h, 2), m30), _mm256_and_si256(h, m30),
-                               _mm256_and_si256(_mm256_srli_epi16(h, 2), m30)};
-#pragma GCC unroll 4
-      for (int g = 0; g < 4; ++g) {
-        const int j = 4 * n + g;
-        const __m256i w = _mm256_or_si256(low[g], high[g]);
-        const __m256i s = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, _mm_add_epi8(pick, _mm_set1_epi8(2 * j))));
-        for (int r = 0; r < R; ++r) {
-          const int8_t* a = x.kq + (m0 + r) * K + b * kQK_K + 32 * j;
-          sumi[r] =
-              scaled_add(sumi[r], _mm256_maddubs_epi16(w, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))), s);
-        }
-      }
-    }
-#endif
-    const float d = half_to_float(blk + 208);
-    for (int r = 0; r < R; ++r) {
-      const int64_t xb = (m0 + r) * nb + b;
-      const __m256i s16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.ks + xb * 16));
-      const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(sc16, s16), 5);  // 32 sum_i sc_i sum(a_i)
-      const int32_t isum = hsum8_epi32(_mm256_sub_epi32(sumi[r], offset));
-      acc[r] = std::fma(static_cast<float>(isum), d * x.kd[xb], acc[r]);
-    }
+  for (; b < nb; ++b) {
+    __m256i v[R];
+    q6k_block_sums<R>(row + b * bytes, x, m0, b, v);
+    for (int r = 0; r < R; ++r) acc[r] = std::fma(static_cast<float>(hsum8_epi32(v[r])), dk(r, b), acc[r]);
   }
   for (int r = 0; r < R; ++r) res[r] = acc[r];
 #else

@@ -281,7 +281,7 @@ void qlinear_lanes_k8(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, 
   using Block = std::conditional_t<T == kQ4_K, Lanes8Block, Lanes8BlockQ6>;
   constexpr int64_t bytes = layout_of(T).bytes;
   const int64_t K = x.K, nb = K / kQK_K;
-  const int64_t mt = std::max<int64_t>(8, (64 << 10) / K);
+  const int64_t mt = std::max<int64_t>(T == kQ6_K ? 16 : 8, (64 << 10) / K);
   const int64_t nt = M <= mt ? n_end - n_begin : std::max<int64_t>(kLanes8, kWeightTileBytes / ldw / kLanes8 * kLanes8);
   const int64_t floats = (sizeof(Block) + 32) / 4 + std::min(M, mt) * kLanes8;
   if (static_cast<int64_t>(s.sc.size()) < floats) s.sc.resize(floats);

@@ -118,7 +118,7 @@ void qlinear_lanes_q6(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, 
   static_assert(T == kQ6_K, "lanes_q6");
   constexpr int64_t bytes = layout_of(kQ6_K).bytes;
   const int64_t K = x.K, nb = K / kQK_K;
-  const int64_t mt = std::max<int64_t>(8, (64 << 10) / K);
+  const int64_t mt = std::max<int64_t>(16, (64 << 10) / K);
   const int64_t nt = M <= mt ? n_end - n_begin : std::max<int64_t>(kLanes, kWeightTileBytes / ldw / kLanes * kLanes);
   const int64_t floats = (sizeof(Lanes16BlockQ6) + 64) / 4 + std::min(M, mt) * kLanes;
   if (static_cast<int64_t>(s.sc.size()) < floats) s.sc.resize(floats);
