@@ -477,4 +477,48 @@ void qlinear_range_k(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, c
   }
 }
 
+// The tile loop of the lanes that decode a weight tile's super-block once into scratch (qdot_lanes8.h, W = 8 rows a
+// tile; qdot_lanes_q6.h, 16): tiles of W weight rows (the last tile's missing rows standing in as its last row, not
+// stored), each super-block decoded once (`decode(p, at, blk)`) for a block of up to `mt` activation rows, which
+// `rows(blk, m, b, acc, R)` adds to their W accumulators in scratch four, two and one at a time; `store(m, n, count,
+// acc)` writes a row's results. Blocks of weight rows that stay in L2 against blocks of activation rows when M is
+// large; the tile `ahead` rows on prefetched into L2 in the first block of activation rows, a share a super-block.
+template <int W, typename Block, typename Decode, typename Rows, typename Store>
+void lanes_tiles(const uint8_t* w, int64_t ldw, int64_t block_bytes, const QRows& x, int64_t M, int64_t n_begin,
+                 int64_t n_end, int64_t mt, int64_t ahead, QScratch& s, Decode&& decode, Rows&& rows, Store&& store) {
+  constexpr uintptr_t align = alignof(Block);
+  const int64_t nb = x.K / kQK_K;
+  const int64_t nt = M <= mt ? n_end - n_begin : std::max<int64_t>(W, kWeightTileBytes / ldw / W * W);
+  const int64_t floats = static_cast<int64_t>(sizeof(Block) + align) / 4 + std::min(M, mt) * W;
+  if (static_cast<int64_t>(s.sc.size()) < floats) s.sc.resize(floats);
+  auto* blk = reinterpret_cast<Block*>((reinterpret_cast<uintptr_t>(s.sc.data()) + align - 1) & ~(align - 1));
+  float* accs = reinterpret_cast<float*>(blk + 1);
+  prefetch_first(w, ldw, n_begin, n_end, ahead);
+  for (int64_t n0 = n_begin; n0 < n_end; n0 += nt) {
+    const int64_t n1 = std::min(n_end, n0 + nt);
+    for (int64_t m0 = 0; m0 < M; m0 += mt) {
+      const int64_t m1 = std::min(M, m0 + mt);
+      for (int64_t n = n0; n < n1; n += W) {
+        const int64_t count = std::min<int64_t>(W, n1 - n);
+        const uint8_t* p[W];
+        for (int k = 0; k < W; ++k) p[k] = w + (n + std::min<int64_t>(k, count - 1)) * ldw;
+        const int64_t fetch_begin = std::min(n_end, n + ahead) * ldw;
+        const int64_t fetch_bytes = m0 == 0 ? std::min(n_end, n + ahead + W) * ldw - fetch_begin : 0;
+        const int64_t step = (fetch_bytes / nb + 63) / 64 * 64;
+        for (int64_t i = 0; i < (m1 - m0) * W; ++i) accs[i] = 0.f;
+        for (int64_t b = 0; b < nb; ++b) {
+          for (int64_t o = b * step; o < std::min(fetch_bytes, (b + 1) * step); o += 64)
+            __builtin_prefetch(w + fetch_begin + o, 0, 1);
+          decode(p, b * block_bytes, *blk);
+          int64_t m = m0;
+          for (; m + 4 <= m1; m += 4) rows(*blk, m, b, accs + (m - m0) * W, std::integral_constant<int, 4>{});
+          if (m + 2 <= m1) rows(*blk, m, b, accs + (m - m0) * W, std::integral_constant<int, 2>{}), m += 2;
+          if (m < m1) rows(*blk, m, b, accs + (m - m0) * W, std::integral_constant<int, 1>{});
+        }
+        for (int64_t m = m0; m < m1; ++m) store(m, n, count, accs + (m - m0) * W);
+      }
+    }
+  }
+}
+
 }  // namespace peregrine_quant

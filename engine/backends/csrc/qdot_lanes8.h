@@ -270,57 +270,27 @@ __attribute__((always_inline)) inline void lanes8_rows(const Lanes8BlockQ6& blk,
   }
 }
 
-// out[m * ldo + n] = x[m] . W[n] (+ bias[n]) for n in [n_begin, n_end), m < M: tiles of eight weight rows (the last
-// tile's missing rows standing in as its last row, not stored), each super-block decoded once for a block of
-// activation rows (their accumulators in scratch); blocks of weight rows that stay in L2 against blocks of activation
-// rows that stay in L1 / L2 when M is large. The tile kLanes8Ahead on is prefetched into L2, a share a super-block.
+// out[m * ldo + n] = x[m] . W[n] (+ bias[n]) for n in [n_begin, n_end), m < M: lanes_tiles' loop, eight weight rows a
+// tile, the tile kLanes8Ahead on prefetched into L2.
 template <int T, typename O>
 void qlinear_lanes_k8(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, const float* bias, O* out,
                       int64_t ldo, int64_t n_begin, int64_t n_end, QScratch& s) {
   static_assert(lanes_k8(T), "lanes_k8");
   using Block = std::conditional_t<T == kQ4_K, Lanes8Block, Lanes8BlockQ6>;
-  constexpr int64_t bytes = layout_of(T).bytes;
-  const int64_t K = x.K, nb = K / kQK_K;
-  const int64_t mt = std::max<int64_t>(T == kQ6_K ? 16 : 8, (64 << 10) / K);
-  const int64_t nt = M <= mt ? n_end - n_begin : std::max<int64_t>(kLanes8, kWeightTileBytes / ldw / kLanes8 * kLanes8);
-  const int64_t floats = (sizeof(Block) + 32) / 4 + std::min(M, mt) * kLanes8;
-  if (static_cast<int64_t>(s.sc.size()) < floats) s.sc.resize(floats);
-  auto* blk = reinterpret_cast<Block*>((reinterpret_cast<uintptr_t>(s.sc.data()) + 31) & ~uintptr_t{31});
-  float* accs = reinterpret_cast<float*>(blk + 1);
-  const int64_t ahead = kLanes8 * kLanes8Ahead;
-  prefetch_first(w, ldw, n_begin, n_end, ahead);
-  for (int64_t n0 = n_begin; n0 < n_end; n0 += nt) {
-    const int64_t n1 = std::min(n_end, n0 + nt);
-    for (int64_t m0 = 0; m0 < M; m0 += mt) {
-      const int64_t m1 = std::min(M, m0 + mt);
-      for (int64_t n = n0; n < n1; n += kLanes8) {
-        const int64_t count = std::min<int64_t>(kLanes8, n1 - n);
-        const uint8_t* p[kLanes8];
-        for (int k = 0; k < kLanes8; ++k) p[k] = w + (n + std::min<int64_t>(k, count - 1)) * ldw;
-        // the tile `ahead` rows on, in the first block of activation rows: a share of its lines a super-block
-        const int64_t fetch_begin = std::min(n_end, n + ahead) * ldw;
-        const int64_t fetch_bytes = m0 == 0 ? std::min(n_end, n + ahead + kLanes8) * ldw - fetch_begin : 0;
-        const int64_t step = (fetch_bytes / nb + 63) / 64 * 64;
-        for (int64_t m = m0; m < m1; ++m) _mm256_storeu_ps(accs + (m - m0) * kLanes8, _mm256_setzero_ps());
-        for (int64_t b = 0; b < nb; ++b) {
-          for (int64_t o = b * step; o < std::min(fetch_bytes, (b + 1) * step); o += 64)
-            __builtin_prefetch(w + fetch_begin + o, 0, 1);
-          decode_block8(p, b * bytes, *blk);
-          int64_t m = m0;
-          for (; m + 4 <= m1; m += 4) lanes8_rows<4>(*blk, x, m, b, accs + (m - m0) * kLanes8);
-          if (m + 2 <= m1) lanes8_rows<2>(*blk, x, m, b, accs + (m - m0) * kLanes8), m += 2;
-          if (m < m1) lanes8_rows<1>(*blk, x, m, b, accs + (m - m0) * kLanes8);
-        }
+  const int64_t mt = std::max<int64_t>(T == kQ6_K ? 16 : 8, (64 << 10) / x.K);
+  lanes_tiles<kLanes8, Block>(
+      w, ldw, layout_of(T).bytes, x, M, n_begin, n_end, mt, kLanes8 * kLanes8Ahead, s,
+      [](const uint8_t* const* p, int64_t at, Block& blk) { decode_block8(p, at, blk); },
+      [&](const Block& blk, int64_t m, int64_t b, float* acc, auto r) {
+        lanes8_rows<decltype(r)::value>(blk, x, m, b, acc);
+      },
+      [&](int64_t m, int64_t n, int64_t count, const float* acc) {
         const __m256i mask = lanes_below(count);
         const __m256 bv = bias ? _mm256_maskload_ps(bias + n, mask) : _mm256_setzero_ps();
-        for (int64_t m = m0; m < m1; ++m) {
-          alignas(32) float res[kLanes8];
-          _mm256_store_ps(res, _mm256_add_ps(_mm256_loadu_ps(accs + (m - m0) * kLanes8), bv));
-          for (int64_t k = 0; k < count; ++k) out[m * ldo + n + k] = static_cast<O>(res[k]);
-        }
-      }
-    }
-  }
+        alignas(32) float res[kLanes8];
+        _mm256_store_ps(res, _mm256_add_ps(_mm256_loadu_ps(acc), bv));
+        for (int64_t k = 0; k < count; ++k) out[m * ldo + n + k] = static_cast<O>(res[k]);
+      });
 }
 #else
 constexpr bool lanes_k8(int) { return false; }

@@ -110,50 +110,24 @@ __attribute__((always_inline)) inline void lanes16_rows_q6(const Lanes16BlockQ6&
   }
 }
 
-// out[m * ldo + n] = x[m] . W[n] (+ bias[n]) for n in [n_begin, n_end), m < M: qlinear_lanes_k8's tiles and blocks
-// at 16 rows a tile, the tile kLanesAhead tiles on prefetched into L2 a share a super-block.
+// out[m * ldo + n] = x[m] . W[n] (+ bias[n]) for n in [n_begin, n_end), m < M: lanes_tiles' loop, 16 weight rows a
+// tile, the tile kLanesAhead on prefetched into L2.
 template <int T, typename O>
 void qlinear_lanes_q6(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, const float* bias, O* out,
                       int64_t ldo, int64_t n_begin, int64_t n_end, QScratch& s) {
   static_assert(T == kQ6_K, "lanes_q6");
-  constexpr int64_t bytes = layout_of(kQ6_K).bytes;
-  const int64_t K = x.K, nb = K / kQK_K;
-  const int64_t mt = std::max<int64_t>(16, (64 << 10) / K);
-  const int64_t nt = M <= mt ? n_end - n_begin : std::max<int64_t>(kLanes, kWeightTileBytes / ldw / kLanes * kLanes);
-  const int64_t floats = (sizeof(Lanes16BlockQ6) + 64) / 4 + std::min(M, mt) * kLanes;
-  if (static_cast<int64_t>(s.sc.size()) < floats) s.sc.resize(floats);
-  auto* blk = reinterpret_cast<Lanes16BlockQ6*>((reinterpret_cast<uintptr_t>(s.sc.data()) + 63) & ~uintptr_t{63});
-  float* accs = reinterpret_cast<float*>(blk + 1);
-  const int64_t ahead = kLanes * kLanesAhead;
-  prefetch_first(w, ldw, n_begin, n_end, ahead);
-  for (int64_t n0 = n_begin; n0 < n_end; n0 += nt) {
-    const int64_t n1 = std::min(n_end, n0 + nt);
-    for (int64_t m0 = 0; m0 < M; m0 += mt) {
-      const int64_t m1 = std::min(M, m0 + mt);
-      for (int64_t n = n0; n < n1; n += kLanes) {
-        const int64_t count = std::min<int64_t>(kLanes, n1 - n);
-        const uint8_t* p[kLanes];
-        for (int k = 0; k < kLanes; ++k) p[k] = w + (n + std::min<int64_t>(k, count - 1)) * ldw;
-        const int64_t fetch_begin = std::min(n_end, n + ahead) * ldw;
-        const int64_t fetch_bytes = m0 == 0 ? std::min(n_end, n + ahead + kLanes) * ldw - fetch_begin : 0;
-        const int64_t step = (fetch_bytes / nb + 63) / 64 * 64;
-        for (int64_t m = m0; m < m1; ++m) _mm512_storeu_ps(accs + (m - m0) * kLanes, _mm512_setzero_ps());
-        for (int64_t b = 0; b < nb; ++b) {
-          for (int64_t o = b * step; o < std::min(fetch_bytes, (b + 1) * step); o += 64)
-            __builtin_prefetch(w + fetch_begin + o, 0, 1);
-          decode_block16(p, b * bytes, *blk);
-          int64_t m = m0;
-          for (; m + 4 <= m1; m += 4) lanes16_rows_q6<4>(*blk, x, m, b, accs + (m - m0) * kLanes);
-          if (m + 2 <= m1) lanes16_rows_q6<2>(*blk, x, m, b, accs + (m - m0) * kLanes), m += 2;
-          if (m < m1) lanes16_rows_q6<1>(*blk, x, m, b, accs + (m - m0) * kLanes);
-        }
+  const int64_t mt = std::max<int64_t>(16, (64 << 10) / x.K);
+  lanes_tiles<kLanes, Lanes16BlockQ6>(
+      w, ldw, layout_of(kQ6_K).bytes, x, M, n_begin, n_end, mt, kLanes * kLanesAhead, s,
+      [](const uint8_t* const* p, int64_t at, Lanes16BlockQ6& blk) { decode_block16(p, at, blk); },
+      [&](const Lanes16BlockQ6& blk, int64_t m, int64_t b, float* acc, auto r) {
+        lanes16_rows_q6<decltype(r)::value>(blk, x, m, b, acc);
+      },
+      [&](int64_t m, int64_t n, int64_t count, const float* acc) {
         const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
         const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
-        for (int64_t m = m0; m < m1; ++m)
-          store_lanes(out + m * ldo + n, _mm512_add_ps(_mm512_loadu_ps(accs + (m - m0) * kLanes), bv), count, mask);
-      }
-    }
-  }
+        store_lanes(out + m * ldo + n, _mm512_add_ps(_mm512_loadu_ps(acc), bv), count, mask);
+      });
 }
 #else
 constexpr bool lanes_q6(int) { return false; }
