@@ -26,8 +26,8 @@
 // register there, the same integer sums). In the AVX-512 VNNI builds Q4_K goes 16 weight rows a lane each instead
 // (qdot_lanes_k.h), and so do Q6_K (qdot_lanes_q6.h) and Q5_0 (qdot_lanes_q5.h): their own order of float sums, the
 // same for a row in any batch; in the other AVX2 builds Q4_K and Q6_K go eight weight rows a lane each
-// (qdot_lanes8.h), the same float operations as the 16-lane loops, so the same bits. IQ4_NL goes through the 32-value loop as a signed format (its nibbles
-// looked up in its table by one `vpshufb`, qdot_formats.h).
+// (qdot_lanes8.h), the same float operations as the 16-lane loops, so the same bits. IQ4_NL goes through the 32-value
+// loop as a signed format (its nibbles looked up in its table by one `vpshufb`, qdot_formats.h).
 //
 // Each output element is the same instruction sequence in the same order whatever the number of rows, the thread
 // split or the tile position: results are batch invariant. Decoding has an AVX2 body (also used by the AVX-512

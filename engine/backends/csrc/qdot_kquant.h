@@ -480,9 +480,10 @@ void qlinear_range_k(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, c
 // The tile loop of the lanes that decode a weight tile's super-block once into scratch (qdot_lanes8.h, W = 8 rows a
 // tile; qdot_lanes_q6.h, 16): tiles of W weight rows (the last tile's missing rows standing in as its last row, not
 // stored), each super-block decoded once (`decode(p, at, blk)`) for a block of up to `mt` activation rows, which
-// `rows(blk, m, b, acc, R)` adds to their W accumulators in scratch four, two and one at a time; `store(m, n, count,
-// acc)` writes a row's results. Blocks of weight rows that stay in L2 against blocks of activation rows when M is
-// large; the tile `ahead` rows on prefetched into L2 in the first block of activation rows, a share a super-block.
+// `rows(blk, m, b, acc, R)` adds to their W accumulators in scratch four, two and one at a time; `store(n, count,
+// m0, m1, accs)` writes the tile's results for the block's rows. Blocks of weight rows that stay in L2 against
+// blocks of activation rows when M is large; the tile `ahead` rows on prefetched into L2 in the first block of
+// activation rows, a share a super-block.
 template <int W, typename Block, typename Decode, typename Rows, typename Store>
 void lanes_tiles(const uint8_t* w, int64_t ldw, int64_t block_bytes, const QRows& x, int64_t M, int64_t n_begin,
                  int64_t n_end, int64_t mt, int64_t ahead, QScratch& s, Decode&& decode, Rows&& rows, Store&& store) {
@@ -515,7 +516,7 @@ void lanes_tiles(const uint8_t* w, int64_t ldw, int64_t block_bytes, const QRows
           if (m + 2 <= m1) rows(*blk, m, b, accs + (m - m0) * W, std::integral_constant<int, 2>{}), m += 2;
           if (m < m1) rows(*blk, m, b, accs + (m - m0) * W, std::integral_constant<int, 1>{});
         }
-        for (int64_t m = m0; m < m1; ++m) store(m, n, count, accs + (m - m0) * W);
+        store(n, count, m0, m1, accs);
       }
     }
   }

@@ -70,6 +70,19 @@ inline void transpose8_dwords(__m256i r[8]) {
   }
 }
 
+// m[k] (16 bytes of row k) to c[i]: byte 2i of rows 0-7 in bytes 0-7, byte 2i + 1 in bytes 8-15 (a tile's scales).
+inline void columns8(const __m128i m[8], __m128i c[8]) {
+  for (int h = 0; h < 2; ++h) {  // bytes 0-7 (h = 0) and 8-15 of the rows
+    __m128i v[4];
+    for (int q = 0; q < 4; ++q)  // byte pairs of rows 2q, 2q + 1
+      v[q] = h ? _mm_unpackhi_epi8(m[2 * q], m[2 * q + 1]) : _mm_unpacklo_epi8(m[2 * q], m[2 * q + 1]);
+    const __m128i a0 = _mm_unpacklo_epi16(v[0], v[1]), a1 = _mm_unpackhi_epi16(v[0], v[1]);  // rows 0-3
+    const __m128i b0 = _mm_unpacklo_epi16(v[2], v[3]), b1 = _mm_unpackhi_epi16(v[2], v[3]);  // rows 4-7
+    c[4 * h + 0] = _mm_unpacklo_epi32(a0, b0), c[4 * h + 1] = _mm_unpackhi_epi32(a0, b0);
+    c[4 * h + 2] = _mm_unpacklo_epi32(a1, b1), c[4 * h + 3] = _mm_unpackhi_epi32(a1, b1);
+  }
+}
+
 // Scratch for one tile's super-block: the eight groups' values (wd[8g + i]: values 4i .. 4i + 3 of group g of each
 // lane's row), their scales (sc[g]: lane k row k's scale in both int16 halves), d, and dmin * mn (mins[g]).
 struct Lanes8Block {
@@ -91,28 +104,17 @@ inline void decode_block8(const uint8_t* const p[kLanes8], int64_t at, Lanes8Blo
     }
   }
   // the eight rows' scales and minimums (bytes 0-7, 8-15 of q4k_scales_mins_x) transposed: c[g / 2] bytes
-  // 8 (g % 2) .. + 7 hold group g's of rows 0-7
-  __m128i m[8];
+  // 8 (g % 2) .. + 7 hold group g's scales of rows 0-7, c[4 + g / 2] its minimums
+  __m128i m[8], c[8];
   alignas(16) uint16_t dh[kLanes8], mh[kLanes8];
   for (int k = 0; k < kLanes8; ++k) {
     m[k] = q4k_scales_mins_x(p[k] + at);
     std::memcpy(&dh[k], p[k] + at, 2);
     std::memcpy(&mh[k], p[k] + at + 2, 2);
   }
-  __m128i s2[4], n2[4];
-  for (int q = 0; q < 4; ++q) {
-    s2[q] = _mm_unpacklo_epi8(m[2 * q], m[2 * q + 1]);  // scales, groups 0-7, rows 2q and 2q + 1
-    n2[q] = _mm_unpackhi_epi8(m[2 * q], m[2 * q + 1]);  // minimums
-  }
-  auto columns = [](const __m128i v[4], __m128i c[4]) {  // byte pairs of rows (0,1) .. (6,7) to groups' columns
-    const __m128i a0 = _mm_unpacklo_epi16(v[0], v[1]), a1 = _mm_unpackhi_epi16(v[0], v[1]);  // rows 0-3
-    const __m128i b0 = _mm_unpacklo_epi16(v[2], v[3]), b1 = _mm_unpackhi_epi16(v[2], v[3]);  // rows 4-7
-    c[0] = _mm_unpacklo_epi32(a0, b0), c[1] = _mm_unpackhi_epi32(a0, b0);  // groups 0, 1 / 2, 3
-    c[2] = _mm_unpacklo_epi32(a1, b1), c[3] = _mm_unpackhi_epi32(a1, b1);  // groups 4, 5 / 6, 7
-  };
-  __m128i sc[4], mn[4];
-  columns(s2, sc);
-  columns(n2, mn);
+  columns8(m, c);
+  const __m128i* sc = c;
+  const __m128i* mn = c + 4;
   blk.d = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(dh)));
   const __m256 dmin = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(mh)));
   for (int g = 0; g < 8; ++g) {
@@ -171,23 +173,12 @@ struct Lanes8BlockQ6 {
 
 // The eight rows' int8 scales (16 bytes each) as 16 registers of eight int32 lanes: s32[s] lane k = row k's sc_s.
 inline void q6k_scales8(const uint8_t* const p[kLanes8], int64_t at, __m256i s32[16]) {
-  __m128i m[8];
+  __m128i m[8], c[8];
   for (int k = 0; k < kLanes8; ++k) m[k] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[k] + at + 192));
-  __m128i lo[4], hi[4];
-  for (int q = 0; q < 4; ++q) {
-    lo[q] = _mm_unpacklo_epi8(m[2 * q], m[2 * q + 1]);  // scales 0-7 of rows 2q, 2q + 1, byte pairs
-    hi[q] = _mm_unpackhi_epi8(m[2 * q], m[2 * q + 1]);  // scales 8-15
-  }
-  for (int h = 0; h < 2; ++h) {
-    const __m128i* v = h ? hi : lo;
-    const __m128i a0 = _mm_unpacklo_epi16(v[0], v[1]), a1 = _mm_unpackhi_epi16(v[0], v[1]);  // rows 0-3
-    const __m128i b0 = _mm_unpacklo_epi16(v[2], v[3]), b1 = _mm_unpackhi_epi16(v[2], v[3]);  // rows 4-7
-    const __m128i c[4] = {_mm_unpacklo_epi32(a0, b0), _mm_unpackhi_epi32(a0, b0), _mm_unpacklo_epi32(a1, b1),
-                          _mm_unpackhi_epi32(a1, b1)};  // c[i]: scales 2i (bytes 0-7) and 2i + 1 of rows 0-7
-    for (int i = 0; i < 4; ++i) {
-      s32[8 * h + 2 * i] = _mm256_cvtepi8_epi32(c[i]);
-      s32[8 * h + 2 * i + 1] = _mm256_cvtepi8_epi32(_mm_srli_si128(c[i], 8));
-    }
+  columns8(m, c);
+  for (int i = 0; i < 8; ++i) {
+    s32[2 * i] = _mm256_cvtepi8_epi32(c[i]);
+    s32[2 * i + 1] = _mm256_cvtepi8_epi32(_mm_srli_si128(c[i], 8));
   }
 }
 
@@ -284,12 +275,14 @@ void qlinear_lanes_k8(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, 
       [&](const Block& blk, int64_t m, int64_t b, float* acc, auto r) {
         lanes8_rows<decltype(r)::value>(blk, x, m, b, acc);
       },
-      [&](int64_t m, int64_t n, int64_t count, const float* acc) {
+      [&](int64_t n, int64_t count, int64_t m0, int64_t m1, const float* accs) {
         const __m256i mask = lanes_below(count);
         const __m256 bv = bias ? _mm256_maskload_ps(bias + n, mask) : _mm256_setzero_ps();
-        alignas(32) float res[kLanes8];
-        _mm256_store_ps(res, _mm256_add_ps(_mm256_loadu_ps(acc), bv));
-        for (int64_t k = 0; k < count; ++k) out[m * ldo + n + k] = static_cast<O>(res[k]);
+        for (int64_t m = m0; m < m1; ++m) {
+          alignas(32) float res[kLanes8];
+          _mm256_store_ps(res, _mm256_add_ps(_mm256_loadu_ps(accs + (m - m0) * kLanes8), bv));
+          for (int64_t k = 0; k < count; ++k) out[m * ldo + n + k] = static_cast<O>(res[k]);
+        }
       });
 }
 #else

@@ -8,8 +8,8 @@
 //
 // Each lane is its row's own sequence: the super-block's exact int32 sum sum_s sc_s (q_s . a_s - 32 sum(a_s)) (the
 // integers of the row loop and of qdot_lanes8.h's lanes, however they are grouped), then fma(sum, d * dx, acc)
-// super-block by super-block: qdot_lanes8.h's float operations, so a row's result is the same bits in the AVX2 build,
-// here, in any tile, thread split or batch. Not the row loop's bits (qdot_kquant.h reduces eight lanes at the end).
+// super-block by super-block: qdot_lanes8.h's float operations and those of the row loop (qdot_kquant.h's dot_q6k),
+// so a row's result is the same bits in the AVX2 build, here, in any tile, thread split or batch.
 #pragma once
 
 #include "qdot_lanes8.h"
@@ -19,10 +19,10 @@ namespace peregrine_quant {
 
 // Activation rows from which Q6_K goes through the lanes (here and qdot_lanes8.h's); fewer take qdot_kquant.h's row
 // loop, the same bits. scripts/bench_qdot.py --format Q6_K, one thread, rows in L2, AMD EPYC Zen 4, ns a weight row
-// at K = 3072 (8192), lanes against the row loop: avx2 build, 1 row 148-159 (406-410) against 106-107 (286-292),
-// 4 rows 240-255 (690-726) against 234-240 (692-798), 16 rows 636-642 (2317-2333) against 885-1033 (2644-2698);
-// avx512_bf16 build, 1 row 118-187 (351-509) against 101-102 (266-268), 4 rows 180-181 (534-542) against 205-220
-// (574-598), 16 rows 473-474 (1615-1641) against 746-749 (2150-2241).
+// at K = 3072 (8192), the lanes against the row loop they replaced: avx2 build, 4 rows 239-273 (700-730) against
+// 236-267 (700-712), 16 rows 635-654 (1947-2059) against 924-1156 (2557-3054); avx512_bf16 build, 4 rows 182-185
+// (535-540) against 199-209 (577-588), 16 rows 458-462 (1410-1447) against 740-781 (2139-2242). At one row the
+// lanes were 1.2-1.5x slower than the row loop (transposes shared by nothing).
 constexpr int64_t kLanesQ6Rows = 4;
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__FMA__) && defined(__F16C__)
@@ -123,10 +123,11 @@ void qlinear_lanes_q6(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, 
       [&](const Lanes16BlockQ6& blk, int64_t m, int64_t b, float* acc, auto r) {
         lanes16_rows_q6<decltype(r)::value>(blk, x, m, b, acc);
       },
-      [&](int64_t m, int64_t n, int64_t count, const float* acc) {
+      [&](int64_t n, int64_t count, int64_t m0, int64_t m1, const float* accs) {
         const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
         const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
-        store_lanes(out + m * ldo + n, _mm512_add_ps(_mm512_loadu_ps(acc), bv), count, mask);
+        for (int64_t m = m0; m < m1; ++m)
+          store_lanes(out + m * ldo + n, _mm512_add_ps(_mm512_loadu_ps(accs + (m - m0) * kLanes), bv), count, mask);
       });
 }
 #else
