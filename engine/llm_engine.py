@@ -149,7 +149,7 @@ class LLMEngine:
 
     def _propose(self) -> list[Sequence]:
         """Set the proposals of the decoding sequences that speculate this step; returns those sequences. A
-        constrained sequence's are cut to what its grammar accepts (none before a lazy constraint's trigger); none
+        constrained sequence's are cut to what its grammar accepts (a lazy one's before its trigger: up to it); none
         past max_tokens or the context; as many as pay (`plan_lengths`). The proposer gets every sequence in one
         call (a draft model batches them)."""
         if self.proposer is None:
@@ -158,7 +158,7 @@ class LLMEngine:
         decoding = [s for s in self.scheduler.running if s.num_uncomputed_tokens == 1]
         candidates: list[tuple[Sequence, int]] = []
         for seq in decoding:
-            if seq.seq_id in self._grammars and not self._grammars[seq.seq_id].active:
+            if seq.seq_id in self._grammars and self._grammars[seq.seq_id].done:
                 continue
             room = min(k, seq.max_tokens - len(seq.output_token_ids) - 1, self.max_model_len - seq.num_tokens - 1)
             if room > 0:
@@ -170,7 +170,7 @@ class LLMEngine:
         drafted = []
         for (seq, _), draft in zip(wants, self.proposer.propose_batch(wants) if wants else [], strict=True):
             if seq.seq_id in self._grammars:
-                draft = self._grammars[seq.seq_id].valid_prefix(draft, self.eos_token_ids)
+                draft = self._grammars[seq.seq_id].valid_prefix(draft, self.eos_token_ids, seq.output_token_ids)
             seq.draft = draft = until_stop(draft, seq, self.eos_token_ids)  # no rows past where it would end
             if draft:
                 drafted.append(seq)

@@ -9,7 +9,9 @@ Workloads (chat-templated, greedy, the model's own EOS ends an answer, at most -
 - open: open chat (questions whose answers are not in the prompt);
 - copy (on request): copy a passage of about 100 tokens from the prompt, the issue's reference case;
 - json (on request): structured output: extract from the four passages as JSON (four tasks), the answers
-  constrained to JSON (`response_format` json_object: every verification row masked by the grammar).
+  constrained to JSON (`response_format` json_object: every verification row masked by the grammar);
+- tools (on request): the grounded prompts with two tools offered in the chat template and tool_choice auto: the
+  tool-call grammar waits for its trigger (a lazy constraint), what an agent's requests look like.
 At 1 stream the prompts of a workload run one after another; at 16 streams all 16 at once. Each round runs every
 (workload, streams) cell with speculation off, then on (then on/off in the next round: A B, B A), in the same
 process on the same loaded model. Greedy answers are the same tokens either way (checked, or the run fails), so a
@@ -104,6 +106,29 @@ def json_texts() -> list[str]:
     return [task.format(p=p) for task in JSON_TASKS for p in PASSAGES]
 
 
+TOOLS = [{"name": "search_documents", "description": "Search the user's documents for a phrase.",
+          "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}},
+         {"name": "save_note", "description": "Save a note for the user.",
+          "parameters": {"type": "object", "properties": {"title": {"type": "string"}, "body": {"type": "string"}},
+                         "required": ["title", "body"]}}]
+
+
+def tools_workload(tok: Any) -> tuple[list[list[int]], Any]:
+    """The grounded prompts with TOOLS in the chat template, and tool_choice auto's constraint (the app's own plan:
+    the tool-call grammar, lazy until its trigger)."""
+    from app.chat.tools import plan_for
+
+    plan = plan_for(TOOLS, "auto", True, tok)
+    assert plan is not None and plan.constraint is not None and plan.constraint.trigger
+    tools = [{"type": "function", "function": f} for f in TOOLS]
+    prompts = []
+    for text in grounded_texts():
+        ids = tok.apply_chat_template([{"role": "user", "content": text}], tools=tools, add_generation_prompt=True,
+                                      tokenize=True)
+        prompts.append(list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids))
+    return prompts, plan.constraint
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
@@ -111,7 +136,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--one-stream-prompts", type=int, default=4, help="prompts per workload at 1 stream (of 16)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--speculative-tokens", type=int, default=None, help="k (default: the engine's)")
-    p.add_argument("--workloads", default="grounded,open", help="grounded, open, copy, json (comma-separated)")
+    p.add_argument("--workloads", default="grounded,open", help="grounded, open, copy, json, tools (comma-separated)")
     p.add_argument("--modes", default="off,ngram",
                    help="off, ngram, draft (the bundled SmolLM2-135M drafting), draft-tiny (a tiny random draft with "
                         "SmolLM2's vocabulary), comma-separated; off always runs (the baseline)")
@@ -190,13 +215,12 @@ def weight_bytes(engine: Any) -> int | None:
 
 
 def run(engine: Any, prompts: list[list[int]], streams: int, max_tokens: int,
-        constrained: bool = False) -> tuple[float, float, list[list[int]]]:
-    """Serve `prompts`, `streams` at a time (each group starts when the previous one is done), the answers JSON
-    if `constrained`. Returns the seconds it took, the decode seconds summed over requests (first output to last:
-    what follows the prefill) and each request's tokens."""
-    from engine.types import Constraint, SamplingParams
+        constraint: Any = None) -> tuple[float, float, list[list[int]]]:
+    """Serve `prompts`, `streams` at a time (each group starts when the previous one is done), the answers held
+    to `constraint` (engine.types.Constraint) if one is given. Returns the seconds it took, the decode seconds
+    summed over requests (first output to last: what follows the prefill) and each request's tokens."""
+    from engine.types import SamplingParams
 
-    constraint = Constraint("json_object", "") if constrained else None
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, constraint=constraint)
     tokens: dict[str, list[int]] = {}
     first_at: dict[str, float] = {}
@@ -242,6 +266,7 @@ def build_engines(loaded: Any, args: argparse.Namespace) -> tuple[dict[str, Any]
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from engine.types import Constraint
     from tests.support import chat_ids, load_bundled_gguf
 
     loaded = load_bundled_gguf()
@@ -251,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     sets = {"grounded": [chat_ids(tok, t) for t in grounded_texts()], "open": [chat_ids(tok, t) for t in OPEN],
             "copy": [chat_ids(tok, t) for t in copy_texts()], "json": [chat_ids(tok, t) for t in json_texts()]}
     workloads = args.workloads.split(",")
+    constraints: dict[str, Any] = {"json": Constraint("json_object", "")}
+    if "tools" in workloads:
+        sets["tools"], constraints["tools"] = tools_workload(tok)
     levels = [int(s) for s in args.streams.split(",")]
     engines, about = build_engines(loaded, args)
     modes = list(engines)
@@ -272,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
                     engine = engines[mode]
                     before = engine.stats()
                     seconds[mode], decode[mode], answers[mode] = run(engine, prompts, streams, args.max_tokens,
-                                                                     workload == "json")
+                                                                     constraints.get(workload))
                     after = engine.stats()
                     cell = cells.setdefault((workload, streams, mode), {"tok_s": [], "tokens": 0, "ratios": [],
                                                                         "decode_ratios": [], "proposed": 0,

@@ -230,16 +230,30 @@ class GrammarState:
     def error(self) -> str:
         return self.matcher.get_error() if self.matcher is not None else ""
 
-    def valid_prefix(self, draft: list[int], eos_token_ids: Collection[int]) -> list[int]:
-        """The speculative proposals `draft` up to the first the grammar refuses (and before any EOS: the grammar
-        ends a constrained sequence itself), so each verification row has the mask of its state after the ones
-        before it. [] before a lazy constraint's trigger (its rows are free until the trigger appears, which a
-        proposal could complete) and once the grammar is done."""
-        if not self.active:
+    def valid_prefix(self, draft: list[int], eos_token_ids: Collection[int], output: list[int]) -> list[int]:
+        """The speculative proposals `draft` (after the sequence's `output` tokens) up to the first the grammar
+        refuses (and before any EOS: the grammar ends a constrained sequence itself), so each verification row has
+        the mask of its state after the ones before it; [] once the grammar is done. Before a lazy constraint's
+        trigger the rows are free: the proposals up to the one that would complete the trigger (the rows after
+        it would need the matcher that only the trigger starts)."""
+        if self.matcher is None:
+            return self._before_trigger(draft, output)
+        if self.matcher.is_stopped():
             return []
-        assert self.matcher is not None
         cut = next((i for i, t in enumerate(draft) if t in eos_token_ids), len(draft))
         return draft[: self.matcher.validate_tokens(draft[:cut])]  # checks without consuming
+
+    def _before_trigger(self, draft: list[int], output: list[int]) -> list[int]:
+        """`draft` cut before the proposal whose text completes the trigger (searched where `sync` searches: in
+        the decoded output, from just before the text seen so far)."""
+        trigger = self.constraint.trigger or ""
+        start = max(0, len(self._text) - len(trigger))
+        decode = self._tokenizer.decode
+        if decode(output + draft, skip_special_tokens=False).find(trigger, start) < 0:
+            return draft
+        n = next(n for n in range(1, len(draft) + 1)
+                 if decode(output + draft[:n], skip_special_tokens=False).find(trigger, start) >= 0)
+        return draft[: n - 1]
 
     def sync(self, output_token_ids: list[int], eos_token_ids: frozenset[int] = frozenset()) -> None:
         """Take the output tokens not seen yet into account (EOS is never fed: it ends the sequence)."""

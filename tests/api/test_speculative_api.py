@@ -1,8 +1,8 @@
 """Speculative decoding through the HTTP API: a real server started with `--speculative ngram` answers the openai
 SDK's requests exactly as the session's server without speculation does (greedy, the bundled SmolLM2, the same
 dense float32 weights), for constrained output too: a strict JSON schema extracting from the prompt, a named tool
-call whose arguments come from the prompt, and the same schema streamed. Its /metrics show that the constrained
-requests proposed tokens and that proposals were kept."""
+call whose arguments come from the prompt, the same schema streamed, and tool_choice auto (a grammar waiting for its
+trigger). Its /metrics show that the constrained requests proposed tokens and that proposals were kept."""
 
 from __future__ import annotations
 
@@ -89,3 +89,25 @@ def test_constrained_and_free_answers_are_those_without_speculation(server: str,
             .choices[0].message.content for c in (plain, spec)}
     assert free[spec] == free[plain]
     assert spec_counters(spec_url)[1] > 0, "no proposal was kept"
+
+
+def test_tool_choice_auto_speculates_before_its_trigger(server: str, spec_url: str) -> None:
+    """With tools offered and tool_choice auto, the tool-call grammar waits for its trigger (a lazy constraint):
+    the free text before it speculates too, and the answers (text or call) are those without speculation."""
+    plain = openai.OpenAI(base_url=f"{server}/v1", api_key="none", timeout=600)
+    spec = openai.OpenAI(base_url=f"{spec_url}/v1", api_key="none", timeout=600)
+    model = plain.models.list().data[0].id
+
+    def answers(client: openai.OpenAI) -> list[Any]:
+        out = []
+        for messages in (COPY, ASK_WEATHER):
+            message = client.chat.completions.create(model=model, messages=messages, max_tokens=40, temperature=0,
+                                                     tools=[WEATHER], tool_choice="auto").choices[0].message
+            out.append((message.content, [(c.function.name, c.function.arguments) for c in message.tool_calls or []]))
+        return out
+
+    want = answers(plain)
+    before = spec_counters(spec_url)
+    assert answers(spec) == want
+    assert want[0][0] and "lighthouse" in want[0][0]  # the copy is free text
+    assert spec_counters(spec_url)[1] > before[1], "nothing was kept before the trigger"

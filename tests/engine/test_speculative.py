@@ -248,10 +248,10 @@ def test_constrained_proposals_and_their_masks(smollm2_q4_1: Loaded) -> None:
     state = grammar.GrammarState(Constraint("json_schema", json.dumps(PERSON)), tok)
     ids = tok.encode('{"name": "Ada", "age": 36}', add_special_tokens=False)
     eos = frozenset({tok.eos_token_id})
-    assert state.valid_prefix(ids, eos) == ids
-    assert state.valid_prefix(ids[:3] + tok.encode("}}}", add_special_tokens=False), eos) == ids[:3]
-    assert state.valid_prefix(ids[:2] + [tok.eos_token_id] + ids[2:], eos) == ids[:2]
-    assert state.valid_prefix(ids + ids, eos) == ids  # the grammar ends with the object
+    assert state.valid_prefix(ids, eos, []) == ids
+    assert state.valid_prefix(ids[:3] + tok.encode("}}}", add_special_tokens=False), eos, []) == ids[:3]
+    assert state.valid_prefix(ids[:2] + [tok.eos_token_id] + ids[2:], eos, []) == ids[:2]
+    assert state.valid_prefix(ids + ids, eos, []) == ids  # the grammar ends with the object
     filler = grammar.BitmaskFiller(tok, len(tok), eos)
     one_by_one = []
     walker = grammar.GrammarState(state.constraint, tok)
@@ -269,7 +269,35 @@ def test_constrained_proposals_and_their_masks(smollm2_q4_1: Loaded) -> None:
     masks = filler.fill(work)
     for i in range(5):
         assert torch.equal(masks[i], one_by_one[i][0]), f"row {i}"
-    assert state.valid_prefix(ids, eos) == ids and not state.done  # the matcher was rolled back
+    assert state.valid_prefix(ids, eos, []) == ids and not state.done  # the matcher was rolled back
+
+
+def test_lazy_constraints_propose_before_their_trigger_and_answer_the_same(smollm2_q4_1: Loaded) -> None:
+    """A lazy constraint (a tool call's grammar waiting for its trigger) leaves the text free until the trigger, and
+    its proposals are taken there too, up to the one that would complete the trigger; from the trigger on the
+    grammar masks them. Copying the passage, the trigger "ninety" comes mid-copy and the regex ends the sequence at
+    the sentence's full stop; a trigger never written leaves the whole copy free (it proposed nothing before).
+    Greedy and seeded answers are plain decoding's, alone and batched."""
+    tok = smollm2_q4_1.tokenizer
+    prompt = chat_ids(tok, COPY)
+    plain, spec = engines(smollm2_q4_1)
+    for trigger in ("ninety", "<tool_call>"):
+        constraint = Constraint("regex", "[ a-z,]+\\.", trigger=trigger)
+        for params in (greedy(80, constraint=constraint),
+                       SamplingParams(temperature=0.7, seed=3, max_tokens=80, constraint=constraint)):
+            want = run_all(plain, {"l": (prompt, params)})["l"]
+            before = accepted(spec)
+            alone = run_all(spec, {"l": (prompt, params)})["l"]
+            assert tokens_of(alone) == tokens_of(want), (trigger, params.temperature)
+            if params.temperature == 0:
+                assert accepted(spec) - before >= 10, trigger  # the free copy speculated
+                text = text_of(want)
+                if trigger == "ninety":
+                    assert text.endswith("ninety steps, trimmed the wick and wound the clockwork that turned the lens.")
+                    assert want[-1].finish_reason == "stop"  # the grammar ended it
+            batched = run_all(spec, {"l": (prompt, params), "free": (chat_ids(tok, EDIT), greedy(40))})
+            assert tokens_of(batched["l"]) == tokens_of(want)
+    check_clean(spec)
 
 
 @pytest.mark.parametrize("kernels", [True, False], ids=["cpu-kernels", "torch-ops"])

@@ -230,6 +230,28 @@ def test_lazy_trigger_feeds_the_text_after_it(tok):
     assert not allowed[tok.convert_tokens_to_ids("a")]
 
 
+def test_lazy_trigger_proposals_stop_before_the_one_completing_it(tok):
+    """Speculative proposals before a lazy trigger are free text: all kept, up to the one whose text completes the
+    trigger (also when the trigger starts in the output already); after it, the grammar's rules."""
+    eos = frozenset({tok.eos_token_id})
+    state = GrammarState(Constraint("regex", "[0-9]+;", trigger="fox"), tok)
+    out = tok.encode("The quick", add_special_tokens=False)
+    state.sync(out, eos)
+    free = tok.encode(" brown dog jumps over", add_special_tokens=False)
+    assert state.valid_prefix(free, eos, out) == free
+    draft = tok.encode(" brown fox12; and more", add_special_tokens=False)
+    at = next(i for i in range(len(draft)) if "fox" in tok.decode(draft[: i + 1]))
+    assert at >= 1 and state.valid_prefix(draft, eos, out) == draft[:at]
+    split = tok.encode("The quick brown f", add_special_tokens=False)
+    state = GrammarState(Constraint("regex", "[0-9]+;", trigger="fox"), tok)
+    state.sync(split, eos)
+    assert state.valid_prefix(tok.encode("ox jumps", add_special_tokens=False), eos, split) == []
+    state.sync(out + draft[: at + 1], eos)
+    assert state.active
+    digits = tok.encode("12; and", add_special_tokens=False)
+    assert 1 <= len(state.valid_prefix(digits, eos, out + draft[: at + 1])) < len(digits)
+
+
 def test_eos_ids_of_the_model_follow_the_tokenizers(tok):
     other_eos = 3  # <|im_start|> stands in for a second EOS id from generation_config
     filler = BitmaskFiller(tok, len(tok), frozenset({tok.eos_token_id, other_eos}))
