@@ -106,6 +106,23 @@ def test_qlinear_k_quant_tiles_keep_rows_bitwise(module: Any, fmt: str) -> None:
 
 
 @pytest.mark.parametrize("fmt", KQUANTS)
+def test_k_quant_long_rows_at_one_activation_row(module: Any, fmt: str) -> None:
+    """Rows of 4 KiB or more (K = 8192: an `ffn_down`'s) at one activation row are prefetched a super-block at a time
+    inside the row loop (qdot_kquant.h, kSpreadRowBytes): the same sums, so each row alone gives the bits it has in a
+    batch of three (no such prefetch) and stays within the exact int8 product's bound, the last rows of the matrix
+    (nothing ahead to ask for) included."""
+    k, n = 8192, 37
+    blocks = make_blocks(fmt, n, k, np.random.default_rng(8))
+    w = torch.from_numpy(dequantize(blocks, fmt)).double()
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(9))
+    batch = module.qlinear(x, torch.from_numpy(blocks), TYPES[fmt], None)
+    exact = int8_activations(x, 256).double() @ w.T
+    assert float((batch.double() - exact).abs().max()) <= 1e-5 * float(exact.abs().max())
+    for row in range(3):
+        assert torch.equal(module.qlinear(x[row : row + 1], torch.from_numpy(blocks), TYPES[fmt], None)[0], batch[row])
+
+
+@pytest.mark.parametrize("fmt", KQUANTS)
 def test_k_quant_sums_are_the_avx2_bodys_bits_on_every_path(module: Any, fmt: str) -> None:
     """The AVX-512 builds multiply two 32-value groups a 512-bit register (qdot_kquant.h, PEREGRINE_KQ512): the
     same integer sums as the AVX2 body, so the same bits, for one to five activation rows and batches of 11 and 16

@@ -46,20 +46,31 @@ inline __m128i q4k_scales_mins_x(const uint8_t* b) {
 }
 #endif
 
+// Asks for the `bytes` at p into L2 (prefetcht2), a line at a time: with p a super-block `fetch` bytes ahead of the
+// one being multiplied, a row's stream is asked for a super-block at a time (qlinear_range_k's long rows).
+inline void fetch_bytes(const uint8_t* p, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 1);
+}
+
 // The loop every K-quant dot shares: each activation row's accumulator (AVX2: eight float lanes) over the weight
 // row's super-blocks, `block(blk, b, acc)` adding super-block b (its bytes at blk) into each row's acc[r] (portable:
-// `block(blk, xb, acc)`, one activation row's float, xb its activation block), then each row's sum.
+// `block(blk, xb, acc)`, one activation row's float, xb its activation block), then each row's sum. `fetch` > 0:
+// the bytes that many ahead of each super-block are asked for into L2 before it is multiplied.
 template <int T, int R, typename Block>
-inline void superblocks(const uint8_t* row, const QRows& x, int64_t m0, float* res, Block&& block) {
+inline void superblocks(const uint8_t* row, const QRows& x, int64_t m0, float* res, int64_t fetch, Block&& block) {
   constexpr int64_t bytes = layout_of(T).bytes;
   const int64_t nb = x.K / kQK_K;
 #if defined(__AVX2__)
   (void)m0;
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) block(row + b * bytes, b, acc);
+  for (int64_t b = 0; b < nb; ++b) {
+    if (fetch > 0) fetch_bytes(row + b * bytes + fetch, bytes);
+    block(row + b * bytes, b, acc);
+  }
   for (int r = 0; r < R; ++r) res[r] = hsum8(acc[r]);
 #else
+  (void)fetch;
   for (int r = 0; r < R; ++r) {
     float acc = 0.f;
     for (int64_t b = 0; b < nb; ++b) block(row + b * bytes, (m0 + r) * nb + b, acc);
@@ -126,11 +137,11 @@ inline __m512i dot_scaled(__m512i sum, __m512i w, const int8_t* a, __m512i s) {
 // products (the weight row's minimums times the activation row's sums, ksf). Q5_K's unsigned values up to 31 keep
 // `vpmaddubsw`'s pair sums (2 * 31 * 127) far from int16's saturation, as ggml_vec_dot_q5_K_q8_K does.
 template <int T, int R>
-inline void dot_q45k(const uint8_t* row, const QRows& x, int64_t m0, float* res) {
+inline void dot_q45k(const uint8_t* row, const QRows& x, int64_t m0, float* res, int64_t fetch) {
   static_assert(T == kQ4_K || T == kQ5_K);
   constexpr int qs = T == kQ5_K ? 48 : 16;  // where the nibbles start (Q5_K: after qh[32], at 16)
 #if defined(__AVX2__)
-  superblocks<T, R>(row, x, m0, res, [&](const uint8_t* blk, int64_t b, __m256* acc) {
+  superblocks<T, R>(row, x, m0, res, fetch, [&](const uint8_t* blk, int64_t b, __m256* acc) {
     const int64_t K = x.K, nb = K / kQK_K;
     const __m128i scmn = q4k_scales_mins_x(blk);
     __m256i sumi[R];
@@ -195,7 +206,7 @@ inline void dot_q45k(const uint8_t* row, const QRows& x, int64_t m0, float* res)
     }
   });
 #else
-  superblocks<T, R>(row, x, m0, res, [&](const uint8_t* blk, int64_t xb, float& acc) {
+  superblocks<T, R>(row, x, m0, res, fetch, [&](const uint8_t* blk, int64_t xb, float& acc) {
     const int8_t* a = x.kq + xb * kQK_K;
     int16_t sc[8];
     uint8_t mn[8];
@@ -319,7 +330,7 @@ inline __m128i hsum2_epi32(__m256i a, __m256i b) {
 #endif
 
 template <int R>
-inline void dot_q6k(const uint8_t* row, const QRows& x, int64_t m0, float* res) {
+inline void dot_q6k(const uint8_t* row, const QRows& x, int64_t m0, float* res, int64_t fetch) {
 #if defined(__AVX2__)
   constexpr int64_t bytes = layout_of(kQ6_K).bytes;
   const int64_t nb = x.K / kQK_K;
@@ -328,6 +339,7 @@ inline void dot_q6k(const uint8_t* row, const QRows& x, int64_t m0, float* res) 
   int64_t b = 0;
   if constexpr (R == 1)
     for (; b + 2 <= nb; b += 2) {
+      if (fetch > 0) fetch_bytes(row + b * bytes + fetch, 2 * bytes);
       __m256i v0, v1;
       q6k_block_sums<1>(row + b * bytes, x, m0, b, &v0);
       q6k_block_sums<1>(row + (b + 1) * bytes, x, m0, b + 1, &v1);
@@ -336,13 +348,14 @@ inline void dot_q6k(const uint8_t* row, const QRows& x, int64_t m0, float* res) 
       acc[0] = std::fma(_mm_cvtss_f32(_mm_movehdup_ps(f)), dk(0, b + 1), acc[0]);
     }
   for (; b < nb; ++b) {
+    if (fetch > 0) fetch_bytes(row + b * bytes + fetch, bytes);
     __m256i v[R];
     q6k_block_sums<R>(row + b * bytes, x, m0, b, v);
     for (int r = 0; r < R; ++r) acc[r] = std::fma(static_cast<float>(hsum8_epi32(v[r])), dk(r, b), acc[r]);
   }
   for (int r = 0; r < R; ++r) res[r] = acc[r];
 #else
-  superblocks<kQ6_K, R>(row, x, m0, res, [&](const uint8_t* blk, int64_t xb, float& acc) {
+  superblocks<kQ6_K, R>(row, x, m0, res, fetch, [&](const uint8_t* blk, int64_t xb, float& acc) {
     const int8_t* a = x.kq + xb * kQK_K;
     int32_t isum = 0;
     for (int i = 0; i < 16; ++i) {
@@ -366,9 +379,9 @@ inline void dot_q6k(const uint8_t* row, const QRows& x, int64_t m0, float* res) 
 // by the sign trick (|w| times a with w's sign; |w| <= 127, so the pair sums stay below int16's saturation), the
 // group's scale by `vpmaddwd`.
 template <int R>
-inline void dot_iq4xs(const uint8_t* row, const QRows& x, int64_t m0, float* res) {
+inline void dot_iq4xs(const uint8_t* row, const QRows& x, int64_t m0, float* res, int64_t fetch) {
 #if defined(__AVX2__)
-  superblocks<kIQ4_XS, R>(row, x, m0, res, [&](const uint8_t* blk, int64_t b, __m256* acc) {
+  superblocks<kIQ4_XS, R>(row, x, m0, res, fetch, [&](const uint8_t* blk, int64_t b, __m256* acc) {
     const int64_t K = x.K, nb = K / kQK_K;
     const __m256i table = iq4_table();
     __m256i sumi[R];
@@ -390,7 +403,7 @@ inline void dot_iq4xs(const uint8_t* row, const QRows& x, int64_t m0, float* res
     }
   });
 #else
-  superblocks<kIQ4_XS, R>(row, x, m0, res, [&](const uint8_t* blk, int64_t xb, float& acc) {
+  superblocks<kIQ4_XS, R>(row, x, m0, res, fetch, [&](const uint8_t* blk, int64_t xb, float& acc) {
     const int8_t* a = x.kq + xb * kQK_K;
     int32_t isum = 0;
     for (int j = 0; j < 8; ++j) {
@@ -404,14 +417,15 @@ inline void dot_iq4xs(const uint8_t* row, const QRows& x, int64_t m0, float* res
 #endif
 }
 
+// (fetch: the prefetch distance of superblocks, 0 for none.)
 template <int T, int R>
-inline void dot_k(const uint8_t* row, const QRows& x, int64_t m0, float* res) {
+inline void dot_k(const uint8_t* row, const QRows& x, int64_t m0, float* res, int64_t fetch = 0) {
   if constexpr (T == kQ6_K)
-    dot_q6k<R>(row, x, m0, res);
+    dot_q6k<R>(row, x, m0, res, fetch);
   else if constexpr (T == kIQ4_XS)
-    dot_iq4xs<R>(row, x, m0, res);
+    dot_iq4xs<R>(row, x, m0, res, fetch);
   else
-    dot_q45k<T, R>(row, x, m0, res);
+    dot_q45k<T, R>(row, x, m0, res, fetch);
 }
 
 // Activation rows a weight row meets at a time (dot_k's R) in qlinear_range_k: eight in the AVX-512 build's K-quant
@@ -445,10 +459,16 @@ constexpr int64_t kActTileBytes = 16 << 10, kWeightTileBytes = 128 << 10;
 // alternating, GB/s):
 // [16384, 2048] 33.8 / 41.7 / 33.0 -> 49.8 / 48.6 / 38.1, [2048, 8192] 24.0 / 26.4 / 23.9 -> 28.5 / 27.3 / 28.3; the
 // avx2 build 32.5 / 24.9 / 33.0 -> 45.8 / 46.7 / 37.4 and 22.5 / 22.7 / 23.7 -> 27.3 / 24.0 / 24.8.
+// At one activation row, rows of kSpreadRowBytes or more (Q6_K's at K = 8192: 6.7 KB, four rows ahead 27 KB) are
+// asked for a super-block at a time, kSpreadAhead bytes ahead, inside the dot (fetch_bytes), not a row at a time:
+// Q6_K [2048, 8192] from memory, same conditions, eight rounds alternating in one build: 20.1-24.4 -> 26.9-29.7
+// GB/s; rows of K = 2048 stayed a row at a time (24.8-29.0 spread, against 26.3-34.6).
+constexpr int64_t kSpreadRowBytes = 4096, kSpreadAhead = 4096;
 template <int T, typename O>
 void qlinear_range_k(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, const float* bias, O* out,
                      int64_t ldo, int64_t n_begin, int64_t n_end) {
   const int64_t ahead = prefetch_rows(ldw, M, 4096);
+  const int64_t spread = M == 1 && ldw >= kSpreadRowBytes ? kSpreadAhead : 0;  // (bytes ahead; 0: rows ahead)
   const int64_t mt = std::max<int64_t>(kRowsK, kActTileBytes / x.K / 4 * 4);
   const int64_t nt = M <= mt ? n_end - n_begin : std::max<int64_t>(4, kWeightTileBytes / ldw);
   prefetch_first(w, ldw, n_begin, n_end, ahead);
@@ -458,7 +478,7 @@ void qlinear_range_k(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, c
       const int64_t m1 = std::min(M, m0 + mt);
       for (int64_t n = n0; n < n1; ++n) {
         const uint8_t* row = w + n * ldw;
-        if (m0 == 0 && n + ahead < n_end)
+        if (m0 == 0 && n + ahead < n_end && !spread)
           for (int64_t o = 0; o < ldw; o += 64) __builtin_prefetch(row + ahead * ldw + o, 0, 1);  // into L2
         const float bn = bias ? bias[n] : 0.f;
         float res[kRowsK];
@@ -471,7 +491,7 @@ void qlinear_range_k(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, c
           while (m + 8 <= m1) dot_k<T, 8>(row, x, m, res), put(8);
         while (m + 4 <= m1) dot_k<T, 4>(row, x, m, res), put(4);
         if (m + 2 <= m1) dot_k<T, 2>(row, x, m, res), put(2);
-        if (m < m1) dot_k<T, 1>(row, x, m, res), put(1);
+        if (m < m1) dot_k<T, 1>(row, x, m, res, n * ldw + spread < n_end * ldw ? spread : 0), put(1);
       }
     }
   }
