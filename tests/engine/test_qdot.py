@@ -92,17 +92,24 @@ def test_qlinear_k_quant_tiles_keep_rows_bitwise(module: Any, fmt: str) -> None:
     one; qdot_lanes8.h's blocks of 16 activation rows and 56 weight rows at K = 4096 crossed as well). Q6_K takes its
     row loop for one to three activation rows and its lanes (qdot_lanes8.h, qdot_lanes_q6.h) from four: the single
     row and the three against the batch of 29 hold the two to the same bits."""
-    k, n = 4096, 150
-    blocks = make_blocks(fmt, n, k, np.random.default_rng(5))
+    blocks, x, got = k_quant_product(module, fmt, 150, 4096, 29, seeds=(5, 4))
+    for rows in (slice(0, 1), slice(7, 10), slice(28, 29), slice(3, 29)):
+        assert torch.equal(module.qlinear(x[rows], blocks, TYPES[fmt], None), got[rows]), rows
+    shifted = module.qlinear(x[:5], blocks[5:].clone(), TYPES[fmt], None)  # rows in other lanes
+    assert torch.equal(shifted, got[:5, 5:])
+
+
+def k_quant_product(module: Any, fmt: str, n: int, k: int, rows: int,
+                    seeds: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random `fmt` blocks of n weight rows of k and `rows` activation rows (seeds: the blocks', the activations'),
+    and their product through `qlinear`, checked within the exact int8 product's bound."""
+    blocks = make_blocks(fmt, n, k, np.random.default_rng(seeds[0]))
     w = torch.from_numpy(dequantize(blocks, fmt)).double()
-    x = torch.randn(29, k, generator=torch.Generator().manual_seed(4))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seeds[1]))
     got = module.qlinear(x, torch.from_numpy(blocks), TYPES[fmt], None)
     exact = int8_activations(x, 256).double() @ w.T
     assert float((got.double() - exact).abs().max()) <= 1e-5 * float(exact.abs().max())
-    for rows in (slice(0, 1), slice(7, 10), slice(28, 29), slice(3, 29)):
-        assert torch.equal(module.qlinear(x[rows], torch.from_numpy(blocks), TYPES[fmt], None), got[rows]), rows
-    shifted = module.qlinear(x[:5], torch.from_numpy(blocks[5:].copy()), TYPES[fmt], None)  # rows in other lanes
-    assert torch.equal(shifted, got[:5, 5:])
+    return torch.from_numpy(blocks), x, got
 
 
 @pytest.mark.parametrize("fmt", KQUANTS)
@@ -111,15 +118,9 @@ def test_k_quant_long_rows_at_one_activation_row(module: Any, fmt: str) -> None:
     inside the row loop (qdot_kquant.h, kSpreadRowBytes): the same sums, so each row alone gives the bits it has in a
     batch of three (no such prefetch) and stays within the exact int8 product's bound, the last rows of the matrix
     (nothing ahead to ask for) included."""
-    k, n = 8192, 37
-    blocks = make_blocks(fmt, n, k, np.random.default_rng(8))
-    w = torch.from_numpy(dequantize(blocks, fmt)).double()
-    x = torch.randn(3, k, generator=torch.Generator().manual_seed(9))
-    batch = module.qlinear(x, torch.from_numpy(blocks), TYPES[fmt], None)
-    exact = int8_activations(x, 256).double() @ w.T
-    assert float((batch.double() - exact).abs().max()) <= 1e-5 * float(exact.abs().max())
+    blocks, x, batch = k_quant_product(module, fmt, 37, 8192, 3, seeds=(8, 9))
     for row in range(3):
-        assert torch.equal(module.qlinear(x[row : row + 1], torch.from_numpy(blocks), TYPES[fmt], None)[0], batch[row])
+        assert torch.equal(module.qlinear(x[row : row + 1], blocks, TYPES[fmt], None)[0], batch[row])
 
 
 @pytest.mark.parametrize("fmt", KQUANTS)
