@@ -174,8 +174,9 @@ class Settings(DerivedValues, BaseSettings):
         "its input (edits, extraction, quotes, code). draft: a smaller model sharing the tokenizer "
         "(--speculative-model) proposes greedily, with its own KV cache in the same budget; pays when the model is "
         "much larger than the draft and they mostly agree. A sequence whose proposals keep failing stops proposing "
-        "for a while. Constrained (structured) output speculates too: proposals are cut to what its grammar "
-        "accepts, each checked row masked by the grammar. docs/speculative.md.",
+        "for a while. Constrained (structured) output and tool calls speculate too: proposals are cut to what the "
+        "grammar accepts (a tool call's text before its trigger is free), each checked row masked by the grammar. "
+        "docs/speculative.md.",
     )
     speculative_model: str | None = Field(
         None,
