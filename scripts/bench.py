@@ -85,7 +85,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
              "speculative 3)",
     )
     p.add_argument("--speculative-workloads", default="grounded,copy,open",
-                   help="speculative: grounded, copy, open (scripts/bench_speculative.py's prompt sets)")
+                   help="speculative: grounded, copy, open, json, tools (scripts/bench_speculative.py's prompt sets)")
     p.add_argument("--speculative-modes", default="off,ngram", help="speculative: Peregrine's modes (off always runs)")
     p.add_argument("--levels", help="isa: comma-separated ISA levels (default: every one this CPU runs)")
     p.add_argument("--seed", type=int, default=0)

