@@ -242,14 +242,14 @@ def test_lazy_trigger_proposals_stop_before_the_one_completing_it(tok):
     draft = tok.encode(" brown fox12; and more", add_special_tokens=False)
     at = next(i for i in range(len(draft)) if "fox" in tok.decode(draft[: i + 1]))
     assert at >= 1 and state.valid_prefix(draft, eos, out) == draft[:at]
-    split = tok.encode("The quick brown f", add_special_tokens=False)
-    state = GrammarState(Constraint("regex", "[0-9]+;", trigger="fox"), tok)
-    state.sync(split, eos)
-    assert state.valid_prefix(tok.encode("ox jumps", add_special_tokens=False), eos, split) == []
     state.sync(out + draft[: at + 1], eos)
     assert state.active
     digits = tok.encode("12; and", add_special_tokens=False)
     assert 1 <= len(state.valid_prefix(digits, eos, out + draft[: at + 1])) < len(digits)
+    split = tok.encode("The quick brown f", add_special_tokens=False)
+    state = GrammarState(Constraint("regex", "[0-9]+;", trigger="fox"), tok)
+    state.sync(split, eos)
+    assert state.valid_prefix(tok.encode("ox jumps", add_special_tokens=False), eos, split) == []
 
 
 def test_eos_ids_of_the_model_follow_the_tokenizers(tok):
