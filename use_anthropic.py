@@ -53,7 +53,7 @@ def check_messages_stream(ctx: AnthropicCtx) -> str:
 def check_messages_tool_use(ctx: AnthropicCtx) -> str:
     m = _client(ctx).messages.create(
         model=ctx.model, max_tokens=60, tools=[WEATHER], tool_choice={"type": "tool", "name": "get_weather"},
-        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}], extra_body={"temperature": 0},
     )
     calls = [b for b in m.content if b.type == "tool_use"]
     expect(m.stop_reason == "tool_use" and len(calls) == 1, f"no tool_use: {m.model_dump()}")
