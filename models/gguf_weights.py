@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 META_FORMAT = 4  # bump when the cached metadata layout changes (4: the BOS as llama.cpp adds it)
 # GGUF general.architecture values served quantized (the Llama-block families of engine/model/families.py; Mistral
 # and Ministral files say "llama")
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "granite", "phi3", "gemma3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "granite", "phi3", "gemma2", "gemma3")
 PERMUTED = ("llama", "granite")  # llama.cpp's converter permutes Q and K rows of these (its LlamaModel)
 DENSE_TYPES = (0, 1, 30)  # F32, F16, BF16: converted to the serving dtype
 HELD_DTYPES = {30: "bfloat16", 1: "float16", 0: "float32"}  # a dense file's type, the first found in this order
@@ -62,10 +62,11 @@ LAYER_NAMES = {  # GGUF blk.N.<name> -> transformers model.layers.N.<name>
 }
 ARCH_LAYER_NAMES = {
     "phi3": {"ffn_up": "mlp.gate_up_proj"},  # Phi-3's ffn_up holds the gate rows, then the up rows
-    "gemma3": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+    "gemma2": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
                "post_ffw_norm": "post_feedforward_layernorm"},
 }
-NORM_PLUS_ONE = ("gemma3",)  # llama.cpp's converter stores Gemma's norm weights as 1 + w; transformers' hold w
+ARCH_LAYER_NAMES["gemma3"] = ARCH_LAYER_NAMES["gemma2"]  # the same four norms a block
+NORM_PLUS_ONE = ("gemma2", "gemma3")  # llama.cpp's converter stores Gemma's norm weights as 1 + w; transformers' hold w
 TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # RoPE frequency factors (Llama 3.x rope scaling; Phi-3's longrope short and long factors): RoPE's inverse
 # frequencies are divided by them, as llama.cpp does (`_rebuild_rotary`), not parameters of the model
@@ -212,8 +213,8 @@ def teach_transformers() -> None:
 def _complete(config: object, gguf_path: Path) -> None:
     """What transformers' GGUF conversion leaves out of the config: the head size (`attention.key_length`, which
     it maps for a few architectures only; Qwen3's default of 128 is wrong for other sizes), Phi-3's share of each
-    head that RoPE turns (`rope.dimension_count`), and for Gemma 3 the attention scale and which layers are
-    windowed, as llama.cpp reads them."""
+    head that RoPE turns (`rope.dimension_count`), and for Gemma 2 and 3 the attention scale and which layers are
+    windowed, as llama.cpp reads them, and Gemma 2's soft caps (the conversion leaves transformers' defaults)."""
     reader = open_reader(gguf_path)
     arch = str(reader.fields["general.architecture"].contents())
     key_length = reader.fields.get(f"{arch}.attention.key_length")
@@ -226,9 +227,13 @@ def _complete(config: object, gguf_path: Path) -> None:
         config.partial_rotary_factor = factor
         if isinstance(getattr(config, "rope_parameters", None), dict) and "rope_type" in config.rope_parameters:
             config.rope_parameters["partial_rotary_factor"] = factor
-    if arch == "gemma3":  # the attention scale llama.cpp uses (1/sqrt(head size); 27B: 1/sqrt(hidden/heads))
-        wide = config.num_hidden_layers == 62
+    if arch in ("gemma2", "gemma3"):  # llama.cpp's attention scale: 1/sqrt(head size); 27B: 1/sqrt(hidden/heads)
+        wide = config.num_hidden_layers == {"gemma2": 46, "gemma3": 62}[arch]
         config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads if wide else config.head_dim
+    caps = [(key, reader.fields.get(f"{arch}.{key}")) for key in ("attn_logit_softcapping", "final_logit_softcapping")]
+    for key, cap in caps if arch == "gemma2" else ():
+        if cap is not None:
+            setattr(config, key, float(cap.contents()))
     pattern = reader.fields.get(f"{arch}.attention.sliding_window_pattern")
     if pattern is not None and getattr(config, "layer_types", None):
         config.layer_types = window_layers(pattern.contents(), config.num_hidden_layers)

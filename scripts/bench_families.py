@@ -60,6 +60,7 @@ class Shape:
     vocab_rows: int = 0  # the embedding's rows, where the real model has more tokens than the vocab file
     context: int = 8192
     original_context: int = 0  # Phi-3.5: longrope's factors and attention factor over this original context
+    softcaps: tuple[float, float] = (0.0, 0.0)  # Gemma 2: the attention scores' and the logits' soft caps
 
 
 SHAPES = {
@@ -70,6 +71,9 @@ SHAPES = {
     # kind of tokenizer) padded with unused tokens to that many rows
     "gemma-3-1b": Shape("gemma3", 1152, 26, 6912, 4, 1, 256, "llama-spm", 1e6, qk_norm=True, sandwich=True,
                         window=512, vocab_rows=262144, context=32768),
+    # Gemma 2's window on every other layer (llama.cpp's default pattern, no key written), 256,000 tokens, soft caps
+    "gemma-2-2b": Shape("gemma2", 2304, 26, 9216, 8, 4, 256, "llama-spm", 1e4, sandwich=True, window=4096,
+                        vocab_rows=256000, softcaps=(50.0, 30.0)),
     "phi-3.5-mini": Shape("phi3", 3072, 32, 8192, 32, 32, 96, "phi-3", 1e4, fused=True, context=131072,
                           original_context=4096),
 }
@@ -106,6 +110,9 @@ def write_f16(name: str, shape: Shape, path: Path, vocab: Path, seed: int = 0) -
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     if shape.window:
         writer.add_sliding_window(shape.window)
+    if shape.softcaps[0]:
+        writer.add_attn_logit_softcapping(shape.softcaps[0])
+        writer.add_final_logit_softcapping(shape.softcaps[1])
     if shape.original_context:  # as llama.cpp's converter writes Phi-3.5's longrope
         writer.add_rope_scaling_orig_ctx_len(shape.original_context)
         scale = shape.context / shape.original_context

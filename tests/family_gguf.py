@@ -57,6 +57,11 @@ SPECS = {
                                        "original_max_position_embeddings": PHI3_ORIGINAL, "rope_scaling": PHI3_LONGROPE},
                       served_drop=("rope_scaling", "rope_parameters", "original_max_position_embeddings"), tied=False,
                       context=PHI3_ORIGINAL),
+    # a window of 4 on the first layer, the second global; soft caps low enough to bind on these random weights
+    # (Gemma 2's own: 50 and 30)
+    "gemma2": Spec("gemma2", "gemma2", {"head_dim": HEAD_DIM, "query_pre_attn_scalar": HEAD_DIM, "sliding_window": 4,
+                                        "layer_types": ["sliding_attention", "full_attention"], "pad_token_id": 0,
+                                        "attn_logit_softcapping": 0.5, "final_logit_softcapping": 50.0}),
     # a window of 4 on the first layer (its RoPE base 10k), the second global (base 1M): both matter within a test
     "gemma3": Spec("gemma3", "gemma3_text", {"head_dim": HEAD_DIM, "query_pre_attn_scalar": HEAD_DIM,
                                              "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"],
@@ -164,6 +169,9 @@ def _hyperparameters(writer: gguf.GGUFWriter, config: Any) -> None:
                          [t == "sliding_attention" for t in config.layer_types])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
+    if config.model_type == "gemma2":
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
     if config.model_type == "granite":
         writer.add_embedding_scale(config.embedding_multiplier)
         writer.add_residual_scale(config.residual_multiplier)

@@ -163,7 +163,7 @@ def linear_for(dtype: torch.dtype, opts: KernelOptions) -> Linear:
 
 
 def decode_attention_for(opts: KernelOptions) -> DecodeAttention | None:
-    """`paged_decode_attention(q, k_cache, v_cache, block_tables, lengths, block_size, scale)` on CPU when the
+    """`paged_decode_attention(q, k_cache, v_cache, block_tables, lengths, block_size, scale, softcap)` on CPU when the
     kernels load, else None (attention then gathers and runs SDPA)."""
     module = _for(opts)
     return None if module is None else module.paged_decode_attention

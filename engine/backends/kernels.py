@@ -24,8 +24,8 @@ from engine.backends import cpu_features
 # linear(x [rows, in], weight [out, in], bias [out] | None) -> [rows, out]
 Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 # paged_decode_attention(q [B, H, D], k_cache, v_cache [slots, KVH, D] (q's dtype or float16), block_tables
-# [B, blocks], lengths [B], block_size, scale) -> [B, H, D]
-DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float],
+# [B, blocks], lengths [B], block_size, scale, softcap (0: none; Gemma 2: its scores capped)) -> [B, H, D]
+DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float, float],
                            torch.Tensor]
 # add_rms_norm(h, delta | None, weight, eps): h += delta in place, returns RMSNorm(h) * weight
 AddRMSNorm = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, float], torch.Tensor]

@@ -59,27 +59,31 @@ def paged_attention(
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
     """Returns ([1, total_tokens, heads, dim], None), the shape transformers' attention modules expect. A layer the
-    model gives a `sliding_window` attends to its last that many positions, as transformers' mask would."""
+    model gives a `sliding_window` attends to its last that many positions, as transformers' mask would; a
+    `softcap` (Gemma 2) caps its scores as transformers' eager attention does."""
     if peregrine is None:
         raise RuntimeError("peregrine_paged attention needs the step metadata (model(..., peregrine=meta))")
     out = attend(module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-                 peregrine, scaling, int(kwargs.get("sliding_window") or 0))
+                 peregrine, scaling, int(kwargs.get("sliding_window") or 0), float(kwargs.get("softcap") or 0.0))
     return out.unsqueeze(0), None
 
 
 def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
-           scaling: float | None, window: int = 0) -> torch.Tensor:
+           scaling: float | None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Store this step's K/V of `layer` and attend. q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim]. A
-    sliding-window layer (`window` > 0: each token sees its last `window` positions) takes the row-by-row path.
+    sliding-window layer (`window` > 0: each token sees its last `window` positions) and soft-capped scores
+    (`softcap` > 0: cap * tanh(score / cap), Gemma 2) take the row-by-row path.
 
     Returns [tokens, heads, dim]."""
     k_cache, v_cache = meta.kv_cache.k[layer], meta.kv_cache.v[layer]
     k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
     v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
-    if window or (meta.decode_kernel is None and q.device.type == "cpu"):  # every token as a row of its own
-        return _rows(q, k_cache, v_cache, meta, q.shape[-1] ** -0.5 if scaling is None else scaling, window)
+    scale = q.shape[-1] ** -0.5 if scaling is None else scaling
+    # every token as a row of its own: windows, CPU without the kernel, soft caps (SDPA has none) but in the kernel
+    if window or (meta.decode_kernel is None and q.device.type == "cpu") or (softcap and not _capped_decode(q, meta)):
+        return _rows(q, k_cache, v_cache, meta, scale, window, softcap)
     if not meta.prefills:
-        return _decode(q, k_cache, v_cache, meta, scaling)
+        return _decode(q, k_cache, v_cache, meta, scaling, softcap)
     if not meta.num_decodes and len(meta.prefills) == 1:
         return _prefill(q, k, v, k_cache, v_cache, meta.prefills[0], meta.kv_cache.block_size, scaling)
     out = torch.empty_like(q)
@@ -91,11 +95,22 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: 
     return out
 
 
+def _capped_decode(q: torch.Tensor, meta: AttentionMetadata) -> bool:
+    """Whether soft-capped attention of this step can go through the decode kernel: a decode-only step it takes."""
+    cache = meta.kv_cache.k[0]
+    return not meta.prefills and _kernel_takes(q, cache, meta)
+
+
+def _kernel_takes(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata) -> bool:
+    return meta.decode_kernel is not None and q.dtype in KERNEL_Q and k_cache.dtype in (q.dtype, torch.float16)
+
+
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-            scaling: float | None) -> torch.Tensor:
-    if meta.decode_kernel is not None and q.dtype in KERNEL_Q and k_cache.dtype in (q.dtype, torch.float16):
+            scaling: float | None, softcap: float = 0.0) -> torch.Tensor:
+    if _kernel_takes(q, k_cache, meta):
         return meta.decode_kernel(q.contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_lengths,
-                                  meta.kv_cache.block_size, q.shape[-1] ** -0.5 if scaling is None else scaling)
+                                  meta.kv_cache.block_size, q.shape[-1] ** -0.5 if scaling is None else scaling,
+                                  softcap)
     keys = gather_blocks(k_cache, meta.decode_block_tables, meta.kv_cache.block_size).transpose(1, 2)
     values = gather_blocks(v_cache, meta.decode_block_tables, meta.kv_cache.block_size).transpose(1, 2)
     # keys, values: [batch, kv_heads, max_blocks * block_size, dim]
@@ -107,7 +122,7 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta:
 
 
 def _rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-          scale: float, window: int = 0) -> torch.Tensor:
+          scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Each token, decode or prompt, attends alone over its sequence's cached context (this step's keys included:
     they are stored first), by ops whose shapes depend on that token's context length only, so its result does not
     depend on its batch mates, on how its prompt was chunked or on which blocks came from the prefix cache (the
@@ -121,14 +136,14 @@ def _rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: A
         rows += [(chunk.offset + j, chunk.context_blocks, chunk.start + j + 1) for j in range(chunk.length)]
     out = torch.empty_like(q)
     for i, table, length in rows:
-        out[i] = _row(q[i], k_cache, v_cache, table, length, meta.kv_cache.block_size, scale, window)
+        out[i] = _row(q[i], k_cache, v_cache, table, length, meta.kv_cache.block_size, scale, window, softcap)
     return out
 
 
 def _row(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, length: int,
-         block_size: int, scale: float, window: int = 0) -> torch.Tensor:
+         block_size: int, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """q [heads, dim] over the first `length` positions of the blocks in `table` (the last `window` of them when
-    given): softmax in float32."""
+    given): softmax in float32, over the scores soft-capped when `softcap` is given."""
     blocks = table[None, : -(-length // block_size)]
     first = max(0, length - window) if window else 0
     keys = gather_blocks(k_cache, blocks, block_size)[0, first:length].float()  # [length - first, kv_heads, dim]
@@ -136,7 +151,8 @@ def _row(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: t
     group = q.shape[0] // keys.shape[1]
     if group > 1:
         keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
-    probs = torch.softmax((keys * q.float()).sum(-1) * scale, dim=0)  # [length, heads]
+    scores = (keys * q.float()).sum(-1) * scale  # [length, heads]
+    probs = torch.softmax(torch.tanh(scores / softcap) * softcap if softcap else scores, dim=0)
     return (probs[:, :, None] * values).sum(0).to(q.dtype)
 
 

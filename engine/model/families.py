@@ -13,11 +13,14 @@ residual add, RMSNorm, gate/up, SiLU(gate) * up, down, a residual add; the final
 | qwen3   | per head | silu       | -                    | -                                             | full    |
 | granite | -        | silu       | -                    | embedding, residual, attention scale, logits  | full    |
 | phi3    | -        | silu       | qkv_proj, gate_up    | -                                             | partial |
+| gemma2  | -        | gelu_tanh  | -                    | embeddings * sqrt(hidden) (in the embedding)  | full    |
 | gemma3  | per head | gelu_tanh  | -                    | embeddings * sqrt(hidden) (in the embedding)  | 2 bases |
 
-Gemma 3 also: norm weights used as 1 + w, an RMSNorm on each block's output before the residual add (post-attention,
-post-feed-forward), attention scaled by query_pre_attn_scalar ** -0.5, and sliding-window layers (5 of 6) whose
-RoPE has its own base. Other families with a sliding window keep the generic path.
+Gemma 2 and 3 also: norm weights used as 1 + w, an RMSNorm on each block's output before the residual add
+(post-attention, post-feed-forward), attention scaled by query_pre_attn_scalar ** -0.5, and sliding-window layers
+(Gemma 2: every other one; Gemma 3: 5 of 6, whose RoPE has its own base). Gemma 2 soft-caps the attention scores
+and the logits: x -> cap * tanh(x / cap) (`attn_logit_softcapping`, `final_logit_softcapping`). Other families with
+a sliding window keep the generic path.
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ class Family:
     norm_offset: float = 0.0  # RMSNorm weights used as offset + w (Gemma: 1)
     sandwich: bool = False  # o's and down's outputs normalized before the residual add (Gemma 3's post norms)
     scaled_embedding: bool = False  # the embedding module scales its rows by sqrt(hidden) (Gemma)
-    sliding: bool = False  # some layers attend through a sliding window, each layer type with its own RoPE
+    sliding: bool = False  # some layers attend through a sliding window
+    typed_rope: bool = False  # each layer type has its own RoPE table (Gemma 3's rotary module takes the layer type)
 
 
 FAMILIES: dict[str, Family] = {
@@ -49,8 +53,10 @@ FAMILIES: dict[str, Family] = {
     "qwen3": Family(qk_norm=True),
     "granite": Family(multipliers=True),
     "phi3": Family(fused=True),
+    "gemma2": Family(activation="gelu_pytorch_tanh", norm_offset=1.0, sandwich=True, scaled_embedding=True,
+                     sliding=True),
     "gemma3_text": Family(qk_norm=True, activation="gelu_pytorch_tanh", norm_offset=1.0, sandwich=True,
-                          scaled_embedding=True, sliding=True),
+                          scaled_embedding=True, sliding=True, typed_rope=True),
 }
 
 
@@ -64,8 +70,10 @@ class Block:
     embedding_scale: float = 1.0  # the looked-up rows times this (in the decoder; op by op, Granite's only)
     residual_scale: float = 1.0  # each block's output (o, down) times this before the residual add
     logit_divisor: float = 1.0  # the logits over this
-    layer_types: tuple[str, ...] = ()  # per layer its type (RoPE table), for a sliding family
+    layer_types: tuple[str, ...] = ()  # per layer its type (RoPE table), for a family with typed_rope
     windows: tuple[int, ...] = ()  # per layer its window (0: none), for a sliding family
+    attn_softcap: float = 0.0  # attention scores x -> cap * tanh(x / cap) before the softmax (Gemma 2; 0: none)
+    final_softcap: float = 0.0  # the logits likewise, after the LM head (Gemma 2; 0: none)
 
 
 def family_of(config: object) -> Family | None:
@@ -74,8 +82,6 @@ def family_of(config: object) -> Family | None:
     activation = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
     if family is None or activation != family.activation or (sliding_window(config) and not family.sliding):
         return None
-    if getattr(config, "final_logit_softcapping", None) or getattr(config, "attn_logit_softcapping", None):
-        return None  # Gemma 2's soft caps: not in the decoder
     return family
 
 
@@ -91,11 +97,11 @@ def block_of(config: object, dtype: torch.dtype = torch.float32) -> Block:
                      float(config.residual_multiplier), float(config.logits_scaling))
     if not family.sliding:
         return Block(family, head_dim, head_dim**-0.5)
-    types = tuple(config.layer_types[: config.num_hidden_layers])
-    windows = layer_windows(config)
+    types = tuple(config.layer_types[: config.num_hidden_layers]) if family.typed_rope else ()
     scale = float(torch.tensor(config.hidden_size**0.5, dtype=dtype))  # Gemma rounds it to the model dtype
+    caps = (float(getattr(config, key, None) or 0.0) for key in ("attn_logit_softcapping", "final_logit_softcapping"))
     return Block(family, head_dim, float(config.query_pre_attn_scalar) ** -0.5, scale, layer_types=types,
-                 windows=windows)
+                 windows=layer_windows(config), attn_softcap=next(caps), final_softcap=next(caps))
 
 
 def sliding_window(config: object) -> bool:

@@ -1,5 +1,6 @@
 """A lean forward pass for the Llama-block families (engine/model/families.py: Llama, SmolLM, Mistral, Qwen2, Qwen3,
-Granite, Phi-3, Gemma 3), on the model's own weights; what a family changes in the block comes from its row of that table.
+Granite, Phi-3, Gemma 2 and 3), on the model's own weights; what a family changes in the block comes from its row of
+that table.
 
 Same math as transformers' LlamaForCausalLM, with fewer, larger ops per layer: q/k/v and gate/up are fused
 into one matmul each (the original nn.Linear weights become views into the fused tensors, so memory is not
@@ -42,7 +43,7 @@ log = logging.getLogger(__name__)
 
 def supports(model: nn.Module) -> bool:
     """A family of engine/model/families.py (the Llama block and its variants) with dense nn.Linear or quantized
-    projections; sliding-window layers only where the family's row has them (Gemma 3), else the generic path."""
+    projections; sliding-window layers only where the family's row has them (Gemma 2 and 3), else the generic path."""
     family = family_of(model.config)
     inner = getattr(model, "model", None)
     if family is None or inner is None or not hasattr(inner, "rotary_emb") or not hasattr(inner, "layers"):
@@ -194,7 +195,8 @@ class LlamaFastForward:
         built.configure([n for w in self.layers if w.q_norm is not None for n in (w.q_norm, w.k_norm)],
                         [n for w in self.layers if w.attn_out_norm is not None for n in (w.attn_out_norm, w.mlp_out_norm)],
                         [w.window for w in self.layers], [types.index(w.layer_type) for w in self.layers],
-                        b.embedding_scale, b.residual_scale, b.logit_divisor, b.family.activation != "silu")
+                        b.embedding_scale, b.residual_scale, b.logit_divisor, b.family.activation != "silu",
+                        b.attn_softcap, b.final_softcap)
 
     def _rope_types(self) -> list[str | None]:
         """The RoPE tables a step hands the decoder, stacked in this order: one per layer type (None: the one)."""
@@ -307,7 +309,13 @@ class LlamaFastForward:
         last = self.add_norm(rows, None if delta is None else delta[logits_indices], self.final_norm, self.eps)
         head = self.model.lm_head
         logits = self.linear(last, weight_of(head), head.bias)
-        return logits if self.block.logit_divisor == 1.0 else logits / self.block.logit_divisor
+        return self._capped(logits if self.block.logit_divisor == 1.0 else logits / self.block.logit_divisor)
+
+    def _capped(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits soft-capped (Gemma 2: cap * tanh(x / cap), in their own dtype as transformers does; the
+        one-call step caps its own)."""
+        cap = self.block.final_softcap
+        return logits if not cap else torch.tanh(logits / cap) * cap
 
     @staticmethod
     def _scaled(x: torch.Tensor, scale: float) -> torch.Tensor:
@@ -329,7 +337,7 @@ class LlamaFastForward:
         qk = _rope(qk, cos, sin)
         q, k = qk.split((self.heads, self.kv_heads), dim=1)
         v = qkv[:, self.heads + self.kv_heads :]
-        out = attend(index, q, k, v, meta, self.scaling, w.window)  # [tokens, heads, dim]
+        out = attend(index, q, k, v, meta, self.scaling, w.window, self.block.attn_softcap)  # [tokens, heads, dim]
         return self.linear(out.reshape(tokens, -1), w.o, w.o_bias)
 
     def _mlp(self, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:

@@ -2,8 +2,8 @@
 tiny random-weight GGUF of each family (tests/family_gguf.py: the architecture's tensor layout and metadata, served
 quantized on the fast path) with the family's own template in the file's `tokenizer.chat_template`, as a
 downloaded GGUF carries it; Qwen3, Qwen2.5 and Llama 3.1 with their real tokenizers (llama.cpp's vocab-only GGUFs,
-where `<tool_call>` and `<|python_tag|>` are single special tokens), Gemma 3 with a SentencePiece one (Llama 2's), the
-others with the byte-level test tokenizer.
+where `<tool_call>` and `<|python_tag|>` are single special tokens), Gemma 2 and 3 with a SentencePiece one (Llama 2's),
+the others with the byte-level test tokenizer.
 
 For each, through the `openai` SDK: a forced call (tool_choice naming the function: the grammar writes the call in
 the format `--tool-call-parser auto` read from the template) streams, is parsed back into `tool_calls` with valid
@@ -40,6 +40,7 @@ FAMILIES = {
     "granite": ("granite3.3", None),
     "phi3": ("phi3.5", None),
     "gemma3": ("gemma", "llama-spm"),  # Gemma's tokenizer is SentencePiece, as this one
+    "gemma2": ("gemma", "llama-spm"),
 }
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}}}  # fmt: skip

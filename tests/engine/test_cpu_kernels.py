@@ -236,13 +236,13 @@ def test_paged_decode_attention_matches_sdpa_over_the_gathered_context(
 ) -> None:
     case = _paged_case(dtype, [1, 5, 17, 64, 130], heads=kv_heads * group, kv_heads=kv_heads, dim=dim)
     got = kernel.paged_decode_attention(case["q"], case["k"], case["v"], case["tables"], case["lengths"],
-                                        case["block_size"], case["q"].shape[-1] ** -0.5)
+                                        case["block_size"], case["q"].shape[-1] ** -0.5, 0.0)
     assert got.dtype == dtype and got.shape == case["q"].shape
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert torch.allclose(got.float(), case["ref"], atol=tol, rtol=tol), (got.float() - case["ref"]).abs().max()
     # a row's result does not depend on the other rows of the batch
     alone = kernel.paged_decode_attention(case["q"][2:3], case["k"], case["v"], case["tables"][2:3],
-                                          case["lengths"][2:3], case["block_size"], case["q"].shape[-1] ** -0.5)
+                                          case["lengths"][2:3], case["block_size"], case["q"].shape[-1] ** -0.5, 0.0)
     assert torch.equal(alone, got[2:3])
 
 
@@ -253,7 +253,7 @@ def test_paged_decode_attention_over_a_float16_cache(kernel: Any, dim: int, kv_h
     float32 kernel gives over the same values widened; a bfloat16 q matches SDPA within bf16 rounding."""
     case = _paged_case(torch.float32, [1, 5, 17, 64, 130], heads=kv_heads * group, kv_heads=kv_heads, dim=dim)
     k16, v16 = case["k"].half(), case["v"].half()
-    args = (case["tables"], case["lengths"], case["block_size"], dim**-0.5)
+    args = (case["tables"], case["lengths"], case["block_size"], dim**-0.5, 0.0)
     got = kernel.paged_decode_attention(case["q"], k16, v16, *args)
     assert got.dtype == torch.float32
     assert torch.equal(got, kernel.paged_decode_attention(case["q"], k16.float(), v16.float(), *args))

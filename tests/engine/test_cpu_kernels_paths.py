@@ -89,7 +89,10 @@ def test_linear_rows_do_not_depend_on_their_batch_mates(path: tuple[str, Any], d
     assert torch.equal(module.linear_small(x.flip(0), w, b), alone.flip(0))
 
 
-def _paged(dtype: torch.dtype, lengths: list[int], heads: int, kv_heads: int, dim: int, block_size: int = 4) -> dict:
+def _paged(dtype: torch.dtype, lengths: list[int], heads: int, kv_heads: int, dim: int, block_size: int = 4,
+           softcap: float = 0.0) -> dict:
+    """Random caches, each sequence's blocks scattered, and the float32 reference (scores soft-capped by `softcap`:
+    x -> softcap * tanh(x / softcap), Gemma 2's)."""
     g = torch.Generator().manual_seed(sum(lengths) + dim)
     need = [-(-n // block_size) for n in lengths]
     ids = torch.randperm(sum(need), generator=g)
@@ -105,10 +108,13 @@ def _paged(dtype: torch.dtype, lengths: list[int], heads: int, kv_heads: int, di
     for i, n in enumerate(lengths):
         pos = torch.arange(n)
         rows = tables[i, pos // block_size] * block_size + pos % block_size
-        keys, values = k[rows].float().transpose(0, 1), v[rows].float().transpose(0, 1)
-        ref.append(torch.nn.functional.scaled_dot_product_attention(q[i].float()[:, None], keys, values,
-                                                                    enable_gqa=True)[:, 0])
-    return {"args": (q, k, v, tables, torch.tensor(lengths), block_size, dim**-0.5), "ref": torch.stack(ref)}
+        keys, values = k[rows].float().transpose(0, 1), v[rows].float().transpose(0, 1)  # [kv_heads, n, dim]
+        group = heads // kv_heads
+        keys, values = keys.repeat_interleave(group, dim=0), values.repeat_interleave(group, dim=0)
+        scores = torch.einsum("hd,hnd->hn", q[i].float(), keys) * dim**-0.5
+        scores = torch.tanh(scores / softcap) * softcap if softcap else scores
+        ref.append(torch.einsum("hn,hnd->hd", torch.softmax(scores, dim=-1), values))
+    return {"args": (q, k, v, tables, torch.tensor(lengths), block_size, dim**-0.5, softcap), "ref": torch.stack(ref)}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -120,9 +126,28 @@ def test_paged_decode_attention_matches_sdpa(path: tuple[str, Any], dtype: torch
     got = module.paged_decode_attention(*case["args"])
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert got.dtype == dtype and torch.allclose(got.float(), case["ref"], atol=tol, rtol=tol)
-    q, k, v, tables, lengths, block_size, scale = case["args"]
-    alone = module.paged_decode_attention(q[2:3], k, v, tables[2:3], lengths[2:3], block_size, scale)
+    q, k, v, tables, lengths, block_size, scale, cap = case["args"]
+    alone = module.paged_decode_attention(q[2:3], k, v, tables[2:3], lengths[2:3], block_size, scale, cap)
     assert torch.equal(alone, got[2:3])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("dim", "kv_heads", "group"), [(32, 2, 3), (128, 2, 2), (256, 2, 2)])
+def test_paged_decode_attention_soft_caps_its_scores(path: tuple[str, Any], dtype: torch.dtype, dim: int,
+                                                     kv_heads: int, group: int) -> None:
+    """Gemma 2's attention logit soft-capping (here at 0.5, so that it binds on these unit-scale scores; Gemma 2's
+    own is 50 on larger ones), on the register-resident head dims and the generic loop (Gemma 2's 256): the capped
+    reference, not the uncapped one, batch invariant."""
+    _, module = path
+    case = _paged(dtype, [1, 9, 64, 130], kv_heads * group, kv_heads, dim, softcap=0.5)
+    got = module.paged_decode_attention(*case["args"]).float()
+    plain = _paged(dtype, [1, 9, 64, 130], kv_heads * group, kv_heads, dim)["ref"]
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(got, case["ref"], atol=tol, rtol=tol), (got - case["ref"]).abs().max()
+    assert (plain - case["ref"]).abs().max() > 20 * tol  # the cap binds
+    q, k, v, tables, lengths, block_size, scale, cap = case["args"]
+    alone = module.paged_decode_attention(q[3:4], k, v, tables[3:4], lengths[3:4], block_size, scale, cap)
+    assert torch.equal(alone.float(), got[3:4])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -132,10 +157,12 @@ def test_paged_decode_attention_over_float16_caches(path: tuple[str, Any], dtype
     """`--kv-cache-dtype float16` on this path: float16 caches are widened exactly, so the result is the kernel's
     own over the widened caches (float32 q: bitwise; bfloat16 q: within bf16 rounding)."""
     _, module = path
-    q, k, v, tables, lengths, block_size, scale = _paged(dtype, [1, 9, 64, 130], kv_heads * group, kv_heads, dim)["args"]
+    q, k, v, tables, lengths, block_size, scale, cap = _paged(dtype, [1, 9, 64, 130], kv_heads * group, kv_heads,
+                                                              dim)["args"]
     k16, v16 = k.half(), v.half()
-    got = module.paged_decode_attention(q, k16, v16, tables, lengths, block_size, scale)
-    widened = module.paged_decode_attention(q.float(), k16.float(), v16.float(), tables, lengths, block_size, scale)
+    got = module.paged_decode_attention(q, k16, v16, tables, lengths, block_size, scale, cap)
+    widened = module.paged_decode_attention(q.float(), k16.float(), v16.float(), tables, lengths, block_size, scale,
+                                            cap)
     assert got.dtype == dtype
     if dtype == torch.float32:
         assert torch.equal(got, widened)

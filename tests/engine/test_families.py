@@ -3,12 +3,14 @@ model written as a GGUF file the way llama.cpp's converter lays it out (tests/fa
 loaded through models/gguf_weights.py and served by the engine, where every step (prefill and decode) goes through
 the C++ one-call decoder; the reference is transformers' own model of the same family on the dequantized weights.
 Gemma 3's tiny model has a window of 4 on its first layer (its own RoPE base) and a global second layer, so the
-window and both RoPE tables matter within the 24 positions of a test.
+window and both RoPE tables matter within the 24 positions of a test; Gemma 2's has the same window and soft caps
+low enough to bind (attention 0.5, logits 50; without them its logits move 5% and 176%).
 
 Stated bound: the decoder multiplies int8-quantized activations (blocks of 32, as llama.cpp does) by the Q8_0
 weights, so its logits differ from the float32 reference by the activations' rounding: at prefill and at each of 16
 decode steps, at most 3% of the reference's largest logit (measured, AMD EPYC Zen 3, AVX2: llama3 0.60%, mistral
-1.12%, qwen3 1.13%, granite 0.18%, phi3 1.22%, phi3-long 1.16% past its original context, gemma3 0.20%; tests/engine/test_qdot.py holds the Llama decoder to 5%), and the 16
+1.12%, qwen3 1.13%, granite 0.18%, phi3 1.22%, phi3-long 1.16% past its original context, gemma3 0.20%; gemma2 0.33%
+on AMD EPYC Zen 4, avx512_bf16; tests/engine/test_qdot.py holds the Llama decoder to 5%), and the 16
 greedy tokens equal transformers' generate. A prompt gives the same tokens and logprobs, to the bit, alone and with
 batch mates. In bfloat16, the decoder against the op-by-op pass over the same quantized weights (float activations):
 within 5% of the largest logit at each decode step (measured 0.2-1.7%), bitwise the same alone and in a batch.
@@ -61,8 +63,8 @@ def greedy(logprobs: int = 0) -> SamplingParams:
 
 
 def test_every_family_is_in_the_table() -> None:
-    assert {"llama", "mistral", "qwen2", "qwen3", "granite", "phi3", "gemma3_text"} <= set(FAMILIES)
-    assert set(gguf_weights.ARCHITECTURES) >= {"llama", "qwen2", "qwen3", "granite", "phi3", "gemma3"}
+    assert {"llama", "mistral", "qwen2", "qwen3", "granite", "phi3", "gemma2", "gemma3_text"} <= set(FAMILIES)
+    assert set(gguf_weights.ARCHITECTURES) >= {"llama", "qwen2", "qwen3", "granite", "phi3", "gemma2", "gemma3"}
 
 
 def test_logits_and_greedy_match_transformers_on_the_fast_path(served: tuple[str, torch.nn.Module, Loaded]) -> None:
@@ -74,10 +76,11 @@ def test_logits_and_greedy_match_transformers_on_the_fast_path(served: tuple[str
     assert ours == theirs, family
 
 
-def against_transformers(engine: object, reference: torch.nn.Module, prompt: list[int]) -> tuple[float, list[int], list[int]]:
-    """The engine's greedy run of `prompt` on the fast path against transformers': the largest logit error (of the
-    reference's largest logit) at prefill and each decode step, and both runs' tokens."""
-    assert engine.runner.impl == "llama"
+def against_transformers(engine: object, reference: torch.nn.Module, prompt: list[int],
+                         impl: str = "llama") -> tuple[float, list[int], list[int]]:
+    """The engine's greedy run of `prompt` on the fast path (or `impl`) against transformers': the largest logit
+    error (of the reference's largest logit) at prefill and each decode step, and both runs' tokens."""
+    assert engine.runner.impl == impl
     fast, captured = engine.runner.forward, []
 
     def spy(*args: object) -> torch.Tensor:
@@ -87,7 +90,7 @@ def against_transformers(engine: object, reference: torch.nn.Module, prompt: lis
 
     engine.runner._forward = spy
     ours = tokens_of(run_all(engine, {"a": (prompt, greedy())})["a"])
-    assert fast._decoder is not None, "the one-call C++ decoder did not run"
+    assert impl != "llama" or fast._decoder is not None, "the one-call C++ decoder did not run"
     with torch.inference_mode():
         want = reference(torch.tensor([prompt + ours])).logits[0, len(prompt) - 1 : -1]
         theirs = reference.generate(torch.tensor([prompt]), max_new_tokens=STEPS, do_sample=False,
@@ -105,6 +108,34 @@ def test_batch_invariant(served: tuple[str, torch.nn.Module, Loaded]) -> None:
     assert tokens_of(alone) == tokens_of(together), family
     lp = [[p.logprob for o in outs for p in o.logprobs] for outs in (alone, together)]
     assert len(lp[0]) == STEPS and lp[0] == lp[1], family
+
+
+def test_gemma2_soft_caps_bind_and_both_paths_apply_them(served: tuple[str, torch.nn.Module, Loaded]) -> None:
+    """Gemma 2's tiny model caps its attention scores at 0.5 and its logits at 50: without either cap the reference's
+    logits move by more than BOUND (so the fast path's match above holds both), and the generic path (transformers'
+    own Gemma 2 modules over the paged attention, which gets the cap as `softcap`) matches too."""
+    family, reference, loaded = served
+    if family != "gemma2":
+        pytest.skip("Gemma 2 only")
+    ids = torch.tensor([PROMPT])
+    with torch.inference_mode():
+        capped = reference(ids).logits[0]
+        attention = [layer.self_attn for layer in reference.model.layers]
+        for a in attention:
+            a.attn_logit_softcapping = None
+        try:
+            scores_only = reference(ids).logits[0]
+            reference.config.final_logit_softcapping = None
+            neither = reference(ids).logits[0]
+        finally:
+            reference.config.final_logit_softcapping = 50.0
+            for a in attention:
+                a.attn_logit_softcapping = 0.5
+    moved = [float((uncapped - capped).abs().max() / capped.abs().max()) for uncapped in (scores_only, neither)]
+    assert moved[0] > BOUND and moved[1] > 10 * BOUND, moved  # measured 5.1% and 176%
+    error, ours, theirs = against_transformers(make_engine(loaded, model_impl="generic"), reference, PROMPT, "generic")
+    assert error <= BOUND, f"generic path: logit error {error:.3g} of the largest logit"
+    assert ours == theirs
 
 
 def test_llama3_rope_freqs_reach_the_rotary_module(served: tuple[str, torch.nn.Module, Loaded]) -> None:
@@ -172,12 +203,16 @@ def test_a_bare_gguf_converts_to_its_family(family: str, tmp_path: Path, byte_le
         multipliers = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
         assert [getattr(config, k) for k in multipliers] == [spec.extra[k] for k in multipliers]
     assert supports(model)
-    if family == "gemma3":  # as llama.cpp reads the file: the window, which layers have it, the attention scale
+    if family.startswith("gemma"):  # as llama.cpp reads the file: the window, which layers have it, the scale
         assert (config.sliding_window, config.layer_types) == (4, ["sliding_attention", "full_attention"])
         assert config.query_pre_attn_scalar == 32
+    if family == "gemma2":  # the file's soft caps, not transformers' defaults (50, 30)
+        caps = (config.attn_logit_softcapping, config.final_logit_softcapping)
+        assert caps == (spec.extra["attn_logit_softcapping"], spec.extra["final_logit_softcapping"]) == (0.5, 50.0)
+        assert (block_of(config).attn_softcap, block_of(config).final_softcap) == caps
     if family == "phi3":  # RoPE on 24 of each head's 32 dimensions (the file's rope.dimension_count)
         assert config.partial_rotary_factor == config.rope_parameters["partial_rotary_factor"] == 0.75
-    if family == "gemma3":  # transformers rebuilds Gemma's tokenizer as SentencePiece, which this byte-level BPE is not
+    if family.startswith("gemma"):  # transformers rebuilds Gemma's tokenizer as SentencePiece, which this BPE is not
         return
     text = "def add(a, b): return a + b"
     assert AutoTokenizer.from_pretrained(folder).encode(text) == byte_level_tokenizer.encode(text)

@@ -102,3 +102,15 @@ def test_fused_windowed_and_padded_shapes_are_written_as_llama_cpp_reads_them(tm
     assert tensors["token_embd.weight"] == (64, 60000) and len(reader.fields["tokenizer.ggml.tokens"].contents()) == 60000
     assert {"blk.1.post_attention_norm.weight", "blk.1.post_ffw_norm.weight", "blk.0.attn_q_norm.weight"} <= set(tensors)
     assert reader.fields["gemma3.attention.sliding_window"].contents() == 16
+
+
+def test_gemma2_shape_writes_its_soft_caps(tmp_path: Path) -> None:
+    gemma2 = bench_families.Shape("gemma2", 64, 2, 128, 2, 1, 32, "bundled", 1e4, sandwich=True, window=16,
+                                  softcaps=(50.0, 30.0))  # fmt: skip
+    path = tmp_path / "gemma2-F16.gguf"
+    bench_families.write_f16("gemma2", gemma2, path, bench_peers.bundled_gguf())
+    reader = gguf.GGUFReader(path)
+    assert reader.fields["gemma2.attn_logit_softcapping"].contents() == 50.0
+    assert reader.fields["gemma2.final_logit_softcapping"].contents() == 30.0
+    assert "blk.0.attn_q_norm.weight" not in {t.name for t in reader.tensors}
+    assert bench_families.SHAPES["gemma-2-2b"].softcaps == (50.0, 30.0)

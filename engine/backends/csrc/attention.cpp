@@ -64,9 +64,10 @@ __attribute__((always_inline)) inline void chunk_softmax(float* scores, float* p
 // dot product is one chain of FMAs over the head's vectors in order; kChains positions' chains run side by side
 // (one chain alone waits on each FMA's latency), which changes no position's arithmetic.
 constexpr int kChains = Vec::W == 16 ? 4 : 8;
+// cap > 0: each score soft-capped (soft_cap) before the softmax.
 template <int CH, typename C>
 __attribute__((always_inline)) inline void head_scores(const Vec* qv, int64_t chunks, const C* const* k_rows,
-                                                       int64_t n, float* scores) {
+                                                       int64_t n, float* scores, float cap) {
   const int64_t count = CH ? CH : chunks;
   for (int64_t o0 = 0; o0 < n; o0 += kPos) {
     const int64_t m = std::min<int64_t>(kPos, n - o0);
@@ -86,6 +87,8 @@ __attribute__((always_inline)) inline void head_scores(const Vec* qv, int64_t ch
     }
     alignas(64) float sums[kPos];
     sums16(dots, sums);
+    if (cap > 0.f)
+      for (int o = 0; o < kPos; o += Vec::W) soft_cap(Vec::load(sums + o), cap).store(sums + o);
     std::copy_n(sums, m, scores + o0);
   }
 }
@@ -95,7 +98,7 @@ __attribute__((always_inline)) inline void head_scores(const Vec* qv, int64_t ch
 // attend_generic's, so both give the same bits.
 template <int D, int GP, typename T, typename C>
 void attend_heads(int64_t b, int64_t h0, int64_t chunk, const T* q, const C* const* k_rows, const C* const* v_rows,
-                  int64_t n, int64_t heads, float scale, AttnPartials& partials) {
+                  int64_t n, int64_t heads, float scale, float cap, AttnPartials& partials) {
   constexpr int CH = D / Vec::W;
   Vec qv[GP][CH];
   for (int g = 0; g < GP; ++g)
@@ -104,7 +107,7 @@ void attend_heads(int64_t b, int64_t h0, int64_t chunk, const T* q, const C* con
   alignas(64) float scores[GP][kAttnChunk];
   for (int g = 0; g < GP; ++g) {
     std::fill_n(scores[g], kAttnChunk, -INFINITY);
-    head_scores<CH>(qv[g], CH, k_rows, n, scores[g]);
+    head_scores<CH>(qv[g], CH, k_rows, n, scores[g], cap);
   }
   for (int g = 0; g < GP; ++g) chunk_softmax(scores[g], partials.at(b, h0 + g, chunk), D);
   Vec acc[GP][CH];
@@ -124,17 +127,17 @@ void attend_heads(int64_t b, int64_t h0, int64_t chunk, const T* q, const C* con
 // attend_heads for `count` (1..GP) heads: the instantiation with that many.
 template <int D, int GP, typename T, typename C>
 void attend_pass(int64_t count, int64_t b, int64_t h0, int64_t chunk, const T* q, const C* const* k_rows,
-                 const C* const* v_rows, int64_t n, int64_t heads, float scale, AttnPartials& partials) {
-  if (count == GP) attend_heads<D, GP, T, C>(b, h0, chunk, q, k_rows, v_rows, n, heads, scale, partials);
+                 const C* const* v_rows, int64_t n, int64_t heads, float scale, float cap, AttnPartials& partials) {
+  if (count == GP) attend_heads<D, GP, T, C>(b, h0, chunk, q, k_rows, v_rows, n, heads, scale, cap, partials);
   else if constexpr (GP > 1)
-    attend_pass<D, GP - 1, T, C>(count, b, h0, chunk, q, k_rows, v_rows, n, heads, scale, partials);
+    attend_pass<D, GP - 1, T, C>(count, b, h0, chunk, q, k_rows, v_rows, n, heads, scale, cap, partials);
 }
 
 // Any head_dim (a multiple of 16): the same arithmetic as attend_heads, with the sizes known only at run time.
 template <typename T, typename C>
 void attend_generic(int64_t b, int64_t h0, int64_t group, int64_t chunk, const T* q, const C* const* k_rows,
-                    const C* const* v_rows, int64_t n, int64_t heads, int64_t dim, float scale, AttnPartials& partials,
-                    AttnScratch& s) {
+                    const C* const* v_rows, int64_t n, int64_t heads, int64_t dim, float scale, float cap,
+                    AttnPartials& partials, AttnScratch& s) {
   const int64_t chunks = dim / Vec::W;
   s.scores.assign(group * kAttnChunk, -INFINITY);
   s.qv.resize(group * chunks);
@@ -143,7 +146,7 @@ void attend_generic(int64_t b, int64_t h0, int64_t group, int64_t chunk, const T
     for (int64_t c = 0; c < chunks; ++c)
       s.qv[g * chunks + c] = Vec::load(q + ((b * heads + h0 + g) * dim) + c * Vec::W) * Vec::set1(scale);
   for (int64_t g = 0; g < group; ++g)
-    head_scores<0>(s.qv.data() + g * chunks, chunks, k_rows, n, s.scores.data() + g * kAttnChunk);
+    head_scores<0>(s.qv.data() + g * chunks, chunks, k_rows, n, s.scores.data() + g * kAttnChunk, cap);
   for (int64_t g = 0; g < group; ++g) chunk_softmax(s.scores.data() + g * kAttnChunk, partials.at(b, h0 + g, chunk), dim);
   for (int64_t o = 0; o < n; ++o) {
     const C* vp = v_rows[o];
@@ -170,7 +173,8 @@ constexpr int kHeadsPerPass = kRegFloats / D > 1 ? kRegFloats / D : 1;
 template <typename T, typename C>
 void attend_chunk(const AttnItem& item, const T* q, const C* k_cache, const C* v_cache, const int64_t* block_tables,
                   const int64_t* lengths, int64_t heads, int64_t kv_heads, int64_t dim, int64_t max_blocks,
-                  int64_t block_size, float scale, AttnPartials& partials, AttnScratch& s, int64_t window) {
+                  int64_t block_size, float scale, AttnPartials& partials, AttnScratch& s, int64_t window,
+                  float cap) {
   const int64_t kvh = item.kvh, last = item.b_end - 1;  // the item's rows share the last row's table
   const int64_t h0 = kvh * (heads / kv_heads) + item.g0, group = item.g1 - item.g0;  // this item's query heads
   const int64_t* table = block_tables + last * max_blocks;
@@ -211,12 +215,12 @@ void attend_chunk(const AttnItem& item, const T* q, const C* k_cache, const C* v
       constexpr int D = decltype(d)::value, GP = kHeadsPerPass<D>;
       for (int64_t g0 = 0; g0 < group; g0 += GP)
         attend_pass<D, GP, T, C>(std::min<int64_t>(GP, group - g0), b, h0 + g0, item.chunk, q, kr, vr, n, heads,
-                                 scale, partials);
+                                 scale, cap, partials);
     };
     if (dim == 32) passes(std::integral_constant<int, 32>{});
     else if (dim == 64) passes(std::integral_constant<int, 64>{});
     else if (dim == 128) passes(std::integral_constant<int, 128>{});
-    else attend_generic(b, h0, group, item.chunk, q, kr, vr, n, heads, dim, scale, partials, s);
+    else attend_generic(b, h0, group, item.chunk, q, kr, vr, n, heads, dim, scale, cap, partials, s);
   }
 }
 
@@ -241,7 +245,7 @@ void merge_chunks(int64_t b, int64_t h, const int64_t* lengths, T* out, int64_t 
 #define PEREGRINE_ATTEND_CHUNK(T, C)                                                                          \
   template void attend_chunk<T, C>(const AttnItem&, const T*, const C*, const C*, const int64_t*, const int64_t*,  \
                                    int64_t, int64_t, int64_t, int64_t, int64_t, float, AttnPartials&, AttnScratch&, \
-                                   int64_t);
+                                   int64_t, float);
 PEREGRINE_ATTEND_CHUNK(float, float)
 PEREGRINE_ATTEND_CHUNK(bf16, bf16)
 PEREGRINE_ATTEND_CHUNK(float, f16)
@@ -255,7 +259,7 @@ namespace {
 template <typename T, typename C>
 void paged_decode(const T* q, const C* k_cache, const C* v_cache, const int64_t* block_tables,
                   const int64_t* lengths, T* out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
-                  int64_t max_blocks, int64_t block_size, float scale) {
+                  int64_t max_blocks, int64_t block_size, float scale, float cap) {
   const std::vector<AttnItem> items = attn_items(lengths, batch, kv_heads, heads / kv_heads, block_tables, max_blocks);
   AttnPartials partials;
   partials.reset(lengths, batch, heads, dim);
@@ -263,7 +267,7 @@ void paged_decode(const T* q, const C* k_cache, const C* v_cache, const int64_t*
     AttnScratch s;
     for (int64_t i = begin; i < end; ++i)
       attend_chunk(items[i], q, k_cache, v_cache, block_tables, lengths, heads, kv_heads, dim, max_blocks, block_size,
-                   scale, partials, s);
+                   scale, partials, s, 0, cap);
   });
   at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) merge_chunks(i / heads, i % heads, lengths, out, heads, dim, partials);
@@ -274,11 +278,11 @@ void paged_decode(const T* q, const C* k_cache, const C* v_cache, const int64_t*
 
 // Decode attention straight from the paged cache: one query token per sequence, no gather, no padding.
 // q [B, H, D]; k_cache, v_cache [slots, KVH, D] in q's dtype or float16 (a cache kept in half the bytes);
-// block_tables [B, max_blocks] long; lengths [B] long (tokens of context, this step's included). Softmax in float32.
-// Returns [B, H, D] in q's dtype.
+// block_tables [B, max_blocks] long; lengths [B] long (tokens of context, this step's included). Softmax in float32,
+// over scores soft-capped when `softcap` > 0 (Gemma 2: softcap * tanh(score / softcap)). Returns [B, H, D] in q's dtype.
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                                      const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                                     const torch::Tensor& lengths, int64_t block_size, double scale) {
+                                     const torch::Tensor& lengths, int64_t block_size, double scale, double softcap) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && q.is_contiguous() && k_cache.is_contiguous() &&
               v_cache.is_contiguous(), "paged_decode_attention: contiguous q [B, H, D], caches [slots, KVH, D]");
   const at::ScalarType qt = q.scalar_type(), ct = k_cache.scalar_type();
@@ -291,12 +295,13 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   auto lens = lengths.to(at::kLong).contiguous();
   TORCH_CHECK(tables.size(0) == B && lens.size(0) == B, "paged_decode_attention: one table and length per row");
   auto out = torch::empty_like(q);
-  const float s = static_cast<float>(scale);
+  TORCH_CHECK(softcap >= 0.0, "paged_decode_attention: softcap is positive, or 0 for none");
+  const float s = static_cast<float>(scale), cap = static_cast<float>(softcap);
   auto run = [&](auto q_elem, auto cache_elem) {  // the element types, as values
     using T = decltype(q_elem);
     using C = decltype(cache_elem);
     paged_decode(q.data_ptr<T>(), k_cache.data_ptr<C>(), v_cache.data_ptr<C>(), tables.data_ptr<int64_t>(),
-                 lens.data_ptr<int64_t>(), out.data_ptr<T>(), B, H, KVH, D, tables.size(1), block_size, s);
+                 lens.data_ptr<int64_t>(), out.data_ptr<T>(), B, H, KVH, D, tables.size(1), block_size, s, cap);
   };
   if (qt == at::kFloat) ct == at::kHalf ? run(float{}, f16{}) : run(float{}, float{});
   else ct == at::kHalf ? run(bf16{}, f16{}) : run(bf16{}, bf16{});

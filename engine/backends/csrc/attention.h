@@ -73,10 +73,12 @@ struct AttnScratch {
 // One work item: per query head of the item's GQA group, the chunk's scores, softmax numerators and weighted V sum.
 // q in T (the model dtype), the caches in C: T, or float16 (a KV cache in half the bytes). `window` > 0: only the
 // last `window` positions of the context count (a sliding-window layer); a chunk wholly before them is empty.
+// `cap` > 0: each score x becomes cap * tanh(x / cap) before the softmax (Gemma 2's attention logit soft-capping).
 template <typename T, typename C>
 void attend_chunk(const AttnItem& item, const T* q, const C* k_cache, const C* v_cache, const int64_t* block_tables,
                   const int64_t* lengths, int64_t heads, int64_t kv_heads, int64_t dim, int64_t max_blocks,
-                  int64_t block_size, float scale, AttnPartials& partials, AttnScratch& s, int64_t window = 0);
+                  int64_t block_size, float scale, AttnPartials& partials, AttnScratch& s, int64_t window = 0,
+                  float cap = 0.f);
 
 // out[b, h] from the head's chunks, combined in chunk order.
 template <typename T>

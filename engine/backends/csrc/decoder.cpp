@@ -104,10 +104,11 @@ class LlamaDecoder {
   // How the model's block differs from Llama's (engine/model/families.py): per layer the q and k per-head norm
   // weights and the o / down output norms (empty lists when the family has none), its window (0: none) and RoPE
   // table; the scale of the looked-up embeddings, of each block's output before the residual add (o and down),
-  // the divisor of the logits, and the MLP's activation (GELU-tanh instead of SiLU). Called once, before any step.
+  // the divisor of the logits, the MLP's activation (GELU-tanh instead of SiLU), and the soft caps of the attention
+  // scores and of the logits (Gemma 2: cap * tanh(x / cap); 0: none). Called once, before any step.
   void configure(const std::vector<torch::Tensor>& qk_norms, const std::vector<torch::Tensor>& out_norms,
                  const std::vector<int64_t>& windows, const std::vector<int64_t>& rope_tables, double embed_scale,
-                 double residual_scale, double logit_div, bool gelu) {
+                 double residual_scale, double logit_div, bool gelu, double attn_softcap, double final_softcap) {
     const size_t n = layers_.size();
     TORCH_CHECK((qk_norms.empty() || qk_norms.size() == 2 * n) && (out_norms.empty() || out_norms.size() == 2 * n) &&
                 windows.size() == n && rope_tables.size() == n, "LlamaDecoder: norms, window and RoPE table per layer");
@@ -122,10 +123,13 @@ class LlamaDecoder {
       layers_[i].rope_table = rope_tables[i];
       rope_tables_ = std::max(rope_tables_, rope_tables[i] + 1);
     }
+    TORCH_CHECK(attn_softcap >= 0.0 && final_softcap >= 0.0, "LlamaDecoder: soft caps are positive, or 0 for none");
     embed_scale_ = embed_scale;
     gelu_ = gelu;
+    softcap_ = attn_softcap;
     for (auto& l : layers_) l.o.scale = l.down.scale = static_cast<float>(residual_scale);
     head_.divisor = static_cast<float>(logit_div);
+    head_.cap = static_cast<float>(final_softcap);
   }
 
   // ids [B] (this step's tokens), rope_rows [B] (each token's row of the RoPE tables cos and sin [rows, head_dim]),
@@ -190,7 +194,7 @@ class LlamaDecoder {
     const T *cs0 = cs.data_ptr<T>(), *sn0 = sn.data_ptr<T>();
     const int64_t *slotp = slot.data_ptr<int64_t>(), *tp = tables.data_ptr<int64_t>(), *lenp = lens.data_ptr<int64_t>();
     const int64_t max_blocks = tables.size(1);
-    const float eps = static_cast<float>(eps_), scale = static_cast<float>(scale_);
+    const float eps = static_cast<float>(eps_), scale = static_cast<float>(scale_), cap = static_cast<float>(softcap_);
     std::vector<AttnItem> items = attn_items(lenp, B, KVH, group, tp, max_blocks);
     AttnPartials partials;
     partials.reset(lenp, B, H, D);
@@ -273,7 +277,7 @@ class LlamaDecoder {
         for (size_t i = item_begin[t]; i < item_begin[t + 1]; ++i) {
           const AttnItem& it = items[i];
           attend_chunk(it, qp, kc, vc, tp, lenp, H, KVH, D, max_blocks, block_size_, scale, partials, s.attn,
-                       l.window);
+                       l.window, cap);
           // counts add up over the layers: a row's last item of this layer brings its count to (layer + 1) * items
           for (int64_t b = it.b; b < it.b_end; ++b) {
             const int64_t due = static_cast<int64_t>(li + 1) * attn_chunks(lenp[b]) * items_per_chunk;
@@ -345,6 +349,7 @@ class LlamaDecoder {
   int64_t block_size_;
   double scale_;
   double embed_scale_ = 1.0;
+  double softcap_ = 0.0;
   int64_t rope_tables_ = 1;  // the step's cos and sin hold this many tables of equal rows, stacked
   bool gelu_ = false;
   bool amx_;
@@ -369,7 +374,8 @@ void bind_one(pybind11::module_& m, const char* name) {
                     const std::vector<torch::Tensor>&, const torch::Tensor&, int64_t, int64_t, int64_t, double,
                     int64_t, double, bool>())
       .def("configure", &LlamaDecoder<T, C>::configure,
-           "configure(qk_norms, embed_scale, residual_scale, logit_div): the family's differences from Llama's block")
+           "configure(qk_norms, out_norms, windows, rope_tables, embed_scale, residual_scale, logit_div, gelu, "
+           "attn_softcap, final_softcap): the family's differences from Llama's block")
       .def("step", &LlamaDecoder<T, C>::step,
            "one step: step(ids, rope_rows, cos, sin, slots, block_tables, lengths, head_rows or None) -> float32 "
            "logits [len(head_rows) or B, vocab]",

@@ -31,6 +31,7 @@ struct Linear {
   const uint16_t* packed = nullptr;  // the AMX layout (pack_weight), in the decoder's packed buffer
   int64_t N = 0, K = 0;
   float scale = 1.f, divisor = 1.f;  // the outputs, rounded to T, then times `scale` or over `divisor` (Granite)
+  float cap = 0.f;  // then cap * tanh(out / cap), rounded to T (Gemma 2's logits; 0: none)
   bool dense() const { return parts.size() == 1 && parts[0].qtype == 0; }
 };
 
@@ -65,15 +66,24 @@ void linear_rows_unscaled(const Linear& L, const T* x, int64_t ldx, int64_t M, T
   }
 }
 
-// linear_rows_unscaled, then the outputs scaled as transformers' `out * multiplier` or `out / divisor` round them.
+// linear_rows_unscaled, then the outputs scaled as transformers' `out * multiplier` or `out / divisor` round them,
+// then soft-capped (L.cap).
 template <typename T>
 void linear_rows(const Linear& L, const T* x, int64_t ldx, int64_t M, T* out, int64_t ldo, int64_t n_begin,
                  int64_t n_end, bool amx, Scratch& s, q::QRows& qx) {
   linear_rows_unscaled(L, x, ldx, M, out, ldo, n_begin, n_end, amx, s, qx);
-  if (L.scale == 1.f && L.divisor == 1.f) return;
-  for (int64_t m = 0; m < M; ++m)
-    for (T* o = out + m * ldo + n_begin; o < out + m * ldo + std::min(n_end, L.N); ++o)
-      *o = static_cast<T>(L.divisor == 1.f ? static_cast<float>(*o) * L.scale : static_cast<float>(*o) / L.divisor);
+  const int64_t end = std::min(n_end, L.N);
+  if (L.scale != 1.f || L.divisor != 1.f)
+    for (int64_t m = 0; m < M; ++m)
+      for (T* o = out + m * ldo + n_begin; o < out + m * ldo + end; ++o)
+        *o = static_cast<T>(L.divisor == 1.f ? static_cast<float>(*o) * L.scale : static_cast<float>(*o) / L.divisor);
+  if (L.cap > 0.f)  // a vector at a time (a 256k vocabulary's tanh one by one was milliseconds a step)
+    for (int64_t m = 0; m < M; ++m) {
+      T* row = out + m * ldo;
+      int64_t n = n_begin;
+      for (; n + Vec::W <= end; n += Vec::W) soft_cap(Vec::load(row + n), L.cap).store(row + n);
+      for (; n < end; ++n) row[n] = static_cast<T>(L.cap * std::tanh(static_cast<float>(row[n]) / L.cap));
+    }
 }
 
 template <typename T>

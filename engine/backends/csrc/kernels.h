@@ -52,7 +52,7 @@ torch::Tensor argmax_rows(const torch::Tensor& x);
 // --- attention.cpp (the shared pieces in attention.h) ---
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                                      const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                                     const torch::Tensor& lengths, int64_t block_size, double scale);
+                                     const torch::Tensor& lengths, int64_t block_size, double scale, double softcap);
 
 // --- amx.cpp (a stub that says "no AMX" where the build has no AMX flags) ---
 constexpr int64_t kAheadBytes = 16384;  // software prefetch distance in the packed weight stream

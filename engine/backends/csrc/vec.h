@@ -248,4 +248,12 @@ __attribute__((always_inline)) inline Vec exp_nonpositive(Vec x) {
   return p * exp2_int(whole);
 }
 
+// cap * tanh(x / cap) (Gemma 2's soft-capping of attention scores and logits; cap > 0): tanh(|y|) is
+// (1 - e) / (1 + e) with e = exp(-2|y|), through the softmax's exp, the sign put back.
+__attribute__((always_inline)) inline Vec soft_cap(Vec x, float cap) {
+  const Vec one = Vec::set1(1.f), e = exp_nonpositive(abs(x) * Vec::set1(-2.f / cap));
+  const Vec t = Vec::set1(cap) * ((one - e) / (one + e));
+  return select_ge0(x, t, Vec::zero() - t);
+}
+
 }  // namespace peregrine
