@@ -7,7 +7,8 @@ float16 and sums in its own order, so two greedy runs may part where the top two
 must agree token for token until they part, and may part only where Peregrine's own top two log-probabilities are
 within TIE of each other (the stated bound); the chosen tokens' log-probabilities on the shared prefix agree within
 LOGPROB. Gemma 3's file says its sliding-window pattern (first layer windowed, second global) and its window (4)
-as llama.cpp reads them, so the window matters within the test's positions."""
+as llama.cpp reads them, so the window matters within the test's positions; Gemma 2's the same, and its soft caps
+(attention 0.5, logits 50: both bind) under the keys llama.cpp reads."""
 
 from __future__ import annotations
 
