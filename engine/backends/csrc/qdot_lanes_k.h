@@ -5,7 +5,7 @@
 // 6-bit scale in int32 (`vpmulld`), the super-block's sum converted once and scaled by d * dx, and its minimums
 // (dmin * mn, float) taken off with the activation's 32-value sums (ksf): each row's own sequence of operations in
 // its lane, so a row's result is the same bits in any tile, lane, thread split or batch. The tile's scales and
-// minimums are unpacked once (q4k_scales_mins_x for each of the 16 rows, a 16 x 16 byte transpose) into scratch.
+// minimums are unpacked once, in the lanes (tile_scales_k4), into scratch.
 // The K-quant row loop (qdot_kquant.h) decodes a row's scales and weights for each (weight row, up to eight
 // activation rows), and reduces 8 lanes a super-block and activation row; here one decode serves 16 weight rows and
 // up to kLaneRowsR activation rows, and nothing is reduced across lanes.
@@ -44,34 +44,57 @@ inline void transpose_bytes16(__m128i v[16]) {
   }
 }
 
-// A tile's super-block b, in scratch: its eight 6-bit scales as bytes (16 a group: sc + 16 * (8b + j)), d and
-// dmin * mn as float (fl + 16 * (9b + 0) for d, fl + 16 * (9b + 1 + j) for group j's minimum).
-constexpr int64_t kLaneKFloats = 9 * kLanes, kLaneKBytes = 8 * kLanes;
-inline void tile_scales_k4(const uint8_t* const p[kLanes], int64_t nb, uint8_t* sc, float* fl) {
+// A tile's super-block b, in scratch: its eight 6-bit scales as int32 (16 a group: sc + 16 * (8b + j)), d and
+// dmin * mn as float (fl + 16 * (9b + 0) for d, fl + 16 * (9b + 1 + j) for group j's minimum). Each row's first 16
+// bytes (f16 d, f16 dmin, the 12 bytes of scales and minimums) become four vectors of one dword a row, and the
+// scales and minimums are unpacked in the lanes, all 16 rows at once (ggml's get_scale_min_k4, as
+// q4k_scales_mins_x): at one activation row, unpacking each row's by shuffles and transposing the bytes had been
+// two fifths of a Q4_K matrix's time.
+constexpr int64_t kLaneKFloats = 9 * kLanes, kLaneKInts = 8 * kLanes;
+inline void tile_scales_k4(const uint8_t* const p[kLanes], int64_t nb, int32_t* sc, float* fl) {
   constexpr int64_t bytes = layout_of(kQ4_K).bytes;
+  // element k of the result: dword c of row k, rows 0-7 from the first two vectors' lanes, 8-15 from the others
+  const __m512i pick[4] = {
+      _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 0, 0, 0, 0, 0, 0, 0),
+      _mm512_setr_epi32(1, 5, 9, 13, 17, 21, 25, 29, 0, 0, 0, 0, 0, 0, 0, 0),
+      _mm512_setr_epi32(2, 6, 10, 14, 18, 22, 26, 30, 0, 0, 0, 0, 0, 0, 0, 0),
+      _mm512_setr_epi32(3, 7, 11, 15, 19, 23, 27, 31, 0, 0, 0, 0, 0, 0, 0, 0)};
+  const __m512i six = _mm512_set1_epi32(63), nib = _mm512_set1_epi32(15), top = _mm512_set1_epi32(0x30);
   for (int64_t b = 0; b < nb; ++b) {
-    __m128i v[16];
-    alignas(64) uint32_t dd[kLanes];
-    for (int k = 0; k < kLanes; ++k) {
-      v[k] = q4k_scales_mins_x(p[k] + b * bytes);
-      std::memcpy(&dd[k], p[k] + b * bytes, 4);  // f16 d, f16 dmin
+    __m512i r[4];  // r[q]: rows 4q .. 4q + 3, a row's 16 bytes a 128-bit lane
+    for (int q = 0; q < 4; ++q) {
+      const uint8_t* const* rows = p + 4 * q;
+      auto row = [&](int i) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[i] + b * bytes)); };
+      r[q] = _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(_mm512_castsi128_si512(row(0)), row(1), 1),
+                                                   row(2), 2), row(3), 3);
     }
-    transpose_bytes16(v);
-    const __m512i h = _mm512_load_si512(dd);
-    const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h));
-    const __m512 dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(h, 16)));
+    __m512i dw[4];  // dw[c]: dword c of each row, row k in element k
+    for (int c = 0; c < 4; ++c)
+      dw[c] = _mm512_inserti64x4(_mm512_permutex2var_epi32(r[0], pick[c], r[1]),
+                                 _mm512_castsi512_si256(_mm512_permutex2var_epi32(r[2], pick[c], r[3])), 1);
+    const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dw[0]));
+    const __m512 dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dw[0], 16)));
     float* f = fl + b * kLaneKFloats;
+    int32_t* s = sc + b * kLaneKInts;
     _mm512_storeu_ps(f, d);
-    for (int j = 0; j < 8; ++j) {
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(sc + b * kLaneKBytes + kLanes * j), v[j]);
-      _mm512_storeu_ps(f + kLanes * (1 + j), _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v[8 + j]))));
+    for (int j = 0; j < 4; ++j) {  // scales and minimums j and 4 + j
+      const __m512i s_lo = _mm512_and_si512(_mm512_srli_epi32(dw[1], 8 * j), six);
+      const __m512i m_lo = _mm512_and_si512(_mm512_srli_epi32(dw[2], 8 * j), six);
+      const __m512i s_hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(dw[3], 8 * j), nib),
+                                           _mm512_and_si512(_mm512_srli_epi32(dw[1], 8 * j + 2), top));
+      const __m512i m_hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(dw[3], 8 * j + 4), nib),
+                                           _mm512_and_si512(_mm512_srli_epi32(dw[2], 8 * j + 2), top));
+      _mm512_storeu_si512(s + kLanes * j, s_lo);
+      _mm512_storeu_si512(s + kLanes * (4 + j), s_hi);
+      _mm512_storeu_ps(f + kLanes * (1 + j), _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(m_lo)));
+      _mm512_storeu_ps(f + kLanes * (5 + j), _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(m_hi)));
     }
   }
 }
 
 // res[r] (16 lanes) = activation row m0 + r times the tile's 16 Q4_K rows, r < R.
 template <int R>
-inline void lanes_block_k4(const uint8_t* const p[kLanes], const uint8_t* sc, const float* fl, const QRows& x,
+inline void lanes_block_k4(const uint8_t* const p[kLanes], const int32_t* sc, const float* fl, const QRows& x,
                            int64_t m0, __m512* res, const uint8_t* fetch = nullptr, int64_t fetch_bytes = 0) {
   constexpr int64_t bytes = layout_of(kQ4_K).bytes;
   const int64_t K = x.K, nb = K / kQK_K;
@@ -98,10 +121,8 @@ inline void lanes_block_k4(const uint8_t* const p[kLanes], const uint8_t* sc, co
         w0[i] = _mm512_and_si512(t[i], low);
         w1[i] = _mm512_and_si512(_mm512_srli_epi16(t[i], 4), low);
       }
-      const __m512i s0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
-                        sc + b * kLaneKBytes + kLanes * (2 * j)))),
-                    s1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
-                        sc + b * kLaneKBytes + kLanes * (2 * j + 1))));
+      const __m512i s0 = _mm512_loadu_si512(sc + b * kLaneKInts + kLanes * (2 * j)),
+                    s1 = _mm512_loadu_si512(sc + b * kLaneKInts + kLanes * (2 * j + 1));
       for (int r = 0; r < R; ++r) {
         const int8_t* a = x.kq + (m0 + r) * K + b * kQK_K + 64 * j;
         auto four = [a](int i) {  // activations 4i .. 4i + 3 of the pair, in every lane
@@ -140,10 +161,10 @@ void qlinear_lanes_k(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, c
                      int64_t ldo, int64_t n_begin, int64_t n_end, QScratch& s) {
   static_assert(T == kQ4_K, "lanes_k");
   const int64_t nb = x.K / kQK_K;
-  const int64_t floats = nb * (kLaneKFloats + kLaneKBytes / 4);
+  const int64_t floats = nb * (kLaneKFloats + kLaneKInts);
   if (static_cast<int64_t>(s.sc.size()) < floats) s.sc.resize(floats);
   float* fl = s.sc.data();
-  uint8_t* sc = reinterpret_cast<uint8_t*>(fl + nb * kLaneKFloats);
+  int32_t* sc = reinterpret_cast<int32_t*>(fl + nb * kLaneKFloats);
   const int64_t ahead = kLanes * kLanesAhead;  // rows
   prefetch_first(w, ldw, n_begin, n_end, ahead);
   for (int64_t n = n_begin; n < n_end; n += kLanes) {
