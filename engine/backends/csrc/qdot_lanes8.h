@@ -103,26 +103,37 @@ inline void decode_block8(const uint8_t* const p[kLanes8], int64_t at, Lanes8Blo
       _mm256_store_si256(&blk.wd[8 * (2 * j + 1) + i], _mm256_and_si256(_mm256_srli_epi16(t[i], 4), low));
     }
   }
-  // the eight rows' scales and minimums (bytes 0-7, 8-15 of q4k_scales_mins_x) transposed: c[g / 2] bytes
-  // 8 (g % 2) .. + 7 hold group g's scales of rows 0-7, c[4 + g / 2] its minimums
-  __m128i m[8], c[8];
-  alignas(16) uint16_t dh[kLanes8], mh[kLanes8];
-  for (int k = 0; k < kLanes8; ++k) {
-    m[k] = q4k_scales_mins_x(p[k] + at);
-    std::memcpy(&dh[k], p[k] + at, 2);
-    std::memcpy(&mh[k], p[k] + at + 2, 2);
-  }
-  columns8(m, c);
-  const __m128i* sc = c;
-  const __m128i* mn = c + 4;
-  blk.d = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(dh)));
-  const __m256 dmin = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(mh)));
-  for (int g = 0; g < 8; ++g) {
-    const __m128i s8 = g % 2 ? _mm_srli_si128(sc[g / 2], 8) : sc[g / 2];
-    const __m128i m8 = g % 2 ? _mm_srli_si128(mn[g / 2], 8) : mn[g / 2];
-    const __m256i s32 = _mm256_cvtepu8_epi32(s8);
-    _mm256_store_si256(&blk.sc[g], _mm256_or_si256(s32, _mm256_slli_epi32(s32, 16)));
-    blk.mins[g] = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(m8)));
+  // each row's first 16 bytes (f16 d, f16 dmin, 12 bytes of scales and minimums) as four registers of one dword a
+  // row (y[i]: rows i and 4 + i, then a 4 x 4 dword transpose in each half), the scales and minimums unpacked in
+  // the lanes, the eight rows at once (ggml's get_scale_min_k4, as q4k_scales_mins_x): unpacking each row's by
+  // shuffles and transposing the bytes had cost about as many instructions as the values' transpose
+  __m256i y[4], z[4], dw[4];
+  for (int i = 0; i < 4; ++i)
+    y[i] = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p[i] + at))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[4 + i] + at)), 1);
+  z[0] = _mm256_unpacklo_epi32(y[0], y[1]), z[1] = _mm256_unpackhi_epi32(y[0], y[1]);
+  z[2] = _mm256_unpacklo_epi32(y[2], y[3]), z[3] = _mm256_unpackhi_epi32(y[2], y[3]);
+  dw[0] = _mm256_unpacklo_epi64(z[0], z[2]), dw[1] = _mm256_unpackhi_epi64(z[0], z[2]);
+  dw[2] = _mm256_unpacklo_epi64(z[1], z[3]), dw[3] = _mm256_unpackhi_epi64(z[1], z[3]);  // dw[c] lane k: row k's
+  const __m256i half = _mm256_set1_epi32(0xFFFF);
+  auto f16s = [](__m256i v) {  // the low 16 bits of each lane, as eight halves
+    return _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
+  };
+  blk.d = f16s(_mm256_and_si256(dw[0], half));
+  const __m256 dmin = f16s(_mm256_srli_epi32(dw[0], 16));
+  const __m256i six = _mm256_set1_epi32(63), nib = _mm256_set1_epi32(15), top = _mm256_set1_epi32(0x30);
+  for (int j = 0; j < 4; ++j) {  // scales and minimums j and 4 + j
+    const __m256i s_lo = _mm256_and_si256(_mm256_srli_epi32(dw[1], 8 * j), six);
+    const __m256i m_lo = _mm256_and_si256(_mm256_srli_epi32(dw[2], 8 * j), six);
+    const __m256i s_hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(dw[3], 8 * j), nib),
+                                         _mm256_and_si256(_mm256_srli_epi32(dw[1], 8 * j + 2), top));
+    const __m256i m_hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(dw[3], 8 * j + 4), nib),
+                                         _mm256_and_si256(_mm256_srli_epi32(dw[2], 8 * j + 2), top));
+    _mm256_store_si256(&blk.sc[j], _mm256_or_si256(s_lo, _mm256_slli_epi32(s_lo, 16)));
+    _mm256_store_si256(&blk.sc[4 + j], _mm256_or_si256(s_hi, _mm256_slli_epi32(s_hi, 16)));
+    blk.mins[j] = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(m_lo));
+    blk.mins[4 + j] = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(m_hi));
   }
 }
 
