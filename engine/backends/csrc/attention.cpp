@@ -279,7 +279,8 @@ void paged_decode(const T* q, const C* k_cache, const C* v_cache, const int64_t*
 // Decode attention straight from the paged cache: one query token per sequence, no gather, no padding.
 // q [B, H, D]; k_cache, v_cache [slots, KVH, D] in q's dtype or float16 (a cache kept in half the bytes);
 // block_tables [B, max_blocks] long; lengths [B] long (tokens of context, this step's included). Softmax in float32,
-// over scores soft-capped when `softcap` > 0 (Gemma 2: softcap * tanh(score / softcap)). Returns [B, H, D] in q's dtype.
+// over scores soft-capped when `softcap` > 0 (Gemma 2: softcap * tanh(score / softcap)). Returns [B, H, D] in q's
+// dtype.
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                                      const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                                      const torch::Tensor& lengths, int64_t block_size, double scale, double softcap) {
