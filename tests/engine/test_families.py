@@ -9,7 +9,7 @@ low enough to bind (attention 0.5, logits 50; without them its logits move 5% an
 Stated bound: the decoder multiplies int8-quantized activations (blocks of 32, as llama.cpp does) by the Q8_0
 weights, so its logits differ from the float32 reference by the activations' rounding: at prefill and at each of 16
 decode steps, at most 3% of the reference's largest logit (measured, AMD EPYC Zen 3, AVX2: llama3 0.60%, mistral
-1.12%, qwen3 1.13%, granite 0.18%, phi3 1.22%, phi3-long 1.16% past its original context, gemma3 0.20%; gemma2 0.33%
+1.12%, qwen3 1.13%, granite 0.18%, phi3 1.22%, phi3-long 1.16% past its original context, gemma3 0.20%; gemma2 0.59%
 on AMD EPYC Zen 4, avx512_bf16; tests/engine/test_qdot.py holds the Llama decoder to 5%), and the 16
 greedy tokens equal transformers' generate. A prompt gives the same tokens and logprobs, to the bit, alone and with
 batch mates. In bfloat16, the decoder against the op-by-op pass over the same quantized weights (float activations):
