@@ -230,9 +230,8 @@ def _complete(config: object, gguf_path: Path) -> None:
     if arch in ("gemma2", "gemma3"):  # llama.cpp's attention scale: 1/sqrt(head size); 27B: 1/sqrt(hidden/heads)
         wide = config.num_hidden_layers == {"gemma2": 46, "gemma3": 62}[arch]
         config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads if wide else config.head_dim
-    caps = [(key, reader.fields.get(f"{arch}.{key}")) for key in ("attn_logit_softcapping", "final_logit_softcapping")]
-    for key, cap in caps if arch == "gemma2" else ():
-        if cap is not None:
+    for key in ("attn_logit_softcapping", "final_logit_softcapping") if arch == "gemma2" else ():
+        if (cap := reader.fields.get(f"{arch}.{key}")) is not None:
             setattr(config, key, float(cap.contents()))
     pattern = reader.fields.get(f"{arch}.attention.sliding_window_pattern")
     if pattern is not None and getattr(config, "layer_types", None):

@@ -79,8 +79,10 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: 
     k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
     v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
     scale = q.shape[-1] ** -0.5 if scaling is None else scaling
-    # every token as a row of its own: windows, CPU without the kernel, soft caps (SDPA has none) but in the kernel
-    if window or (meta.decode_kernel is None and q.device.type == "cpu") or (softcap and not _capped_decode(q, meta)):
+    # every token as a row of its own: windows, CPU without the kernel, soft caps (SDPA has none) unless the kernel
+    # takes the step (decodes only)
+    capped_sdpa = softcap and (meta.prefills or not _kernel_takes(q, k_cache, meta))
+    if window or (meta.decode_kernel is None and q.device.type == "cpu") or capped_sdpa:
         return _rows(q, k_cache, v_cache, meta, scale, window, softcap)
     if not meta.prefills:
         return _decode(q, k_cache, v_cache, meta, scaling, softcap)
@@ -93,12 +95,6 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: 
         span = slice(chunk.offset, chunk.offset + chunk.length)
         out[span] = _prefill(q[span], k[span], v[span], k_cache, v_cache, chunk, meta.kv_cache.block_size, scaling)
     return out
-
-
-def _capped_decode(q: torch.Tensor, meta: AttentionMetadata) -> bool:
-    """Whether soft-capped attention of this step can go through the decode kernel: a decode-only step it takes."""
-    cache = meta.kv_cache.k[0]
-    return not meta.prefills and _kernel_takes(q, cache, meta)
 
 
 def _kernel_takes(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata) -> bool:

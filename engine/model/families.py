@@ -99,9 +99,10 @@ def block_of(config: object, dtype: torch.dtype = torch.float32) -> Block:
         return Block(family, head_dim, head_dim**-0.5)
     types = tuple(config.layer_types[: config.num_hidden_layers]) if family.typed_rope else ()
     scale = float(torch.tensor(config.hidden_size**0.5, dtype=dtype))  # Gemma rounds it to the model dtype
-    caps = (float(getattr(config, key, None) or 0.0) for key in ("attn_logit_softcapping", "final_logit_softcapping"))
+    attn_cap = float(getattr(config, "attn_logit_softcapping", None) or 0.0)
+    final_cap = float(getattr(config, "final_logit_softcapping", None) or 0.0)
     return Block(family, head_dim, float(config.query_pre_attn_scalar) ** -0.5, scale, layer_types=types,
-                 windows=layer_windows(config), attn_softcap=next(caps), final_softcap=next(caps))
+                 windows=layer_windows(config), attn_softcap=attn_cap, final_softcap=final_cap)
 
 
 def sliding_window(config: object) -> bool:
