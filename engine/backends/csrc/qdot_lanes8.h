@@ -83,6 +83,18 @@ inline void columns8(const __m128i m[8], __m128i c[8]) {
   }
 }
 
+// The 256-bit operations of the width-generic helpers (q6k_values, q4k_scales_mins_lanes): 16-bit shifts and byte
+// constants for the six-bit values, 32-bit ones for the scales.
+struct Ops256 {
+  __m256i and_(__m256i a, __m256i b) const { return _mm256_and_si256(a, b); }
+  __m256i or_(__m256i a, __m256i b) const { return _mm256_or_si256(a, b); }
+  __m256i srli(__m256i a, int n) const { return _mm256_srli_epi16(a, n); }
+  __m256i slli(__m256i a, int n) const { return _mm256_slli_epi16(a, n); }
+  __m256i set1(int v) const { return _mm256_set1_epi8(static_cast<char>(v)); }
+  __m256i srli32(__m256i a, int n) const { return _mm256_srli_epi32(a, n); }
+  __m256i set1_32(int v) const { return _mm256_set1_epi32(v); }
+};
+
 // Scratch for one tile's super-block: the eight groups' values (wd[8g + i]: values 4i .. 4i + 3 of group g of each
 // lane's row), their scales (sc[g]: lane k row k's scale in both int16 halves), d, and dmin * mn (mins[g]).
 struct Lanes8Block {
@@ -122,19 +134,12 @@ inline void decode_block8(const uint8_t* const p[kLanes8], int64_t at, Lanes8Blo
   };
   blk.d = f16s(_mm256_and_si256(dw[0], half));
   const __m256 dmin = f16s(_mm256_srli_epi32(dw[0], 16));
-  const __m256i six = _mm256_set1_epi32(63), nib = _mm256_set1_epi32(15), top = _mm256_set1_epi32(0x30);
-  for (int j = 0; j < 4; ++j) {  // scales and minimums j and 4 + j
-    const __m256i s_lo = _mm256_and_si256(_mm256_srli_epi32(dw[1], 8 * j), six);
-    const __m256i m_lo = _mm256_and_si256(_mm256_srli_epi32(dw[2], 8 * j), six);
-    const __m256i s_hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(dw[3], 8 * j), nib),
-                                         _mm256_and_si256(_mm256_srli_epi32(dw[1], 8 * j + 2), top));
-    const __m256i m_hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(dw[3], 8 * j + 4), nib),
-                                         _mm256_and_si256(_mm256_srli_epi32(dw[2], 8 * j + 2), top));
+  q4k_scales_mins_lanes(dw, Ops256{}, [&](int j, __m256i s_lo, __m256i s_hi, __m256i m_lo, __m256i m_hi) {
     _mm256_store_si256(&blk.sc[j], _mm256_or_si256(s_lo, _mm256_slli_epi32(s_lo, 16)));
     _mm256_store_si256(&blk.sc[4 + j], _mm256_or_si256(s_hi, _mm256_slli_epi32(s_hi, 16)));
     blk.mins[j] = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(m_lo));
     blk.mins[4 + j] = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(m_hi));
-  }
+  });
 }
 
 // acc[r] (eight lanes) += activation row m + r's super-block b times the tile's decoded super-block, r < R: each
@@ -192,14 +197,6 @@ inline void q6k_scales8(const uint8_t* const p[kLanes8], int64_t at, __m256i s32
     s32[2 * i + 1] = _mm256_cvtepi8_epi32(_mm_srli_si128(c[i], 8));
   }
 }
-
-struct Ops256 {
-  __m256i and_(__m256i a, __m256i b) const { return _mm256_and_si256(a, b); }
-  __m256i or_(__m256i a, __m256i b) const { return _mm256_or_si256(a, b); }
-  __m256i srli(__m256i a, int n) const { return _mm256_srli_epi16(a, n); }
-  __m256i slli(__m256i a, int n) const { return _mm256_slli_epi16(a, n); }
-  __m256i set1(int v) const { return _mm256_set1_epi8(static_cast<char>(v)); }
-};
 
 inline void decode_block8(const uint8_t* const p[kLanes8], int64_t at, Lanes8BlockQ6& blk) {
   for (int n = 0; n < 2; ++n) {

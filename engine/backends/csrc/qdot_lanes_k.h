@@ -19,6 +19,17 @@ namespace peregrine_quant {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__FMA__) && defined(__F16C__)
 constexpr bool lanes_k(int T) { return T == kQ4_K; }
 
+// The 512-bit operations of the width-generic helpers (qdot_lanes8.h's Ops256 at twice the width).
+struct Ops512 {
+  __m512i and_(__m512i a, __m512i b) const { return _mm512_and_si512(a, b); }
+  __m512i or_(__m512i a, __m512i b) const { return _mm512_or_si512(a, b); }
+  __m512i srli(__m512i a, int n) const { return _mm512_srli_epi16(a, n); }
+  __m512i slli(__m512i a, int n) const { return _mm512_slli_epi16(a, n); }
+  __m512i set1(int v) const { return _mm512_set1_epi8(static_cast<char>(v)); }
+  __m512i srli32(__m512i a, int n) const { return _mm512_srli_epi32(a, n); }
+  __m512i set1_32(int v) const { return _mm512_set1_epi32(v); }
+};
+
 // v[k] (16 bytes of row k) to v[c] (byte c of rows 0-15, lane k row k's).
 inline void transpose_bytes16(__m128i v[16]) {
   __m128i t[16], u[16];
@@ -59,7 +70,6 @@ inline void tile_scales_k4(const uint8_t* const p[kLanes], int64_t nb, int32_t* 
       _mm512_setr_epi32(1, 5, 9, 13, 17, 21, 25, 29, 0, 0, 0, 0, 0, 0, 0, 0),
       _mm512_setr_epi32(2, 6, 10, 14, 18, 22, 26, 30, 0, 0, 0, 0, 0, 0, 0, 0),
       _mm512_setr_epi32(3, 7, 11, 15, 19, 23, 27, 31, 0, 0, 0, 0, 0, 0, 0, 0)};
-  const __m512i six = _mm512_set1_epi32(63), nib = _mm512_set1_epi32(15), top = _mm512_set1_epi32(0x30);
   for (int64_t b = 0; b < nb; ++b) {
     __m512i r[4];  // r[q]: rows 4q .. 4q + 3, a row's 16 bytes a 128-bit lane
     for (int q = 0; q < 4; ++q) {
@@ -77,18 +87,12 @@ inline void tile_scales_k4(const uint8_t* const p[kLanes], int64_t nb, int32_t* 
     float* f = fl + b * kLaneKFloats;
     int32_t* s = sc + b * kLaneKInts;
     _mm512_storeu_ps(f, d);
-    for (int j = 0; j < 4; ++j) {  // scales and minimums j and 4 + j
-      const __m512i s_lo = _mm512_and_si512(_mm512_srli_epi32(dw[1], 8 * j), six);
-      const __m512i m_lo = _mm512_and_si512(_mm512_srli_epi32(dw[2], 8 * j), six);
-      const __m512i s_hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(dw[3], 8 * j), nib),
-                                           _mm512_and_si512(_mm512_srli_epi32(dw[1], 8 * j + 2), top));
-      const __m512i m_hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(dw[3], 8 * j + 4), nib),
-                                           _mm512_and_si512(_mm512_srli_epi32(dw[2], 8 * j + 2), top));
+    q4k_scales_mins_lanes(dw, Ops512{}, [&](int j, __m512i s_lo, __m512i s_hi, __m512i m_lo, __m512i m_hi) {
       _mm512_storeu_si512(s + kLanes * j, s_lo);
       _mm512_storeu_si512(s + kLanes * (4 + j), s_hi);
       _mm512_storeu_ps(f + kLanes * (1 + j), _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(m_lo)));
       _mm512_storeu_ps(f + kLanes * (5 + j), _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(m_hi)));
-    }
+    });
   }
 }
 

@@ -34,14 +34,6 @@ struct Lanes16BlockQ6 {
   __m512 d;
 };
 
-struct Ops512 {
-  __m512i and_(__m512i a, __m512i b) const { return _mm512_and_si512(a, b); }
-  __m512i or_(__m512i a, __m512i b) const { return _mm512_or_si512(a, b); }
-  __m512i srli(__m512i a, int n) const { return _mm512_srli_epi16(a, n); }
-  __m512i slli(__m512i a, int n) const { return _mm512_slli_epi16(a, n); }
-  __m512i set1(int v) const { return _mm512_set1_epi8(static_cast<char>(v)); }
-};
-
 // The 16 rows' 32 bytes at offset `at` of each, transposed: t[i] dword i of rows 0-15 (lane k row k's).
 inline void load_transposed16(const uint8_t* const p[kLanes], int64_t at, __m512i t[8]) {
   for (int k = 0; k < 8; ++k)
