@@ -71,7 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                        "long: 1024,4096,8000)")
     p.add_argument("--output-len", type=int, help="output tokens (chat: 0 = each prompt's own; default 128, long 32, "
                                                   "speculative 256 at most)")
-    p.add_argument("--num-prompts", type=int, help="requests per load level (default max(8, 2 x conc); long: 3)")
+    p.add_argument("--num-prompts", type=int, help="requests per load level (default max(8, 2 x conc); long: 3; "
+                                                   "speculative: prompts of a workload at one stream, 16: all)")
     p.add_argument("--concurrency", help="comma-separated concurrency levels (default 1,4,16,64; long: 1; "
                                          "speculative and isa: 1,16)")
     p.add_argument("--request-rate", help="comma-separated Poisson request rates (req/s) instead of a sweep")

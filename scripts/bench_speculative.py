@@ -80,9 +80,12 @@ def grounded_texts() -> list[str]:
 
 
 def one_stream(prompts: list[str], count: int) -> list[str]:
-    """`count` of the sixteen prompts, spread over them (a different task and passage each)."""
-    step = max(1, len(prompts) // count)
-    return [prompts[(i * step + i) % len(prompts)] for i in range(count)]
+    """`count` different prompts of a workload, spread over its tasks and passages: the sixteen are four tasks of
+    four passages (task-major), taken diagonal by diagonal (task t with passage t, then passage t + 1, ...), so four
+    prompts are four tasks on four passages and sixteen are all of them once."""
+    width = len(TASKS)
+    order = sorted(range(len(prompts)), key=lambda j: ((j % width - j // width) % width, j))
+    return [prompts[j] for j in order[: min(count, len(prompts))]]
 
 
 def copy_texts() -> list[str]:
@@ -133,7 +136,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--streams", default="1,16", help="comma-separated concurrency levels")
-    p.add_argument("--one-stream-prompts", type=int, default=4, help="prompts per workload at 1 stream (of 16)")
+    p.add_argument("--one-stream-prompts", type=int, default=16,
+                   help="prompts per workload at 1 stream (of 16: one_stream's spread)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--speculative-tokens", type=int, default=None, help="k (default: the engine's)")
     p.add_argument("--workloads", default="grounded,open", help="grounded, open, copy, json, tools (comma-separated)")

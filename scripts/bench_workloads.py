@@ -24,7 +24,7 @@ from typing import Any
 DEFAULTS: dict[str, dict[str, Any]] = {
     "serve": {"input_len": "128", "output_len": 128, "concurrency": "1,4,16,64", "num_prompts": 0, "rounds": 1},
     "long": {"input_len": "1024,4096,8000", "output_len": 32, "concurrency": "1", "num_prompts": 3, "rounds": 1},
-    "speculative": {"input_len": "128", "output_len": 256, "concurrency": "1,16", "num_prompts": 4, "rounds": 3},
+    "speculative": {"input_len": "128", "output_len": 256, "concurrency": "1,16", "num_prompts": 16, "rounds": 3},
     "isa": {"input_len": "128", "output_len": 128, "concurrency": "1,16", "num_prompts": 0, "rounds": 1},
 }
 # llama-server's speculative configurations run by default: those that ever paid on this work (docs/speculative.md:

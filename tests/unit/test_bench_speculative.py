@@ -1,0 +1,34 @@
+"""scripts/bench_speculative.py's choice of prompts at one stream, without running an engine: distinct prompts,
+spread over the tasks and passages (sixteen: every one once; an earlier spread repeated eight of them twice)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+import bench_speculative  # noqa: E402
+
+SETS = {"grounded": bench_speculative.grounded_texts(), "open": bench_speculative.OPEN,
+        "copy": bench_speculative.copy_texts(), "json": bench_speculative.json_texts()}
+
+
+@pytest.mark.parametrize("name", sorted(SETS))
+@pytest.mark.parametrize("count", [1, 2, 4, 8, 16, 40])
+def test_one_stream_picks_distinct_prompts(name: str, count: int) -> None:
+    prompts = SETS[name]
+    chosen = bench_speculative.one_stream(prompts, count)
+    assert len(chosen) == min(count, len(prompts))
+    positions = [prompts.index(p) for p in chosen]
+    assert len(set(positions)) == len(positions), positions
+
+
+def test_four_prompts_are_four_tasks_on_four_passages() -> None:
+    prompts = bench_speculative.grounded_texts()
+    width = len(bench_speculative.TASKS)
+    positions = [prompts.index(p) for p in bench_speculative.one_stream(prompts, 4)]
+    assert sorted(j // width for j in positions) == list(range(width))  # tasks (task-major order)
+    assert sorted(j % width for j in positions) == list(range(width))  # passages
+    assert sorted(prompts.index(p) for p in bench_speculative.one_stream(prompts, 16)) == list(range(16))
