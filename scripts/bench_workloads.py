@@ -165,6 +165,7 @@ def speculative_table(ours: list[dict[str, Any]], theirs: list[dict[str, Any]], 
         peer_best = max((r for r in peer if r["config"] != "plain"), key=lambda r: r["tok_s"], default=peer_plain)
         row = {"workload": workload, "streams": streams, "plain_tok_s": plain["tok_s"], "mode": best["mode"],
                "tok_s": best["tok_s"], "speedup": best["speedup"] if best is not plain else 1.0,
+               "decode_speedup": best.get("decode_speedup") if best is not plain else None,
                "accepted_share": best.get("accepted_share"), "proposed": best.get("proposed"),
                "peer_plain_tok_s": peer_plain["tok_s"] if peer_plain else None,
                "peer_config": peer_best["config"] if peer_best else None,
@@ -200,17 +201,19 @@ def _print_speculative(result: dict[str, Any]) -> None:
     sizes += [f"roofline {roof:.0f} tok/s"] if roof else []
     about = "; ".join([result["peregrine"].get("target", "bundled model"), *([", ".join(sizes)] if sizes else [])])
     print(f"\nSpeculative decoding ({about})")
-    print("| workload | streams | Peregrine plain tok/s | Peregrine best (mode; x plain; kept) | llama-server plain "
+    print("| workload | streams | Peregrine plain tok/s | Peregrine best (mode; x plain[, decoding alone]; kept) | "
+          "llama-server plain "
           "tok/s | llama-server best (config; x plain) | best / best | of roofline | targets |\n"
           "|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         kept = f"; {r['accepted_share']:.0%} of {r['proposed']}" if r.get("proposed") else ""
+        decoding = f", decoding {_x(r['decode_speedup'])}" if r.get("decode_speedup") else ""
         peer = f"{r['peer_tok_s']:.1f} ({r['peer_config']}; {_x(r['peer_speedup'])})" if r["peer_tok_s"] else "-"
         marks = ", ".join(_mark(ok, name.replace("_", " ")) for name, ok in r["targets"].items()) or "-"
         share = f"{r['roofline_share']:.0%}" if r["roofline_share"] is not None else "-"
         peer_plain = f"{r['peer_plain_tok_s']:.1f}" if r["peer_plain_tok_s"] else "-"
         print(f"| {r['workload']} | {r['streams']} | {r['plain_tok_s']:.1f} | {r['tok_s']:.1f} ({r['mode']}; "
-              f"{_x(r['speedup'])}{kept}) | {peer_plain} | {peer} | {_x(r['vs_peer'])} | {share} | {marks} |")
+              f"{_x(r['speedup'])}{decoding}{kept}) | {peer_plain} | {peer} | {_x(r['vs_peer'])} | {share} | {marks} |")
 
 
 # -- ISA levels ---------------------------------------------------------------------------------------------------
