@@ -146,11 +146,13 @@ class Settings(DerivedValues, BaseSettings):
     kv_cache_bytes: Size | None = Field(
         None, description="Explicit KV cache size, e.g. 2GiB or 512MB; overrides the fraction."
     )
-    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "int8"] = Field(
         "auto",
         description="KV cache element type. auto: the model dtype. float16 (what llama.cpp keeps by default): with "
         "a float32 model, half the memory a token takes, so twice the tokens fit, and half the bytes a decode "
-        "step's attention reads; keys and values rounded to float16.",
+        "step's attention reads; keys and values rounded to float16. int8 (as llama.cpp's -ctk/-ctv q8_0): each "
+        "head's key or value row as int8 with one float scale, about a quarter of float32's memory and bytes read "
+        "at long contexts; answers part from the float cache's sooner (docs/gguf-and-kernels.md).",
     )
     prefix_caching: bool = Field(
         True,

@@ -24,10 +24,16 @@ DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 the bytes of one element. engine.backends.devices.DTYPES maps the names to torch dtypes; models/ imports this."""
 
 
+KV_DTYPES: tuple[str, ...] = (*DTYPE_BYTES, "int8")
+"""What a KV cache may be kept in: a DTYPE_BYTES dtype, or int8 (each K or V row of head_dim values with one float32
+scale: engine.model.kv_cache.quantize_kv)."""
+
+
 def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype: str) -> int:
-    """The one KV arithmetic: bytes one token's keys and values take across all layers, in `dtype` (a DTYPE_BYTES
+    """The one KV arithmetic: bytes one token's keys and values take across all layers, in `dtype` (a KV_DTYPES
     name). The engine sizes its cache with it (engine.model.kv_cache.KVCacheSpec); the preflight calls it too."""
-    return 2 * layers * kv_heads * head_dim * DTYPE_BYTES[dtype]
+    row = head_dim + 4 if dtype == "int8" else head_dim * DTYPE_BYTES[dtype]  # int8: the values and their scale
+    return 2 * layers * kv_heads * row
 
 
 ConstraintKind = Literal["json_schema", "json_object", "regex", "choice", "lark", "gbnf"]
@@ -192,7 +198,7 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory_fraction: float = 0.5  # of the memory free after the model loads
     kv_cache_bytes: int | None = None  # explicit size; overrides the fraction
-    kv_cache_dtype: str = "auto"  # auto (the model dtype) | float32 | bfloat16 | float16
+    kv_cache_dtype: str = "auto"  # auto (the model dtype) | float32 | bfloat16 | float16 | int8
     cache_dir: str | None = None  # converted GGUF models and compiled kernels (needed for both; config's default)
     seed: int = 0
     trust_remote_code: bool = False

@@ -14,12 +14,13 @@ this function as the `peregrine` keyword argument that transformers forwards fro
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from engine.backends.kernels import DecodeAttention
-from engine.model.kv_cache import KVCache
+from engine.model.kv_cache import KVCache, dequantize_kv, quantize_kv
 
 ATTN_IMPL = "peregrine_paged"
 KERNEL_Q = (torch.float32, torch.bfloat16)  # the decode kernel's q dtypes; its caches: q's dtype or float16
@@ -68,6 +69,46 @@ def paged_attention(
     return out.unsqueeze(0), None
 
 
+class LayerCache(NamedTuple):
+    """One layer's K and V caches [slots, kv_heads, dim], and an int8 cache's row scales [slots, kv_heads] (None
+    for the float dtypes)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, cache: KVCache, layer: int) -> LayerCache:
+        if cache.quantized:
+            return cls(cache.k[layer], cache.v[layer], cache.k_scale[layer], cache.v_scale[layer])
+        return cls(cache.k[layer], cache.v[layer])
+
+    def store(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """This step's keys and values into their slots, as the cache keeps them."""
+        if self.k_scale is None or self.v_scale is None:
+            self.k.index_copy_(0, slots, k.to(self.k.dtype))
+            self.v.index_copy_(0, slots, v.to(self.v.dtype))
+            return
+        for cache, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            values, row_scales = quantize_kv(x)
+            cache.index_copy_(0, slots, values)
+            scales.index_copy_(0, slots, row_scales)
+
+    def kept(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` [..., dim] as the cache keeps it (rounded to its dtype; an int8 cache's: quantized and back)."""
+        return dequantize_kv(*quantize_kv(x)) if self.k_scale is not None else x.to(self.k.dtype)
+
+    def gather(self, block_tables: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, values) of the blocks in `block_tables` [batch, blocks]: [batch, blocks * block_size, kv_heads,
+        dim] each, in the cache's dtype (an int8 cache's: float32)."""
+        keys, values = gather_blocks(self.k, block_tables, block_size), gather_blocks(self.v, block_tables, block_size)
+        if self.k_scale is None or self.v_scale is None:
+            return keys, values
+        return (dequantize_kv(keys, gather_blocks(self.k_scale, block_tables, block_size)),
+                dequantize_kv(values, gather_blocks(self.v_scale, block_tables, block_size)))
+
+
 def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
            scaling: float | None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Store this step's K/V of `layer` and attend. q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim]. A
@@ -75,50 +116,48 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: 
     (`softcap` > 0: cap * tanh(score / cap), Gemma 2) take the row-by-row path.
 
     Returns [tokens, heads, dim]."""
-    k_cache, v_cache = meta.kv_cache.k[layer], meta.kv_cache.v[layer]
-    k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    cache = LayerCache.of(meta.kv_cache, layer)
+    cache.store(meta.slot_mapping, k, v)
     scale = q.shape[-1] ** -0.5 if scaling is None else scaling
     # every token as a row of its own: windows, CPU without the kernel, soft caps (SDPA has none) unless the kernel
     # takes the step (decodes only)
-    capped_sdpa = softcap and (meta.prefills or not _kernel_takes(q, k_cache, meta))
+    capped_sdpa = softcap and (meta.prefills or not _kernel_takes(q, cache, meta))
     if window or (meta.decode_kernel is None and q.device.type == "cpu") or capped_sdpa:
-        return _rows(q, k_cache, v_cache, meta, scale, window, softcap)
+        return _rows(q, cache, meta, scale, window, softcap)
     if not meta.prefills:
-        return _decode(q, k_cache, v_cache, meta, scaling, softcap)
+        return _decode(q, cache, meta, scaling, softcap)
     if not meta.num_decodes and len(meta.prefills) == 1:
-        return _prefill(q, k, v, k_cache, v_cache, meta.prefills[0], meta.kv_cache.block_size, scaling)
+        return _prefill(q, k, v, cache, meta.prefills[0], meta.kv_cache.block_size, scaling)
     out = torch.empty_like(q)
     if meta.num_decodes:
-        out[: meta.num_decodes] = _decode(q[: meta.num_decodes], k_cache, v_cache, meta, scaling)
+        out[: meta.num_decodes] = _decode(q[: meta.num_decodes], cache, meta, scaling)
     for chunk in meta.prefills:
         span = slice(chunk.offset, chunk.offset + chunk.length)
-        out[span] = _prefill(q[span], k[span], v[span], k_cache, v_cache, chunk, meta.kv_cache.block_size, scaling)
+        out[span] = _prefill(q[span], k[span], v[span], cache, chunk, meta.kv_cache.block_size, scaling)
     return out
 
 
-def _kernel_takes(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata) -> bool:
-    return meta.decode_kernel is not None and q.dtype in KERNEL_Q and k_cache.dtype in (q.dtype, torch.float16)
+def _kernel_takes(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata) -> bool:
+    return meta.decode_kernel is not None and q.dtype in KERNEL_Q and cache.k.dtype in (q.dtype, torch.float16)
 
 
-def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-            scaling: float | None, softcap: float = 0.0) -> torch.Tensor:
-    if _kernel_takes(q, k_cache, meta):
-        return meta.decode_kernel(q.contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_lengths,
+def _decode(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata, scaling: float | None,
+            softcap: float = 0.0) -> torch.Tensor:
+    if _kernel_takes(q, cache, meta):
+        return meta.decode_kernel(q.contiguous(), cache.k, cache.v, meta.decode_block_tables, meta.decode_lengths,
                                   meta.kv_cache.block_size, q.shape[-1] ** -0.5 if scaling is None else scaling,
                                   softcap)
-    keys = gather_blocks(k_cache, meta.decode_block_tables, meta.kv_cache.block_size).transpose(1, 2)
-    values = gather_blocks(v_cache, meta.decode_block_tables, meta.kv_cache.block_size).transpose(1, 2)
+    keys, values = cache.gather(meta.decode_block_tables, meta.kv_cache.block_size)
     # keys, values: [batch, kv_heads, max_blocks * block_size, dim]
     out = F.scaled_dot_product_attention(  # caches in another dtype (--kv-cache-dtype): widened to q's
-        q.unsqueeze(2), keys.to(q.dtype), values.to(q.dtype), attn_mask=meta.decode_mask, scale=scaling,
-        enable_gqa=True,
+        q.unsqueeze(2), keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype),
+        attn_mask=meta.decode_mask, scale=scaling, enable_gqa=True,
     )  # [batch, heads, 1, dim]
     return out.squeeze(2)
 
 
-def _rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-          scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+def _rows(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata, scale: float, window: int = 0,
+          softcap: float = 0.0) -> torch.Tensor:
     """Each token, decode or prompt, attends alone over its sequence's cached context (this step's keys included:
     they are stored first), by ops whose shapes depend on that token's context length only, so its result does not
     depend on its batch mates, on how its prompt was chunked or on which blocks came from the prefix cache (the
@@ -132,18 +171,19 @@ def _rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: A
         rows += [(chunk.offset + j, chunk.context_blocks, chunk.start + j + 1) for j in range(chunk.length)]
     out = torch.empty_like(q)
     for i, table, length in rows:
-        out[i] = _row(q[i], k_cache, v_cache, table, length, meta.kv_cache.block_size, scale, window, softcap)
+        out[i] = _row(q[i], cache, table, length, meta.kv_cache.block_size, scale, window, softcap)
     return out
 
 
-def _row(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, length: int,
-         block_size: int, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+def _row(q: torch.Tensor, cache: LayerCache, table: torch.Tensor, length: int, block_size: int, scale: float,
+         window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """q [heads, dim] over the first `length` positions of the blocks in `table` (the last `window` of them when
     given): softmax in float32, over the scores soft-capped when `softcap` is given."""
     blocks = table[None, : -(-length // block_size)]
     first = max(0, length - window) if window else 0
-    keys = gather_blocks(k_cache, blocks, block_size)[0, first:length].float()  # [length - first, kv_heads, dim]
-    values = gather_blocks(v_cache, blocks, block_size)[0, first:length].float()
+    keys, values = cache.gather(blocks, block_size)
+    keys = keys[0, first:length].float()  # [length - first, kv_heads, dim]
+    values = values[0, first:length].float()
     group = q.shape[0] // keys.shape[1]
     if group > 1:
         keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
@@ -158,15 +198,15 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, block_size: i
     return blocks.flatten(1, 2)
 
 
-def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             chunk: PrefillChunk, block_size: int, scaling: float | None) -> torch.Tensor:
+def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCache, chunk: PrefillChunk,
+             block_size: int, scaling: float | None) -> torch.Tensor:
     query = q.transpose(0, 1).unsqueeze(0)  # [1, heads, chunk, dim]
     if chunk.start == 0:  # this chunk's own keys and values, rounded as the cache holds them
-        keys, values, mask = k.to(k_cache.dtype), v.to(k_cache.dtype), None
+        keys, values, mask = cache.kept(k), cache.kept(v), None
     else:
         end = chunk.start + chunk.length
-        keys = gather_blocks(k_cache, chunk.context_blocks[None], block_size)[0, :end]  # [end, kv_heads, dim]
-        values = gather_blocks(v_cache, chunk.context_blocks[None], block_size)[0, :end]
+        keys, values = cache.gather(chunk.context_blocks[None], block_size)
+        keys, values = keys[0, :end], values[0, :end]  # [end, kv_heads, dim]
         mask = causal_mask(chunk.length, chunk.start, q.device)
     out = F.scaled_dot_product_attention(
         query, keys.transpose(0, 1).unsqueeze(0).to(q.dtype), values.transpose(0, 1).unsqueeze(0).to(q.dtype),

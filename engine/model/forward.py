@@ -172,6 +172,8 @@ class LlamaFastForward:
         if self._decoder is None or self._decoder[0] is not kv_cache:
             none = torch.empty(0)
             layers = [[w.input_norm, w.post_norm, kv_cache.k[i], kv_cache.v[i]] for i, w in enumerate(self.layers)]
+            if kv_cache.quantized:  # int8 values: each layer's row scales after its caches
+                layers = [[*t, kv_cache.k_scale[i], kv_cache.v_scale[i]] for i, t in enumerate(layers)]
             matmuls = self._matmuls()
             parts = [_parts(weight) for weight, _ in matmuls]
             embed = self.model.model.embed_tokens

@@ -1,7 +1,9 @@
 """The KV cache: one K and one V tensor per layer, allocated once at start, split into paged blocks.
 
 Layout per layer: [(num_blocks + 1) * block_size, kv_heads, head_dim] where slot = block * block_size + offset.
-Elements in the model dtype, or as `--kv-cache-dtype` says (`kv_cache_dtype`; float16 halves a float32 model's cache).
+Elements in the model dtype, or as `--kv-cache-dtype` says (`kv_cache_dtype`; float16 halves a float32 model's cache;
+int8 keeps each (slot, KV head) row of head_dim values as int8 with one float32 scale beside it, in `k_scale` and
+`v_scale` [slots, kv_heads] per layer: `quantize_kv`, what the CPU's one-call decoder stores too).
 The extra last block is kept at zero and is where padded block tables point. The batched decode gathers whole
 blocks, so the masked-out tail of a sequence's last block is read too: a mask gives it weight 0, but 0 * NaN
 is NaN, so no block may hold garbage.
@@ -22,6 +24,7 @@ out again is simply written again. Which blocks, and when, is the block manager'
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -30,7 +33,7 @@ import torch
 
 from engine.backends.huge_pages import whole_pages
 from engine.model.families import layer_windows
-from engine.types import DTYPE_BYTES, kv_bytes_per_token
+from engine.types import KV_DTYPES, kv_bytes_per_token
 
 log = logging.getLogger(__name__)
 
@@ -38,13 +41,28 @@ ZERO_STEP_BLOCKS = 64
 
 
 def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The KV cache's element type for `--kv-cache-dtype name` (engine.types.DTYPE_BYTES' names): auto is the model
+    """The KV cache's element type for `--kv-cache-dtype name` (engine.types.KV_DTYPES' names): auto is the model
     dtype."""
     if name == "auto":
         return model_dtype
-    if name not in DTYPE_BYTES:
-        raise ValueError(f"unknown kv_cache_dtype {name!r}: use auto, {', '.join(DTYPE_BYTES)}")
+    if name not in KV_DTYPES:
+        raise ValueError(f"unknown kv_cache_dtype {name!r}: use auto, {', '.join(KV_DTYPES)}")
     return getattr(torch, name)
+
+
+def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., head_dim] -> (int8 values [..., head_dim], float32 scales [...]): per row s = max|x| / 127 and q =
+    round(x / s) (to nearest even), so x ~ q * s. The same float operations as the decoder's `quantize_kv_row`
+    (engine/backends/csrc/attention.h), so both store the same bits."""
+    x = x.float()
+    scale = x.abs().amax(-1) / 127
+    q = torch.round(x / scale.clamp_min(torch.finfo(torch.float32).tiny)[..., None]).clamp_(-127, 127)
+    return q.to(torch.int8), scale
+
+
+def dequantize_kv(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The float32 rows an int8 cache's values and scales stand for (quantize_kv's inverse, to its rounding)."""
+    return q.float() * scale[..., None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,10 +121,17 @@ class KVCache:
             anonymous = device.type == "cpu" and hasattr(mmap, "MADV_DONTNEED")
         self._maps: list[mmap.mmap] = []  # k[0], v[0], k[1], v[1], ... where anonymous
         self._zeroed_blocks = num_blocks if anonymous else 0  # anonymous pages read as zero until written
-        pairs = [(self._alloc(shape, device, anonymous), self._alloc(shape, device, anonymous))
+        pairs = [(self._alloc(shape, spec.dtype, device, anonymous), self._alloc(shape, spec.dtype, device, anonymous))
                  for _ in range(spec.num_layers)]
         self.k = [k for k, _ in pairs]
         self.v = [v for _, v in pairs]
+        # an int8 cache's row scales, per layer [slots, kv_heads] float32 (empty lists otherwise); never given back
+        # (a block's scales are a sixteenth of its K or V at head_dim 64): a given-back block's values read as zero,
+        # which is zero whatever scale stays beside them
+        scale_maps: list[mmap.mmap] = []
+        scales = [self._alloc(shape[:2], torch.float32, device, anonymous, scale_maps)
+                  for _ in range(2 * spec.num_layers) if self.quantized]
+        self.k_scale, self.v_scale = scales[0::2], scales[1::2]
         self._windowed = [i for i, w in enumerate(spec.windows) if w > 0] if release and anonymous else []
         self.released_bytes_total = 0  # bytes of windowed layers' pages given back (what `release` advised)
         log.info(
@@ -115,6 +140,11 @@ class KVCache:
             f"; {len(self._windowed)} windowed layers give back the pages of blocks behind their window of "
             f"{self.release_window}" if self.release_window else "",
         )
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the cache keeps int8 values with a scale per row (`--kv-cache-dtype int8`)."""
+        return self.spec.dtype == torch.int8
 
     @property
     def null_block(self) -> int:
@@ -146,7 +176,7 @@ class KVCache:
             return
         upto = min(self.num_blocks, max(num_blocks, self._zeroed_blocks + ZERO_STEP_BLOCKS))
         lo, hi = self._zeroed_blocks * self.block_size, upto * self.block_size
-        for tensor in (*self.k, *self.v):
+        for tensor in (*self.k, *self.v, *self.k_scale, *self.v_scale):
             tensor[lo:hi].zero_()
         self._zeroed_blocks = upto
 
@@ -166,17 +196,20 @@ class KVCache:
                     region.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
             self.released_bytes_total += 2 * len(self._windowed) * (hi - lo)
 
-    def _alloc(self, shape: tuple[int, int, int], device: torch.device, anonymous: bool) -> torch.Tensor:
+    def _alloc(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, anonymous: bool,
+               maps: list[mmap.mmap] | None = None) -> torch.Tensor:
+        """A zero-reading tensor; where anonymous, its mapping goes to `maps` (default: the K/V list `release`
+        advises)."""
         if not anonymous:
-            t = torch.empty(shape, dtype=self.spec.dtype, device=device)
+            t = torch.empty(shape, dtype=dtype, device=device)
             t[self.num_slots :].zero_()
             return t
-        count = shape[0] * shape[1] * shape[2]
-        region = mmap.mmap(-1, max(1, count * self.spec.dtype.itemsize), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        count = math.prod(shape)
+        region = mmap.mmap(-1, max(1, count * dtype.itemsize), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         if hasattr(mmap, "MADV_NOHUGEPAGE"):  # where THP is "always", a first write would commit 2 MiB, not a block
             region.madvise(mmap.MADV_NOHUGEPAGE)
-        self._maps.append(region)  # page aligned; the tensor keeps the mapping alive too
-        return torch.frombuffer(region, dtype=self.spec.dtype, count=count).view(shape)
+        (self._maps if maps is None else maps).append(region)  # page aligned; the tensor keeps the mapping alive too
+        return torch.frombuffer(region, dtype=dtype, count=count).view(shape)
 
 
 def _runs(blocks: list[int]) -> list[tuple[int, int]]:

@@ -56,6 +56,8 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.kernels = kernels
         self.decode_attention = kernels.decode_attention
+        # decodes the kernel does not take (an int8 cache) attend by masked SDPA over gathered blocks
+        self._masked = self.decode_attention is None or kv_cache.quantized
         self.impl = choose_impl(model, impl)
         self._forward: Forward = (
             llama_fast.LlamaFastForward(model, kernels) if self.impl == "llama" else self._generic
@@ -116,7 +118,7 @@ class ModelRunner:
             slot_mapping=self._tensor(slots),
             num_decodes=len(decodes),
             decode_block_tables=tables,
-            decode_mask=self._decode_mask(lengths, tables) if decodes and self.decode_attention is None else None,
+            decode_mask=self._decode_mask(lengths, tables) if decodes and self._masked else None,
             prefills=prefills,
             decode_lengths=lengths,
             decode_kernel=self.decode_attention,
@@ -148,7 +150,7 @@ class ModelRunner:
             slot_mapping=slots,
             num_decodes=n,
             decode_block_tables=block_tables,
-            decode_mask=self._decode_mask(lengths, block_tables) if self.decode_attention is None else None,
+            decode_mask=self._decode_mask(lengths, block_tables) if self._masked else None,
             prefills=(),
             decode_lengths=lengths,
             decode_kernel=self.decode_attention,

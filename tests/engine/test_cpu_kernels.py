@@ -370,6 +370,48 @@ def test_one_call_decode_step_over_a_float16_kv_cache(byte_level_tokenizer: Any,
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_call_decode_step_over_an_int8_kv_cache(byte_level_tokenizer: Any, engine_factory: Any,
+                                                    dtype: torch.dtype) -> None:
+    """`--kv-cache-dtype int8`: the decoder quantizes this step's keys and values into the int8 caches with their
+    row scales (attention.h's quantize_kv_row, kv_cache.quantize_kv's operations) and attends over them with each
+    position's K scale on its score and V scale on its weight, as the op-by-op pass does over the dequantized
+    blocks. Given the same keys both store the same values: the first layer's, written by the decoder, against
+    quantize_kv of the op-by-op pass's float keys (one step apart at most, where summation order moved a key)."""
+    from engine.model.kv_cache import quantize_kv
+    from tests.support import Loaded, decoder_against_op_by_op
+
+    vocab = -(-len(byte_level_tokenizer) // 16) * 16
+    loaded = Loaded(_decoder_model("llama", vocab).to(dtype), byte_level_tokenizer, 512)
+    engine = engine_factory(loaded, kv_cache_bytes=4 << 20, block_size=4, kv_cache_dtype="int8")
+    assert engine.kv_cache.k[0].dtype == torch.int8 and engine.kv_cache.k_scale
+    factory = cpu_kernels.llama_decoder_for(dtype, ON, amx=False)
+    prompts = {f"r{i}": (list(range(3 + 5 * i, 10 + 9 * i)), SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+               for i in range(3)}
+    fast = engine.runner._forward
+    steps = decoder_against_op_by_op(engine, factory, prompts)
+    assert type(fast._decoder[1]).__name__ == f"LlamaDecoder_{str(dtype).removeprefix('torch.')}_kv_int8"
+    assert sum(step.got.shape[0] == 3 for step in steps) >= 4
+    for step in steps:
+        assert 0 < step.error <= 0.02, step.error
+        assert step.batch_invariant, "a row's logits changed with its batch mates"
+    # the decoder's own writes: one decode step of a fresh request, keys checked against quantize_kv of what the
+    # op-by-op pass computes for the same token
+    fresh = engine_factory(loaded, kv_cache_bytes=4 << 20, block_size=4, kv_cache_dtype="int8")
+    reference = engine_factory(loaded, kv_cache_bytes=4 << 20, block_size=4, kv_cache_dtype="float32",
+                               cpu_kernels=False)
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    run_all(fresh, {"a": ([5, 6, 7, 8, 9], params)})
+    run_all(reference, {"a": ([5, 6, 7, 8, 9], params)})
+    written = fresh.kv_cache.k_scale[0].gt(0).all(-1).nonzero().flatten()  # the decoder's: prompt, first decode
+    assert written.tolist() == reference.kv_cache.k[0].ne(0).any(-1).any(-1).nonzero().flatten().tolist()
+    assert len(written) == 6
+    q, s = quantize_kv(reference.kv_cache.k[0][written].to(dtype))  # the first layer: the same input in both runs
+    assert (fresh.kv_cache.k[0][written].int() - q.int()).abs().max() <= 1  # summation order moves a rounding at most
+    assert torch.allclose(fresh.kv_cache.k_scale[0][written], s, rtol=1e-2)
+
+
+@needs_kernel
 def test_the_decoder_declines_shapes_it_cannot_take_and_the_op_by_op_pass_runs(
         tiny: Any, byte_level_tokenizer: Any, engine_factory: Any, caplog: pytest.LogCaptureFixture) -> None:
     """The tiny test Llama has head_dim 16 and a vocabulary that is not a multiple of 16: the decoder says why it

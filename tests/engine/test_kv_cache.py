@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine.model.kv_cache import KVCache, KVCacheSpec, kv_cache_dtype, plan_num_blocks
+from engine.model.kv_cache import KVCache, KVCacheSpec, dequantize_kv, kv_cache_dtype, plan_num_blocks, quantize_kv
 from engine.types import SamplingParams
 from tests.support import run_all, tokens_of
 
@@ -114,8 +114,9 @@ def test_kv_cache_dtype_auto_is_the_model_dtype_and_float16_holds_twice_the_toke
                                                                                    engine_factory: Any) -> None:
     assert kv_cache_dtype("auto", torch.bfloat16) == torch.bfloat16
     assert kv_cache_dtype("float16", torch.float32) == torch.float16
+    assert kv_cache_dtype("int8", torch.bfloat16) == torch.int8
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        kv_cache_dtype("int8", torch.float32)
+        kv_cache_dtype("float8_e4m3fn", torch.float32)
     full = engine_factory(tiny, kv_cache_bytes=1 << 20)  # tiny is float32
     half = engine_factory(tiny, kv_cache_bytes=1 << 20, kv_cache_dtype="float16")
     assert full.kv_cache.k[0].dtype == torch.float32 and half.kv_cache.k[0].dtype == torch.float16
@@ -126,3 +127,58 @@ def test_kv_cache_dtype_auto_is_the_model_dtype_and_float16_holds_twice_the_toke
     torch_ops = engine_factory(tiny, kv_cache_bytes=1 << 20, kv_cache_dtype="float16", cpu_kernels=False)
     assert torch_ops.kv_cache.k[0].dtype == torch.float16
     assert tokens_of(run_all(torch_ops, {"a": ([5, 6, 7], params)})["a"]) == kernel and len(kernel) == 6
+
+
+def test_int8_rows_keep_each_value_within_half_a_step_of_their_scale() -> None:
+    """`--kv-cache-dtype int8`: a row of head_dim values becomes int8 with one float32 scale max|x| / 127; each
+    value comes back within half a step (scale / 2), the row's largest exactly, a zero row as zeros."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 4, 64) * torch.logspace(-3, 2, 64)[:, None, None]  # rows of very different sizes
+    x[5, 2, 7] = 400.0  # an outlier sets its row's step
+    x[9, 1] = 0.0
+    q, scale = quantize_kv(x)
+    assert q.dtype == torch.int8 and scale.dtype == torch.float32 and scale.shape == (64, 4)
+    assert int(q.abs().max()) == 127 and int(q.min()) >= -127
+    assert torch.equal(scale, x.abs().amax(-1) / 127)
+    back = dequantize_kv(q, scale)
+    assert ((back - x).abs() <= scale[..., None] / 2 * (1 + 1e-5)).all()
+    assert float(back[5, 2, 7]) == pytest.approx(400.0, rel=1e-6)
+    assert not back[9, 1].any() and not q[9, 1].any() and float(scale[9, 1]) == 0.0
+    assert torch.equal(quantize_kv(x.to(torch.bfloat16))[0], quantize_kv(x.to(torch.bfloat16).float())[0])
+
+
+def test_int8_cache_size_and_layout() -> None:
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.int8)
+    assert spec.bytes_per_token == 2 * 2 * 2 * (16 + 4)  # the values and a float32 scale per row
+    cache = KVCache(spec, num_blocks=4, block_size=16, device=torch.device("cpu"))
+    assert cache.quantized and cache.k[0].dtype == torch.int8 and cache.k[0].shape == (5 * 16, 2, 16)
+    assert [s.shape for s in (*cache.k_scale, *cache.v_scale)] == [(5 * 16, 2)] * 4
+    assert all(s.dtype == torch.float32 and not s.any() for s in (*cache.k_scale, *cache.v_scale))
+    assert not KVCache(SPEC, num_blocks=4, block_size=16, device=torch.device("cpu")).k_scale
+
+
+def test_int8_kv_cache_holds_what_was_written_and_generates(tiny: Any, engine_factory: Any) -> None:
+    """An int8 cache fits 3.2x the float32 cache's tokens at head_dim 16 (16 + 4 bytes a row against 64); after a
+    request its slots hold the float32 run's keys and values to within half a step, and greedy tokens come out the
+    same through SDPA over the dequantized blocks (kernels on: the decode kernel takes no int8 cache) and through the
+    row-by-row pass (kernels off)."""
+    full = engine_factory(tiny, kv_cache_bytes=1 << 20)  # tiny is float32
+    small = engine_factory(tiny, kv_cache_bytes=1 << 20, kv_cache_dtype="int8")
+    assert small.kv_cache.quantized and small.kv_cache.k[0].dtype == torch.int8
+    assert small.kv_cache.num_slots // 16 == (1 << 20) // (16 * small.kv_cache.spec.bytes_per_token)
+    assert 3.0 <= small.kv_cache.num_slots / full.kv_cache.num_slots <= 3.3
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompt = tiny.tokenizer.encode("Hello world, once more")
+    reference = tokens_of(run_all(full, {"a": (prompt, params)})["a"])
+    sdpa = tokens_of(run_all(small, {"a": (prompt, params)})["a"])
+    rows = engine_factory(tiny, kv_cache_bytes=1 << 20, kv_cache_dtype="int8", cpu_kernels=False)
+    assert tokens_of(run_all(rows, {"a": (prompt, params)})["a"]) == sdpa and len(sdpa) == 6
+    assert sdpa == reference  # the float32 run's top two are 0.09 or more apart; int8 moved logprobs by 0.03
+    n = len(prompt) + 5  # the slots written: the prompt, then one per decode step but the last
+    for cache, scales, ref in ((small.kv_cache.k, small.kv_cache.k_scale, full.kv_cache.k),
+                               (small.kv_cache.v, small.kv_cache.v_scale, full.kv_cache.v)):
+        step = scales[0][: len(prompt)]  # the first layer's prompt slots: the same inputs in both runs
+        back = dequantize_kv(cache[0][: len(prompt)], step)
+        assert ((back - ref[0][: len(prompt)]).abs() <= step[..., None] / 2 + 1e-6).all()
+        for layer in range(len(scales)):  # every layer wrote its n slots, and only those
+            assert scales[layer][:n].gt(0).all() and not scales[layer][n:].any()

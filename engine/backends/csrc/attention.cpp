@@ -64,10 +64,15 @@ __attribute__((always_inline)) inline void chunk_softmax(float* scores, float* p
 // dot product is one chain of FMAs over the head's vectors in order; kChains positions' chains run side by side
 // (one chain alone waits on each FMA's latency), which changes no position's arithmetic.
 constexpr int kChains = Vec::W == 16 ? 4 : 8;
-// cap > 0: each score soft-capped (soft_cap) before the softmax.
+// An int8 cache's rows carry a scale each (attend_chunk): a position's dot product is taken times its K scale, and
+// its softmax weight times its V scale.
+template <typename C>
+constexpr bool kScaled = std::is_same_v<C, int8_t>;
+// cap > 0: each score soft-capped (soft_cap) before the softmax. ksc: the positions' K scales (an int8 cache, at
+// least n rounded up to kPos of them), else unused.
 template <int CH, typename C>
 __attribute__((always_inline)) inline void head_scores(const Vec* qv, int64_t chunks, const C* const* k_rows,
-                                                       int64_t n, float* scores, float cap) {
+                                                       int64_t n, float* scores, float cap, const float* ksc) {
   const int64_t count = CH ? CH : chunks;
   for (int64_t o0 = 0; o0 < n; o0 += kPos) {
     const int64_t m = std::min<int64_t>(kPos, n - o0);
@@ -87,6 +92,8 @@ __attribute__((always_inline)) inline void head_scores(const Vec* qv, int64_t ch
     }
     alignas(64) float sums[kPos];
     sums16(dots, sums);
+    if constexpr (kScaled<C>)
+      for (int o = 0; o < kPos; o += Vec::W) (Vec::load(sums + o) * Vec::load(ksc + o0 + o)).store(sums + o);
     if (cap > 0.f)
       for (int o = 0; o < kPos; o += Vec::W) soft_cap(Vec::load(sums + o), cap).store(sums + o);
     std::copy_n(sums, m, scores + o0);
@@ -98,7 +105,8 @@ __attribute__((always_inline)) inline void head_scores(const Vec* qv, int64_t ch
 // attend_generic's, so both give the same bits.
 template <int D, int GP, typename T, typename C>
 void attend_heads(int64_t b, int64_t h0, int64_t chunk, const T* q, const C* const* k_rows, const C* const* v_rows,
-                  int64_t n, int64_t heads, float scale, float cap, AttnPartials& partials) {
+                  int64_t n, int64_t heads, float scale, float cap, const float* ksc, const float* vsc,
+                  AttnPartials& partials) {
   constexpr int CH = D / Vec::W;
   Vec qv[GP][CH];
   for (int g = 0; g < GP; ++g)
@@ -107,7 +115,7 @@ void attend_heads(int64_t b, int64_t h0, int64_t chunk, const T* q, const C* con
   alignas(64) float scores[GP][kAttnChunk];
   for (int g = 0; g < GP; ++g) {
     std::fill_n(scores[g], kAttnChunk, -INFINITY);
-    head_scores<CH>(qv[g], CH, k_rows, n, scores[g], cap);
+    head_scores<CH>(qv[g], CH, k_rows, n, scores[g], cap, ksc);
   }
   for (int g = 0; g < GP; ++g) chunk_softmax(scores[g], partials.at(b, h0 + g, chunk), D);
   Vec acc[GP][CH];
@@ -115,9 +123,11 @@ void attend_heads(int64_t b, int64_t h0, int64_t chunk, const T* q, const C* con
     for (int c = 0; c < CH; ++c) acc[g][c] = Vec::zero();
   for (int64_t o = 0; o < n; ++o) {
     const C* vp = v_rows[o];
+    float w[GP];
+    for (int g = 0; g < GP; ++g) w[g] = kScaled<C> ? scores[g][o] * vsc[o] : scores[g][o];
     for (int c = 0; c < CH; ++c) {
       const Vec v = Vec::load(vp + c * Vec::W);
-      for (int g = 0; g < GP; ++g) acc[g][c] = fmadd(Vec::set1(scores[g][o]), v, acc[g][c]);
+      for (int g = 0; g < GP; ++g) acc[g][c] = fmadd(Vec::set1(w[g]), v, acc[g][c]);
     }
   }
   for (int g = 0; g < GP; ++g)
@@ -127,17 +137,18 @@ void attend_heads(int64_t b, int64_t h0, int64_t chunk, const T* q, const C* con
 // attend_heads for `count` (1..GP) heads: the instantiation with that many.
 template <int D, int GP, typename T, typename C>
 void attend_pass(int64_t count, int64_t b, int64_t h0, int64_t chunk, const T* q, const C* const* k_rows,
-                 const C* const* v_rows, int64_t n, int64_t heads, float scale, float cap, AttnPartials& partials) {
-  if (count == GP) attend_heads<D, GP, T, C>(b, h0, chunk, q, k_rows, v_rows, n, heads, scale, cap, partials);
+                 const C* const* v_rows, int64_t n, int64_t heads, float scale, float cap, const float* ksc,
+                 const float* vsc, AttnPartials& partials) {
+  if (count == GP) attend_heads<D, GP, T, C>(b, h0, chunk, q, k_rows, v_rows, n, heads, scale, cap, ksc, vsc, partials);
   else if constexpr (GP > 1)
-    attend_pass<D, GP - 1, T, C>(count, b, h0, chunk, q, k_rows, v_rows, n, heads, scale, cap, partials);
+    attend_pass<D, GP - 1, T, C>(count, b, h0, chunk, q, k_rows, v_rows, n, heads, scale, cap, ksc, vsc, partials);
 }
 
 // Any head_dim (a multiple of 16): the same arithmetic as attend_heads, with the sizes known only at run time.
 template <typename T, typename C>
 void attend_generic(int64_t b, int64_t h0, int64_t group, int64_t chunk, const T* q, const C* const* k_rows,
                     const C* const* v_rows, int64_t n, int64_t heads, int64_t dim, float scale, float cap,
-                    AttnPartials& partials, AttnScratch& s) {
+                    const float* ksc, const float* vsc, AttnPartials& partials, AttnScratch& s) {
   const int64_t chunks = dim / Vec::W;
   s.scores.assign(group * kAttnChunk, -INFINITY);
   s.qv.resize(group * chunks);
@@ -146,14 +157,17 @@ void attend_generic(int64_t b, int64_t h0, int64_t group, int64_t chunk, const T
     for (int64_t c = 0; c < chunks; ++c)
       s.qv[g * chunks + c] = Vec::load(q + ((b * heads + h0 + g) * dim) + c * Vec::W) * Vec::set1(scale);
   for (int64_t g = 0; g < group; ++g)
-    head_scores<0>(s.qv.data() + g * chunks, chunks, k_rows, n, s.scores.data() + g * kAttnChunk, cap);
+    head_scores<0>(s.qv.data() + g * chunks, chunks, k_rows, n, s.scores.data() + g * kAttnChunk, cap, ksc);
   for (int64_t g = 0; g < group; ++g) chunk_softmax(s.scores.data() + g * kAttnChunk, partials.at(b, h0 + g, chunk), dim);
   for (int64_t o = 0; o < n; ++o) {
     const C* vp = v_rows[o];
+    const float vs = kScaled<C> ? vsc[o] : 1.f;
     for (int64_t c = 0; c < chunks; ++c) {
       const Vec v = Vec::load(vp + c * Vec::W);
-      for (int64_t g = 0; g < group; ++g)
-        s.acc[g * chunks + c] = fmadd(Vec::set1(s.scores[g * kAttnChunk + o]), v, s.acc[g * chunks + c]);
+      for (int64_t g = 0; g < group; ++g) {
+        const float w = kScaled<C> ? s.scores[g * kAttnChunk + o] * vs : s.scores[g * kAttnChunk + o];
+        s.acc[g * chunks + c] = fmadd(Vec::set1(w), v, s.acc[g * chunks + c]);
+      }
     }
   }
   for (int64_t g = 0; g < group; ++g)
@@ -174,7 +188,7 @@ template <typename T, typename C>
 void attend_chunk(const AttnItem& item, const T* q, const C* k_cache, const C* v_cache, const int64_t* block_tables,
                   const int64_t* lengths, int64_t heads, int64_t kv_heads, int64_t dim, int64_t max_blocks,
                   int64_t block_size, float scale, AttnPartials& partials, AttnScratch& s, int64_t window,
-                  float cap) {
+                  float cap, const float* k_scales, const float* v_scales) {
   const int64_t kvh = item.kvh, last = item.b_end - 1;  // the item's rows share the last row's table
   const int64_t h0 = kvh * (heads / kv_heads) + item.g0, group = item.g1 - item.g0;  // this item's query heads
   const int64_t* table = block_tables + last * max_blocks;
@@ -183,10 +197,12 @@ void attend_chunk(const AttnItem& item, const T* q, const C* k_cache, const C* v
   const int64_t span = std::min(chunk_begin + kAttnChunk, lengths[last]) - first_pos;  // rows' positions in all
   const C* k_rows[kAttnChunk];
   const C* v_rows[kAttnChunk];
+  alignas(64) float k_sc[kAttnChunk + kPos] = {}, v_sc[kAttnChunk + kPos] = {};  // an int8 cache's row scales
   for (int64_t o = 0, block = first_pos / block_size, slot = first_pos % block_size; o < span; ++o) {
-    const int64_t at = ((table[block] * block_size + slot) * kv_heads + kvh) * dim;  // no division per row
-    k_rows[o] = k_cache + at;
-    v_rows[o] = v_cache + at;
+    const int64_t row = (table[block] * block_size + slot) * kv_heads + kvh;  // no division per row
+    k_rows[o] = k_cache + row * dim;
+    v_rows[o] = v_cache + row * dim;
+    if constexpr (kScaled<C>) k_sc[o] = k_scales[row], v_sc[o] = v_scales[row];
     if (++slot == block_size) slot = 0, ++block;
   }
   // The rows come from memory (a step's weight stream evicts them): ask for all of the chunk's rows up front.
@@ -211,16 +227,18 @@ void attend_chunk(const AttnItem& item, const T* q, const C* k_cache, const C* v
     }
     const C* const* kr = k_rows + (p_begin - first_pos);
     const C* const* vr = v_rows + (p_begin - first_pos);
+    const float* ksc = kScaled<C> ? k_sc + (p_begin - first_pos) : nullptr;
+    const float* vsc = kScaled<C> ? v_sc + (p_begin - first_pos) : nullptr;
     auto passes = [&](auto d) {
       constexpr int D = decltype(d)::value, GP = kHeadsPerPass<D>;
       for (int64_t g0 = 0; g0 < group; g0 += GP)
         attend_pass<D, GP, T, C>(std::min<int64_t>(GP, group - g0), b, h0 + g0, item.chunk, q, kr, vr, n, heads,
-                                 scale, cap, partials);
+                                 scale, cap, ksc, vsc, partials);
     };
     if (dim == 32) passes(std::integral_constant<int, 32>{});
     else if (dim == 64) passes(std::integral_constant<int, 64>{});
     else if (dim == 128) passes(std::integral_constant<int, 128>{});
-    else attend_generic(b, h0, group, item.chunk, q, kr, vr, n, heads, dim, scale, cap, partials, s);
+    else attend_generic(b, h0, group, item.chunk, q, kr, vr, n, heads, dim, scale, cap, ksc, vsc, partials, s);
   }
 }
 
@@ -245,11 +263,13 @@ void merge_chunks(int64_t b, int64_t h, const int64_t* lengths, T* out, int64_t 
 #define PEREGRINE_ATTEND_CHUNK(T, C)                                                                          \
   template void attend_chunk<T, C>(const AttnItem&, const T*, const C*, const C*, const int64_t*, const int64_t*,  \
                                    int64_t, int64_t, int64_t, int64_t, int64_t, float, AttnPartials&, AttnScratch&, \
-                                   int64_t, float);
+                                   int64_t, float, const float*, const float*);
 PEREGRINE_ATTEND_CHUNK(float, float)
 PEREGRINE_ATTEND_CHUNK(bf16, bf16)
 PEREGRINE_ATTEND_CHUNK(float, f16)
 PEREGRINE_ATTEND_CHUNK(bf16, f16)
+PEREGRINE_ATTEND_CHUNK(float, int8_t)
+PEREGRINE_ATTEND_CHUNK(bf16, int8_t)
 #undef PEREGRINE_ATTEND_CHUNK
 template void merge_chunks<float>(int64_t, int64_t, const int64_t*, float*, int64_t, int64_t, AttnPartials&);
 template void merge_chunks<bf16>(int64_t, int64_t, const int64_t*, bf16*, int64_t, int64_t, AttnPartials&);

@@ -70,15 +70,28 @@ struct AttnScratch {
   std::vector<Vec> qv, acc;
 };
 
+// An int8 KV cache (`--kv-cache-dtype int8`) keeps each (slot, KV head) row of `dim` values as int8 q with one
+// float scale s = max|x| / 127, x ~ s * q, q = round(x / s) to nearest even: engine/model/kv_cache.py's
+// `quantize_kv` does the same operations, so the decoder and the op-by-op pass store the same bits.
+inline void quantize_kv_row(const float* x, int64_t dim, int8_t* q, float* scale) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < dim; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float s = amax / 127.f, div = std::max(s, std::numeric_limits<float>::min());
+  for (int64_t i = 0; i < dim; ++i) q[i] = static_cast<int8_t>(std::clamp(std::nearbyint(x[i] / div), -127.f, 127.f));
+  *scale = s;
+}
+
 // One work item: per query head of the item's GQA group, the chunk's scores, softmax numerators and weighted V sum.
-// q in T (the model dtype), the caches in C: T, or float16 (a KV cache in half the bytes). `window` > 0: only the
-// last `window` positions of the context count (a sliding-window layer); a chunk wholly before them is empty.
-// `cap` > 0: each score x becomes cap * tanh(x / cap) before the softmax (Gemma 2's attention logit soft-capping).
+// q in T (the model dtype), the caches in C: T, float16 (a KV cache in half the bytes) or int8 (a quarter of
+// float32's, with `k_scales` and `v_scales` [slots, KVH]: each position's score is its row's dot product times its K
+// scale, and its softmax weight is taken times its V scale). `window` > 0: only the last `window` positions of the
+// context count (a sliding-window layer); a chunk wholly before them is empty. `cap` > 0: each score x becomes cap *
+// tanh(x / cap) before the softmax (Gemma 2's attention logit soft-capping).
 template <typename T, typename C>
 void attend_chunk(const AttnItem& item, const T* q, const C* k_cache, const C* v_cache, const int64_t* block_tables,
                   const int64_t* lengths, int64_t heads, int64_t kv_heads, int64_t dim, int64_t max_blocks,
                   int64_t block_size, float scale, AttnPartials& partials, AttnScratch& s, int64_t window = 0,
-                  float cap = 0.f);
+                  float cap = 0.f, const float* k_scales = nullptr, const float* v_scales = nullptr);
 
 // out[b, h] from the head's chunks, combined in chunk order.
 template <typename T>

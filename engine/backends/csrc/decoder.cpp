@@ -18,8 +18,9 @@
 // every input row; a projection fused from pieces of different formats is a matmul of several parts
 // (decoder_linear.h), and a quantized embedding table is dequantized row by row at the lookup. The decoder is a
 // template over the model dtype T (float or bf16), bound as LlamaDecoder_float32 and LlamaDecoder_bfloat16, and over
-// the KV caches' element C: T, or float16 (`--kv-cache-dtype float16`, the _kv_float16 bindings: half the bytes a
-// step's attention reads). The rounding to T follows engine/model/forward.py op for op (RoPE, SiLU * up, norms, matmul
+// the KV caches' element C: T, float16 (`--kv-cache-dtype float16`, the _kv_float16 bindings: half the bytes a
+// step's attention reads) or int8 (`--kv-cache-dtype int8`, the _kv_int8 bindings: a scale per row of head_dim
+// values, attention.h's quantize_kv_row, a quarter of float32's bytes and a little). The rounding to T follows engine/model/forward.py op for op (RoPE, SiLU * up, norms, matmul
 // outputs), and keys and values go to C as its `k.to(cache.dtype)` rounds them.
 #include "decoder_parts.h"
 
@@ -28,6 +29,7 @@ namespace {
 
 struct DecoderLayer {
   torch::Tensor input_norm, post_norm, k_cache, v_cache;
+  torch::Tensor k_scale, v_scale;  // an int8 cache's row scales [slots, KVH] float32; undefined otherwise
   torch::Tensor q_norm, k_norm;  // per-head RMSNorm weights [head_dim] before RoPE (Qwen3); undefined when absent
   torch::Tensor attn_out_norm, mlp_out_norm;  // RMSNorm of o's and down's outputs before the residual add (Gemma 3)
   int64_t window = 0;  // attends the last `window` positions (a sliding-window layer); 0: all
@@ -39,9 +41,11 @@ struct DecoderLayer {
 
 template <typename T, typename C = T>
 class LlamaDecoder {
+  static constexpr bool kInt8Cache = std::is_same_v<C, int8_t>;
+
  public:
   // embed: [vocab, hidden] in T, or GGUF blocks of `embed_qtype` (uint8 [vocab, bytes]). layers: per layer
-  // [input_norm, post_norm, k_cache, v_cache]. weights: per matmul (qkv, o, gate_up, down of each layer, then the LM
+  // [input_norm, post_norm, k_cache, v_cache], and for an int8 cache its [k_scale, v_scale]. weights: per matmul (qkv, o, gate_up, down of each layer, then the LM
   // head) its parts, `qtypes` their types (0: dense in T) and `biases` one per matmul (empty when absent). qkv rows:
   // q heads, then k heads, then v heads. AMX (bf16) takes the dense matmuls when every one is a single dense part.
   LlamaDecoder(const torch::Tensor& embed, int64_t embed_qtype, const std::vector<std::vector<torch::Tensor>>& layers,
@@ -60,12 +64,21 @@ class LlamaDecoder {
     hidden_ = head_.K;
     for (size_t i = 0; i < n; ++i) {
       const auto& t = layers[i];
-      TORCH_CHECK(t.size() == 4, "LlamaDecoder: input_norm, post_norm, k_cache, v_cache per layer");
+      TORCH_CHECK(t.size() == (kInt8Cache ? 6 : 4),
+                  "LlamaDecoder: input_norm, post_norm, k_cache, v_cache (an int8 cache: k_scale, v_scale) per layer");
       DecoderLayer l;
       l.input_norm = t[0];
       l.post_norm = t[1];
       l.k_cache = t[2];
       l.v_cache = t[3];
+      if constexpr (kInt8Cache) {
+        l.k_scale = t[4];
+        l.v_scale = t[5];
+        for (const auto* c : {&l.k_scale, &l.v_scale})
+          TORCH_CHECK(c->scalar_type() == at::kFloat && c->is_contiguous() && c->dim() == 2 &&
+                      c->size(0) == t[2].size(0) && c->size(1) == kv_heads,
+                      "LlamaDecoder: an int8 cache's scales [slots, KVH] float32");
+      }
       l.qkv = linear(4 * i);
       l.o = linear(4 * i + 1);
       l.gate_up = linear(4 * i + 2);
@@ -223,6 +236,7 @@ class LlamaDecoder {
       const int nt = barrier.n, t = omp_get_thread_num();
       Scratch s;
       std::vector<T> normed(D);  // a q or k head after its norm
+      std::vector<float> kv_row(kInt8Cache ? D : 0);  // a k or v row on its way into an int8 cache
       // h += add; x = RMSNorm(h) * w: a share of the rows each, or with few rows (own_rows) every row on every
       // thread, each into its own copy of h and x, with no barrier after.
       std::vector<T> own_h, own_x;
@@ -257,6 +271,8 @@ class LlamaDecoder {
         rows(l.input_norm, li ? dp : nullptr);
         auto* kc = l.k_cache.data_ptr<C>();
         auto* vc = l.v_cache.data_ptr<C>();
+        float* ks = kInt8Cache ? l.k_scale.data_ptr<float>() : nullptr;
+        float* vs = kInt8Cache ? l.v_scale.data_ptr<float>() : nullptr;
         matmul(l.qkv, xq, qkvp);
         for (int64_t i = t; i < B * (H + 2 * KVH); i += nt) {  // RoPE on q and k; k and v into their cache slots
           const int64_t m = i / (H + 2 * KVH), head = i % (H + 2 * KVH);
@@ -268,16 +284,25 @@ class LlamaDecoder {
             add_rms_norm_row(const_cast<T*>(src), static_cast<const T*>(nullptr), w, normed.data(), D, eps);
             src = normed.data();
           }
-          if (head < H) rope_head(src, cp, sp, qp + (m * H + head) * D, D, R);
-          else if (head < H + KVH) rope_head(src, cp, sp, kc + (slotp[m] * KVH + head - H) * D, D, R);
-          else std::transform(src, src + D, vc + (slotp[m] * KVH + head - H - KVH) * D,
-                              [](T v) { return static_cast<C>(static_cast<float>(v)); });
+          if (head < H) {
+            rope_head(src, cp, sp, qp + (m * H + head) * D, D, R);
+          } else if constexpr (kInt8Cache) {  // k after RoPE, or v, in T's values, then quantized with its scale
+            const int64_t row = slotp[m] * KVH + (head < H + KVH ? head - H : head - H - KVH);
+            if (head < H + KVH) rope_head(src, cp, sp, kv_row.data(), D, R);
+            else std::transform(src, src + D, kv_row.data(), [](T v) { return static_cast<float>(v); });
+            quantize_kv_row(kv_row.data(), D, (head < H + KVH ? kc : vc) + row * D, (head < H + KVH ? ks : vs) + row);
+          } else if (head < H + KVH) {
+            rope_head(src, cp, sp, kc + (slotp[m] * KVH + head - H) * D, D, R);
+          } else {
+            std::transform(src, src + D, vc + (slotp[m] * KVH + head - H - KVH) * D,
+                           [](T v) { return static_cast<C>(static_cast<float>(v)); });
+          }
         }
         barrier.wait();
         for (size_t i = item_begin[t]; i < item_begin[t + 1]; ++i) {
           const AttnItem& it = items[i];
           attend_chunk(it, qp, kc, vc, tp, lenp, H, KVH, D, max_blocks, block_size_, scale, partials, s.attn,
-                       l.window, cap);
+                       l.window, cap, ks, vs);
           // counts add up over the layers: a row's last item of this layer brings its count to (layer + 1) * items
           for (int64_t b = it.b; b < it.b_end; ++b) {
             const int64_t due = static_cast<int64_t>(li + 1) * attn_chunks(lenp[b]) * items_per_chunk;
@@ -390,6 +415,9 @@ void bind_decoder(pybind11::module_& m) {
   // the KV cache in float16 (`--kv-cache-dtype float16`): half the bytes a step's attention reads
   bind_one<float, f16>(m, "LlamaDecoder_float32_kv_float16");
   bind_one<bf16, f16>(m, "LlamaDecoder_bfloat16_kv_float16");
+  // the KV cache in int8 with a scale per row (`--kv-cache-dtype int8`)
+  bind_one<float, int8_t>(m, "LlamaDecoder_float32_kv_int8");
+  bind_one<bf16, int8_t>(m, "LlamaDecoder_bfloat16_kv_int8");
 }
 
 }  // namespace peregrine

@@ -94,9 +94,10 @@ void linear_rows(const Linear& L, const T* x, int64_t ldx, int64_t M, T* out, in
 }
 
 template <typename T>
-constexpr at::ScalarType kType = std::is_same_v<T, float> ? at::kFloat
-                                 : std::is_same_v<T, f16>  ? at::kHalf
-                                                           : at::kBFloat16;
+constexpr at::ScalarType kType = std::is_same_v<T, float>    ? at::kFloat
+                                 : std::is_same_v<T, f16>    ? at::kHalf
+                                 : std::is_same_v<T, int8_t> ? at::kChar
+                                                             : at::kBFloat16;
 
 // A matmul from its parts (each dense in T or GGUF blocks of `types[i]`), stacked along the output rows.
 template <typename T>

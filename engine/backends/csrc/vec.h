@@ -76,6 +76,9 @@ struct Vec {
   static Vec load(const f16* p) {
     return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
   }
+  static Vec load(const int8_t* p) {  // an int8 KV cache's values, widened (its row scale applies elsewhere)
+    return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+  }
   void store(float* p) const { _mm512_storeu_ps(p, v); }
   void store(bf16* p) const {
     const __m512i u = _mm512_castps_si512(v);
@@ -114,6 +117,9 @@ struct Vec {
   }
   static Vec load(const f16* p) {
     return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
+  }
+  static Vec load(const int8_t* p) {
+    return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))))};
   }
   void store(float* p) const { _mm256_storeu_ps(p, v); }
   void store(bf16* p) const {
@@ -167,6 +173,11 @@ struct Vec {
   static Vec load(const f16* p) {
     return {vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(reinterpret_cast<const uint16_t*>(p))))};
   }
+  static Vec load(const int8_t* p) {
+    const float x[4] = {static_cast<float>(p[0]), static_cast<float>(p[1]), static_cast<float>(p[2]),
+                        static_cast<float>(p[3])};
+    return {vld1q_f32(x)};
+  }
   void store(float* p) const { vst1q_f32(p, v); }
   void store(bf16* p) const {
     const uint32x4_t u = vreinterpretq_u32_f32(v);
@@ -202,6 +213,7 @@ struct Vec {  // one lane: any C++17 compiler
   static Vec load(const float* p) { return {*p}; }
   static Vec load(const bf16* p) { return {static_cast<float>(*p)}; }
   static Vec load(const f16* p) { return {static_cast<float>(*p)}; }
+  static Vec load(const int8_t* p) { return {static_cast<float>(*p)}; }
   void store(float* p) const { *p = v; }
   void store(bf16* p) const { *p = bf16(v); }
   float sum() const { return v; }
