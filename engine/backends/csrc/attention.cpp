@@ -64,12 +64,18 @@ __attribute__((always_inline)) inline void chunk_softmax(float* scores, float* p
 // dot product is one chain of FMAs over the head's vectors in order; kChains positions' chains run side by side
 // (one chain alone waits on each FMA's latency), which changes no position's arithmetic.
 constexpr int kChains = Vec::W == 16 ? 4 : 8;
-// An int8 cache's rows carry a scale each (attend_chunk): a position's dot product is taken times its K scale, and
-// its softmax weight times its V scale.
+// An int8 cache's rows carry a scale each (attend_chunk): a vector of a row is its int8 values widened, times the
+// row's scale (`load_kv`), the float values attend_chunk's dequantized copy holds too, so a row's arithmetic is the
+// same bits either way.
 template <typename C>
 constexpr bool kScaled = std::is_same_v<C, int8_t>;
-// cap > 0: each score soft-capped (soft_cap) before the softmax. ksc: the positions' K scales (an int8 cache, at
-// least n rounded up to kPos of them), else unused.
+template <typename C>
+__attribute__((always_inline)) inline Vec load_kv(const C* p, float scale) {
+  if constexpr (kScaled<C>) return Vec::load(p) * Vec::set1(scale);
+  else return Vec::load(p);
+}
+// cap > 0: each score soft-capped (soft_cap) before the softmax. ksc: the positions' K scales (an int8 cache),
+// else unused.
 template <int CH, typename C>
 __attribute__((always_inline)) inline void head_scores(const Vec* qv, int64_t chunks, const C* const* k_rows,
                                                        int64_t n, float* scores, float cap, const float* ksc) {
@@ -79,21 +85,22 @@ __attribute__((always_inline)) inline void head_scores(const Vec* qv, int64_t ch
     Vec dots[kPos];
     for (int o = 0; o < kPos; o += kChains) {
       const C* r[kChains];
+      float sc[kChains];
       Vec dot[kChains];
       for (int j = 0; j < kChains; ++j) {
-        r[j] = k_rows[o0 + std::min<int64_t>(o + j, m - 1)];  // past the end: the last row again, dropped below
+        const int64_t at = o0 + std::min<int64_t>(o + j, m - 1);  // past the end: the last row again, dropped below
+        r[j] = k_rows[at];
+        sc[j] = kScaled<C> ? ksc[at] : 1.f;
         dot[j] = Vec::zero();
       }
       for (int64_t c = 0; c < count; ++c) {
         const Vec qc = qv[c];
-        for (int j = 0; j < kChains; ++j) dot[j] = fmadd(qc, Vec::load(r[j] + c * Vec::W), dot[j]);
+        for (int j = 0; j < kChains; ++j) dot[j] = fmadd(qc, load_kv(r[j] + c * Vec::W, sc[j]), dot[j]);
       }
       for (int j = 0; j < kChains; ++j) dots[o + j] = dot[j];
     }
     alignas(64) float sums[kPos];
     sums16(dots, sums);
-    if constexpr (kScaled<C>)
-      for (int o = 0; o < kPos; o += Vec::W) (Vec::load(sums + o) * Vec::load(ksc + o0 + o)).store(sums + o);
     if (cap > 0.f)
       for (int o = 0; o < kPos; o += Vec::W) soft_cap(Vec::load(sums + o), cap).store(sums + o);
     std::copy_n(sums, m, scores + o0);
@@ -123,11 +130,10 @@ void attend_heads(int64_t b, int64_t h0, int64_t chunk, const T* q, const C* con
     for (int c = 0; c < CH; ++c) acc[g][c] = Vec::zero();
   for (int64_t o = 0; o < n; ++o) {
     const C* vp = v_rows[o];
-    float w[GP];
-    for (int g = 0; g < GP; ++g) w[g] = kScaled<C> ? scores[g][o] * vsc[o] : scores[g][o];
+    const float vs = kScaled<C> ? vsc[o] : 1.f;
     for (int c = 0; c < CH; ++c) {
-      const Vec v = Vec::load(vp + c * Vec::W);
-      for (int g = 0; g < GP; ++g) acc[g][c] = fmadd(Vec::set1(w[g]), v, acc[g][c]);
+      const Vec v = load_kv(vp + c * Vec::W, vs);
+      for (int g = 0; g < GP; ++g) acc[g][c] = fmadd(Vec::set1(scores[g][o]), v, acc[g][c]);
     }
   }
   for (int g = 0; g < GP; ++g)
@@ -163,11 +169,9 @@ void attend_generic(int64_t b, int64_t h0, int64_t group, int64_t chunk, const T
     const C* vp = v_rows[o];
     const float vs = kScaled<C> ? vsc[o] : 1.f;
     for (int64_t c = 0; c < chunks; ++c) {
-      const Vec v = Vec::load(vp + c * Vec::W);
-      for (int64_t g = 0; g < group; ++g) {
-        const float w = kScaled<C> ? s.scores[g * kAttnChunk + o] * vs : s.scores[g * kAttnChunk + o];
-        s.acc[g * chunks + c] = fmadd(Vec::set1(w), v, s.acc[g * chunks + c]);
-      }
+      const Vec v = load_kv(vp + c * Vec::W, vs);
+      for (int64_t g = 0; g < group; ++g)
+        s.acc[g * chunks + c] = fmadd(Vec::set1(s.scores[g * kAttnChunk + o]), v, s.acc[g * chunks + c]);
     }
   }
   for (int64_t g = 0; g < group; ++g)
@@ -197,7 +201,7 @@ void attend_chunk(const AttnItem& item, const T* q, const C* k_cache, const C* v
   const int64_t span = std::min(chunk_begin + kAttnChunk, lengths[last]) - first_pos;  // rows' positions in all
   const C* k_rows[kAttnChunk];
   const C* v_rows[kAttnChunk];
-  alignas(64) float k_sc[kAttnChunk + kPos] = {}, v_sc[kAttnChunk + kPos] = {};  // an int8 cache's row scales
+  float k_sc[kAttnChunk], v_sc[kAttnChunk];  // an int8 cache's row scales
   for (int64_t o = 0, block = first_pos / block_size, slot = first_pos % block_size; o < span; ++o) {
     const int64_t row = (table[block] * block_size + slot) * kv_heads + kvh;  // no division per row
     k_rows[o] = k_cache + row * dim;
@@ -212,34 +216,57 @@ void attend_chunk(const AttnItem& item, const T* q, const C* k_cache, const C* v
       prefetch(reinterpret_cast<const char*>(k_rows[o]) + l);
       prefetch(reinterpret_cast<const char*>(v_rows[o]) + l);
     }
-  for (int64_t b = item.b; b < item.b_end; ++b) {
-    const int64_t chunk_end = std::min(chunk_begin + kAttnChunk, lengths[b]);
-    const int64_t p_begin = window > 0 ? std::max(chunk_begin, lengths[b] - window) : chunk_begin;
-    const int64_t n = chunk_end - p_begin;
-    if (n <= 0) {  // wholly outside the window: weight 0 in the merge
-      for (int64_t g = 0; g < group; ++g) {
-        float* part = partials.at(b, h0 + g, item.chunk);
-        std::fill(part, part + dim, 0.f);
-        part[dim] = -INFINITY;
-        part[dim + 1] = 0.f;
+  // The item's rows, over key and value rows of element E (C, or float: an int8 cache's rows dequantized once).
+  auto attend_rows = [&](const auto* const* k_in, const auto* const* v_in) {
+    using E = std::remove_cv_t<std::remove_pointer_t<std::remove_cv_t<std::remove_pointer_t<decltype(k_in)>>>>;
+    for (int64_t b = item.b; b < item.b_end; ++b) {
+      const int64_t chunk_end = std::min(chunk_begin + kAttnChunk, lengths[b]);
+      const int64_t p_begin = window > 0 ? std::max(chunk_begin, lengths[b] - window) : chunk_begin;
+      const int64_t n = chunk_end - p_begin;
+      if (n <= 0) {  // wholly outside the window: weight 0 in the merge
+        for (int64_t g = 0; g < group; ++g) {
+          float* part = partials.at(b, h0 + g, item.chunk);
+          std::fill(part, part + dim, 0.f);
+          part[dim] = -INFINITY;
+          part[dim + 1] = 0.f;
+        }
+        continue;
       }
-      continue;
+      const E* const* kr = k_in + (p_begin - first_pos);
+      const E* const* vr = v_in + (p_begin - first_pos);
+      const float* ksc = kScaled<E> ? k_sc + (p_begin - first_pos) : nullptr;
+      const float* vsc = kScaled<E> ? v_sc + (p_begin - first_pos) : nullptr;
+      auto passes = [&](auto d) {
+        constexpr int D = decltype(d)::value, GP = kHeadsPerPass<D>;
+        for (int64_t g0 = 0; g0 < group; g0 += GP)
+          attend_pass<D, GP, T, E>(std::min<int64_t>(GP, group - g0), b, h0 + g0, item.chunk, q, kr, vr, n, heads,
+                                   scale, cap, ksc, vsc, partials);
+      };
+      if (dim == 32) passes(std::integral_constant<int, 32>{});
+      else if (dim == 64) passes(std::integral_constant<int, 64>{});
+      else if (dim == 128) passes(std::integral_constant<int, 128>{});
+      else attend_generic(b, h0, group, item.chunk, q, kr, vr, n, heads, dim, scale, cap, ksc, vsc, partials, s);
     }
-    const C* const* kr = k_rows + (p_begin - first_pos);
-    const C* const* vr = v_rows + (p_begin - first_pos);
-    const float* ksc = kScaled<C> ? k_sc + (p_begin - first_pos) : nullptr;
-    const float* vsc = kScaled<C> ? v_sc + (p_begin - first_pos) : nullptr;
-    auto passes = [&](auto d) {
-      constexpr int D = decltype(d)::value, GP = kHeadsPerPass<D>;
-      for (int64_t g0 = 0; g0 < group; g0 += GP)
-        attend_pass<D, GP, T, C>(std::min<int64_t>(GP, group - g0), b, h0 + g0, item.chunk, q, kr, vr, n, heads,
-                                 scale, cap, ksc, vsc, partials);
-    };
-    if (dim == 32) passes(std::integral_constant<int, 32>{});
-    else if (dim == 64) passes(std::integral_constant<int, 64>{});
-    else if (dim == 128) passes(std::integral_constant<int, 128>{});
-    else attend_generic(b, h0, group, item.chunk, q, kr, vr, n, heads, dim, scale, cap, ksc, vsc, partials, s);
+  };
+  if constexpr (kScaled<C>) {
+    if (item.b_end - item.b > 1) {  // rows of a prompt share the chunk: its rows widened and scaled once, not per row
+      s.kf.resize(span * dim);
+      s.vf.resize(span * dim);
+      const float* kf[kAttnChunk];
+      const float* vf[kAttnChunk];
+      for (int64_t o = 0; o < span; ++o) {
+        float *kd = s.kf.data() + o * dim, *vd = s.vf.data() + o * dim;
+        for (int64_t c = 0; c < dim; c += Vec::W) {
+          load_kv(k_rows[o] + c, k_sc[o]).store(kd + c);
+          load_kv(v_rows[o] + c, v_sc[o]).store(vd + c);
+        }
+        kf[o] = kd, vf[o] = vd;
+      }
+      attend_rows(kf, vf);
+      return;
+    }
   }
+  attend_rows(k_rows, v_rows);
 }
 
 // out[b, h] from the head's chunks, combined in chunk order.

@@ -68,6 +68,7 @@ inline std::vector<AttnItem> attn_items(const int64_t* lengths, int64_t batch, i
 struct AttnScratch {
   std::vector<float> scores;
   std::vector<Vec> qv, acc;
+  std::vector<float> kf, vf;  // an int8 cache's chunk rows, dequantized once for an item's rows
 };
 
 // An int8 KV cache (`--kv-cache-dtype int8`) keeps each (slot, KV head) row of `dim` values as int8 q with one
@@ -83,8 +84,8 @@ inline void quantize_kv_row(const float* x, int64_t dim, int8_t* q, float* scale
 
 // One work item: per query head of the item's GQA group, the chunk's scores, softmax numerators and weighted V sum.
 // q in T (the model dtype), the caches in C: T, float16 (a KV cache in half the bytes) or int8 (a quarter of
-// float32's, with `k_scales` and `v_scales` [slots, KVH]: each position's score is its row's dot product times its K
-// scale, and its softmax weight is taken times its V scale). `window` > 0: only the last `window` positions of the
+// float32's, with `k_scales` and `v_scales` [slots, KVH]: each row read as its values times its scale, widened once
+// per item where the item has several rows). `window` > 0: only the last `window` positions of the
 // context count (a sliding-window layer); a chunk wholly before them is empty. `cap` > 0: each score x becomes cap *
 // tanh(x / cap) before the softmax (Gemma 2's attention logit soft-capping).
 template <typename T, typename C>

@@ -20,8 +20,9 @@
 // template over the model dtype T (float or bf16), bound as LlamaDecoder_float32 and LlamaDecoder_bfloat16, and over
 // the KV caches' element C: T, float16 (`--kv-cache-dtype float16`, the _kv_float16 bindings: half the bytes a
 // step's attention reads) or int8 (`--kv-cache-dtype int8`, the _kv_int8 bindings: a scale per row of head_dim
-// values, attention.h's quantize_kv_row, a quarter of float32's bytes and a little). The rounding to T follows engine/model/forward.py op for op (RoPE, SiLU * up, norms, matmul
-// outputs), and keys and values go to C as its `k.to(cache.dtype)` rounds them.
+// values, attention.h's quantize_kv_row, a quarter of float32's bytes and a little). The rounding to T follows
+// engine/model/forward.py op for op (RoPE, SiLU * up, norms, matmul outputs), and keys and values go to C as its
+// `k.to(cache.dtype)` rounds them (an int8 cache: as its kv_cache.quantize_kv does).
 #include "decoder_parts.h"
 
 namespace peregrine {
@@ -45,9 +46,10 @@ class LlamaDecoder {
 
  public:
   // embed: [vocab, hidden] in T, or GGUF blocks of `embed_qtype` (uint8 [vocab, bytes]). layers: per layer
-  // [input_norm, post_norm, k_cache, v_cache], and for an int8 cache its [k_scale, v_scale]. weights: per matmul (qkv, o, gate_up, down of each layer, then the LM
-  // head) its parts, `qtypes` their types (0: dense in T) and `biases` one per matmul (empty when absent). qkv rows:
-  // q heads, then k heads, then v heads. AMX (bf16) takes the dense matmuls when every one is a single dense part.
+  // [input_norm, post_norm, k_cache, v_cache], and for an int8 cache its [k_scale, v_scale]. weights: per matmul
+  // (qkv, o, gate_up, down of each layer, then the LM head) its parts, `qtypes` their types (0: dense in T) and
+  // `biases` one per matmul (empty when absent). qkv rows: q heads, then k heads, then v heads. AMX (bf16) takes
+  // the dense matmuls when every one is a single dense part.
   LlamaDecoder(const torch::Tensor& embed, int64_t embed_qtype, const std::vector<std::vector<torch::Tensor>>& layers,
                const std::vector<std::vector<torch::Tensor>>& weights, const std::vector<std::vector<int64_t>>& qtypes,
                const std::vector<torch::Tensor>& biases, const torch::Tensor& final_norm, int64_t heads,
