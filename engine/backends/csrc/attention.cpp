@@ -249,7 +249,9 @@ void attend_chunk(const AttnItem& item, const T* q, const C* k_cache, const C* v
     }
   };
   if constexpr (kScaled<C>) {
-    if (item.b_end - item.b > 1) {  // rows of a prompt share the chunk: its rows widened and scaled once, not per row
+    // The chunk's rows widened and scaled once where several query rows (a prompt's) or heads (a GQA group's)
+    // read them, not once for each.
+    if (item.b_end - item.b > 1 || group > 1) {
       s.kf.resize(span * dim);
       s.vf.resize(span * dim);
       const float* kf[kAttnChunk];
