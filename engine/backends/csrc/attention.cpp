@@ -64,18 +64,13 @@ __attribute__((always_inline)) inline void chunk_softmax(float* scores, float* p
 // dot product is one chain of FMAs over the head's vectors in order; kChains positions' chains run side by side
 // (one chain alone waits on each FMA's latency), which changes no position's arithmetic.
 constexpr int kChains = Vec::W == 16 ? 4 : 8;
-// An int8 cache's rows carry a scale each (attend_chunk): a vector of a row is its int8 values widened, times the
-// row's scale (`load_kv`), the float values attend_chunk's dequantized copy holds too, so a row's arithmetic is the
-// same bits either way.
+// An int8 cache's rows carry a scale each (attend_chunk): a position's dot product with the widened int8 values is
+// taken times its K scale, and its softmax weight times its V scale. Widened values are exact floats, so the rows
+// read as int8 or from attend_chunk's widened copy give the same bits.
 template <typename C>
 constexpr bool kScaled = std::is_same_v<C, int8_t>;
-template <typename C>
-__attribute__((always_inline)) inline Vec load_kv(const C* p, float scale) {
-  if constexpr (kScaled<C>) return Vec::load(p) * Vec::set1(scale);
-  else return Vec::load(p);
-}
-// cap > 0: each score soft-capped (soft_cap) before the softmax. ksc: the positions' K scales (an int8 cache),
-// else unused.
+// cap > 0: each score soft-capped (soft_cap) before the softmax. ksc: the positions' K scales (an int8 cache, n
+// rounded up to kPos of them), or null.
 template <int CH, typename C>
 __attribute__((always_inline)) inline void head_scores(const Vec* qv, int64_t chunks, const C* const* k_rows,
                                                        int64_t n, float* scores, float cap, const float* ksc) {
@@ -85,22 +80,21 @@ __attribute__((always_inline)) inline void head_scores(const Vec* qv, int64_t ch
     Vec dots[kPos];
     for (int o = 0; o < kPos; o += kChains) {
       const C* r[kChains];
-      float sc[kChains];
       Vec dot[kChains];
       for (int j = 0; j < kChains; ++j) {
-        const int64_t at = o0 + std::min<int64_t>(o + j, m - 1);  // past the end: the last row again, dropped below
-        r[j] = k_rows[at];
-        sc[j] = kScaled<C> ? ksc[at] : 1.f;
+        r[j] = k_rows[o0 + std::min<int64_t>(o + j, m - 1)];  // past the end: the last row again, dropped below
         dot[j] = Vec::zero();
       }
       for (int64_t c = 0; c < count; ++c) {
         const Vec qc = qv[c];
-        for (int j = 0; j < kChains; ++j) dot[j] = fmadd(qc, load_kv(r[j] + c * Vec::W, sc[j]), dot[j]);
+        for (int j = 0; j < kChains; ++j) dot[j] = fmadd(qc, Vec::load(r[j] + c * Vec::W), dot[j]);
       }
       for (int j = 0; j < kChains; ++j) dots[o + j] = dot[j];
     }
     alignas(64) float sums[kPos];
     sums16(dots, sums);
+    if (ksc)
+      for (int o = 0; o < kPos; o += Vec::W) (Vec::load(sums + o) * Vec::load(ksc + o0 + o)).store(sums + o);
     if (cap > 0.f)
       for (int o = 0; o < kPos; o += Vec::W) soft_cap(Vec::load(sums + o), cap).store(sums + o);
     std::copy_n(sums, m, scores + o0);
@@ -130,10 +124,11 @@ void attend_heads(int64_t b, int64_t h0, int64_t chunk, const T* q, const C* con
     for (int c = 0; c < CH; ++c) acc[g][c] = Vec::zero();
   for (int64_t o = 0; o < n; ++o) {
     const C* vp = v_rows[o];
-    const float vs = kScaled<C> ? vsc[o] : 1.f;
+    float w[GP];
+    for (int g = 0; g < GP; ++g) w[g] = vsc ? scores[g][o] * vsc[o] : scores[g][o];
     for (int c = 0; c < CH; ++c) {
-      const Vec v = load_kv(vp + c * Vec::W, vs);
-      for (int g = 0; g < GP; ++g) acc[g][c] = fmadd(Vec::set1(scores[g][o]), v, acc[g][c]);
+      const Vec v = Vec::load(vp + c * Vec::W);
+      for (int g = 0; g < GP; ++g) acc[g][c] = fmadd(Vec::set1(w[g]), v, acc[g][c]);
     }
   }
   for (int g = 0; g < GP; ++g)
@@ -167,11 +162,12 @@ void attend_generic(int64_t b, int64_t h0, int64_t group, int64_t chunk, const T
   for (int64_t g = 0; g < group; ++g) chunk_softmax(s.scores.data() + g * kAttnChunk, partials.at(b, h0 + g, chunk), dim);
   for (int64_t o = 0; o < n; ++o) {
     const C* vp = v_rows[o];
-    const float vs = kScaled<C> ? vsc[o] : 1.f;
     for (int64_t c = 0; c < chunks; ++c) {
-      const Vec v = load_kv(vp + c * Vec::W, vs);
-      for (int64_t g = 0; g < group; ++g)
-        s.acc[g * chunks + c] = fmadd(Vec::set1(s.scores[g * kAttnChunk + o]), v, s.acc[g * chunks + c]);
+      const Vec v = Vec::load(vp + c * Vec::W);
+      for (int64_t g = 0; g < group; ++g) {
+        const float w = s.scores[g * kAttnChunk + o];
+        s.acc[g * chunks + c] = fmadd(Vec::set1(vsc ? w * vsc[o] : w), v, s.acc[g * chunks + c]);
+      }
     }
   }
   for (int64_t g = 0; g < group; ++g)
@@ -201,13 +197,17 @@ void attend_chunk(const AttnItem& item, const T* q, const C* k_cache, const C* v
   const int64_t span = std::min(chunk_begin + kAttnChunk, lengths[last]) - first_pos;  // rows' positions in all
   const C* k_rows[kAttnChunk];
   const C* v_rows[kAttnChunk];
-  float k_sc[kAttnChunk], v_sc[kAttnChunk];  // an int8 cache's row scales
+  alignas(64) float k_sc[kAttnChunk + kPos], v_sc[kAttnChunk + kPos];  // an int8 cache's row scales (zero past span)
   for (int64_t o = 0, block = first_pos / block_size, slot = first_pos % block_size; o < span; ++o) {
     const int64_t row = (table[block] * block_size + slot) * kv_heads + kvh;  // no division per row
     k_rows[o] = k_cache + row * dim;
     v_rows[o] = v_cache + row * dim;
     if constexpr (kScaled<C>) k_sc[o] = k_scales[row], v_sc[o] = v_scales[row];
     if (++slot == block_size) slot = 0, ++block;
+  }
+  if constexpr (kScaled<C>) {  // past the rows: scales of 0, read (by whole vectors) and dropped
+    std::fill(k_sc + std::max<int64_t>(span, 0), k_sc + kAttnChunk + kPos, 0.f);
+    std::fill(v_sc + std::max<int64_t>(span, 0), v_sc + kAttnChunk + kPos, 0.f);
   }
   // The rows come from memory (a step's weight stream evicts them): ask for all of the chunk's rows up front.
   const int64_t row_bytes = dim * static_cast<int64_t>(sizeof(C));
@@ -216,7 +216,7 @@ void attend_chunk(const AttnItem& item, const T* q, const C* k_cache, const C* v
       prefetch(reinterpret_cast<const char*>(k_rows[o]) + l);
       prefetch(reinterpret_cast<const char*>(v_rows[o]) + l);
     }
-  // The item's rows, over key and value rows of element E (C, or float: an int8 cache's rows dequantized once).
+  // The item's rows, over key and value rows of element E (C, or float: an int8 cache's rows widened once).
   auto attend_rows = [&](const auto* const* k_in, const auto* const* v_in) {
     using E = std::remove_cv_t<std::remove_pointer_t<std::remove_cv_t<std::remove_pointer_t<decltype(k_in)>>>>;
     for (int64_t b = item.b; b < item.b_end; ++b) {
@@ -234,8 +234,8 @@ void attend_chunk(const AttnItem& item, const T* q, const C* k_cache, const C* v
       }
       const E* const* kr = k_in + (p_begin - first_pos);
       const E* const* vr = v_in + (p_begin - first_pos);
-      const float* ksc = kScaled<E> ? k_sc + (p_begin - first_pos) : nullptr;
-      const float* vsc = kScaled<E> ? v_sc + (p_begin - first_pos) : nullptr;
+      const float* ksc = kScaled<C> ? k_sc + (p_begin - first_pos) : nullptr;
+      const float* vsc = kScaled<C> ? v_sc + (p_begin - first_pos) : nullptr;
       auto passes = [&](auto d) {
         constexpr int D = decltype(d)::value, GP = kHeadsPerPass<D>;
         for (int64_t g0 = 0; g0 < group; g0 += GP)
@@ -249,9 +249,7 @@ void attend_chunk(const AttnItem& item, const T* q, const C* k_cache, const C* v
     }
   };
   if constexpr (kScaled<C>) {
-    // The chunk's rows widened and scaled once where several query rows (a prompt's) or heads (a GQA group's)
-    // read them, not once for each.
-    if (item.b_end - item.b > 1 || group > 1) {
+    if (item.b_end - item.b > 1) {  // rows of a prompt share the chunk: its rows widened once, not once per row
       s.kf.resize(span * dim);
       s.vf.resize(span * dim);
       const float* kf[kAttnChunk];
@@ -259,8 +257,8 @@ void attend_chunk(const AttnItem& item, const T* q, const C* k_cache, const C* v
       for (int64_t o = 0; o < span; ++o) {
         float *kd = s.kf.data() + o * dim, *vd = s.vf.data() + o * dim;
         for (int64_t c = 0; c < dim; c += Vec::W) {
-          load_kv(k_rows[o] + c, k_sc[o]).store(kd + c);
-          load_kv(v_rows[o] + c, v_sc[o]).store(vd + c);
+          Vec::load(k_rows[o] + c).store(kd + c);
+          Vec::load(v_rows[o] + c).store(vd + c);
         }
         kf[o] = kd, vf[o] = vd;
       }

@@ -84,8 +84,9 @@ inline void quantize_kv_row(const float* x, int64_t dim, int8_t* q, float* scale
 
 // One work item: per query head of the item's GQA group, the chunk's scores, softmax numerators and weighted V sum.
 // q in T (the model dtype), the caches in C: T, float16 (a KV cache in half the bytes) or int8 (a quarter of
-// float32's, with `k_scales` and `v_scales` [slots, KVH]: each row read as its values times its scale, widened once
-// per item where the item has several rows). `window` > 0: only the last `window` positions of the
+// float32's, with `k_scales` and `v_scales` [slots, KVH]: a position's score is its dot product with the widened
+// values times its K scale, its softmax weight is taken times its V scale; an item of several rows widens the chunk
+// once). `window` > 0: only the last `window` positions of the
 // context count (a sliding-window layer); a chunk wholly before them is empty. `cap` > 0: each score x becomes cap *
 // tanh(x / cap) before the softmax (Gemma 2's attention logit soft-capping).
 template <typename T, typename C>
