@@ -35,7 +35,7 @@ from engine.backends import cpu_kernels  # noqa: E402
 from engine.backends.cpu_features import CHOICES  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.model.forward import LlamaFastForward  # noqa: E402
-from engine.types import EngineConfig, SamplingParams  # noqa: E402
+from engine.types import KV_DTYPES, EngineConfig, SamplingParams  # noqa: E402
 from models.loader import load_model  # noqa: E402
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -133,7 +133,7 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="Peregrine's requests draw their tokens at this temperature (0: greedy; HF stays greedy)")
     parser.add_argument("--top-p", type=float, default=1.0, help="top_p of Peregrine's drawn requests")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", *KV_DTYPES),
                         help="the KV cache's element type (Peregrine's --kv-cache-dtype; auto: the model dtype)")
     parser.add_argument("--cpu-kernels", action=argparse.BooleanOptionalAction, default=True,
                         help="Peregrine's CPU kernels (engine.backends.cpu_kernels); --no-cpu-kernels: torch's own ops")

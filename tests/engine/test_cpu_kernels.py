@@ -346,57 +346,35 @@ def test_one_call_decode_step_matches_the_op_by_op_forward(byte_level_tokenizer:
 
 
 @needs_kernel
+@pytest.mark.parametrize("kv", ["float16", "int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_one_call_decode_step_over_a_float16_kv_cache(byte_level_tokenizer: Any, engine_factory: Any,
-                                                      dtype: torch.dtype) -> None:
-    """`--kv-cache-dtype float16`: the decoder writes this step's keys and values into float16 caches and attends
-    over them as the op-by-op pass does (its `k.to(cache.dtype)`, then the decode attention kernel)."""
-    from tests.support import Loaded, decoder_against_op_by_op
-
-    vocab = -(-len(byte_level_tokenizer) // 16) * 16
-    loaded = Loaded(_decoder_model("llama", vocab).to(dtype), byte_level_tokenizer, 512)
-    engine = engine_factory(loaded, kv_cache_bytes=4 << 20, block_size=4, kv_cache_dtype="float16")
-    assert engine.kv_cache.k[0].dtype == torch.float16
-    factory = cpu_kernels.llama_decoder_for(dtype, ON, amx=False)
-    prompts = {f"r{i}": (list(range(3 + 5 * i, 10 + 9 * i)), SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
-               for i in range(3)}
-    fast = engine.runner._forward
-    steps = decoder_against_op_by_op(engine, factory, prompts)
-    assert type(fast._decoder[1]).__name__ == f"LlamaDecoder_{str(dtype).removeprefix('torch.')}_kv_float16"
-    assert sum(step.got.shape[0] == 3 for step in steps) >= 4
-    for step in steps:
-        assert step.error <= (1e-4 if dtype == torch.float32 else 0.02), step.error
-        assert step.batch_invariant, "a row's logits changed with its batch mates"
-
-
-@needs_kernel
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_one_call_decode_step_over_an_int8_kv_cache(byte_level_tokenizer: Any, engine_factory: Any,
-                                                    dtype: torch.dtype) -> None:
-    """`--kv-cache-dtype int8`: the decoder quantizes this step's keys and values into the int8 caches with their
-    row scales (attention.h's quantize_kv_row, kv_cache.quantize_kv's operations) and attends over them with each
-    position's K scale on its score and V scale on its weight, as the op-by-op pass does over the dequantized
-    blocks. Given the same keys both store the same values: the first layer's, written by the decoder, against
+def test_one_call_decode_step_over_a_narrow_kv_cache(byte_level_tokenizer: Any, engine_factory: Any,
+                                                     dtype: torch.dtype, kv: str) -> None:
+    """`--kv-cache-dtype float16` / `int8`: the decoder writes this step's keys and values into the narrow caches and
+    attends over them as the op-by-op pass does (float16: its `k.to(cache.dtype)`, then the decode attention kernel;
+    int8: kv_cache.quantize_kv's operations (attention.h's quantize_kv_row), each position's score taken times its
+    K scale and its softmax weight times its V scale, where the op-by-op pass attends over the dequantized blocks).
+    For int8, given the same keys both store the same values: the first layer's, written by the decoder, against
     quantize_kv of the op-by-op pass's float keys (one step apart at most, where summation order moved a key)."""
     from engine.model.kv_cache import quantize_kv
     from tests.support import Loaded, decoder_against_op_by_op
 
     vocab = -(-len(byte_level_tokenizer) // 16) * 16
     loaded = Loaded(_decoder_model("llama", vocab).to(dtype), byte_level_tokenizer, 512)
-    engine = engine_factory(loaded, kv_cache_bytes=4 << 20, block_size=4, kv_cache_dtype="int8")
-    assert engine.kv_cache.k[0].dtype == torch.int8 and engine.kv_cache.k_scale
+    engine = engine_factory(loaded, kv_cache_bytes=4 << 20, block_size=4, kv_cache_dtype=kv)
+    assert engine.kv_cache.k[0].dtype == getattr(torch, kv) and bool(engine.kv_cache.k_scale) == (kv == "int8")
     factory = cpu_kernels.llama_decoder_for(dtype, ON, amx=False)
     prompts = {f"r{i}": (list(range(3 + 5 * i, 10 + 9 * i)), SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
                for i in range(3)}
     fast = engine.runner._forward
     steps = decoder_against_op_by_op(engine, factory, prompts)
-    assert type(fast._decoder[1]).__name__ == f"LlamaDecoder_{str(dtype).removeprefix('torch.')}_kv_int8"
+    assert type(fast._decoder[1]).__name__ == f"LlamaDecoder_{str(dtype).removeprefix('torch.')}_kv_{kv}"
     assert sum(step.got.shape[0] == 3 for step in steps) >= 4
     for step in steps:
-        assert 0 < step.error <= 0.02, step.error
+        assert step.error <= (1e-4 if dtype == torch.float32 and kv == "float16" else 0.02), step.error
         assert step.batch_invariant, "a row's logits changed with its batch mates"
-    # the decoder's own writes: one decode step of a fresh request, keys checked against quantize_kv of what the
-    # op-by-op pass computes for the same token
+    if kv != "int8":
+        return
     fresh = engine_factory(loaded, kv_cache_bytes=4 << 20, block_size=4, kv_cache_dtype="int8")
     reference = engine_factory(loaded, kv_cache_bytes=4 << 20, block_size=4, kv_cache_dtype="float32",
                                cpu_kernels=False)

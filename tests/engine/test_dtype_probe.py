@@ -102,6 +102,18 @@ def test_the_probe_runs_decode_steps_of_the_loaded_model_in_both_dtypes(
     assert count.tokens == {torch.float32: tokens, torch.bfloat16: tokens}
 
 
+@pytest.mark.parametrize("kv", ["float32", "int8"])
+def test_the_probe_fits_every_row_with_a_kv_cache_wider_or_narrower_than_the_weights(tiny: Any, kv: str) -> None:
+    """`--kv-cache-dtype float32` with the bfloat16 candidate: the probe's cache is sized in the cache's dtype (it
+    was sized in the weights', so half the rows fit and the server refused to start: "8 of 16 rows decoding")."""
+    from dataclasses import replace
+
+    models = {"bfloat16": dtype_probe.bfloat16_copy(tiny.model)}
+    got = dtype_probe.measure(models, tiny.tokenizer, replace(probe_cfg("in-memory"), kv_cache_dtype=kv),
+                              torch.device("cpu"), tiny.max_model_len, SMALL)
+    assert {(t.name, t.rows) for t in got} == {("bfloat16", r) for r in SMALL.rows}
+
+
 def test_windows_stop_once_the_figures_are_clearly_apart(tiny: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     count = StepCount(monkeypatch)
     models = {"float32": tiny.model, "bfloat16": dtype_probe.bfloat16_copy(tiny.model)}

@@ -179,50 +179,35 @@ def test_bundled_logits_and_greedy_match_float32_reference(bundled: tuple[Loaded
     assert same >= 4, f"greedy agreement {same}/8"
 
 
-def test_bundled_float16_kv_cache_against_float32(bundled: tuple[Loaded, Loaded, Path]) -> None:
-    """`--kv-cache-dtype float16` on the quantized model (float32 activations), against its float32 cache, 8 prompts
-    x 24 greedy tokens. The runs part only where the float32 run's top two are close; before, the chosen tokens'
-    logprobs differ little. Measured (AMD EPYC Zen 5, AVX-512): 4-7 of 8 sequences identical (which ones depends on
-    the kernels' summation order), every first token identical, logprob differences up to 0.26 over the shared
-    prefixes, the float32 run's top two 0.04-0.33 apart where they part. Bounds: logprobs within 0.5 over the shared
-    prefixes; where the runs part (the first token included), the float32 run's top two within 0.5 and both runs'
-    chosen logprobs within 0.5."""
+# (KV cache dtype, bounds: logprobs over the shared prefixes, the float32 run's top two where the runs part, the
+# chosen logprobs there)
+NARROW_KV = [("float16", (0.5, 0.5, 0.5)), ("int8", (0.75, 1.0, 0.5))]
+
+
+@pytest.mark.parametrize(("kv", "bounds"), NARROW_KV, ids=[kv for kv, _ in NARROW_KV])
+def test_bundled_narrow_kv_cache_against_float32(bundled: tuple[Loaded, Loaded, Path], kv: str,
+                                                 bounds: tuple[float, float, float]) -> None:
+    """`--kv-cache-dtype float16` / `int8` on the quantized model (float32 activations), against its float32 cache,
+    8 prompts x 24 greedy tokens. The runs part only where the float32 run's top two are close; before, the chosen
+    tokens' logprobs differ little. Measured, float16 (AMD EPYC Zen 5, AVX-512): 4-7 of 8 sequences identical (which
+    ones depends on the kernels' summation order), every first token identical, logprob differences up to 0.26 over
+    the shared prefixes, the float32 run's top two 0.04-0.33 apart where they part. int8 (AMD EPYC Zen 4,
+    avx512_bf16): 1 of 8 identical, the others parting after 0-12 tokens where the float32 run's top two are
+    0.005-0.61 apart, the int8 run's chosen logprob within 0.24 of the float32 run's best there; logprobs within
+    0.34 over the shared prefixes. Bounds: `bounds`."""
+    prefixes, tie, chosen = bounds
     quantized, _, _ = bundled
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
     requests = {f"p{i}": (chat_ids(quantized.tokenizer, p), params) for i, p in enumerate(PROMPTS)}
-    runs = {kv: run_all(make_engine(quantized, max_num_batched_tokens=512, kv_cache_dtype=kv), requests)
-            for kv in ("float32", "float16")}
+    runs = {k: run_all(make_engine(quantized, max_num_batched_tokens=512, kv_cache_dtype=k), requests)
+            for k in ("float32", kv)}
     worst = 0.0
     for r in requests:
-        full, half = ([lp for o in runs[kv][r] for lp in o.logprobs] for kv in ("float32", "float16"))
-        assert len(full) == len(half) == 24
-        shared = next((i for i, (a, b) in enumerate(zip(full, half, strict=True)) if a.token_id != b.token_id), 24)
-        worst = max([worst, *(abs(a.logprob - b.logprob) for a, b in zip(full[:shared], half[:shared], strict=True))])
+        full, narrow = ([lp for o in runs[k][r] for lp in o.logprobs] for k in ("float32", kv))
+        assert len(full) == len(narrow) == 24
+        shared = next((i for i, (a, b) in enumerate(zip(full, narrow, strict=True)) if a.token_id != b.token_id), 24)
+        worst = max([worst, *(abs(a.logprob - b.logprob) for a, b in zip(full[:shared], narrow[:shared], strict=True))])
         if shared < 24:  # they part at a near tie of the float32 run, both choosing at about the same logprob
             first, second = full[shared].top[:2]
-            assert first.logprob - second.logprob <= 0.5 and abs(first.logprob - half[shared].logprob) <= 0.5, r
-    assert 0 < worst <= 0.5, f"logprob difference {worst:.3g}"
-
-
-def test_bundled_int8_kv_cache_against_float32(bundled: tuple[Loaded, Loaded, Path]) -> None:
-    """`--kv-cache-dtype int8` on the quantized model (float32 activations), against its float32 cache, 8 prompts x
-    24 greedy tokens, as the float16 test above. Measured (AMD EPYC Zen 4, avx512_bf16): 1 of 8 sequences identical
-    (float16: 4-7), the others parting after 0-12 tokens where the float32 run's top two are 0.005-0.61 apart, the
-    int8 run's chosen logprob within 0.24 of the float32 run's best there; logprobs within 0.34 over the shared
-    prefixes. Bounds: 1.0 for the top two where they part, 0.5 for the chosen logprob there, 0.75 over the
-    prefixes."""
-    quantized, _, _ = bundled
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
-    requests = {f"p{i}": (chat_ids(quantized.tokenizer, p), params) for i, p in enumerate(PROMPTS)}
-    runs = {kv: run_all(make_engine(quantized, max_num_batched_tokens=512, kv_cache_dtype=kv), requests)
-            for kv in ("float32", "int8")}
-    worst = 0.0
-    for r in requests:
-        full, small = ([lp for o in runs[kv][r] for lp in o.logprobs] for kv in ("float32", "int8"))
-        assert len(full) == len(small) == 24
-        shared = next((i for i, (a, b) in enumerate(zip(full, small, strict=True)) if a.token_id != b.token_id), 24)
-        worst = max([worst, *(abs(a.logprob - b.logprob) for a, b in zip(full[:shared], small[:shared], strict=True))])
-        if shared < 24:  # they part at a near tie of the float32 run, the int8 run choosing at about its best
-            first, second = full[shared].top[:2]
-            assert first.logprob - second.logprob <= 1.0 and abs(first.logprob - small[shared].logprob) <= 0.5, r
-    assert 0 < worst <= 0.75, f"logprob difference {worst:.3g}"
+            assert first.logprob - second.logprob <= tie and abs(first.logprob - narrow[shared].logprob) <= chosen, r
+    assert 0 < worst <= prefixes, f"logprob difference {worst:.3g}"

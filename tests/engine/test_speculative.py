@@ -88,12 +88,15 @@ def test_greedy_is_token_for_token_the_same_batched_and_proposals_are_accepted(s
     check_clean(spec)
 
 
-def test_verified_rows_are_the_same_bits_as_decoded_alone(smollm2_q4_1: Loaded) -> None:
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_verified_rows_are_the_same_bits_as_decoded_alone(smollm2_q4_1: Loaded, kv: str) -> None:
     """docs/determinism.md: a row's logits do not depend on its batch mates. A verification row (one of a chunk of
-    a decode's last token and its proposals) gets the same bits as the decode step at that position."""
+    a decode's last token and its proposals) gets the same bits as the decode step at that position; over an int8
+    KV cache too, where a chunk of several rows reads the cache's rows from a widened copy and one row reads them
+    as int8."""
     tok = smollm2_q4_1.tokenizer
     prompt = chat_ids(tok, COPY)
-    plain, spec = engines(smollm2_q4_1)
+    plain, spec = engines(smollm2_q4_1, kv_cache_dtype=kv)
 
     def recorded(engine: Any) -> dict[tuple[int, ...], torch.Tensor]:
         rows: dict[tuple[int, ...], torch.Tensor] = {}  # the output before the row -> the row's logits
