@@ -33,6 +33,7 @@ def test_defaults() -> None:
     assert s.embedding_model == "bundled:all-minilm-l6-v2"
     assert s.hf_token is None and s.kv_cache_bytes is None and s.max_model_len is None
     assert s.kv_cache_dtype == "auto" and load_settings(["--kv-cache-dtype", "float16"]).kv_cache_dtype == "float16"
+    assert load_settings(["--kv-cache-dtype", "int8"]).kv_cache_dtype == "int8"
     assert s.max_body_bytes == 8 * 1024 * 1024
     assert s.cache_dir == Path.home() / ".cache" / "peregrine"
     assert not s.auth_enabled and not s.use_ray
@@ -101,7 +102,7 @@ def test_ray_address_from_ray_env(monkeypatch: pytest.MonkeyPatch) -> None:
         (["--dtype", "float8"], "--dtype"),
         (["--kv-cache-memory-fraction", "1.5"], "--kv-cache-memory-fraction"),
         (["--kv-cache-bytes", "lots"], "--kv-cache-bytes"),
-        (["--kv-cache-dtype", "int8"], "--kv-cache-dtype"),
+        (["--kv-cache-dtype", "int4"], "--kv-cache-dtype"),
         (["--max-num-seqs", "0"], "--max-num-seqs"),
         (["--root-path", "api"], "--root-path"),
         (["--ray-autoscale", "4:1"], "--ray-autoscale"),
