@@ -148,7 +148,7 @@ def _decode(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata, scaling
                                   meta.kv_cache.block_size, q.shape[-1] ** -0.5 if scaling is None else scaling,
                                   softcap)
     keys, values = cache.gather(meta.decode_block_tables, meta.kv_cache.block_size)
-    # keys, values: [batch, kv_heads, max_blocks * block_size, dim]
+    # keys, values: [batch, max_blocks * block_size, kv_heads, dim]
     out = F.scaled_dot_product_attention(  # caches in another dtype (--kv-cache-dtype): widened to q's
         q.unsqueeze(2), keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype),
         attn_mask=meta.decode_mask, scale=scaling, enable_gqa=True,

@@ -119,17 +119,16 @@ class KVCache:
         shape = (self.num_slots + block_size, spec.num_kv_heads, spec.head_dim)
         if anonymous is None:
             anonymous = device.type == "cpu" and hasattr(mmap, "MADV_DONTNEED")
-        self._maps: list[mmap.mmap] = []  # k[0], v[0], k[1], v[1], ... where anonymous
+        self._maps: list[mmap.mmap] = []  # k[0], v[0], k[1], v[1], ... (then an int8 cache's scales) where anonymous
         self._zeroed_blocks = num_blocks if anonymous else 0  # anonymous pages read as zero until written
         pairs = [(self._alloc(shape, spec.dtype, device, anonymous), self._alloc(shape, spec.dtype, device, anonymous))
                  for _ in range(spec.num_layers)]
         self.k = [k for k, _ in pairs]
         self.v = [v for _, v in pairs]
-        # an int8 cache's row scales, per layer [slots, kv_heads] float32 (empty lists otherwise); never given back
-        # (a block's scales are a sixteenth of its K or V at head_dim 64): a given-back block's values read as zero,
-        # which is zero whatever scale stays beside them
-        scale_maps: list[mmap.mmap] = []
-        scales = [self._alloc(shape[:2], torch.float32, device, anonymous, scale_maps)
+        # an int8 cache's row scales, per layer [slots, kv_heads] float32 (empty lists otherwise), mapped after every
+        # K and V (`release` advises those by layer); never given back (a block's scales are a sixteenth of its K or V
+        # at head_dim 64): a given-back block's values read as zero, which is zero whatever scale stays beside them
+        scales = [self._alloc(shape[:2], torch.float32, device, anonymous)
                   for _ in range(2 * spec.num_layers) if self.quantized]
         self.k_scale, self.v_scale = scales[0::2], scales[1::2]
         self._windowed = [i for i, w in enumerate(spec.windows) if w > 0] if release and anonymous else []
@@ -196,10 +195,7 @@ class KVCache:
                     region.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
             self.released_bytes_total += 2 * len(self._windowed) * (hi - lo)
 
-    def _alloc(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, anonymous: bool,
-               maps: list[mmap.mmap] | None = None) -> torch.Tensor:
-        """A zero-reading tensor; where anonymous, its mapping goes to `maps` (default: the K/V list `release`
-        advises)."""
+    def _alloc(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, anonymous: bool) -> torch.Tensor:
         if not anonymous:
             t = torch.empty(shape, dtype=dtype, device=device)
             t[self.num_slots :].zero_()
@@ -208,7 +204,7 @@ class KVCache:
         region = mmap.mmap(-1, max(1, count * dtype.itemsize), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         if hasattr(mmap, "MADV_NOHUGEPAGE"):  # where THP is "always", a first write would commit 2 MiB, not a block
             region.madvise(mmap.MADV_NOHUGEPAGE)
-        (self._maps if maps is None else maps).append(region)  # page aligned; the tensor keeps the mapping alive too
+        self._maps.append(region)  # page aligned; the tensor keeps the mapping alive too
         return torch.frombuffer(region, dtype=dtype, count=count).view(shape)
 
 
