@@ -194,7 +194,8 @@ void attend_chunk(const AttnItem& item, const T* q, const C* k_cache, const C* v
   const int64_t* table = block_tables + last * max_blocks;
   const int64_t chunk_begin = item.chunk * kAttnChunk;
   const int64_t first_pos = window > 0 ? std::max(chunk_begin, lengths[item.b] - window) : chunk_begin;
-  const int64_t span = std::min(chunk_begin + kAttnChunk, lengths[last]) - first_pos;  // rows' positions in all
+  // the rows' positions in all; none where the chunk lies behind the first row's window (the later rows' too)
+  const int64_t span = std::max<int64_t>(std::min(chunk_begin + kAttnChunk, lengths[last]) - first_pos, 0);
   const C* k_rows[kAttnChunk];
   const C* v_rows[kAttnChunk];
   alignas(64) float k_sc[kAttnChunk + kPos], v_sc[kAttnChunk + kPos];  // an int8 cache's row scales (zero past span)
@@ -206,8 +207,8 @@ void attend_chunk(const AttnItem& item, const T* q, const C* k_cache, const C* v
     if (++slot == block_size) slot = 0, ++block;
   }
   if constexpr (kScaled<C>) {  // past the rows: scales of 0, read (by whole vectors) and dropped
-    std::fill(k_sc + std::max<int64_t>(span, 0), k_sc + kAttnChunk + kPos, 0.f);
-    std::fill(v_sc + std::max<int64_t>(span, 0), v_sc + kAttnChunk + kPos, 0.f);
+    std::fill(k_sc + span, k_sc + kAttnChunk + kPos, 0.f);
+    std::fill(v_sc + span, v_sc + kAttnChunk + kPos, 0.f);
   }
   // The rows come from memory (a step's weight stream evicts them): ask for all of the chunk's rows up front.
   const int64_t row_bytes = dim * static_cast<int64_t>(sizeof(C));
