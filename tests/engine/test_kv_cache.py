@@ -9,7 +9,14 @@ from typing import Any
 import pytest
 import torch
 
-from engine.model.kv_cache import KVCache, KVCacheSpec, dequantize_kv, kv_cache_dtype, plan_num_blocks, quantize_kv
+from engine.model.kv_cache import (
+    KVCache,
+    KVCacheSpec,
+    dequantize_kv,
+    kv_cache_dtype,
+    plan_num_blocks,
+    quantize_kv,
+)
 from engine.types import SamplingParams
 from tests.support import run_all, tokens_of
 
