@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from config import Settings
     from models.hub import DownloadPlan, ModelSource
     from models.memory import ModelFootprint
+    from models.preflight import Need
 
 log = logging.getLogger("peregrine")
 
@@ -140,11 +141,43 @@ def run_preflight(settings: Settings, source: ModelSource, plan: DownloadPlan | 
         packed_copy=preflight.packed_copy_kept(device, settings.cpu_kernels, settings.cpu_isa), dense=dense,
         kv_dtype=settings.kv_cache_dtype,
     )  # fmt: skip
+    if settings.speculative == "draft":
+        needs = with_draft(settings, needs, device, dtype, on_cuda=gpu is not None)
     for need in needs:
         log.info("preflight: %s", need.message)
     refusal = preflight.refusal(needs)
     if refusal:
         raise StartError(refusal)
+
+
+def with_draft(settings: Settings, needs: list[Need], device: str, dtype: str, *, on_cuda: bool) -> list[Need]:
+    """The model's needs with the draft model's added (`--speculative draft`): its weights and one sequence of its KV
+    cache (its cache comes out of the same budget) on the model's memory need, its download and one-time conversion
+    as needs of their own."""
+    from models import preflight
+    from models.hub import default_download_dir, plan_download
+    from models.memory import memory_need
+
+    assert settings.speculative_model is not None
+    source = checked_source(settings.speculative_model, None)
+    plan = plan_download(source, **_hub_args(settings)) if source.kind == "hub" else None
+    footprint, dense, counted = source_footprint(settings, source, plan, device, dtype)
+    packed = preflight.packed_copy_kept(device, settings.cpu_kernels, settings.cpu_isa) and not on_cuda
+    total, words = memory_need(footprint, counted, max_model_len=settings.max_model_len, kv_cache_bytes=None,
+                               packed_copy=packed, dense=dense if not on_cuda and footprint.weight_bytes else (),
+                               kv_dtype=settings.kv_cache_dtype)
+    label = f"draft {settings.speculative_model}"
+    memory = "in VRAM" if on_cuda else "in RAM"
+    at = next(i for i, n in enumerate(needs) if n.where.startswith(memory))
+    model = needs[at]
+    added = [preflight.Need(model.needed + total, model.free, model.where, f"{model.breakdown}; {label}: {words}")]
+    if footprint.download_bytes:
+        disk = preflight.disk_of(Path(settings.download_dir or default_download_dir()))
+        added.append(preflight.Need(footprint.download_bytes, disk.free, f"on {disk.path}", f"{label} download"))
+    if footprint.convert_bytes:
+        added.append(preflight.Need(footprint.convert_bytes, model.free, model.where,
+                                    f"{label}: one-time GGUF conversion to float32"))
+    return [*needs[:at], *added, *needs[at + 1 :]]
 
 
 def source_footprint(

