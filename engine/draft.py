@@ -150,7 +150,7 @@ class DraftProposer:
         not computed, though some of them may be accepted proposals the draft computed)."""
         shadow = self._shadows.get(seq.seq_id)
         if shadow is None:
-            return seq.num_tokens
+            return seq.num_tokens - len(self._cached_prompt(seq)) * self.blocks.block_size
         known = min(shadow.seq.num_computed_tokens, len(seq.prompt_token_ids) + shadow.synced)
         return seq.num_tokens - known
 
@@ -180,6 +180,7 @@ class DraftProposer:
             shadow = _Shadow(Sequence(seq.request_id, seq.index, seq.prompt_token_ids, _PLAIN, seq.max_tokens))
             shadow.seq.status = "running"
             self._shadows[seq.seq_id] = shadow
+            self._take_cached_prefix(shadow.seq)
         mine, real = shadow.seq.output_token_ids, seq.output_token_ids
         same = shadow.synced
         while same < len(mine) and same < len(real) and mine[same] == real[same]:
@@ -192,7 +193,19 @@ class DraftProposer:
         shadow.seq.num_computed_tokens = computed
         shadow.synced = len(real)
         shadow.proposals = []
+        self.blocks.publish(shadow.seq)  # its computed blocks hold the target's tokens only: no proposal in them
         return shadow
+
+    def _cached_prompt(self, seq: Sequence) -> list[int]:
+        """The draft's cached blocks that hold the start of `seq`'s prompt (a second turn's conversation, a shared
+        system prompt): whole blocks within the prompt, which its shadow then never writes again."""
+        return self.blocks.cached_prefix(seq)[: len(seq.prompt_token_ids) // self.blocks.block_size]
+
+    def _take_cached_prefix(self, seq: Sequence) -> None:
+        """A new shadow starts from its prompt's cached blocks, as the target's sequences do."""
+        prefix = self._cached_prompt(seq)
+        if prefix and self.blocks.allocate(seq, prefix, len(prefix) * self.blocks.block_size):
+            seq.num_computed_tokens = len(prefix) * self.blocks.block_size
 
     def _run(self, scheduled: list[ScheduledSeq]) -> list[int]:
         """One draft step: compute the scheduled positions, return the greedy next token of each item that

@@ -110,7 +110,7 @@ class LLMEngine:
         log.info("speculative draft model %s: KV cache of %d tokens, %.1f MiB (%.0f%% of the KV budget; the "
                  "model's: %d tokens, %.1f MiB)", draft.name, cache.num_slots, cache.nbytes / 2**20, 100 * share,
                  self.kv_cache.num_slots, self.kv_cache.nbytes / 2**20)  # fmt: skip
-        blocks = BlockManager(cache.num_blocks, cfg.block_size, prefix_caching=False)
+        blocks = BlockManager(cache.num_blocks, cfg.block_size, prefix_caching=cfg.prefix_caching)
         return DraftProposer(runner, blocks, self.vocab_size, min(max_len, cache.num_slots),
                              cfg.max_num_batched_tokens)
 

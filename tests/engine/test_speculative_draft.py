@@ -279,3 +279,39 @@ def test_the_preflight_counts_the_draft_model(tmp_path: Any, monkeypatch: pytest
                                                   "bundled:smollm2"]), [preflight.Need(needed, needed, "in RAM", "")],
                                    "cpu", "auto", on_cuda=False)
     assert len(counted) == 1 and counted[0].needed > needed + footprint.weight_bytes  # its weights and a sequence's KV
+
+
+def test_a_second_turn_draft_starts_from_its_cached_prompt(smollm2_q4_1: Loaded) -> None:
+    """The draft keeps a prefix cache as the target does: a second turn's draft computes only what follows the
+    first turn's blocks (its catch-up is the tail of the conversation, not all of it), only the target's tokens are
+    in the blocks it publishes (the second turn's answer is the same tokens as without speculation), and with
+    prefix caching off it computes the whole conversation again."""
+    tok = smollm2_q4_1.tokenizer
+    first = [{"role": "user", "content": TEXTS["copy"]}]
+    ids = chat_ids(tok, TEXTS["copy"])
+    plain = make_engine(smollm2_q4_1, kv_cache_bytes=KV, max_num_batched_tokens=256)
+    answer = text_of(run_all(plain, {"a": (ids, greedy())})["a"])
+    second = tok.apply_chat_template([*first, {"role": "assistant", "content": answer},
+                                      {"role": "user", "content": "Now say it again."}], add_generation_prompt=True,
+                                     tokenize=True)
+    second = list(second["input_ids"] if hasattr(second, "keys") else second)
+    want = tokens_of(run_all(plain, {"b": (second, greedy())})["b"])
+    computed = {}
+    for caching in (True, False):
+        spec = make_engine(smollm2_q4_1, draft=smollm2_q4_1, kv_cache_bytes=KV, max_num_batched_tokens=256,
+                           speculative_adaptive=False, prefix_caching=caching)
+        run_all(spec, {"a": (ids, greedy())})
+        drafted = spec.proposer.runner.run
+        tokens = []
+
+        def counting(out: Any, drafted: Any = drafted, tokens: list = tokens) -> Any:
+            tokens.append(sum(s.num_tokens for s in out.scheduled))
+            return drafted(out)
+
+        spec.proposer.runner.run = counting
+        assert tokens_of(run_all(spec, {"b": (second, greedy())})["b"]) == want
+        computed[caching] = sum(tokens)
+        check_clean(spec)
+    bs = 16
+    assert computed[False] - computed[True] >= (len(ids) // bs) * bs - bs, computed  # the first turn's prompt blocks
+    assert computed[False] > len(second)
