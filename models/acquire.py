@@ -128,56 +128,34 @@ def run_preflight(settings: Settings, source: ModelSource, plan: DownloadPlan | 
     """Disk for the download (and a GGUF conversion), RAM or VRAM for weights + minimal KV cache."""
     from engine.backends.devices import cuda_index
     from models import preflight
-    from models.hub import default_download_dir
+    from models.hub import default_download_dir, plan_download
 
-    footprint, dense, dtype = source_footprint(settings, source, plan, device, dtype)
     download_dir = settings.download_dir or default_download_dir()
     gpu = cuda_index(device)
     resources = preflight.measure_resources([download_dir, settings.cache_dir], gpu)
-    needs = preflight.check(
-        footprint, resources, dtype=dtype, on_cuda=gpu is not None, device_label=device,
-        download_dir=str(download_dir), cache_dir=str(settings.cache_dir),
-        max_model_len=settings.max_model_len, kv_cache_bytes=settings.kv_cache_bytes,
-        packed_copy=preflight.packed_copy_kept(device, settings.cpu_kernels, settings.cpu_isa), dense=dense,
-        kv_dtype=settings.kv_cache_dtype,
-    )  # fmt: skip
+
+    def needs_of(source: ModelSource, plan: DownloadPlan | None, kv_cache_bytes: int | None) -> list[Need]:
+        footprint, dense, counted = source_footprint(settings, source, plan, device, dtype)
+        return preflight.check(
+            footprint, resources, dtype=counted, on_cuda=gpu is not None, device_label=device,
+            download_dir=str(download_dir), cache_dir=str(settings.cache_dir),
+            max_model_len=settings.max_model_len, kv_cache_bytes=kv_cache_bytes,
+            packed_copy=preflight.packed_copy_kept(device, settings.cpu_kernels, settings.cpu_isa), dense=dense,
+            kv_dtype=settings.kv_cache_dtype,
+        )  # fmt: skip
+
+    needs = needs_of(source, plan, settings.kv_cache_bytes)
     if settings.speculative == "draft":
-        needs = with_draft(settings, needs, device, dtype, on_cuda=gpu is not None)
+        # the draft is loaded like the model; its KV cache comes out of the same budget: one sequence of it counted
+        assert settings.speculative_model is not None
+        draft = checked_source(settings.speculative_model, None)
+        draft_plan = plan_download(draft, **_hub_args(settings)) if draft.kind == "hub" else None
+        needs = preflight.combined(needs, needs_of(draft, draft_plan, None), f"draft {settings.speculative_model}")
     for need in needs:
         log.info("preflight: %s", need.message)
     refusal = preflight.refusal(needs)
     if refusal:
         raise StartError(refusal)
-
-
-def with_draft(settings: Settings, needs: list[Need], device: str, dtype: str, *, on_cuda: bool) -> list[Need]:
-    """The model's needs with the draft model's added (`--speculative draft`): its weights and one sequence of its KV
-    cache (its cache comes out of the same budget) on the model's memory need, its download and one-time conversion
-    as needs of their own."""
-    from models import preflight
-    from models.hub import default_download_dir, plan_download
-    from models.memory import memory_need
-
-    assert settings.speculative_model is not None
-    source = checked_source(settings.speculative_model, None)
-    plan = plan_download(source, **_hub_args(settings)) if source.kind == "hub" else None
-    footprint, dense, counted = source_footprint(settings, source, plan, device, dtype)
-    packed = preflight.packed_copy_kept(device, settings.cpu_kernels, settings.cpu_isa) and not on_cuda
-    total, words = memory_need(footprint, counted, max_model_len=settings.max_model_len, kv_cache_bytes=None,
-                               packed_copy=packed, dense=dense if not on_cuda and footprint.weight_bytes else (),
-                               kv_dtype=settings.kv_cache_dtype)
-    label = f"draft {settings.speculative_model}"
-    memory = "in VRAM" if on_cuda else "in RAM"
-    at = next(i for i, n in enumerate(needs) if n.where.startswith(memory))
-    model = needs[at]
-    added = [preflight.Need(model.needed + total, model.free, model.where, f"{model.breakdown}; {label}: {words}")]
-    if footprint.download_bytes:
-        disk = preflight.disk_of(Path(settings.download_dir or default_download_dir()))
-        added.append(preflight.Need(footprint.download_bytes, disk.free, f"on {disk.path}", f"{label} download"))
-    if footprint.convert_bytes:
-        added.append(preflight.Need(footprint.convert_bytes, model.free, model.where,
-                                    f"{label}: one-time GGUF conversion to float32"))
-    return [*needs[:at], *added, *needs[at + 1 :]]
 
 
 def source_footprint(

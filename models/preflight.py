@@ -133,6 +133,22 @@ def refusal(needs: Iterable[Need]) -> str | None:
     return "the model does not fit: " + "; ".join(failed) + " (--skip-preflight to start anyway)"
 
 
+def combined(needs: list[Need], more: list[Need], label: str) -> list[Need]:
+    """`needs` with a second model's `more` (named `label`: a draft model) added: the first need of each place in
+    `more` adds to the first of that place in `needs` (the memory the weights and KV caches share, a download's
+    disk); the others (a one-time conversion) stand as needs of their own."""
+    out, merged = list(needs), set()
+    for need in more:
+        at = next((i for i, n in enumerate(out) if n.where == need.where), None) if need.where not in merged else None
+        if at is None:
+            out.append(Need(need.needed, need.free, need.where, f"{label}: {need.breakdown}"))
+            continue
+        merged.add(need.where)
+        mine = out[at]
+        out[at] = Need(mine.needed + need.needed, mine.free, mine.where, f"{mine.breakdown}; {label}: {need.breakdown}")
+    return out
+
+
 # --- reading what the model needs ---------------------------------------------------------------------
 
 

@@ -269,16 +269,17 @@ def test_the_preflight_counts_the_draft_model(tmp_path: Any, monkeypatch: pytest
     needed = next(n.needed for n in preflight.check(footprint, plenty, dtype=dtype, on_cuda=False,
                                                     max_model_len=2048, dense=dense) if n.where == "in RAM")
     monkeypatch.setattr(preflight, "measure_resources", lambda dirs, gpu=None: preflight.Resources(ram_free=needed))
+    judged, refusal = [], preflight.refusal
+    monkeypatch.setattr(preflight, "refusal", lambda needs: judged.append(list(needs)) or refusal(needs))
     acquiring.acquire(alone)  # fits
     with pytest.raises(acquiring.StartError) as caught:
         acquiring.acquire(load_settings([*base, "--speculative", "draft", "--speculative-model", "bundled:smollm2"]))
     message = str(caught.value)
     assert message.startswith("the model does not fit: needs ") and "\n" not in message
     assert "; draft bundled:smollm2: weights " in message and "quantized (GGUF tensors) + KV cache" in message
-    counted = acquiring.with_draft(load_settings([*base, "--speculative", "draft", "--speculative-model",
-                                                  "bundled:smollm2"]), [preflight.Need(needed, needed, "in RAM", "")],
-                                   "cpu", "auto", on_cuda=False)
-    assert len(counted) == 1 and counted[0].needed > needed + footprint.weight_bytes  # its weights and a sequence's KV
+    counted = next(n for n in judged[-1] if n.where == "in RAM")
+    assert counted.needed > needed + footprint.weight_bytes  # its weights and a sequence's KV
+    assert preflight.combined([], [counted], "x")[0].breakdown == f"x: {counted.breakdown}"  # nothing to add it to
 
 
 def test_a_second_turn_draft_starts_from_its_cached_prompt(smollm2_q4_1: Loaded) -> None:
