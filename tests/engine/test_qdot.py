@@ -91,7 +91,8 @@ def test_qlinear_k_quant_tiles_keep_rows_bitwise(module: Any, fmt: str) -> None:
     Q4_K's lanes, qdot_lanes_k.h's 16 and qdot_lanes8.h's 8, every row in another lane and the last tile a whole
     one; qdot_lanes8.h's blocks of 16 activation rows and 56 weight rows at K = 4096 crossed as well). Q6_K takes its
     row loop for one to three activation rows and its lanes (qdot_lanes8.h, qdot_lanes_q6.h) from four: the single
-    row and the three against the batch of 29 hold the two to the same bits."""
+    row and the three against the batch of 29 hold the two to the same bits; so does IQ4_XS in the AVX-512 VNNI builds
+    (qdot_lanes_iq4.h)."""
     blocks, x, got = k_quant_product(module, fmt, 150, 4096, 29, seeds=(5, 4))
     for rows in (slice(0, 1), slice(7, 10), slice(28, 29), slice(3, 29)):
         assert torch.equal(module.qlinear(x[rows], blocks, TYPES[fmt], None), got[rows]), rows
@@ -129,7 +130,8 @@ def test_k_quant_sums_are_the_avx2_bodys_bits_on_every_path(module: Any, fmt: st
     same integer sums as the AVX2 body, so the same bits, for one to five activation rows and batches of 11 and 16
     (eight rows a weight row at a time there, kRowsK, then four, two, one), with `vpdpwssd` where the build has VNNI.
     Q4_K goes through lanes in both (qdot_lanes_k.h's 16 rows with `vpdpbusd` there, qdot_lanes8.h's 8 with
-    `vpmaddubsw` in the AVX2 build), and so does Q6_K from four rows (qdot_lanes_q6.h's 16, qdot_lanes8.h's 8): the
+    `vpmaddubsw` in the AVX2 build), and so does Q6_K from four rows (qdot_lanes_q6.h's 16, qdot_lanes8.h's 8), and
+    IQ4_XS from four rows in the AVX-512 VNNI builds (qdot_lanes_iq4.h's 16, against the AVX2 build's row loop): the
     same integer sums and float operations, so the same bits too."""
     if module.isa() in ("none", "avx2"):
         pytest.skip("the portable build sums in its own order; avx2 is the reference itself")
@@ -163,6 +165,28 @@ def test_q6_k_lanes_at_the_extremes_of_their_integers(module: Any) -> None:
     exact = int8_activations(x, 256).double() @ w.T
     assert float((got.double() - exact).abs().max()) <= 1e-5 * float(exact.abs().max())
     assert torch.equal(module.qlinear(x[:1], torch.from_numpy(blocks), TYPES["Q6_K"], None), got[:1])
+
+
+def test_iq4_xs_lanes_at_the_extremes_of_their_integers(module: Any) -> None:
+    """IQ4_XS's lanes (qdot_lanes_iq4.h) take the table's values plus 128 (1-241) unsigned in `vpdpbusd` and start
+    each 32-value group at -128 times its activations' sum: with every nibble 0 or 15 (the table's -127 and 113),
+    scales at -32 / 31 and activations at +-127 after quantization, the result is the exact int8 product (within 1e-5
+    of its range), and a row alone (the row loop) gives the bits it has among 16 (the lanes)."""
+    rows, k = 40, 1024
+    rng = np.random.default_rng(10)
+    blocks = rng.choice(np.array([0x00, 0xFF, 0x0F, 0xF0], np.uint8), (rows, k // 256, 136))  # nibbles 0 / 15
+    blocks[..., :2] = np.frombuffer(np.float16(0.001).tobytes(), np.uint8)  # d; scales_h, scales_l: bits 0 or 1
+    blocks = blocks.reshape(rows, -1)
+    w = torch.from_numpy(dequantize(blocks, "IQ4_XS")).double()
+    assert float(w.abs().max()) == pytest.approx(float(np.float16(0.001)) * 32 * 127)  # -32 x -127 reached
+    x = torch.where(torch.rand(16, k, generator=torch.Generator().manual_seed(8)) < 0.5, 1.0, -1.0)
+    x[:8] = x[:8].abs()  # rows of all +127: every group's sum at its largest
+    got = module.qlinear(x, torch.from_numpy(blocks), TYPES["IQ4_XS"], None)
+    exact = int8_activations(x, 256).double() @ w.T
+    assert float((got.double() - exact).abs().max()) <= 1e-5 * float(exact.abs().max())
+    for row in (0, 9, 15):
+        assert torch.equal(module.qlinear(x[row : row + 1], torch.from_numpy(blocks), TYPES["IQ4_XS"], None)[0],
+                           got[row])
 
 
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1"])

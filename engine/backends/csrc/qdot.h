@@ -24,10 +24,11 @@
 // blocks of 256 instead (ggml's Q8_K): a super-block's sums stay in integers, its group scales applied by `vpmaddwd`,
 // and one float FMA a super-block and activation row (qdot_kquant.h; the AVX-512 build takes two groups a 512-bit
 // register there, the same integer sums). In the AVX-512 VNNI builds Q4_K goes 16 weight rows a lane each instead
-// (qdot_lanes_k.h), and so do Q6_K (qdot_lanes_q6.h) and Q5_0 (qdot_lanes_q5.h): their own order of float sums, the
-// same for a row in any batch; in the other AVX2 builds Q4_K and Q6_K go eight weight rows a lane each
-// (qdot_lanes8.h), the same float operations as the 16-lane loops, so the same bits. IQ4_NL goes through the 32-value
-// loop as a signed format (its nibbles looked up in its table by one `vpshufb`, qdot_formats.h).
+// (qdot_lanes_k.h), and so do Q6_K (qdot_lanes_q6.h), IQ4_XS (qdot_lanes_iq4.h) and Q5_0 (qdot_lanes_q5.h): their
+// own order of float sums, the same for a row in any batch; in the other AVX2 builds Q4_K and Q6_K go eight weight
+// rows a lane each (qdot_lanes8.h), the same float operations as the 16-lane loops, so the same bits. IQ4_NL goes
+// through the 32-value loop as a signed format (its nibbles looked up in its table by one `vpshufb`,
+// qdot_formats.h).
 //
 // Each output element is the same instruction sequence in the same order whatever the number of rows, the thread
 // split or the tile position: results are batch invariant. Decoding has an AVX2 body (also used by the AVX-512
@@ -37,12 +38,12 @@
 // The pieces, each including the one before: qdot_act.h (the activations quantized), qdot_formats.h (each format's
 // scales and weights decoded), qdot_rows.h (the row loop for the file's layouts), qdot_packed.h (the loop for the
 // row-packed layouts), qdot_kquant.h (the K-quants'), qdot_lanes.h (packed Q4_0 / Q4_1 / Q8_0, AVX-512), with
-// qdot_lanes_k.h (Q4_K), qdot_lanes_q6.h (Q6_K) and qdot_lanes_q5.h (Q5_0) beside it, and qdot_lanes8.h (Q4_K and
-// Q6_K, AVX2 without AVX-512 VNNI);
-// this file picks one per format (qlinear_rows).
+// qdot_lanes_k.h (Q4_K), qdot_lanes_q6.h (Q6_K), qdot_lanes_iq4.h (IQ4_XS) and qdot_lanes_q5.h (Q5_0) beside it,
+// and qdot_lanes8.h (Q4_K and Q6_K, AVX2 without AVX-512 VNNI); this file picks one per format (qlinear_rows).
 #pragma once
 
 #include "qdot_lanes8.h"
+#include "qdot_lanes_iq4.h"
 #include "qdot_lanes_k.h"
 #include "qdot_lanes_q5.h"
 #include "qdot_lanes_q6.h"
@@ -74,7 +75,10 @@ void qlinear_rows(int type, const uint8_t* w, int64_t ldw, const QRows& x, int64
       }
       return qlinear_range_k<kQ6_K>(w, ldw, x, M, bias, out, ldo, n_begin, n_end);
     case kIQ4_NL: return qlinear_range<kIQ4_NL>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
-    case kIQ4_XS: return qlinear_range_k<kIQ4_XS>(w, ldw, x, M, bias, out, ldo, n_begin, n_end);
+    case kIQ4_XS:
+      if constexpr (lanes_iq4(kIQ4_XS))  // (every number of rows: qdot_lanes_iq4.h)
+        return qlinear_lanes_iq4<kIQ4_XS>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
+      return qlinear_range_k<kIQ4_XS>(w, ldw, x, M, bias, out, ldo, n_begin, n_end);
     case kQ4_0R:
       if constexpr (lanes_packed(kQ4_0R)) return qlinear_lanes<kQ4_0R>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
       return qlinear_range_packed<kQ4_0R>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
