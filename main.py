@@ -127,11 +127,12 @@ class Loader:
             self.server.should_exit = True
 
     def _load(self) -> None:
-        from models.engine_factory import build_async_engine
+        from models.engine_factory import build_async_engine, freeze_heap
         from serving.start import load_embedder
 
         load_embedder(self.app, self.prepared.embedder_at, self.prepared.device)
         engine = build_async_engine(self.cfg)
+        freeze_heap()
         engine.start()
         self.engine = engine
         self.app.state.engine = engine

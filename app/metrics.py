@@ -9,8 +9,9 @@ Three sources feed it:
   generated token counters, finished sequences by finish reason. It finds the app's metrics through a
   context variable that the middleware sets for the duration of the request, so routes need no plumbing.
 - `EngineCollector` reads `engine.stats()` at scrape time: running and waiting sequences, KV cache usage
-  (fraction and tokens), preemptions, prefix cache queries and hits (in tokens, as vLLM counts them), and the
-  HTTP admission counters when `app/limits.py` installed them.
+  (fraction and tokens), preemptions, prefix cache queries and hits (in tokens, as vLLM counts them), the
+  HTTP admission counters when `app/limits.py` installed them, and the objects the load froze
+  (`models/engine_factory.freeze_heap`).
 
 Each `create_app` gets its own `CollectorRegistry` (never the process-global default), so several apps in
 one process, as in the tests, do not collide. Names follow vLLM's where one exists, prefixed `peregrine_`.
@@ -18,6 +19,7 @@ one process, as in the tests, do not collide. Names follow vLLM's where one exis
 
 from __future__ import annotations
 
+import gc
 import re
 import time
 from collections.abc import Iterable, Iterator
@@ -243,6 +245,11 @@ class EngineCollector(Collector):
         engine = getattr(self.app.state, "engine", None)
         if engine is not None:
             yield from _engine_metrics([((), engine.stats())])
+        yield _gauge(
+            "peregrine_gc_frozen_objects",
+            "Python objects moved out of the cyclic collector's reach once the model loaded (gc.freeze).",
+            gc.get_freeze_count(),
+        )
         admission = getattr(self.app.state, "admission", None)
         if admission is not None:
             yield _gauge(

@@ -249,7 +249,7 @@ class PeregrineReplica:
     """One replica: its own engine (and embedder), built once, serving `create_app`'s app."""
 
     def __init__(self, plan: ReplicaPlan) -> None:
-        from models.engine_factory import build_async_engine
+        from models.engine_factory import build_async_engine, freeze_heap
 
         self.plan = plan
         self.replica_id = serve.get_replica_context().replica_tag
@@ -257,8 +257,9 @@ class PeregrineReplica:
         log.info("replica %s (pid %d) loading %s on %s", self.replica_id, os.getpid(), plan.engine_config.model_path,
                  self.engine_config.device)  # fmt: skip
         self.engine = build_async_engine(self.engine_config)
-        self.engine.start()
         self.embedder = self._load_embedder(self.engine.device)
+        freeze_heap()
+        self.engine.start()
 
     def _load_embedder(self, device: str) -> Any:
         if self.plan.embedder_path is None:

@@ -277,7 +277,7 @@ class ModelRegistry:
             await engine.shutdown()
         finally:
             del engine
-            await asyncio.to_thread(gc.collect)  # the weights and KV cache go now, not at some later collection
+            await asyncio.to_thread(_collect)  # the weights and KV cache go now, not at some later collection
             slot.state, slot.keep_alive_s = "unloaded", None
             slot.unloads_total += 1
             log.info("model %s unloaded: %s", slot.spec.name, why)
@@ -348,3 +348,12 @@ def install_registry(app: Any, registry: ModelRegistry, preload: bool = True) ->
 
     app.router.lifespan_context = lifespan
 
+
+def _collect() -> None:
+    """A full collection that reaches the objects a load froze (models/engine_factory.freeze_heap: an unloaded
+    model's cycles among them), then what is still alive frozen again; a plain one where nothing is frozen."""
+    frozen = gc.get_freeze_count() > 0
+    gc.unfreeze()
+    gc.collect()
+    if frozen:
+        gc.freeze()

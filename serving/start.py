@@ -126,9 +126,10 @@ def memory_budget(settings: Settings, device: str) -> int:
 
 def start_engine(cfg: Any) -> Any:
     """Load one model and start its engine loop (blocking: the registry runs it in a worker thread)."""
-    from models.engine_factory import build_async_engine
+    from models.engine_factory import build_async_engine, freeze_heap
 
     engine = build_async_engine(cfg)
+    freeze_heap()
     engine.start()
     stats = engine.stats()
     log.info("%s: max_model_len %d, KV cache %d tokens", engine.model_name, engine.max_model_len,

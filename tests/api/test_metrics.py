@@ -42,6 +42,8 @@ def wait_for(http: httpx.Client, check, timeout: float = 120.0) -> dict:
 def test_metrics_move_during_and_after_a_stream(server: str, http: httpx.Client, model_id: str) -> None:
     before = scrape(http)
     assert get(before, "peregrine_engine_alive") == 1
+    # the server froze what its load left alive (models/engine_factory.freeze_heap): libraries, tokenizer, model
+    assert get(before, "peregrine_gc_frozen_objects") > 50_000
     total_tokens = get(before, "peregrine_kv_cache_total_tokens")
     assert total_tokens > 0
     body = {"model": model_id, "prompt": "Peregrine falcons hunt", "max_tokens": TOKENS, "ignore_eos": True,

@@ -117,7 +117,9 @@ def test_idle_model_is_unloaded_after_the_requests_keep_alive(multi: httpx.Clien
     unloads = _metrics(multi)["peregrine_model_unloads_total{tiny}"]
     chat(multi, "tiny", keep_alive="1s")
     wait_until(lambda: _states(multi)["tiny"] == "unloaded", 120, "tiny to be unloaded after keep_alive 1s")
-    assert _metrics(multi)["peregrine_model_unloads_total{tiny}"] == unloads + 1
+    after = _metrics(multi)
+    assert after["peregrine_model_unloads_total{tiny}"] == unloads + 1
+    assert after["peregrine_gc_frozen_objects{}"] > 50_000  # unfrozen for the unload's collection, frozen again
     engine = multi.get("/health/engine").json()["models"]["tiny"]
     assert engine["state"] == "unloaded" and "kv_total_blocks" not in engine  # no engine, no KV cache
     assert "peregrine_kv_cache_total_tokens{tiny}" not in _metrics(multi)

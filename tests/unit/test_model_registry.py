@@ -6,7 +6,9 @@ needs them slow."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
+import weakref
 from dataclasses import dataclass
 
 import pytest
@@ -133,6 +135,38 @@ async def test_idle_model_is_unloaded_after_its_keep_alive() -> None:
     clock.now += 55.0
     assert await reg.reap() == ["a"]
     assert (a.unloads_total, b.unloads_total) == (1, 1)
+
+
+class Cycle:
+    """An engine's share of reference cycles: freed by the cyclic collector only."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+async def test_an_unload_frees_what_the_load_froze_and_freezes_the_rest_again() -> None:
+    """A server freezes what its load left alive (models/engine_factory.freeze_heap); an unload's collection
+    unfreezes first, so an unloaded engine's cycles are freed, then freezes what is still alive. With nothing
+    frozen (this process otherwise) it stays a plain collection."""
+    reg, loader, clock = registry(spec("a", 100), keep_alive_s=5.0)
+    engine, a = await reg.acquire("a")
+    engine.cycle = Cycle()
+    cycle = weakref.ref(engine.cycle)
+    reg.release(a)
+    del engine, loader.engines["a"]  # the registry's slot holds the engine now, alone
+    gc.collect()
+    gc.freeze()
+    try:
+        clock.now += 5.0
+        assert await reg.reap() == ["a"]
+        assert cycle() is None, "the unloaded engine's frozen cycle was kept"
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+    _, a = await reg.acquire("a")
+    reg.release(a)
+    clock.now += 5.0
+    assert await reg.reap() == ["a"] and gc.get_freeze_count() == 0
 
 
 async def test_a_model_in_use_is_not_unloaded_by_keep_alive() -> None:
