@@ -91,8 +91,8 @@ def test_qlinear_k_quant_tiles_keep_rows_bitwise(module: Any, fmt: str) -> None:
     Q4_K's lanes, qdot_lanes_k.h's 16 and qdot_lanes8.h's 8, every row in another lane and the last tile a whole
     one; qdot_lanes8.h's blocks of 16 activation rows and 56 weight rows at K = 4096 crossed as well). Q6_K takes its
     row loop for one to three activation rows and its lanes (qdot_lanes8.h, qdot_lanes_q6.h) from four: the single
-    row and the three against the batch of 29 hold the two to the same bits; so does IQ4_XS in the AVX-512 VNNI builds
-    (qdot_lanes_iq4.h)."""
+    row and the three against the batch of 29 hold the two to the same bits. IQ4_XS takes its lanes for every number
+    of rows in the AVX-512 VNNI builds (qdot_lanes_iq4.h)."""
     blocks, x, got = k_quant_product(module, fmt, 150, 4096, 29, seeds=(5, 4))
     for rows in (slice(0, 1), slice(7, 10), slice(28, 29), slice(3, 29)):
         assert torch.equal(module.qlinear(x[rows], blocks, TYPES[fmt], None), got[rows]), rows
@@ -130,17 +130,19 @@ def test_k_quant_sums_are_the_avx2_bodys_bits_on_every_path(module: Any, fmt: st
     same integer sums as the AVX2 body, so the same bits, for one to five activation rows and batches of 11 and 16
     (eight rows a weight row at a time there, kRowsK, then four, two, one), with `vpdpwssd` where the build has VNNI.
     Q4_K goes through lanes in both (qdot_lanes_k.h's 16 rows with `vpdpbusd` there, qdot_lanes8.h's 8 with
-    `vpmaddubsw` in the AVX2 build), and so does Q6_K from four rows (qdot_lanes_q6.h's 16, qdot_lanes8.h's 8), and
-    IQ4_XS from four rows in the AVX-512 VNNI builds (qdot_lanes_iq4.h's 16, against the AVX2 build's row loop): the
-    same integer sums and float operations, so the same bits too."""
-    if module.isa() in ("none", "avx2"):
-        pytest.skip("the portable build sums in its own order; avx2 is the reference itself")
-    avx2 = cpu_kernels.load(tool_cache_dir(), level="avx2")
-    assert avx2 is not None
+    `vpmaddubsw` in the AVX2 build), and so does Q6_K from four rows (qdot_lanes_q6.h's 16, qdot_lanes8.h's 8): the
+    same integer sums and float operations, so the same bits too. IQ4_XS goes through lanes of their own in the
+    AVX-512 VNNI builds (qdot_lanes_iq4.h, every number of rows), their own float order: the same bits in each of
+    those builds (held to the avx512 build's), the row loop's in the others (held to avx2's)."""
+    reference = "avx512" if fmt == "IQ4_XS" and module.isa() in LANES else "avx2"
+    if module.isa() in ("none", reference):
+        pytest.skip(f"the portable build sums in its own order; {reference} is the reference itself")
+    ref = cpu_kernels.load(tool_cache_dir(), level=reference)
+    assert ref is not None
     blocks = torch.from_numpy(make_blocks(fmt, 37, 1024, np.random.default_rng(11)))
     x = torch.randn(16, 1024, generator=torch.Generator().manual_seed(6))
     for rows in (1, 2, 3, 5, 11, 16):
-        want = avx2.qlinear(x[:rows], blocks, TYPES[fmt], None)
+        want = ref.qlinear(x[:rows], blocks, TYPES[fmt], None)
         assert torch.equal(module.qlinear(x[:rows], blocks, TYPES[fmt], None), want), rows
 
 
@@ -171,7 +173,7 @@ def test_iq4_xs_lanes_at_the_extremes_of_their_integers(module: Any) -> None:
     """IQ4_XS's lanes (qdot_lanes_iq4.h) take the table's values plus 128 (1-241) unsigned in `vpdpbusd` and start
     each 32-value group at -128 times its activations' sum: with every nibble 0 or 15 (the table's -127 and 113),
     scales at -32 / 31 and activations at +-127 after quantization, the result is the exact int8 product (within 1e-5
-    of its range), and a row alone (the row loop) gives the bits it has among 16 (the lanes)."""
+    of its range), and a row alone gives the bits it has among 16."""
     rows, k = 40, 1024
     rng = np.random.default_rng(10)
     blocks = rng.choice(np.array([0x00, 0xFF, 0x0F, 0xF0], np.uint8), (rows, k // 256, 136))  # nibbles 0 / 15

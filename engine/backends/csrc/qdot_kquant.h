@@ -343,25 +343,22 @@ inline __m128i hsum2_epi32(__m256i a, __m256i b) {
   const __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
   return _mm_hadd_epi32(u, u);
 }
+#endif
 
-// The float loop of the formats whose super-blocks are summed whole in integers (Q6_K, IQ4_XS): each super-block's
-// int32 sum (`sums(blk, b, v)`: eight lanes a row, their sum the row's) reduced to one value and added as
-// fma(sum, d * dx, acc), d the f16 at byte `d_at` of the block; the reductions' shuffles shared two at a time (one
-// activation row: two super-blocks at a time; more: two rows).
-template <int T, int R, typename Sums>
-inline void int_superblocks(const uint8_t* row, const QRows& x, int64_t m0, float* res, int64_t fetch, int d_at,
-                            Sums&& sums) {
-  constexpr int64_t bytes = layout_of(T).bytes;
+template <int R>
+inline void dot_q6k(const uint8_t* row, const QRows& x, int64_t m0, float* res, int64_t fetch) {
+#if defined(__AVX2__)
+  constexpr int64_t bytes = layout_of(kQ6_K).bytes;
   const int64_t nb = x.K / kQK_K;
   float acc[R] = {};
-  auto dk = [&](int r, int64_t b) { return half_to_float(row + b * bytes + d_at) * x.kd[(m0 + r) * nb + b]; };
+  auto dk = [&](int r, int64_t b) { return half_to_float(row + b * bytes + 208) * x.kd[(m0 + r) * nb + b]; };
   int64_t b = 0;
   if constexpr (R == 1)
     for (; b + 2 <= nb; b += 2) {
       if (fetch > 0) fetch_bytes(row + b * bytes + fetch, 2 * bytes);
       __m256i v0, v1;
-      sums(row + b * bytes, b, &v0);
-      sums(row + (b + 1) * bytes, b + 1, &v1);
+      q6k_block_sums<1>(row + b * bytes, x, m0, b, &v0);
+      q6k_block_sums<1>(row + (b + 1) * bytes, x, m0, b + 1, &v1);
       const __m128 f = _mm_cvtepi32_ps(hsum2_epi32(v0, v1));  // (the conversion of static_cast<float>)
       acc[0] = std::fma(_mm_cvtss_f32(f), dk(0, b), acc[0]);
       acc[0] = std::fma(_mm_cvtss_f32(_mm_movehdup_ps(f)), dk(0, b + 1), acc[0]);
@@ -369,25 +366,10 @@ inline void int_superblocks(const uint8_t* row, const QRows& x, int64_t m0, floa
   for (; b < nb; ++b) {
     if (fetch > 0) fetch_bytes(row + b * bytes + fetch, bytes);
     __m256i v[R];
-    sums(row + b * bytes, b, v);
-    int r = 0;
-    for (; r + 2 <= R; r += 2) {  // (two rows' reductions at a time)
-      const __m128 f = _mm_cvtepi32_ps(hsum2_epi32(v[r], v[r + 1]));
-      acc[r] = std::fma(_mm_cvtss_f32(f), dk(r, b), acc[r]);
-      acc[r + 1] = std::fma(_mm_cvtss_f32(_mm_movehdup_ps(f)), dk(r + 1, b), acc[r + 1]);
-    }
-    if (r < R) acc[r] = std::fma(static_cast<float>(hsum8_epi32(v[r])), dk(r, b), acc[r]);
+    q6k_block_sums<R>(row + b * bytes, x, m0, b, v);
+    for (int r = 0; r < R; ++r) acc[r] = std::fma(static_cast<float>(hsum8_epi32(v[r])), dk(r, b), acc[r]);
   }
   for (int r = 0; r < R; ++r) res[r] = acc[r];
-}
-#endif
-
-template <int R>
-inline void dot_q6k(const uint8_t* row, const QRows& x, int64_t m0, float* res, int64_t fetch) {
-#if defined(__AVX2__)
-  int_superblocks<kQ6_K, R>(row, x, m0, res, fetch, 208, [&](const uint8_t* blk, int64_t b, __m256i* v) {
-    q6k_block_sums<R>(blk, x, m0, b, v);
-  });
 #else
   superblocks<kQ6_K, R>(row, x, m0, res, fetch, [&](const uint8_t* blk, int64_t xb, float& acc) {
     const int8_t* a = x.kq + xb * kQK_K;
@@ -411,32 +393,31 @@ inline void dot_q6k(const uint8_t* row, const QRows& x, int64_t m0, float* res, 
 // group's signed 6-bit scale, iq4xs_scale), so a block's dot is d * dx * sum_j ls_j (w_j . a_j) in integers, as
 // ggml_vec_dot_iq4_xs_q8_K: the table's values by one `vpshufb` of the nibbles (qdot_formats.h), signed times signed
 // by the sign trick (|w| times a with w's sign; |w| <= 127, so the pair sums stay below int16's saturation), the
-// group's scale by `vpmaddwd`. Each super-block's sum is reduced to one int32 and added as fma(sum, d * dx, acc)
-// (int_superblocks): the float operations of IQ4_XS's lanes (qdot_lanes_iq4.h), so either gives a row's bits.
-#if defined(__AVX2__)
-template <int R>
-inline void iq4xs_block_sums(const uint8_t* blk, const QRows& x, int64_t m0, int64_t b, __m256i* out) {
-  const int64_t K = x.K;
-  const __m256i table = iq4_table();
-  for (int r = 0; r < R; ++r) out[r] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-  for (int j = 0; j < 8; ++j) {
-    const __m256i w = _mm256_shuffle_epi8(table, nibbles16(blk + 8 + 16 * j)), wu = _mm256_sign_epi8(w, w);
-    const __m256i s = _mm256_set1_epi16(static_cast<int16_t>(iq4xs_scale(blk, j)));
-    for (int r = 0; r < R; ++r) {
-      const int8_t* ar = x.kq + (m0 + r) * K + b * kQK_K + 32 * j;
-      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ar));
-      out[r] = scaled_add(out[r], _mm256_maddubs_epi16(wu, _mm256_sign_epi8(a, w)), s);
-    }
-  }
-}
-#endif
-
+// group's scale by `vpmaddwd`. The AVX-512 VNNI builds take IQ4_XS through lanes of their own (qdot_lanes_iq4.h),
+// in their own order of float sums.
 template <int R>
 inline void dot_iq4xs(const uint8_t* row, const QRows& x, int64_t m0, float* res, int64_t fetch) {
 #if defined(__AVX2__)
-  int_superblocks<kIQ4_XS, R>(row, x, m0, res, fetch, 0, [&](const uint8_t* blk, int64_t b, __m256i* v) {
-    iq4xs_block_sums<R>(blk, x, m0, b, v);
+  superblocks<kIQ4_XS, R>(row, x, m0, res, fetch, [&](const uint8_t* blk, int64_t b, __m256* acc) {
+    const int64_t K = x.K, nb = K / kQK_K;
+    const __m256i table = iq4_table();
+    __m256i sumi[R];
+    for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      const __m256i w = _mm256_shuffle_epi8(table, nibbles16(blk + 8 + 16 * j)), wu = _mm256_sign_epi8(w, w);
+      const __m256i s = _mm256_set1_epi16(static_cast<int16_t>(iq4xs_scale(blk, j)));
+      for (int r = 0; r < R; ++r) {
+        const int8_t* ar = x.kq + (m0 + r) * K + b * kQK_K + 32 * j;
+        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ar));
+        sumi[r] = scaled_add(sumi[r], _mm256_maddubs_epi16(wu, _mm256_sign_epi8(a, w)), s);
+      }
+    }
+    const __m256 d = _mm256_set1_ps(half_to_float(blk));
+    for (int r = 0; r < R; ++r) {
+      const int64_t xb = (m0 + r) * nb + b;
+      acc[r] = madd8(_mm256_mul_ps(d, _mm256_broadcast_ss(x.kd + xb)), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
+    }
   });
 #else
   superblocks<kIQ4_XS, R>(row, x, m0, res, fetch, [&](const uint8_t* blk, int64_t xb, float& acc) {

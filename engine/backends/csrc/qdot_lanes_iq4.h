@@ -9,10 +9,12 @@
 // trick a group at a time), and an IQ4_XS file's first token took 1.58x llama-server's time (docs/benchmarks.md).
 //
 // Each lane is its row's own sequence: the super-block's exact int32 sum sum_j ls_j (w_j . a_j) (the integers of the
-// row loop, however they are grouped), then fma(sum, d * dx, acc) super-block by super-block, the float operations of
-// the row loop (qdot_kquant.h's dot_iq4xs): a row's result is the same bits here, in the row loop and in the AVX2
-// build, in any tile, thread split or batch. On AVX2 without VNNI `vpmaddubsw` would saturate (241 x 127 x 2), so
-// those builds keep the row loop.
+// row loop, however they are grouped), then fma(sum, d * dx, acc) super-block by super-block, so a row's result is
+// the same bits in any tile, thread split or batch. Not the row loop's bits (qdot_kquant.h's dot_iq4xs converts
+// each of its eight int32 lanes and sums them in float): these lanes serve every number of activation rows in these
+// builds, so that loop is not used here. Giving the row loop these float operations (each super-block's lanes
+// reduced to one integer first) made it 7-14% slower at one row in the AVX2 build. On AVX2 without VNNI
+// `vpmaddubsw` would saturate on the offset values (241 x 127 x 2), so those builds keep the row loop.
 //
 // Unlike Q6_K's, these lanes serve every number of activation rows, one included: the row loop's sign trick costs
 // more than the transposes. scripts/bench_qdot.py --format IQ4_XS, one thread, rows in L2, AMD EPYC Zen 4
