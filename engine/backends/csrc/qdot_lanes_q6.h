@@ -62,11 +62,25 @@ inline void decode_block16(const uint8_t* const p[kLanes], int64_t at, Lanes16Bl
   blk.d = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(dh)));
 }
 
+// acc[r] (16 lanes, accs + 16 r) = fma(isum[r], d * dx, acc[r]): super-block b's exact integer sums of activation
+// rows m + r, r < R, added as the row loops add them (dx: the activation block's scale).
+template <int R>
+__attribute__((always_inline)) inline void lanes16_add(const __m512i* isum, __m512 d, const QRows& x, int64_t m,
+                                                       int64_t b, float* accs) {
+  const int64_t nb = x.K / kQK_K;
+  for (int r = 0; r < R; ++r) {
+    float* acc = accs + r * kLanes;
+    _mm512_storeu_ps(acc, _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]),
+                                          _mm512_mul_ps(d, _mm512_set1_ps(x.kd[(m + r) * nb + b])),
+                                          _mm512_loadu_ps(acc)));
+  }
+}
+
 // acc[r] (16 lanes) += activation row m + r's super-block b times the tile's decoded super-block, r < R.
 template <int R>
 __attribute__((always_inline)) inline void lanes16_rows_q6(const Lanes16BlockQ6& blk, const QRows& x, int64_t m,
                                                            int64_t b, float* accs) {
-  const int64_t K = x.K, nb = K / kQK_K;
+  const int64_t K = x.K;
   const int8_t* a[R];
   const int16_t* ks[R];
   __m512i isum[R];
@@ -94,32 +108,35 @@ __attribute__((always_inline)) inline void lanes16_rows_q6(const Lanes16BlockQ6&
       isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(p, sc));
     }
   }
-  for (int r = 0; r < R; ++r) {
-    float* acc = accs + r * kLanes;
-    _mm512_storeu_ps(acc, _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]),
-                                          _mm512_mul_ps(blk.d, _mm512_set1_ps(x.kd[(m + r) * nb + b])),
-                                          _mm512_loadu_ps(acc)));
-  }
+  lanes16_add<R>(isum, blk.d, x, m, b, accs);
 }
 
-// out[m * ldo + n] = x[m] . W[n] (+ bias[n]) for n in [n_begin, n_end), m < M: lanes_tiles' loop, 16 weight rows a
-// tile, the tile kLanesAhead on prefetched into L2.
-template <int T, typename O>
-void qlinear_lanes_q6(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, const float* bias, O* out,
-                      int64_t ldo, int64_t n_begin, int64_t n_end, QScratch& s) {
-  static_assert(T == kQ6_K, "lanes_q6");
+// out[m * ldo + n] = x[m] . W[n] (+ bias[n]) for n in [n_begin, n_end), m < M, W of format T in super-blocks that
+// `decode(p, at, blk)` turns into a Block for 16 weight rows and `rows(blk, m, b, acc, R)` multiplies with R
+// activation rows: lanes_tiles' loop, 16 weight rows a tile, the tile kLanesAhead on prefetched into L2.
+template <int T, typename Block, typename O, typename Decode, typename Rows>
+void qlinear_lanes16(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, const float* bias, O* out, int64_t ldo,
+                     int64_t n_begin, int64_t n_end, QScratch& s, Decode&& decode, Rows&& rows) {
   const int64_t mt = std::max<int64_t>(16, (64 << 10) / x.K);
-  lanes_tiles<kLanes, Lanes16BlockQ6>(
-      w, ldw, layout_of(kQ6_K).bytes, x, M, n_begin, n_end, mt, kLanes * kLanesAhead, s,
-      [](const uint8_t* const* p, int64_t at, Lanes16BlockQ6& blk) { decode_block16(p, at, blk); },
-      [&](const Lanes16BlockQ6& blk, int64_t m, int64_t b, float* acc, auto r) {
-        lanes16_rows_q6<decltype(r)::value>(blk, x, m, b, acc);
-      },
+  lanes_tiles<kLanes, Block>(
+      w, ldw, layout_of(T).bytes, x, M, n_begin, n_end, mt, kLanes * kLanesAhead, s, decode, rows,
       [&](int64_t n, int64_t count, int64_t m0, int64_t m1, const float* accs) {
         const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
         const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
         for (int64_t m = m0; m < m1; ++m)
           store_lanes(out + m * ldo + n, _mm512_add_ps(_mm512_loadu_ps(accs + (m - m0) * kLanes), bv), count, mask);
+      });
+}
+
+template <int T, typename O>
+void qlinear_lanes_q6(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, const float* bias, O* out,
+                      int64_t ldo, int64_t n_begin, int64_t n_end, QScratch& s) {
+  static_assert(T == kQ6_K, "lanes_q6");
+  qlinear_lanes16<T, Lanes16BlockQ6>(
+      w, ldw, x, M, bias, out, ldo, n_begin, n_end, s,
+      [](const uint8_t* const* p, int64_t at, Lanes16BlockQ6& blk) { decode_block16(p, at, blk); },
+      [&](const Lanes16BlockQ6& blk, int64_t m, int64_t b, float* acc, auto r) {
+        lanes16_rows_q6<decltype(r)::value>(blk, x, m, b, acc);
       });
 }
 #else
