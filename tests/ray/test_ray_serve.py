@@ -272,10 +272,10 @@ async def test_killed_replica_errors_its_requests_and_comes_back(
     The kill lands, synchronously, when the first stream gets its first chunk: that stream has about 4,000
     tokens still to come, so it and the other streams on the killed replica are in flight (no event loop turn
     passes between seeing the chunk and the kill; with 1,000 tokens, a CI run under load once saw the tiny
-    model's whole stream leave the replica before the client read its first chunk). A stream on the killed replica either raises or
-    (if all of it had left the replica before the kill) is complete and correct; the one that triggered the
-    kill raises. Every request that completes is correct. Ray starts a new replica, and requests sent once it
-    is up succeed."""
+    model's whole stream leave the replica before the client read its first chunk). A stream on the killed
+    replica either raises or (if all of it had left the replica before the kill) is complete and correct; the
+    one that triggered the kill raises. Every request that completes is correct. Ray starts a new replica, and
+    requests sent once it is up succeed."""
     max_tokens, prompt = MAX_MODEL_LEN - 64, PROMPTS[2]  # long enough to be in flight on every replica at the kill
     replicas = {r["id"]: r["pid"] for r in _health(cluster.base_url)["replicas"]}
     client = cluster.client()
