@@ -8,8 +8,9 @@
 // row's sequence of operations: the same bits for a row in any batch, lane or tile; not the row loop's bits (a
 // different order of float sums). Rows of a multiple of 64 values (pairs of groups); others keep the row loop.
 // scripts/bench_qdot.py --format Q5_0, one thread, rows in L2, AMD EPYC Zen 4, ns a weight row at K = 1152 (6912),
-// against the row loop: 1 activation row 56 (349) against 68 (365), 4 rows 79 (539) against 126 (767), 16 rows 242
-// (1594) against 429 (2688); from memory, one row of 131072 x 1152 on 2 threads, 3.62-3.73 against 4.58-4.60 ms.
+// against the row loop: 1 activation row 41 (271) against 68 (365), 4 rows 64 (455) against 126 (767), 16 rows 219
+// (1515) against 429 (2688); from memory, one row of 131072 x 1152 on 2 threads, 3.62-3.73 against 4.58-4.60 ms
+// (before the tile's scales were loaded without gathers: 1 row 55 (348), 4 rows 79 (539), 16 rows 242 (1594)).
 #pragma once
 
 #include "qdot_lanes.h"
@@ -19,14 +20,28 @@ namespace peregrine_quant {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__FMA__) && defined(__F16C__)
 constexpr bool lanes_q5(int T) { return T == kQ5_0; }
 
-// The tile's d, -16 d and fifth bits for every group, lane j row j's: sd[g * 16 + j], sm[...], qh[...].
-inline void tile_scales_q5(const uint8_t* w0, __m512i index, int64_t groups, float* sd, float* sm, uint32_t* qh) {
+// The tile's d, -16 d and fifth bits for every group, lane j row j's: sd[g * 16 + j], sm[...], qh[...]. Each row's
+// first eight bytes of a group (f16 d, the 32 fifth bits, two bytes of nibbles) loaded as one integer, two rows to a
+// 128-bit register, eight rows to a 512-bit one: no gather (32 elements a group in two 32-bit gathers, about a cycle
+// an element on Zen 4, and slower still on the Xeons whose microcode guards gathers against Downfall).
+inline void tile_scales_q5(const uint8_t* const p[kLanes], int64_t groups, float* sd, float* sm, uint32_t* qh) {
   constexpr int64_t bytes = 22;
   const __m512 sixteen = _mm512_set1_ps(-16.f);
   for (int64_t g = 0; g < groups; ++g) {
-    const __m512i dw = _mm512_i32gather_epi32(index, w0 + g * bytes, 1);  // f16 d and the first half of qh
-    const __m512i h = _mm512_i32gather_epi32(index, w0 + g * bytes + 2, 1);
-    const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dw));
+    auto two = [&](int k) {  // rows k and k + 1
+      int64_t u, v;
+      std::memcpy(&u, p[k] + g * bytes, 8);
+      std::memcpy(&v, p[k + 1] + g * bytes, 8);
+      return _mm_set_epi64x(v, u);
+    };
+    auto eight = [&](int k) {  // rows k .. k + 7, one a 64-bit lane
+      return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(two(k + 2), two(k))),
+                                _mm256_set_m128i(two(k + 6), two(k + 4)), 1);
+    };
+    const __m512i a = eight(0), b = eight(8);
+    const __m512 d = _mm512_cvtph_ps(_mm256_set_m128i(_mm512_cvtepi64_epi16(b), _mm512_cvtepi64_epi16(a)));
+    const __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi64_epi32(_mm512_srli_epi64(a, 16))),
+                                         _mm512_cvtepi64_epi32(_mm512_srli_epi64(b, 16)), 1);
     _mm512_storeu_ps(sd + g * kLanes, d);
     _mm512_storeu_ps(sm + g * kLanes, _mm512_mul_ps(sixteen, d));
     _mm512_storeu_si512(qh + g * kLanes, h);
@@ -131,11 +146,7 @@ void qlinear_lanes_q5(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, 
     for (int j = 0; j < kLanes; ++j) p[j] = w + (n + std::min<int64_t>(j, count - 1)) * ldw;
     const int64_t fetch_begin = std::min(n_end, n + ahead) * ldw;  // the tile `ahead` rows on
     const int64_t fetch_bytes = std::min(n_end, n + ahead + kLanes) * ldw - fetch_begin;
-    const __m512i index = _mm512_mullo_epi32(
-        _mm512_min_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                         _mm512_set1_epi32(static_cast<int>(count - 1))),
-        _mm512_set1_epi32(static_cast<int>(ldw)));
-    tile_scales_q5(p[0], index, groups, sd, sm, qh);
+    tile_scales_q5(p, groups, sd, sm, qh);
     const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
     const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
     __m512 res[kLaneRowsR];
