@@ -28,7 +28,7 @@ from engine.backends import cpu_kernels
 from engine.model.quant import QuantWeight
 from engine.types import SamplingParams
 from models import gguf_weights
-from tests.engine.test_cpu_kernels_paths import PATHS
+from tests.engine.test_cpu_kernels_paths import PATHS, _path_reason
 from tests.quant_blocks import FORMATS, KQUANTS, dequantize, make_blocks, write_tiny_gguf
 from tests.support import Loaded, decoder_against_op_by_op
 
@@ -80,6 +80,7 @@ def test_qlinear_matches_the_dequantized_product(module: Any, fmt: str) -> None:
 
 
 LANES = ("avx512", "avx512_bf16")  # the builds whose packed Q4_0 / Q4_1 / Q8_0 rows go through qdot_lanes.h
+IQ4_LANES = ("avx_vnni", *LANES)  # and whose IQ4_XS rows go through lanes (qdot_lanes_iq4.h, qdot_lanes8.h)
 
 
 @pytest.mark.parametrize("fmt", KQUANTS)
@@ -92,7 +93,7 @@ def test_qlinear_k_quant_tiles_keep_rows_bitwise(module: Any, fmt: str) -> None:
     one; qdot_lanes8.h's blocks of 16 activation rows and 56 weight rows at K = 4096 crossed as well). Q6_K takes its
     row loop for one to three activation rows and its lanes (qdot_lanes8.h, qdot_lanes_q6.h) from four: the single
     row and the three against the batch of 29 hold the two to the same bits. IQ4_XS takes its lanes for every number
-    of rows in the AVX-512 VNNI builds (qdot_lanes_iq4.h)."""
+    of rows in the VNNI builds (qdot_lanes_iq4.h; qdot_lanes8.h in the avx_vnni build)."""
     blocks, x, got = k_quant_product(module, fmt, 150, 4096, 29, seeds=(5, 4))
     for rows in (slice(0, 1), slice(7, 10), slice(28, 29), slice(3, 29)):
         assert torch.equal(module.qlinear(x[rows], blocks, TYPES[fmt], None), got[rows]), rows
@@ -131,12 +132,15 @@ def test_k_quant_sums_are_the_avx2_bodys_bits_on_every_path(module: Any, fmt: st
     (eight rows a weight row at a time there, kRowsK, then four, two, one), with `vpdpwssd` where the build has VNNI.
     Q4_K goes through lanes in both (qdot_lanes_k.h's 16 rows with `vpdpbusd` there, qdot_lanes8.h's 8 with
     `vpmaddubsw` in the AVX2 build), and so does Q6_K from four rows (qdot_lanes_q6.h's 16, qdot_lanes8.h's 8): the
-    same integer sums and float operations, so the same bits too. IQ4_XS goes through lanes of their own in the
-    AVX-512 VNNI builds (qdot_lanes_iq4.h, every number of rows), their own float order: the same bits in each of
-    those builds (held to the avx512 build's), the row loop's in the others (held to avx2's)."""
-    reference = "avx512" if fmt == "IQ4_XS" and module.isa() in LANES else "avx2"
+    same integer sums and float operations, so the same bits too; the avx_vnni build's lanes sum with `vpdpbusd`,
+    the same integers again. IQ4_XS goes through lanes of their own in the VNNI builds (qdot_lanes_iq4.h's 16 rows
+    with AVX-512 VNNI, qdot_lanes8.h's 8 with AVX-VNNI, every number of rows), their own float order: the same bits
+    in each of those builds (held to the avx512 build's), the row loop's in the others (held to avx2's)."""
+    reference = "avx512" if fmt == "IQ4_XS" and module.isa() in IQ4_LANES else "avx2"
     if module.isa() in ("none", reference):
         pytest.skip(f"the portable build sums in its own order; {reference} is the reference itself")
+    if (reason := _path_reason(reference)) is not None:
+        pytest.skip(f"the {reference} reference: {reason}")
     ref = cpu_kernels.load(tool_cache_dir(), level=reference)
     assert ref is not None
     blocks = torch.from_numpy(make_blocks(fmt, 37, 1024, np.random.default_rng(11)))
@@ -170,10 +174,10 @@ def test_q6_k_lanes_at_the_extremes_of_their_integers(module: Any) -> None:
 
 
 def test_iq4_xs_lanes_at_the_extremes_of_their_integers(module: Any) -> None:
-    """IQ4_XS's lanes (qdot_lanes_iq4.h) take the table's values plus 128 (1-241) unsigned in `vpdpbusd` and start
-    each 32-value group at -128 times its activations' sum: with every nibble 0 or 15 (the table's -127 and 113),
-    scales at -32 / 31 and activations at +-127 after quantization, the result is the exact int8 product (within 1e-5
-    of its range), and a row alone gives the bits it has among 16."""
+    """IQ4_XS's lanes (qdot_lanes_iq4.h, qdot_lanes8.h) take the table's values plus 128 (1-241) unsigned in
+    `vpdpbusd` and start each 32-value group at -128 times its activations' sum: with every nibble 0 or 15 (the
+    table's -127 and 113), scales at -32 / 31 and activations at +-127 after quantization, the result is the exact
+    int8 product (within 1e-5 of its range), and a row alone gives the bits it has among 16."""
     rows, k = 40, 1024
     rng = np.random.default_rng(10)
     blocks = rng.choice(np.array([0x00, 0xFF, 0x0F, 0xF0], np.uint8), (rows, k // 256, 136))  # nibbles 0 / 15

@@ -26,7 +26,8 @@
 // register there, the same integer sums). In the AVX-512 VNNI builds Q4_K goes 16 weight rows a lane each instead
 // (qdot_lanes_k.h), and so do Q6_K (qdot_lanes_q6.h), IQ4_XS (qdot_lanes_iq4.h) and Q5_0 (qdot_lanes_q5.h): their
 // own order of float sums, the same for a row in any batch; in the other AVX2 builds Q4_K and Q6_K go eight weight
-// rows a lane each (qdot_lanes8.h), the same float operations as the 16-lane loops, so the same bits. IQ4_NL goes
+// rows a lane each (qdot_lanes8.h), the same float operations as the 16-lane loops, so the same bits, and with
+// AVX-VNNI IQ4_XS too (as qdot_lanes_iq4.h, for every number of activation rows). IQ4_NL goes
 // through the 32-value loop as a signed format (its nibbles looked up in its table by one `vpshufb`,
 // qdot_formats.h).
 //
@@ -78,6 +79,8 @@ void qlinear_rows(int type, const uint8_t* w, int64_t ldw, const QRows& x, int64
     case kIQ4_XS:
       if constexpr (lanes_iq4(kIQ4_XS))  // (every number of rows: qdot_lanes_iq4.h)
         return qlinear_lanes_iq4<kIQ4_XS>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
+      if constexpr (lanes_k8(kIQ4_XS))  // (AVX-VNNI; every number of rows, as qdot_lanes_iq4.h's)
+        return qlinear_lanes_k8<kIQ4_XS>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
       return qlinear_range_k<kIQ4_XS>(w, ldw, x, M, bias, out, ldo, n_begin, n_end);
     case kQ4_0R:
       if constexpr (lanes_packed(kQ4_0R)) return qlinear_lanes<kQ4_0R>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);

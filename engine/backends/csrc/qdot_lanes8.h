@@ -14,6 +14,11 @@
 // acc) and (Q4_K) the eight minimums' fnmadd, super-block by super-block: the operations of qdot_lanes_k.h's and
 // qdot_lanes_q6.h's lanes, so a row's result is the same bits here, in the AVX-512 VNNI builds, in any tile, thread
 // split or batch.
+//
+// The avx_vnni build multiplies with AVX-VNNI's 256-bit `vpdpbusd` instead: a group's products summed in int32 (two
+// chains), times its scale by `vpmulld` (the scales kept as int32 lanes), Q6_K's offset started in each group's sum as
+// the 16-lane loop starts it. The same exact integers, so the same bits. It also takes IQ4_XS (Lanes8BlockIQ4) the
+// way qdot_lanes_iq4.h does at 16 lanes, for every number of activation rows.
 #pragma once
 
 #include "qdot_kquant.h"
@@ -48,7 +53,11 @@ inline void q6k_half(const V l0[8], const V l1[8], const V h[8], Ops ops, Store&
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && \
     !(defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__))
+#if defined(__AVXVNNI__)
+constexpr bool lanes_k8(int T) { return T == kQ4_K || T == kQ6_K || T == kIQ4_XS; }
+#else
 constexpr bool lanes_k8(int T) { return T == kQ4_K || T == kQ6_K; }
+#endif
 constexpr int kLanes8 = 8, kLanes8Ahead = 3;  // rows a tile; tiles ahead prefetched into L2
 
 // r[k] (row k's eight dwords) to r[i] (dword i of rows 0-7, lane k row k's).
@@ -96,7 +105,8 @@ struct Ops256 {
 };
 
 // Scratch for one tile's super-block: the eight groups' values (wd[8g + i]: values 4i .. 4i + 3 of group g of each
-// lane's row), their scales (sc[g]: lane k row k's scale in both int16 halves), d, and dmin * mn (mins[g]).
+// lane's row), their scales (sc[g]: lane k row k's scale in both int16 halves; avx_vnni: in int32), d, and dmin * mn
+// (mins[g]).
 struct Lanes8Block {
   __m256i wd[64];
   __m256i sc[8];
@@ -135,8 +145,13 @@ inline void decode_block8(const uint8_t* const p[kLanes8], int64_t at, Lanes8Blo
   blk.d = f16s(_mm256_and_si256(dw[0], half));
   const __m256 dmin = f16s(_mm256_srli_epi32(dw[0], 16));
   q4k_scales_mins_lanes(dw, Ops256{}, [&](int j, __m256i s_lo, __m256i s_hi, __m256i m_lo, __m256i m_hi) {
+#if defined(__AVXVNNI__)  // int32 lanes, for `vpmulld` (lanes8_rows)
+    _mm256_store_si256(&blk.sc[j], s_lo);
+    _mm256_store_si256(&blk.sc[4 + j], s_hi);
+#else
     _mm256_store_si256(&blk.sc[j], _mm256_or_si256(s_lo, _mm256_slli_epi32(s_lo, 16)));
     _mm256_store_si256(&blk.sc[4 + j], _mm256_or_si256(s_hi, _mm256_slli_epi32(s_hi, 16)));
+#endif
     blk.mins[j] = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(m_lo));
     blk.mins[4 + j] = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(m_hi));
   });
@@ -152,18 +167,34 @@ __attribute__((always_inline)) inline void lanes8_rows(const Lanes8Block& blk, c
   const int8_t* a[R];
   __m256i isum[R];
   for (int r = 0; r < R; ++r) a[r] = x.kq + (m + r) * K + b * kQK_K, isum[r] = _mm256_setzero_si256();
+  auto bc = [](const int8_t* v) {
+    int32_t u;
+    std::memcpy(&u, v, 4);
+    return _mm256_set1_epi32(u);
+  };
   for (int g = 0; g < 8; ++g) {
+#if defined(__AVXVNNI__)  // a group's 32 products a lane in int32 (two chains), times its scale
+    __m256i p[R], q[R];
+    for (int r = 0; r < R; ++r) p[r] = q[r] = _mm256_setzero_si256();
+    for (int i = 0; i < 8; i += 2) {
+      const __m256i w0 = _mm256_load_si256(&blk.wd[8 * g + i]), w1 = _mm256_load_si256(&blk.wd[8 * g + i + 1]);
+      for (int r = 0; r < R; ++r) {
+        p[r] = _mm256_dpbusd_avx_epi32(p[r], w0, bc(a[r] + 32 * g + 4 * i));
+        q[r] = _mm256_dpbusd_avx_epi32(q[r], w1, bc(a[r] + 32 * g + 4 * i + 4));
+      }
+    }
+    const __m256i sc = _mm256_load_si256(&blk.sc[g]);
+    for (int r = 0; r < R; ++r)
+      isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(_mm256_add_epi32(p[r], q[r]), sc));
+#else
     __m256i p[R];
     for (int r = 0; r < R; ++r) p[r] = _mm256_setzero_si256();
     for (int i = 0; i < 8; ++i) {
       const __m256i wv = _mm256_load_si256(&blk.wd[8 * g + i]);
-      for (int r = 0; r < R; ++r) {
-        int32_t v;
-        std::memcpy(&v, a[r] + 32 * g + 4 * i, 4);
-        p[r] = _mm256_add_epi16(p[r], _mm256_maddubs_epi16(wv, _mm256_set1_epi32(v)));
-      }
+      for (int r = 0; r < R; ++r) p[r] = _mm256_add_epi16(p[r], _mm256_maddubs_epi16(wv, bc(a[r] + 32 * g + 4 * i)));
     }
     for (int r = 0; r < R; ++r) isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p[r], blk.sc[g]));
+#endif
   }
   for (int r = 0; r < R; ++r) {
     const int64_t row = m + r;
@@ -178,8 +209,9 @@ __attribute__((always_inline)) inline void lanes8_rows(const Lanes8Block& blk, c
 
 // Q6_K's super-block of the tile's eight rows, decoded: values 0-63 (q, without the offset of 32), wd[4s + i]
 // values 16s + 4i .. + 3 of each lane's row (s a 16-value group, one int8 scale each); sc[s] group s's scale of each
-// lane in both int16 halves (for `vpmaddwd` after `vpmaddubsw`), scp[t] the scales of groups 2t and 2t + 1 as a
-// lane's int16 pair (for the offset, 32 sum_s sc_s sum(a_s), one `vpmaddwd` against the activation's pair of sums).
+// lane in both int16 halves (for `vpmaddwd` after `vpmaddubsw`; avx_vnni: in int32), scp[t] the scales of groups 2t
+// and 2t + 1 as a lane's int16 pair (for the offset, 32 sum_s sc_s sum(a_s), one `vpmaddwd` against the activation's
+// pair of sums; not used in the avx_vnni build).
 struct Lanes8BlockQ6 {
   __m256i wd[64];
   __m256i sc[16];
@@ -214,12 +246,16 @@ inline void decode_block8(const uint8_t* const p[kLanes8], int64_t at, Lanes8Blo
   }
   __m256i s32[16];
   q6k_scales8(p, at, s32);
+#if defined(__AVXVNNI__)  // int32 lanes, for `vpmulld` (lanes8_rows)
+  for (int s = 0; s < 16; ++s) _mm256_store_si256(&blk.sc[s], s32[s]);
+#else
   const __m256i lo16 = _mm256_set1_epi32(0xFFFF);
   for (int s = 0; s < 16; ++s)
     _mm256_store_si256(&blk.sc[s], _mm256_or_si256(_mm256_and_si256(s32[s], lo16), _mm256_slli_epi32(s32[s], 16)));
   for (int t = 0; t < 8; ++t)
     _mm256_store_si256(&blk.scp[t],
                        _mm256_or_si256(_mm256_and_si256(s32[2 * t], lo16), _mm256_slli_epi32(s32[2 * t + 1], 16)));
+#endif
   alignas(16) uint16_t dh[kLanes8];
   for (int k = 0; k < kLanes8; ++k) std::memcpy(&dh[k], p[k] + at + 208, 2);
   blk.d = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(dh)));
@@ -235,7 +271,12 @@ __attribute__((always_inline)) inline void lanes8_rows(const Lanes8BlockQ6& blk,
   const int64_t K = x.K, nb = K / kQK_K;
   const int8_t* a[R];
   __m256i isum[R];
-  for (int r = 0; r < R; ++r) a[r] = x.kq + (m + r) * K + b * kQK_K, isum[r] = _mm256_setzero_si256();
+  const int16_t* ks[R];
+  for (int r = 0; r < R; ++r) {
+    a[r] = x.kq + (m + r) * K + b * kQK_K;
+    ks[r] = x.ks + (m + r) * (K / 16) + 16 * b;
+    isum[r] = _mm256_setzero_si256();
+  }
   auto bc = [](const int8_t* v) {
     int32_t u;
     std::memcpy(&u, v, 4);
@@ -247,21 +288,32 @@ __attribute__((always_inline)) inline void lanes8_rows(const Lanes8BlockQ6& blk,
     const __m256i sc = _mm256_load_si256(&blk.sc[s]);
     for (int r = 0; r < R; ++r) {
       const int8_t* v = a[r] + 16 * s;
+#if defined(__AVXVNNI__)  // the group's 16 products less 32 sum(a) a lane in int32 (two chains), times its scale
+      const __m256i offset = _mm256_set1_epi32(-32 * static_cast<int32_t>(ks[r][s]));
+      const __m256i p = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(offset, w0, bc(v)), w1, bc(v + 4));
+      const __m256i q = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w2, bc(v + 8)), w3,
+                                                bc(v + 12));
+      isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(_mm256_add_epi32(p, q), sc));
+#else
       const __m256i p01 = _mm256_add_epi16(_mm256_maddubs_epi16(w0, bc(v)), _mm256_maddubs_epi16(w1, bc(v + 4)));
       const __m256i p23 = _mm256_add_epi16(_mm256_maddubs_epi16(w2, bc(v + 8)), _mm256_maddubs_epi16(w3, bc(v + 12)));
       isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(_mm256_madd_epi16(p01, sc), _mm256_madd_epi16(p23, sc)));
+#endif
     }
   }
   for (int r = 0; r < R; ++r) {
     const int64_t row = m + r;
-    const int16_t* ks = x.ks + row * (K / 16) + 16 * b;
+#if defined(__AVXVNNI__)
+    const __m256i sum = isum[r];
+#else
     __m256i off = _mm256_setzero_si256();
     for (int t = 0; t < 8; ++t) {
       int32_t pair;
-      std::memcpy(&pair, ks + 2 * t, 4);
+      std::memcpy(&pair, ks[r] + 2 * t, 4);
       off = _mm256_add_epi32(off, _mm256_madd_epi16(_mm256_load_si256(&blk.scp[t]), _mm256_set1_epi32(pair)));
     }
     const __m256i sum = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(off, 5));
+#endif
     float* acc = accs + r * kLanes8;
     _mm256_storeu_ps(acc, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum),
                                           _mm256_mul_ps(blk.d, _mm256_set1_ps(x.kd[row * nb + b])),
@@ -269,13 +321,111 @@ __attribute__((always_inline)) inline void lanes8_rows(const Lanes8BlockQ6& blk,
   }
 }
 
+#if defined(__AVXVNNI__)
+// IQ4_XS's super-block of the tile's eight rows, decoded for AVX-VNNI's 256-bit `vpdpbusd` as qdot_lanes_iq4.h's 16
+// lanes decode it (half the width): wd[8j + i] values 32j + 4i .. + 3 of each lane's row, kIQ4[q] + 128 (unsigned for
+// `vpdpbusd`); sc[j] group j's scale (ls_j - 32) of each lane in int32; d. The same integers and float steps as those
+// lanes, so the same bits. Without VNNI (the avx2 build) `vpmaddubsw` would saturate on the offset values, and the
+// sign trick costs a lane what it costs the row loop (qdot_kquant.h's dot_iq4xs), which that build keeps.
+struct Lanes8BlockIQ4 {
+  __m256i wd[64];
+  __m256i sc[8];
+  __m256 d;
+};
+
+inline void decode_block8(const uint8_t* const p[kLanes8], int64_t at, Lanes8BlockIQ4& blk) {
+  const __m256i table = _mm256_broadcastsi128_si256(
+      _mm_xor_si128(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4)), _mm_set1_epi8(static_cast<char>(0x80))));
+  const __m256i low = _mm256_set1_epi8(0xF);
+  for (int pair = 0; pair < 4; ++pair) {  // groups 2 pair and 2 pair + 1, 16 bytes each a row
+    __m256i t[8];  // t[i]: dword i of the pair's 32 bytes; a byte's low nibble is value l, its high one l + 16
+    for (int k = 0; k < kLanes8; ++k)
+      t[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[k] + at + 8 + 32 * pair));
+    transpose8_dwords(t);
+    for (int i = 0; i < 8; ++i) {
+      const int j = 2 * pair + i / 4, k = i % 4;
+      _mm256_store_si256(&blk.wd[8 * j + k], _mm256_shuffle_epi8(table, _mm256_and_si256(t[i], low)));
+      _mm256_store_si256(&blk.wd[8 * j + 4 + k],
+                         _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(t[i], 4), low)));
+    }
+  }
+  // each row's first 8 bytes: f16 d | scales_h << 16, then scales_l
+  alignas(32) uint32_t head[2][kLanes8];
+  for (int k = 0; k < kLanes8; ++k) std::memcpy(&head[0][k], p[k] + at, 4), std::memcpy(&head[1][k], p[k] + at + 4, 4);
+  const __m256i dh = _mm256_load_si256(reinterpret_cast<const __m256i*>(head[0])),
+                sl = _mm256_load_si256(reinterpret_cast<const __m256i*>(head[1]));
+  const __m256i d16 = _mm256_and_si256(dh, _mm256_set1_epi32(0xFFFF));
+  blk.d = _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(d16), _mm256_extracti128_si256(d16, 1)));
+  for (int j = 0; j < 8; ++j) {  // iq4xs_scale: low 4 bits from scales_l's nibble j, high 2 from scales_h's bits 2j
+    const __m256i lo = _mm256_and_si256(_mm256_srli_epi32(sl, 4 * j), _mm256_set1_epi32(0xF));
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi32(dh, 16 + 2 * j), _mm256_set1_epi32(3));
+    _mm256_store_si256(&blk.sc[j],
+                       _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi32(32)));
+  }
+}
+
+// acc[r] (eight lanes) += activation row m + r's super-block b times the tile's decoded IQ4_XS super-block, r < R:
+// qdot_lanes_iq4.h's sums (each group's started at -128 times its activations' sum, two chains, times its scale).
+template <int R>
+__attribute__((always_inline)) inline void lanes8_rows(const Lanes8BlockIQ4& blk, const QRows& x, int64_t m,
+                                                       int64_t b, float* accs) {
+  const int64_t K = x.K, nb = K / kQK_K;
+  const int8_t* a[R];
+  const int16_t* ks[R];
+  __m256i isum[R];
+  for (int r = 0; r < R; ++r) {
+    a[r] = x.kq + (m + r) * K + b * kQK_K;
+    ks[r] = x.ks + (m + r) * (K / 16) + 16 * b;
+    isum[r] = _mm256_setzero_si256();
+  }
+  auto bc = [](const int8_t* v) {
+    int32_t u;
+    std::memcpy(&u, v, 4);
+    return _mm256_set1_epi32(u);
+  };
+  for (int j = 0; j < 8; ++j) {
+    __m256i p[R], q[R];
+    for (int r = 0; r < R; ++r) {
+      p[r] = _mm256_set1_epi32(-128 * (static_cast<int32_t>(ks[r][2 * j]) + ks[r][2 * j + 1]));
+      q[r] = _mm256_setzero_si256();
+    }
+    for (int i = 0; i < 8; i += 2) {
+      const __m256i w0 = _mm256_load_si256(&blk.wd[8 * j + i]), w1 = _mm256_load_si256(&blk.wd[8 * j + i + 1]);
+      for (int r = 0; r < R; ++r) {
+        p[r] = _mm256_dpbusd_avx_epi32(p[r], w0, bc(a[r] + 32 * j + 4 * i));
+        q[r] = _mm256_dpbusd_avx_epi32(q[r], w1, bc(a[r] + 32 * j + 4 * i + 4));
+      }
+    }
+    const __m256i sc = _mm256_load_si256(&blk.sc[j]);
+    for (int r = 0; r < R; ++r)
+      isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(_mm256_add_epi32(p[r], q[r]), sc));
+  }
+  for (int r = 0; r < R; ++r) {
+    float* acc = accs + r * kLanes8;
+    _mm256_storeu_ps(acc, _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]),
+                                          _mm256_mul_ps(blk.d, _mm256_set1_ps(x.kd[(m + r) * nb + b])),
+                                          _mm256_loadu_ps(acc)));
+  }
+}
+#endif
+
+// The scratch of format T's tile (one of lanes_k8's formats).
+#if defined(__AVXVNNI__)
+template <int T>
+using Lanes8BlockOf = std::conditional_t<T == kQ4_K, Lanes8Block,
+                                         std::conditional_t<T == kQ6_K, Lanes8BlockQ6, Lanes8BlockIQ4>>;
+#else
+template <int T>
+using Lanes8BlockOf = std::conditional_t<T == kQ4_K, Lanes8Block, Lanes8BlockQ6>;
+#endif
+
 // out[m * ldo + n] = x[m] . W[n] (+ bias[n]) for n in [n_begin, n_end), m < M: lanes_tiles' loop, eight weight rows a
 // tile, the tile kLanes8Ahead on prefetched into L2.
 template <int T, typename O>
 void qlinear_lanes_k8(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, const float* bias, O* out,
                       int64_t ldo, int64_t n_begin, int64_t n_end, QScratch& s) {
   static_assert(lanes_k8(T), "lanes_k8");
-  using Block = std::conditional_t<T == kQ4_K, Lanes8Block, Lanes8BlockQ6>;
+  using Block = Lanes8BlockOf<T>;
   const int64_t mt = std::max<int64_t>(T == kQ6_K ? 16 : 8, (64 << 10) / x.K);
   lanes_tiles<kLanes8, Block>(
       w, ldw, layout_of(T).bytes, x, M, n_begin, n_end, mt, kLanes8 * kLanes8Ahead, s,
