@@ -8,8 +8,9 @@
 | `llamacpp`        | llama.cpp's `llama-server` binary                   | continuous batching over `-np` slots |
 | `llamacpp-python` | llama-cpp-python's `python -m llama_cpp.server`     | none: requests run one at a time    |
 
-On a CPU with AMX, `llama-server` runs with llama.cpp's "extra buffer types" off (`--no-repack`), because the AMX
-kernels that `-DGGML_NATIVE=ON` compiles there crash in `llama_decode`; elsewhere it runs with llama.cpp's defaults.
+On a CPU with AMX, the native `llama-server` runs with llama.cpp's "extra buffer types" off (`--no-repack`), because
+the AMX kernels that `-DGGML_NATIVE=ON` compiles there crash in `llama_decode`; elsewhere, and a binary given with
+`--llama-server` (a build of other flags, without those kernels) everywhere, it runs with llama.cpp's defaults.
 llama-cpp-python's server always starts through `bench_llama_cpp_server.py`, which turns them off.
 
 All serve the bundled SmolLM2-135M-Instruct: Peregrine and the llama.cpp servers read its GGUF file,
@@ -177,7 +178,7 @@ def _llama_server(name: str, opts: PeerOptions, port: int) -> Peer:
     ctx = max(4096, slots * opts.context_per_request)
     cmd = [str(binary), "-m", str(opts.gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(opts.threads),
            "-tb", str(opts.threads), "-np", str(slots), "-kvu", "-c", str(ctx), "--no-webui", "--no-warmup"]
-    if _cpu_has("amx_tile"):
+    if _cpu_has("amx_tile") and opts.llama_server is None:
         cmd.append("--no-repack")  # extra buffer types off only where they crash: ggml's AMX kernels (see docs/benchmarks.md, "The peers")
     return Peer(name, desc, cmd, model=GGUF_NAME, ready_path="/health")
 
