@@ -370,6 +370,19 @@ def run_base_url(tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def peer_options(args: argparse.Namespace, gguf: Path, dense: Path | None, levels: list[dict]) -> peers.PeerOptions:
+    """What each peer of this run is started with: the file, the threads, slots for the highest level, a context
+    that holds the longest prompt twice over, and a --llama-server binary run with llama.cpp's defaults."""
+    return peers.PeerOptions(gguf=gguf, dense_dir=dense or Path(), dtype=args.dtype, threads=args.threads,
+                             max_concurrency=max(lv["concurrency"] for lv in levels),
+                             # the prompts are built with the bundled tokenizer: another model's (Gemma's, Phi's
+                             # SentencePiece) can take twice the tokens for the same text, past a slot's context
+                             context_per_request=2 * (max(input_lens(args)) if args.dataset == "random" else 1536) + (args.output_len or 384) + 64,
+                             peregrine_args=tuple(shlex.split(args.peregrine_args)),
+                             llama_server=args.llama_server, llama_defaults=args.llama_server is not None,
+                             peers_python=args.peers_python)  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so `finally` still stops the peers it started
@@ -392,13 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     dense = peers.ensure_dense_model(gguf) if wants_dense else None
     tokenizer = load_tokenizer(args.tokenizer or dense or peers.ensure_dense_model(peers.bundled_gguf()))
     levels = load_levels(args)
-    opts = peers.PeerOptions(gguf=gguf, dense_dir=dense or Path(), dtype=args.dtype, threads=args.threads,
-                             max_concurrency=max(lv["concurrency"] for lv in levels),
-                             # the prompts are built with the bundled tokenizer: another model's (Gemma's, Phi's
-                             # SentencePiece) can take twice the tokens for the same text, past a slot's context
-                             context_per_request=2 * (max(input_lens(args)) if args.dataset == "random" else 1536) + (args.output_len or 384) + 64,
-                             peregrine_args=tuple(shlex.split(args.peregrine_args)),
-                             llama_server=args.llama_server, peers_python=args.peers_python)  # fmt: skip
+    opts = peer_options(args, gguf, dense, levels)
     if args.base_url:
         runs = [run_base_url(tokenizer, args)]
     else:

@@ -9,8 +9,9 @@
 | `llamacpp-python` | llama-cpp-python's `python -m llama_cpp.server`     | none: requests run one at a time    |
 
 On a CPU with AMX, the native `llama-server` runs with llama.cpp's "extra buffer types" off (`--no-repack`), because
-the AMX kernels that `-DGGML_NATIVE=ON` compiles there crash in `llama_decode`; elsewhere, and a binary given with
-`--llama-server` (a build of other flags, without those kernels) everywhere, it runs with llama.cpp's defaults.
+the AMX kernels that `-DGGML_NATIVE=ON` compiles there crash in `llama_decode`; elsewhere, and a binary given to
+`bench.py --llama-server` (a build of other flags, without those kernels; `PeerOptions.llama_defaults`) everywhere,
+it runs with llama.cpp's defaults.
 llama-cpp-python's server always starts through `bench_llama_cpp_server.py`, which turns them off.
 
 All serve the bundled SmolLM2-135M-Instruct: Peregrine and the llama.cpp servers read its GGUF file,
@@ -59,6 +60,7 @@ class PeerOptions:
     context_per_request: int = 512
     peregrine_args: tuple[str, ...] = ()
     llama_server: Path | None = None
+    llama_defaults: bool = False  # llama-server with llama.cpp's defaults on AMX CPUs too (a --llama-server build)
     peers_python: Path | None = None
 
 
@@ -178,7 +180,7 @@ def _llama_server(name: str, opts: PeerOptions, port: int) -> Peer:
     ctx = max(4096, slots * opts.context_per_request)
     cmd = [str(binary), "-m", str(opts.gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(opts.threads),
            "-tb", str(opts.threads), "-np", str(slots), "-kvu", "-c", str(ctx), "--no-webui", "--no-warmup"]
-    if _cpu_has("amx_tile") and opts.llama_server is None:
+    if _cpu_has("amx_tile") and not opts.llama_defaults:
         cmd.append("--no-repack")  # extra buffer types off only where they crash: ggml's AMX kernels (see docs/benchmarks.md, "The peers")
     return Peer(name, desc, cmd, model=GGUF_NAME, ready_path="/health")
 

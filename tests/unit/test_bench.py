@@ -215,6 +215,25 @@ def test_load_levels() -> None:
     assert math.isclose(bench.parse_args(["--base-url", "u", "--burstiness", "2"]).burstiness, 2.0)
 
 
+@pytest.mark.parametrize("amx", [True, False])
+def test_llama_server_repacks_unless_its_native_build_meets_amx(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                                amx: bool) -> None:
+    """llama.cpp's AMX kernels, which its native build compiles on an AMX CPU, crash in `llama_decode`: that build
+    runs with `--no-repack` there. A binary given with `--llama-server` (another build of llama.cpp's CPU library)
+    runs with llama.cpp's defaults, and so does every build on a CPU without AMX."""
+    monkeypatch.setattr(bench_peers, "_cpu_has", lambda flag: amx and flag == "amx_tile")
+    binary = tmp_path / "llama-server"
+    binary.write_text("#!/bin/sh\n")
+    monkeypatch.setattr(bench_peers, "LLAMA_BUILD", tmp_path / "build")  # the native build's place
+    (tmp_path / "build" / "bin").mkdir(parents=True)
+    (tmp_path / "build" / "bin" / "llama-server").write_text("#!/bin/sh\n")
+    levels = [{"concurrency": 16, "rate": None}]
+    for argv, native in (([], True), (["--llama-server", str(binary)], False)):
+        args = bench.parse_args(["--peers", "llamacpp", *argv])
+        peer = bench_peers.make_peer("llamacpp", bench.peer_options(args, tmp_path / "m.gguf", None, levels))
+        assert not peer.skip_reason and ("--no-repack" in peer.command) == (amx and native), argv
+
+
 @pytest.fixture
 def tiny_server(tiny_model_dir, tmp_path: Path):
     """Peregrine on the tiny random model, started and stopped with the bench's own peer helpers."""
