@@ -171,6 +171,12 @@ def _cpu_has(flag: str) -> bool:
         return False
 
 
+def native_flags() -> list[str]:
+    """What the native llama-server build needs on this CPU: llama.cpp's extra buffer types off (`--no-repack`) where
+    the CPU has AMX, whose kernels that build compiles crash in `llama_decode` (docs/benchmarks.md, "The peers")."""
+    return ["--no-repack"] if _cpu_has("amx_tile") else []
+
+
 def _llama_server(name: str, opts: PeerOptions, port: int) -> Peer:
     binary = opts.llama_server or LLAMA_BUILD / "bin" / "llama-server"
     desc = "llama.cpp llama-server (continuous batching over slots, unified KV)"
@@ -180,8 +186,8 @@ def _llama_server(name: str, opts: PeerOptions, port: int) -> Peer:
     ctx = max(4096, slots * opts.context_per_request)
     cmd = [str(binary), "-m", str(opts.gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(opts.threads),
            "-tb", str(opts.threads), "-np", str(slots), "-kvu", "-c", str(ctx), "--no-webui", "--no-warmup"]
-    if _cpu_has("amx_tile") and not opts.llama_defaults:
-        cmd.append("--no-repack")  # extra buffer types off only where they crash: ggml's AMX kernels (see docs/benchmarks.md, "The peers")
+    if not opts.llama_defaults:
+        cmd += native_flags()
     return Peer(name, desc, cmd, model=GGUF_NAME, ready_path="/health")
 
 

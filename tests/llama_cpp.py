@@ -49,3 +49,9 @@ def llama_server() -> Path:
         if not binary.is_file():
             _bench_peers().build_llama_cpp(src, CACHE / "build", shared=False)
     return binary
+
+
+def server_flags() -> list[str]:
+    """The flags this build needs on this CPU: `--no-repack` where the CPU has AMX, whose kernels the native build
+    compiles and which crash in `llama_decode` (checked on an Intel Xeon with AMX, 2026-12-01: SIGSEGV without it)."""
+    return _bench_peers().native_flags()

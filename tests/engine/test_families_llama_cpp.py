@@ -23,7 +23,7 @@ from engine.types import SamplingParams
 from models import gguf_weights
 from tests.engine.test_families import vocab_of
 from tests.family_gguf import SPECS, write_family
-from tests.llama_cpp import llama_server
+from tests.llama_cpp import llama_server, server_flags
 from tests.support import Loaded, free_port, make_engine, run_all, stop_process, wait_http_ok
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]  # the first run builds llama-server
@@ -42,7 +42,7 @@ def llama_cpp_greedy(binary: Path, gguf: Path, workdir: Path, banned: list[int])
     """(token id, log-probability or None) of llama-server's greedy continuation of each prompt."""
     port, log = free_port(), workdir / "llama-server.log"
     cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", "2", "-c", "256",
-           "-np", "1", "--no-warmup"]  # fmt: skip
+           "-np", "1", "--no-warmup", *server_flags()]  # fmt: skip
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     try:
