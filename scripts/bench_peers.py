@@ -10,8 +10,8 @@
 
 On a CPU with AMX, the native `llama-server` runs with llama.cpp's "extra buffer types" off (`--no-repack`), because
 the AMX kernels that `-DGGML_NATIVE=ON` compiles there crash in `llama_decode`; elsewhere, and a binary given to
-`bench.py --llama-server` (a build of other flags, without those kernels; `PeerOptions.llama_defaults`) everywhere,
-it runs with llama.cpp's defaults.
+`bench.py --llama-server` or `bench_speculative_llama.py --llama-server` (a build of other flags, without those
+kernels; `PeerOptions.llama_defaults`) everywhere, it runs with llama.cpp's defaults.
 llama-cpp-python's server always starts through `bench_llama_cpp_server.py`, which turns them off.
 
 All serve the bundled SmolLM2-135M-Instruct: Peregrine and the llama.cpp servers read its GGUF file,

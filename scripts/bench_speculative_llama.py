@@ -66,7 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names of CONFIGS")
     p.add_argument("--llama-server", default=None,
                    help="the binary (default: scripts/bench_peers.py's build in .cache/llama-build, else the static "
-                        "one in ~/.cache/peregrine/llama.cpp-0.3.36/build/bin)")
+                        "one in ~/.cache/peregrine/llama.cpp-0.3.36/build/bin); a binary given here runs with "
+                        "llama.cpp's defaults, without the --no-repack the native build needs on AMX CPUs")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--peregrine", default=None, help="bench_speculative.py's JSON, for the comparison")
     p.add_argument("--out", default="bench_speculative_llama.json")
@@ -167,7 +168,8 @@ def llama_server_binary(given: str | None) -> Path | None:
 def server(args: argparse.Namespace, gguf: Path, draft: Path, extra: list[str]) -> bench_peers.Peer:
     opts = bench_peers.PeerOptions(gguf=gguf, dense_dir=bench_peers.DENSE_DIR, threads=args.threads,
                                    max_concurrency=16, context_per_request=512,
-                                   llama_server=llama_server_binary(args.llama_server))
+                                   llama_server=llama_server_binary(args.llama_server),
+                                   llama_defaults=args.llama_server is not None)
     peer = bench_peers.make_peer("llamacpp", opts)
     peer.name = "llamacpp-spec"  # its log: .cache/bench-logs/llamacpp-spec.log
     peer.command += [a.replace("{draft}", str(draft)) for a in extra]

@@ -21,6 +21,7 @@ import bench  # noqa: E402
 import bench_client  # noqa: E402
 import bench_peers  # noqa: E402
 import bench_report  # noqa: E402
+import bench_speculative_llama  # noqa: E402
 from bench_datasets import (  # noqa: E402
     CHAT_FILE,
     BenchRequest,
@@ -232,6 +233,9 @@ def test_llama_server_repacks_unless_its_native_build_meets_amx(monkeypatch: pyt
         args = bench.parse_args(["--peers", "llamacpp", *argv])
         peer = bench_peers.make_peer("llamacpp", bench.peer_options(args, tmp_path / "m.gguf", None, levels))
         assert not peer.skip_reason and ("--no-repack" in peer.command) == (amx and native), argv
+        spec = bench_speculative_llama.server(bench_speculative_llama.parse_args(argv), tmp_path / "m.gguf",
+                                              tmp_path / "d.gguf", [])  # the speculative workload's servers
+        assert ("--no-repack" in spec.command) == (amx and native), argv
 
 
 @pytest.fixture
