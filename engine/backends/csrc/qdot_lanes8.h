@@ -157,6 +157,51 @@ inline void decode_block8(const uint8_t* const p[kLanes8], int64_t at, Lanes8Blo
   });
 }
 
+// Activation rows m .. m + R - 1 at super-block b, as the lanes8_rows below read them: their int8 values (a[r]) and
+// their 16-value sums (ks[r]).
+template <int R>
+struct Rows8 {
+  const int8_t* a[R];
+  const int16_t* ks[R];
+  Rows8(const QRows& x, int64_t m, int64_t b) {
+    for (int r = 0; r < R; ++r) {
+      a[r] = x.kq + (m + r) * x.K + b * kQK_K;
+      ks[r] = x.ks + (m + r) * (x.K / 16) + 16 * b;
+    }
+  }
+};
+
+// Four activations (an int8 dword) in every lane.
+inline __m256i bcast4(const int8_t* v) {
+  int32_t u;
+  std::memcpy(&u, v, 4);
+  return _mm256_set1_epi32(u);
+}
+
+// acc + sum x (d x kd): a super-block's exact integer sums (eight lanes) scaled by the lanes' d and the activation
+// row's kd, added to the eight accumulators at acc.
+inline __m256 scaled_sum8(__m256i sum, __m256 d, float kd, const float* acc) {
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(kd)), _mm256_loadu_ps(acc));
+}
+
+#if defined(__AVXVNNI__)
+// p[r] += a 32-value group's products a lane (wd[0 .. 7] against a[r][0 .. 31], `vpdpbusd`, two chains), r < R.
+template <int R>
+__attribute__((always_inline)) inline void vnni_group8(const __m256i* wd, const int8_t* const a[R], int off,
+                                                       __m256i* p) {
+  __m256i q[R];
+  for (int r = 0; r < R; ++r) q[r] = _mm256_setzero_si256();
+  for (int i = 0; i < 8; i += 2) {
+    const __m256i w0 = _mm256_load_si256(&wd[i]), w1 = _mm256_load_si256(&wd[i + 1]);
+    for (int r = 0; r < R; ++r) {
+      p[r] = _mm256_dpbusd_avx_epi32(p[r], w0, bcast4(a[r] + off + 4 * i));
+      q[r] = _mm256_dpbusd_avx_epi32(q[r], w1, bcast4(a[r] + off + 4 * i + 4));
+    }
+  }
+  for (int r = 0; r < R; ++r) p[r] = _mm256_add_epi32(p[r], q[r]);
+}
+#endif
+
 // acc[r] (eight lanes) += activation row m + r's super-block b times the tile's decoded super-block, r < R: each
 // decoded weight register loaded once for the R rows (a load for each `vpmaddubsw` was what bounded one row at a time:
 // two loads a product of 32).
@@ -164,34 +209,21 @@ template <int R>
 __attribute__((always_inline)) inline void lanes8_rows(const Lanes8Block& blk, const QRows& x, int64_t m, int64_t b,
                                                        float* accs) {
   const int64_t K = x.K, nb = K / kQK_K;
-  const int8_t* a[R];
+  const Rows8<R> in(x, m, b);
   __m256i isum[R];
-  for (int r = 0; r < R; ++r) a[r] = x.kq + (m + r) * K + b * kQK_K, isum[r] = _mm256_setzero_si256();
-  auto bc = [](const int8_t* v) {
-    int32_t u;
-    std::memcpy(&u, v, 4);
-    return _mm256_set1_epi32(u);
-  };
+  for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
   for (int g = 0; g < 8; ++g) {
-#if defined(__AVXVNNI__)  // a group's 32 products a lane in int32 (two chains), times its scale
-    __m256i p[R], q[R];
-    for (int r = 0; r < R; ++r) p[r] = q[r] = _mm256_setzero_si256();
-    for (int i = 0; i < 8; i += 2) {
-      const __m256i w0 = _mm256_load_si256(&blk.wd[8 * g + i]), w1 = _mm256_load_si256(&blk.wd[8 * g + i + 1]);
-      for (int r = 0; r < R; ++r) {
-        p[r] = _mm256_dpbusd_avx_epi32(p[r], w0, bc(a[r] + 32 * g + 4 * i));
-        q[r] = _mm256_dpbusd_avx_epi32(q[r], w1, bc(a[r] + 32 * g + 4 * i + 4));
-      }
-    }
-    const __m256i sc = _mm256_load_si256(&blk.sc[g]);
-    for (int r = 0; r < R; ++r)
-      isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(_mm256_add_epi32(p[r], q[r]), sc));
-#else
     __m256i p[R];
     for (int r = 0; r < R; ++r) p[r] = _mm256_setzero_si256();
+#if defined(__AVXVNNI__)  // a group's 32 products a lane in int32 (two chains), times its scale
+    vnni_group8<R>(&blk.wd[8 * g], in.a, 32 * g, p);
+    const __m256i sc = _mm256_load_si256(&blk.sc[g]);
+    for (int r = 0; r < R; ++r) isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(p[r], sc));
+#else
     for (int i = 0; i < 8; ++i) {
       const __m256i wv = _mm256_load_si256(&blk.wd[8 * g + i]);
-      for (int r = 0; r < R; ++r) p[r] = _mm256_add_epi16(p[r], _mm256_maddubs_epi16(wv, bc(a[r] + 32 * g + 4 * i)));
+      for (int r = 0; r < R; ++r)
+        p[r] = _mm256_add_epi16(p[r], _mm256_maddubs_epi16(wv, bcast4(in.a[r] + 32 * g + 4 * i)));
     }
     for (int r = 0; r < R; ++r) isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p[r], blk.sc[g]));
 #endif
@@ -199,8 +231,7 @@ __attribute__((always_inline)) inline void lanes8_rows(const Lanes8Block& blk, c
   for (int r = 0; r < R; ++r) {
     const int64_t row = m + r;
     float* acc = accs + r * kLanes8;
-    __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]),
-                               _mm256_mul_ps(blk.d, _mm256_set1_ps(x.kd[row * nb + b])), _mm256_loadu_ps(acc));
+    __m256 v = scaled_sum8(isum[r], blk.d, x.kd[row * nb + b], acc);
     const float* ksf = x.ksf + row * (K / kQK) + 8 * b;
     for (int j = 0; j < 8; ++j) v = _mm256_fnmadd_ps(blk.mins[j], _mm256_set1_ps(ksf[j]), v);
     _mm256_storeu_ps(acc, v);
@@ -268,20 +299,12 @@ inline void decode_block8(const uint8_t* const p[kLanes8], int64_t at, Lanes8Blo
 template <int R>
 __attribute__((always_inline)) inline void lanes8_rows(const Lanes8BlockQ6& blk, const QRows& x, int64_t m,
                                                        int64_t b, float* accs) {
-  const int64_t K = x.K, nb = K / kQK_K;
-  const int8_t* a[R];
+  const int64_t nb = x.K / kQK_K;
+  const Rows8<R> in(x, m, b);
+  const int8_t* const* a = in.a;
+  const int16_t* const* ks = in.ks;
   __m256i isum[R];
-  const int16_t* ks[R];
-  for (int r = 0; r < R; ++r) {
-    a[r] = x.kq + (m + r) * K + b * kQK_K;
-    ks[r] = x.ks + (m + r) * (K / 16) + 16 * b;
-    isum[r] = _mm256_setzero_si256();
-  }
-  auto bc = [](const int8_t* v) {
-    int32_t u;
-    std::memcpy(&u, v, 4);
-    return _mm256_set1_epi32(u);
-  };
+  for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
   for (int s = 0; s < 16; ++s) {
     const __m256i w0 = _mm256_load_si256(&blk.wd[4 * s]), w1 = _mm256_load_si256(&blk.wd[4 * s + 1]),
                   w2 = _mm256_load_si256(&blk.wd[4 * s + 2]), w3 = _mm256_load_si256(&blk.wd[4 * s + 3]);
@@ -290,13 +313,15 @@ __attribute__((always_inline)) inline void lanes8_rows(const Lanes8BlockQ6& blk,
       const int8_t* v = a[r] + 16 * s;
 #if defined(__AVXVNNI__)  // the group's 16 products less 32 sum(a) a lane in int32 (two chains), times its scale
       const __m256i offset = _mm256_set1_epi32(-32 * static_cast<int32_t>(ks[r][s]));
-      const __m256i p = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(offset, w0, bc(v)), w1, bc(v + 4));
-      const __m256i q = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w2, bc(v + 8)), w3,
-                                                bc(v + 12));
+      const __m256i p = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(offset, w0, bcast4(v)), w1, bcast4(v + 4));
+      const __m256i q = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w2, bcast4(v + 8)), w3,
+                                                bcast4(v + 12));
       isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(_mm256_add_epi32(p, q), sc));
 #else
-      const __m256i p01 = _mm256_add_epi16(_mm256_maddubs_epi16(w0, bc(v)), _mm256_maddubs_epi16(w1, bc(v + 4)));
-      const __m256i p23 = _mm256_add_epi16(_mm256_maddubs_epi16(w2, bc(v + 8)), _mm256_maddubs_epi16(w3, bc(v + 12)));
+      const __m256i p01 =
+          _mm256_add_epi16(_mm256_maddubs_epi16(w0, bcast4(v)), _mm256_maddubs_epi16(w1, bcast4(v + 4)));
+      const __m256i p23 =
+          _mm256_add_epi16(_mm256_maddubs_epi16(w2, bcast4(v + 8)), _mm256_maddubs_epi16(w3, bcast4(v + 12)));
       isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(_mm256_madd_epi16(p01, sc), _mm256_madd_epi16(p23, sc)));
 #endif
     }
@@ -315,9 +340,7 @@ __attribute__((always_inline)) inline void lanes8_rows(const Lanes8BlockQ6& blk,
     const __m256i sum = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(off, 5));
 #endif
     float* acc = accs + r * kLanes8;
-    _mm256_storeu_ps(acc, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum),
-                                          _mm256_mul_ps(blk.d, _mm256_set1_ps(x.kd[row * nb + b])),
-                                          _mm256_loadu_ps(acc)));
+    _mm256_storeu_ps(acc, scaled_sum8(sum, blk.d, x.kd[row * nb + b], acc));
   }
 }
 
@@ -369,42 +392,21 @@ inline void decode_block8(const uint8_t* const p[kLanes8], int64_t at, Lanes8Blo
 template <int R>
 __attribute__((always_inline)) inline void lanes8_rows(const Lanes8BlockIQ4& blk, const QRows& x, int64_t m,
                                                        int64_t b, float* accs) {
-  const int64_t K = x.K, nb = K / kQK_K;
-  const int8_t* a[R];
-  const int16_t* ks[R];
+  const int64_t nb = x.K / kQK_K;
+  const Rows8<R> in(x, m, b);
   __m256i isum[R];
-  for (int r = 0; r < R; ++r) {
-    a[r] = x.kq + (m + r) * K + b * kQK_K;
-    ks[r] = x.ks + (m + r) * (K / 16) + 16 * b;
-    isum[r] = _mm256_setzero_si256();
-  }
-  auto bc = [](const int8_t* v) {
-    int32_t u;
-    std::memcpy(&u, v, 4);
-    return _mm256_set1_epi32(u);
-  };
+  for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
   for (int j = 0; j < 8; ++j) {
-    __m256i p[R], q[R];
-    for (int r = 0; r < R; ++r) {
-      p[r] = _mm256_set1_epi32(-128 * (static_cast<int32_t>(ks[r][2 * j]) + ks[r][2 * j + 1]));
-      q[r] = _mm256_setzero_si256();
-    }
-    for (int i = 0; i < 8; i += 2) {
-      const __m256i w0 = _mm256_load_si256(&blk.wd[8 * j + i]), w1 = _mm256_load_si256(&blk.wd[8 * j + i + 1]);
-      for (int r = 0; r < R; ++r) {
-        p[r] = _mm256_dpbusd_avx_epi32(p[r], w0, bc(a[r] + 32 * j + 4 * i));
-        q[r] = _mm256_dpbusd_avx_epi32(q[r], w1, bc(a[r] + 32 * j + 4 * i + 4));
-      }
-    }
-    const __m256i sc = _mm256_load_si256(&blk.sc[j]);
+    __m256i p[R];
     for (int r = 0; r < R; ++r)
-      isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(_mm256_add_epi32(p[r], q[r]), sc));
+      p[r] = _mm256_set1_epi32(-128 * (static_cast<int32_t>(in.ks[r][2 * j]) + in.ks[r][2 * j + 1]));
+    vnni_group8<R>(&blk.wd[8 * j], in.a, 32 * j, p);
+    const __m256i sc = _mm256_load_si256(&blk.sc[j]);
+    for (int r = 0; r < R; ++r) isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(p[r], sc));
   }
   for (int r = 0; r < R; ++r) {
     float* acc = accs + r * kLanes8;
-    _mm256_storeu_ps(acc, _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]),
-                                          _mm256_mul_ps(blk.d, _mm256_set1_ps(x.kd[(m + r) * nb + b])),
-                                          _mm256_loadu_ps(acc)));
+    _mm256_storeu_ps(acc, scaled_sum8(isum[r], blk.d, x.kd[(m + r) * nb + b], acc));
   }
 }
 #endif

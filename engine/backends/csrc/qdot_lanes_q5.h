@@ -2,11 +2,11 @@
 // sixteen weight rows at a time, one a 32-bit lane, as qdot_lanes.h does for the packed formats. Files quantized to
 // Q4_K_M whose rows are not a multiple of 256 (Gemma-3-1B's 1,152) hold most of their matrices as Q5_0. Two groups'
 // 16 bytes of nibbles a row are transposed in registers (lane j: row j's four bytes: values 4i .. 4i + 3 in the low
-// nibbles, 16 + 4i .. in the high ones); each lane's fifth bits, gathered once a tile with its scales, are added four
-// at a time as 16 (a byte shuffle, a bit test and a masked add); `vpdpbusd` against broadcast activation dwords, a
-// group's conversion, scale and FMA for 16 rows, the offset of 16 a minimum of -16 d, as Q4_0's. Each lane is its own
-// row's sequence of operations: the same bits for a row in any batch, lane or tile; not the row loop's bits (a
-// different order of float sums). Rows of a multiple of 64 values (pairs of groups); others keep the row loop.
+// nibbles, 16 + 4i .. in the high ones); each lane's fifth bits, read once a tile with its scales (no gathers), are
+// added four at a time as 16 (a byte shuffle, a bit test and a masked add); `vpdpbusd` against broadcast activation
+// dwords, a group's conversion, scale and FMA for 16 rows, the offset of 16 a minimum of -16 d, as Q4_0's. Each lane
+// is its own row's sequence of operations: the same bits for a row in any batch, lane or tile; not the row loop's bits
+// (a different order of float sums). Rows of a multiple of 64 values (pairs of groups); others keep the row loop.
 // scripts/bench_qdot.py --format Q5_0, one thread, rows in L2, AMD EPYC Zen 4, ns a weight row at K = 1152 (6912),
 // against the row loop: 1 activation row 41 (271) against 68 (365), 4 rows 64 (455) against 126 (767), 16 rows 219
 // (1515) against 429 (2688); from memory, one row of 131072 x 1152 on 2 threads, 3.62-3.73 against 4.58-4.60 ms
