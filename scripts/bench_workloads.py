@@ -44,7 +44,22 @@ def apply_defaults(args: argparse.Namespace) -> None:
             args.peers = "peregrine,llamacpp"
         if "--max-model-len" not in args.peregrine_args:  # room for the longest prompt and its answer
             longest = max(int(n) for n in str(args.input_len).split(","))
-            args.peregrine_args += f" --max-model-len {longest + args.output_len + 64}"
+            need = longest + args.output_len + 64
+            if getattr(args, "gguf", None):  # lengths are the bundled tokenizer's: the file's own may count more
+                need = min(gguf_context(args.gguf) or need, 2 * need)
+            args.peregrine_args += f" --max-model-len {need}"
+
+
+def gguf_context(path: Path) -> int | None:
+    """The context length a GGUF file's metadata gives (`<architecture>.context_length`), None without one. The long
+    workload's prompts are drawn with the bundled tokenizer; another model's tokenizer makes them longer (Llama 3's
+    about 1.19x), so a --gguf gets its own context rather than the asked lengths."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from models.preflight import read_gguf_layout
+
+    meta = read_gguf_layout(path).meta
+    value = meta.get(f"{meta.get('general.architecture')}.context_length")
+    return int(value) if value else None
 
 
 def read_bandwidth(args: argparse.Namespace) -> float | None:

@@ -398,6 +398,8 @@ def test_several_prompt_lengths_are_levels_and_each_workload_has_its_defaults() 
     assert (long.peers, long.input_len, long.output_len, long.concurrency, long.num_prompts) == (
         "peregrine,llamacpp", "1024,4096,8000", 32, "1", 3)
     assert long.peregrine_args.split()[-2:] == ["--max-model-len", str(8000 + 32 + 64)]
+    own = bench.parse_args(["--workload", "long", "--gguf", str(bench_peers.bundled_gguf())])
+    assert own.peregrine_args.split()[-2:] == ["--max-model-len", "8192"], "a --gguf's own context (SmolLM2's)"
     given = bench.parse_args(["--workload", "long", "--peregrine-args", "--max-model-len 4096"])
     assert given.peregrine_args == "--max-model-len 4096", "a given --max-model-len is kept"
     spec = bench.parse_args(["--workload", "speculative", "--output-len", "64"])
