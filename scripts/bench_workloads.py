@@ -54,7 +54,9 @@ def gguf_context(path: Path) -> int | None:
     """The context length a GGUF file's metadata gives (`<architecture>.context_length`), None without one. The long
     workload's prompts are drawn with the bundled tokenizer; another model's tokenizer makes them longer (Llama 3's
     about 1.19x), so a --gguf gets its own context rather than the asked lengths."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    root = str(Path(__file__).resolve().parents[1])  # the repository, for models.preflight
+    if root not in sys.path:
+        sys.path.insert(0, root)
     from models.preflight import read_gguf_layout
 
     meta = read_gguf_layout(path).meta
