@@ -28,12 +28,16 @@ namespace peregrine_quant {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__FMA__) && defined(__F16C__)
 constexpr bool lanes_packed(int T) { return T == kQ4_0R || T == kQ4_1R || T == kQ8_0R; }
 static_assert(kUnsignedQ8, "packed Q8_0 goes through the lanes as q + 128, its minimums -128 d");
-// kLaneRowsR activation rows share a transpose (their accumulators, three registers each, and the 16 decoded
-// weight registers fill the 32). The weights of the tile kLanesAhead tiles on are prefetched into L2, spread over the
+// Up to kLaneRowsR activation rows share a transpose (row_blocks; the 16 decoded weight registers and each row's
+// four int32 sums stay in registers, the rows' float accumulators, touched once a pair of groups, need not).
+// scripts/bench_qdot.py, one thread, rows in L2, Intel Xeon with AVX-512 VNNI and AMX (avx512_bf16 build), ns a
+// weight row, blocks of at most 4 rows (9 rows: 4 + 4 + 1) against at most 8 (9 rows: 5 + 4), two rounds
+// alternating: packed Q4_1 K = 576, 16 rows 101-105 -> 90; packed Q8_0 K = 576, 9 rows 80-81 -> 74-76, 16 rows
+// 118-120 -> 100-104; Q4_K (qdot_lanes_k.h) K = 1024, 9 rows 114 -> 98-99, 16 rows 169 -> 149-151. The weights of the tile kLanesAhead tiles on are prefetched into L2, spread over the
 // pairs of groups: one tile ahead into L1, as the row loops do, left one activation row at 0.69-0.72 ms against
 // their 0.53-0.59 (a 49152 x 576 Q4_1 matrix from memory, 2 threads, AMD EPYC Zen 4): the 16 rows are read
 // across, which the hardware's stream prefetch does not follow; three tiles ahead into L2 gave 0.49-0.59.
-constexpr int kLanes = 16, kLaneRowsR = 4, kLanesAhead = 3;
+constexpr int kLanes = 16, kLaneRowsR = 8, kLanesAhead = 3;
 
 // t[k] holds row k's eight dwords in its low 256 bits and row k + 8's in its high ones; on return t[i] holds dword i
 // of rows 0-15, lane j row j's.
@@ -168,6 +172,26 @@ inline void lanes_block(const uint8_t* const p[kLanes], const float* sd, const f
   for (int r = 0; r < R; ++r) res[r] = _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), macc[r]);
 }
 
+// The activation rows 0 .. M - 1 in blocks of at most kLaneRowsR that share a tile's decode, balanced (9 rows: 5 + 4,
+// not 8 + 1): block(m, std::integral_constant<int, R>{}) for rows m .. m + R - 1. A row's result does not depend on
+// its block (each row's operations are its own), so the split is free to follow the count.
+template <int R = 1, typename F>
+inline void row_block(int64_t rows, int64_t m, F& block) {
+  if constexpr (R < kLaneRowsR)
+    if (rows > R) return row_block<R + 1>(rows, m, block);
+  block(m, std::integral_constant<int, R>{});
+}
+
+template <typename F>
+inline void row_blocks(int64_t M, F&& block) {
+  const int64_t blocks = (M + kLaneRowsR - 1) / kLaneRowsR;
+  for (int64_t b = 0, m = 0; b < blocks; ++b) {
+    const int64_t rows = (M - m + blocks - b - 1) / (blocks - b);
+    row_block(rows, m, block);
+    m += rows;
+  }
+}
+
 // The first `count` lanes of v (those set in `mask`) to out (as O).
 template <typename O>
 inline void store_lanes(O* out, __m512 v, int64_t count, __mmask16 mask) {
@@ -206,14 +230,7 @@ void qlinear_lanes(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, con
         lanes_block<T, RR>(p, sd, sm, x, m, res);
       for (int r = 0; r < RR; ++r) store_lanes(out + (m + r) * ldo + n, _mm512_add_ps(res[r], b), count, mask);
     };
-    int64_t m = 0;
-    for (; m + kLaneRowsR <= M; m += kLaneRowsR) block(m, std::integral_constant<int, kLaneRowsR>{});
-    switch (M - m) {
-      case 3: block(m, std::integral_constant<int, 3>{}); break;
-      case 2: block(m, std::integral_constant<int, 2>{}); break;
-      case 1: block(m, std::integral_constant<int, 1>{}); break;
-      default: break;
-    }
+    row_blocks(M, block);
   }
 }
 #else

@@ -158,14 +158,7 @@ void qlinear_lanes_q5(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, 
         lanes_block_q5<RR>(p, sd, sm, qh, x, m, res);
       for (int r = 0; r < RR; ++r) store_lanes(out + (m + r) * ldo + n, _mm512_add_ps(res[r], b), count, mask);
     };
-    int64_t m = 0;
-    for (; m + kLaneRowsR <= M; m += kLaneRowsR) block(m, std::integral_constant<int, kLaneRowsR>{});
-    switch (M - m) {
-      case 3: block(m, std::integral_constant<int, 3>{}); break;
-      case 2: block(m, std::integral_constant<int, 2>{}); break;
-      case 1: block(m, std::integral_constant<int, 1>{}); break;
-      default: break;
-    }
+    row_blocks(M, block);
   }
 }
 #else
