@@ -17,7 +17,10 @@ At 1 stream the prompts of a workload run one after another; at 16 streams all 1
 process on the same loaded model. Greedy answers are the same tokens either way (checked, or the run fails), so a
 cell's speed-up is its time ratio. Reported per cell: output tokens/s (end to end, prefill included) of the median
 round for each mode, the median of the per-round ratios, the same for decoding alone (each request's first output to
-its last, summed: what speculation changes), and the share of proposed tokens accepted. A JSON copy goes to --out.
+its last, summed: what speculation changes), and the share of proposed tokens accepted. A second table counts the
+decode steps of every round (steps in which no request got its first token): tokens a step, rows a step (decodes
+plus proposals verified), mean ms a step and the least-squares fit of a step's time, fixed + per row: what a
+verified row costs against what it yields. A JSON copy goes to --out.
 llama.cpp's llama-server on the same work (plain and its speculative configurations): scripts/bench_speculative_llama.py.
 """
 
@@ -219,30 +222,59 @@ def weight_bytes(engine: Any) -> int | None:
 
 
 def run(engine: Any, prompts: list[list[int]], streams: int, max_tokens: int,
-        constraint: Any = None) -> tuple[float, float, list[list[int]]]:
+        constraint: Any = None) -> tuple[float, float, list[list[int]], list[tuple[int, int, float]]]:
     """Serve `prompts`, `streams` at a time (each group starts when the previous one is done), the answers held
     to `constraint` (engine.types.Constraint) if one is given. Returns the seconds it took, the decode seconds
-    summed over requests (first output to last: what follows the prefill) and each request's tokens."""
+    summed over requests (first output to last: what follows the prefill), each request's tokens, and each decode
+    step's (rows, tokens, seconds): a step in which no request got its first token; its rows are the sequences
+    that decoded plus the proposals verified (the engine's counter), its tokens those it emitted."""
     from engine.types import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, constraint=constraint)
     tokens: dict[str, list[int]] = {}
     first_at: dict[str, float] = {}
     last_at: dict[str, float] = {}
+    steps: list[tuple[int, int, float]] = []
     start = time.perf_counter()
     for first in range(0, len(prompts), streams):
         for i in range(first, min(first + streams, len(prompts))):
             engine.add_request(f"p{i}", prompts[i], params)
             tokens[f"p{i}"] = []
         while engine.has_work:
+            proposed = engine.counters.spec_proposed_tokens
+            began = time.perf_counter()
             outs = engine.step()
             now = time.perf_counter()
+            fresh = any(out.request_id not in first_at for out in outs)
             for out in outs:
                 tokens[out.request_id] += out.token_ids
                 first_at.setdefault(out.request_id, now)
                 last_at[out.request_id] = now
+            if outs and not fresh:
+                rows = len({out.request_id for out in outs}) + engine.counters.spec_proposed_tokens - proposed
+                steps.append((rows, sum(len(out.token_ids) for out in outs), now - began))
     decode = sum(last_at[r] - first_at[r] for r in tokens)
-    return time.perf_counter() - start, decode, [tokens[f"p{i}"] for i in range(len(prompts))]
+    return time.perf_counter() - start, decode, [tokens[f"p{i}"] for i in range(len(prompts))], steps
+
+
+def first_difference(a: list[list[int]], b: list[list[int]]) -> tuple[int, int]:
+    """(answer, token position) of the first difference between two lists of answers that differ."""
+    i = next(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
+    x, y = a[i], b[i]
+    return i, next((j for j in range(min(len(x), len(y))) if x[j] != y[j]), min(len(x), len(y)))
+
+
+def step_fit(steps: list[tuple[int, int, float]]) -> tuple[float, float] | None:
+    """A decode step's seconds as fixed + per_row x rows (least squares over `steps`); None when the rows do not
+    vary (plain decoding at one stream)."""
+    if len({rows for rows, _, _ in steps}) < 2:
+        return None
+    n = len(steps)
+    mx = sum(rows for rows, _, _ in steps) / n
+    my = sum(sec for _, _, sec in steps) / n
+    var = sum((rows - mx) ** 2 for rows, _, _ in steps)
+    per_row = sum((rows - mx) * (sec - my) for rows, _, sec in steps) / var
+    return my - per_row * mx, per_row
 
 
 def build_engines(loaded: Any, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
@@ -303,19 +335,22 @@ def main(argv: list[str] | None = None) -> int:
                 for mode in order:
                     engine = engines[mode]
                     before = engine.stats()
-                    seconds[mode], decode[mode], answers[mode] = run(engine, prompts, streams, args.max_tokens,
-                                                                     constraints.get(workload))
+                    seconds[mode], decode[mode], answers[mode], steps = run(engine, prompts, streams,
+                                                                            args.max_tokens, constraints.get(workload))
                     after = engine.stats()
                     cell = cells.setdefault((workload, streams, mode), {"tok_s": [], "tokens": 0, "ratios": [],
                                                                         "decode_ratios": [], "proposed": 0,
-                                                                        "accepted": 0})
+                                                                        "accepted": 0, "steps": []})
+                    cell["steps"] += steps
                     cell["proposed"] += after.spec_proposed_tokens_total - before.spec_proposed_tokens_total
                     cell["accepted"] += after.spec_accepted_tokens_total - before.spec_accepted_tokens_total
                 n = sum(len(a) for a in answers["off"])
                 line = f"round {rnd + 1} {workload:8s} x{streams:<3d} {n:5d} tokens: off {n / seconds['off']:7.1f} tok/s"
                 for mode in modes:
                     if answers[mode] != answers["off"]:
-                        print(f"!! {workload} x{streams}: greedy answers differ with {mode}", flush=True)
+                        i, at = first_difference(answers["off"], answers[mode])
+                        print(f"!! {workload} x{streams}: greedy answers differ with {mode}: prompt {i}, output token "
+                              f"{at}: {answers['off'][i][at:at + 4]} against {answers[mode][i][at:at + 4]}", flush=True)
                         return 1
                     cell = cells[(workload, streams, mode)]
                     cell["tokens"] = n
@@ -345,6 +380,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {workload} | {streams} | {mode} | {c['tokens']} | {row['tok_s']:.1f} | {row['speedup']:.2f}x "
               f"({', '.join(f'{r:.2f}' for r in c['ratios'])}) | {row['decode_speedup']:.2f}x "
               f"({', '.join(f'{r:.2f}' for r in c['decode_ratios'])}) | {share:.0%} of {c['proposed']} |")
+    print("\nDecode steps, every round (a step in which no request got its first token): what a step yields and costs. "
+          "Speculation's decode speed-up is about its tokens a step over plain decoding's, divided by its step's "
+          "time over theirs; a verified row costs the fit's per row (docs/speculative.md).")
+    print("| workload | streams | mode | steps | tokens a step | rows a step | ms a step (mean) | "
+          "fit: fixed + per row (ms) | per row / fixed |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for row, ((workload, streams, mode), c) in zip(rows, cells.items(), strict=True):
+        steps = c["steps"]
+        if not steps:
+            continue
+        fit = step_fit(steps)
+        row.update({"decode_steps": len(steps), "tokens_per_step": sum(t for _, t, _ in steps) / len(steps),
+                    "rows_per_step": sum(r for r, _, _ in steps) / len(steps),
+                    "step_ms": 1e3 * statistics.fmean(sec for _, _, sec in steps),
+                    "fit_ms": None if fit is None else [1e3 * fit[0], 1e3 * fit[1]]})
+        fitted = "" if fit is None else f"{1e3 * fit[0]:.2f} + {1e3 * fit[1]:.3f} | {fit[1] / fit[0]:.0%}"
+        print(f"| {workload} | {streams} | {mode} | {len(steps)} | {row['tokens_per_step']:.2f} | "
+              f"{row['rows_per_step']:.2f} | {row['step_ms']:.2f} | {fitted or ' | '} |")
     Path(args.out).write_text(json.dumps({"cpu": header, "target": about, "args": vars(args), "rows": rows,
                                           "weight_bytes": weight_bytes(engines["off"])}, indent=2))
     return 0

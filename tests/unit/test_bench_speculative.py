@@ -32,3 +32,16 @@ def test_four_prompts_are_four_tasks_on_four_passages() -> None:
     assert sorted(j // width for j in positions) == list(range(width))  # tasks (task-major order)
     assert sorted(j % width for j in positions) == list(range(width))  # passages
     assert sorted(prompts.index(p) for p in bench_speculative.one_stream(prompts, 16)) == list(range(16))
+
+
+def test_step_fit_recovers_fixed_and_per_row() -> None:
+    steps = [(rows, rows, 0.005 + 0.001 * rows) for rows in (1, 1, 3, 5, 9, 9)]
+    fixed, per_row = bench_speculative.step_fit(steps)
+    assert fixed == pytest.approx(0.005)
+    assert per_row == pytest.approx(0.001)
+    assert bench_speculative.step_fit([(1, 1, 0.005), (1, 1, 0.006)]) is None  # rows never vary: nothing to fit
+
+
+def test_first_difference_names_the_answer_and_position() -> None:
+    assert bench_speculative.first_difference([[1, 2], [3, 4, 5]], [[1, 2], [3, 9, 5]]) == (1, 1)
+    assert bench_speculative.first_difference([[1, 2, 3]], [[1, 2]]) == (0, 2)  # one stopped sooner
