@@ -33,10 +33,11 @@ static_assert(kUnsignedQ8, "packed Q8_0 goes through the lanes as q + 128, its m
 // scripts/bench_qdot.py, one thread, rows in L2, Intel Xeon with AVX-512 VNNI and AMX (avx512_bf16 build), ns a
 // weight row, blocks of at most 4 rows (9 rows: 4 + 4 + 1) against at most 8 (9 rows: 5 + 4), two rounds
 // alternating: packed Q4_1 K = 576, 16 rows 101-105 -> 90; packed Q8_0 K = 576, 9 rows 80-81 -> 74-76, 16 rows
-// 118-120 -> 100-104; Q4_K (qdot_lanes_k.h) K = 1024, 9 rows 114 -> 98-99, 16 rows 169 -> 149-151. The weights of the tile kLanesAhead tiles on are prefetched into L2, spread over the
-// pairs of groups: one tile ahead into L1, as the row loops do, left one activation row at 0.69-0.72 ms against
-// their 0.53-0.59 (a 49152 x 576 Q4_1 matrix from memory, 2 threads, AMD EPYC Zen 4): the 16 rows are read
-// across, which the hardware's stream prefetch does not follow; three tiles ahead into L2 gave 0.49-0.59.
+// 118-120 -> 100-104; Q4_K (qdot_lanes_k.h) K = 1024, 9 rows 114 -> 98-99, 16 rows 169 -> 149-151.
+// The weights of the tile kLanesAhead tiles on are prefetched into L2, spread over the pairs of groups: one tile
+// ahead into L1, as the row loops do, left one activation row at 0.69-0.72 ms against their 0.53-0.59 (a 49152 x
+// 576 Q4_1 matrix from memory, 2 threads, AMD EPYC Zen 4): the 16 rows are read across, which the hardware's stream
+// prefetch does not follow; three tiles ahead into L2 gave 0.49-0.59.
 constexpr int kLanes = 16, kLaneRowsR = 8, kLanesAhead = 3;
 
 // t[k] holds row k's eight dwords in its low 256 bits and row k + 8's in its high ones; on return t[i] holds dword i
