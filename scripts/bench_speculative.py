@@ -269,12 +269,8 @@ def step_fit(steps: list[tuple[int, int, float]]) -> tuple[float, float] | None:
     vary (plain decoding at one stream)."""
     if len({rows for rows, _, _ in steps}) < 2:
         return None
-    n = len(steps)
-    mx = sum(rows for rows, _, _ in steps) / n
-    my = sum(sec for _, _, sec in steps) / n
-    var = sum((rows - mx) ** 2 for rows, _, _ in steps)
-    per_row = sum((rows - mx) * (sec - my) for rows, _, sec in steps) / var
-    return my - per_row * mx, per_row
+    per_row, fixed = statistics.linear_regression([rows for rows, _, _ in steps], [sec for _, _, sec in steps])
+    return fixed, per_row
 
 
 def build_engines(loaded: Any, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
@@ -373,6 +369,12 @@ def main(argv: list[str] | None = None) -> int:
                "ratios": c["ratios"], "decode_speedup": statistics.median(c["decode_ratios"]),
                "decode_ratios": c["decode_ratios"], "accepted_share": share, "proposed": c["proposed"],
                "accepted": c["accepted"]}
+        if steps := c["steps"]:
+            fit = step_fit(steps)
+            row.update({"decode_steps": len(steps), "tokens_per_step": sum(t for _, t, _ in steps) / len(steps),
+                        "rows_per_step": sum(r for r, _, _ in steps) / len(steps),
+                        "step_ms": 1e3 * statistics.fmean(sec for _, _, sec in steps),
+                        "fit_ms": None if fit is None else [1e3 * fit[0], 1e3 * fit[1]]})
         rows.append(row)
         if mode == "off":
             print(f"| {workload} | {streams} | off | {c['tokens']} | {row['tok_s']:.1f} | | | |")
@@ -386,18 +388,13 @@ def main(argv: list[str] | None = None) -> int:
     print("| workload | streams | mode | steps | tokens a step | rows a step | ms a step (mean) | "
           "fit: fixed + per row (ms) | per row / fixed |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for row, ((workload, streams, mode), c) in zip(rows, cells.items(), strict=True):
-        steps = c["steps"]
-        if not steps:
+    for row in rows:
+        if "decode_steps" not in row:
             continue
-        fit = step_fit(steps)
-        row.update({"decode_steps": len(steps), "tokens_per_step": sum(t for _, t, _ in steps) / len(steps),
-                    "rows_per_step": sum(r for r, _, _ in steps) / len(steps),
-                    "step_ms": 1e3 * statistics.fmean(sec for _, _, sec in steps),
-                    "fit_ms": None if fit is None else [1e3 * fit[0], 1e3 * fit[1]]})
-        fitted = "" if fit is None else f"{1e3 * fit[0]:.2f} + {1e3 * fit[1]:.3f} | {fit[1] / fit[0]:.0%}"
-        print(f"| {workload} | {streams} | {mode} | {len(steps)} | {row['tokens_per_step']:.2f} | "
-              f"{row['rows_per_step']:.2f} | {row['step_ms']:.2f} | {fitted or ' | '} |")
+        fit = row["fit_ms"]
+        fitted = "" if fit is None else f"{fit[0]:.2f} + {fit[1]:.3f} | {fit[1] / fit[0]:.0%}"
+        print(f"| {row['workload']} | {row['streams']} | {row['mode']} | {row['decode_steps']} | "
+              f"{row['tokens_per_step']:.2f} | {row['rows_per_step']:.2f} | {row['step_ms']:.2f} | {fitted or ' | '} |")
     Path(args.out).write_text(json.dumps({"cpu": header, "target": about, "args": vars(args), "rows": rows,
                                           "weight_bytes": weight_bytes(engines["off"])}, indent=2))
     return 0
