@@ -29,11 +29,12 @@ import gguf_random  # noqa: E402  (scripts/, beside this file)
 
 from config import tool_cache_dir  # noqa: E402
 from engine.backends import cpu_kernels  # noqa: E402
-from engine.model.quant import FORMATS, QuantWeight  # noqa: E402
+from engine.model.quant import FORMATS, TILES, QuantWeight  # noqa: E402
 
 TYPES = {name: t for t, (name, _, _) in FORMATS.items()
          if name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")}
-# (Q4_0 / Q4_1 / Q8_0 are packed at load, QuantWeight.repack; the K-quants are served as the file stores them)
+# (Q4_0 / Q4_1 / Q8_0 are packed at load, QuantWeight.repack, and tiled where the build multiplies tiles; the K-quants
+# are served as the file stores them)
 ROWS_BYTES = 550_000  # about half of a 1 MiB L2
 
 
@@ -50,12 +51,14 @@ def random_blocks(fmt: str, n: int, k: int) -> np.ndarray:
         return np.frombuffer(gguf_random.tensor_values(fmt, (k, n), rng), np.uint8).reshape(n, -1)
 
 
-def time_rows(module: object, fmt: str, k: int, rows: int, repeats: int) -> dict[str, float]:
+def time_rows(module: object, fmt: str, k: int, rows: int, repeats: int, tiled: bool = False) -> dict[str, float]:
 
     _, per_block, block_bytes = FORMATS[TYPES[fmt]]
     n = max(16, ROWS_BYTES // (k // per_block * block_bytes) // 16 * 16)
     blocks = torch.from_numpy(random_blocks(fmt, n, k))
     packed = QuantWeight(blocks, TYPES[fmt], (n, k)).repack()
+    if tiled and packed.qtype in TILES:
+        packed.tile_()  # as the engine's decoder holds them where the build multiplies tiles
     x = torch.randn(rows, k)
     for _ in range(200):  # warm: rows into L2, the thread pool up
         module.qlinear(x, packed.blocks, packed.qtype, None)
@@ -76,17 +79,23 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1, help="activation rows (a decode step's sequences)")
     parser.add_argument("--repeats", type=int, default=7, help="timed batches of 500 calls; the best is reported")
     parser.add_argument("--cpu-isa", default="auto", help="the ISA cap, as the server's --cpu-isa")
+    parser.add_argument("--untiled", action="store_true",
+                        help="packed Q4_0 / Q4_1 / Q8_0 as rows, not in the tiles the engine gives them where the build "
+                             "multiplies tiles (the AVX-512 VNNI builds)")
     args = parser.parse_args()
     module = cpu_kernels.load(tool_cache_dir(), cap=args.cpu_isa)
     if module is None:
         sys.exit(f"the CPU kernels did not build: {cpu_kernels.unsupported_reason(args.cpu_isa)}")
     torch.set_num_threads(1)
-    results = [time_rows(module, args.format, k, args.rows, args.repeats) for k in args.k]
-    print(f"qlinear, {args.format} rows packed, {args.rows} activation row(s), one thread, {module.isa()} build")
+    tiled = bool(module.tile_rows()) and not args.untiled
+    results = [time_rows(module, args.format, k, args.rows, args.repeats, tiled) for k in args.k]
+    layout = "tiled" if tiled and TYPES[args.format] in (2, 3, 8) else "rows"
+    print(f"qlinear, {args.format} ({layout}), {args.rows} activation row(s), one thread, {module.isa()} build")
     print(f"{'K':>6}{'rows':>7}{'ns a row':>10}{'GB/s':>8}")
     for r in results:
         print(f"{r['k']:>6}{r['rows']:>7}{r['ns_per_row']:>10}{r['gb_s']:>8}")
-    print(json.dumps({"isa": module.isa(), "format": args.format, "rows": args.rows, "threads": 1, "results": results}))
+    print(json.dumps({"isa": module.isa(), "format": args.format, "layout": layout, "rows": args.rows, "threads": 1,
+                      "results": results}))
 
 
 if __name__ == "__main__":

@@ -251,12 +251,14 @@ def kernels_for(dtype: torch.dtype, opts: KernelOptions) -> Kernels:
     onednn_linear()  # the one oneDNN probe, here rather than at import
     module = _for(opts)
     quant = quant_kernels.load(opts.cache_dir, cap=opts.isa) if opts.enabled and opts.cache_dir else None
+    decoder = llama_decoder_for(dtype, opts)
     return Kernels(
         linear=linear_for(dtype, opts),
         decode_attention=decode_attention_for(opts),
         add_rms_norm=add_rms_norm_for(dtype, opts),
         argmax=argmax_for(opts),
-        decoder=llama_decoder_for(dtype, opts),
+        decoder=decoder,
         quant=quant,
+        tile_rows=int(module.tile_rows()) if decoder is not None and module is not None else 0,
         path="torch" if module is None else str(module.isa()),
     )

@@ -111,6 +111,7 @@ class Kernels:
     argmax: Argmax = argmax_torch
     decoder: DecoderFactory | None = None
     quant: ModuleType | None = None
+    tile_rows: int = 0  # the decoder multiplies packed Q4_0 / Q4_1 / Q8_0 tiled in tiles of these rows (0: as rows)
     path: str = "torch"  # which kernels: "torch", or the CPU build (its isa(): "avx2", "avx512_bf16", "neon", ...)
 
 

@@ -18,8 +18,8 @@ With quantized weights, prefill and mixed steps go through it too: each prompt t
 its sequence's block table and its position + 1 as its context (`step_rows`), so every token is computed by the
 same instructions whatever its step holds, and a prompt gives the same bits whole, in chunks or after cached
 blocks (docs/determinism.md). Prefill with dense weights, other dtypes and devices keep the op-by-op pass below
-(the second forward path: torch's GEMM is much faster than the decoder's rows for dense prompts, and it serves
-devices and dtypes the C++ step does not).
+(torch's GEMM is much faster than the decoder's rows for dense prompts; it serves devices and dtypes the C++ step
+does not).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from torch import nn
 
 from engine.backends import huge_pages
 from engine.backends.kernels import TORCH, Kernels, Linear
+from engine.model import quant
 from engine.model.attention import AttentionMetadata, attend
 from engine.model.families import Block, attn_linears, block_of, family_of, mlp_linears
 from engine.model.kv_cache import KVCache
@@ -158,6 +159,9 @@ class LlamaFastForward:
         self._decoder_factory = decoder
         self._decoder: tuple[KVCache, object] | None = None  # built on the first decode-only step
         if decoder is not None:  # at start, not on the first request: the step's weights onto huge pages, in order
+            if kernels.tile_rows:  # packed Q4_0 / Q4_1 / Q8_0 in the 16-lane kernels' tiles (engine/model/quant.py)
+                tiled = quant.tile_weights([w for w, _ in self._matmuls()], model)
+                log.info("decode-step weights tiled for the 16-lane kernels: %.1f MiB", tiled / 2**20)
             huge_pages.gather([t for weight, _ in self._matmuls() for t in _parts(weight)[0]], self._weight_tensors())
         rope_type = str(getattr(inner.rotary_emb, "rope_type", "default"))
         # RoPE that depends on the position alone (not "dynamic" scaling, not longrope's length switch) is looked up
@@ -187,6 +191,7 @@ class LlamaFastForward:
             except RuntimeError as exc:  # a shape or dtype the kernel does not take: keep the op-by-op pass
                 log.info("one-call decode step off: %s", str(exc).splitlines()[0])
                 self._decoder_factory = None
+                quant.untile_weights([w for w, _ in matmuls], self.model)  # (the op-by-op kernels take packed rows)
                 return None
             self._decoder = (kv_cache, built)
         return self._decoder[1]

@@ -17,6 +17,10 @@ file stores them, and the modules that multiply by them.
   nibbles: the first block's 32 values in order, high nibbles: the second's), then the row's f16 scales, then its
   f16 minimums; Q8_0 its int8 values first, then its f16 scales. The decode kernels then get 64 weights per load
   and 8 scales per conversion.
+- `QuantWeight.tile_` / `tile_weights`: where the CPU build multiplies them 16 rows a lane each (AVX-512 VNNI,
+  `Kernels.tile_rows`), the one-call decoder's packed weights are rearranged once more at start, in place, each 16
+  rows transposed (quant.h: kQ4_0T / kQ4_1T / kQ8_0T): the kernel then streams a tile front to back with no
+  shuffles (the same bits). Their rows are still read one by one where needed (`rows_packed`: a tied embedding).
 """
 
 from __future__ import annotations
@@ -48,7 +52,11 @@ Q8_0 = 8
 PACKED: dict[int, tuple[str, int, int]] = {1002: ("Q4_0", 64, 36), 1003: ("Q4_1", 64, 40), 1008: ("Q8_0", 64, 68)}
 PACKS = {2: 1002, 3: 1003, 8: 1008}  # GGUF type -> its packed form
 UNPACKED = {packed: gguf for gguf, packed in PACKS.items()}
-LAYOUTS = {**FORMATS, **PACKED}
+# their tiled forms (quant.h: kQ4_0T ...): the packed rows, each TILE_ROWS transposed for the 16-lane kernels
+TILED: dict[int, tuple[str, int, int]] = {2002: ("Q4_0", 64, 36), 2003: ("Q4_1", 64, 40), 2008: ("Q8_0", 64, 68)}
+TILES = {packed: packed + 1000 for packed in PACKED}  # packed type -> its tiled form
+TILE_ROWS = 16
+LAYOUTS = {**FORMATS, **PACKED, **TILED}
 PREFILL_TILE_ELEMS = 1 << 22  # float32 weights dequantized at a time for many-row matmuls (16 MiB)
 
 
@@ -60,6 +68,8 @@ class QuantWeight:
         rows, cols = shape
         if cols % per_block or tuple(blocks.shape) != (rows, cols // per_block * block_bytes):
             raise ValueError(f"{name} blocks {tuple(blocks.shape)} do not hold a [{rows}, {cols}] matrix")
+        if qtype in TILED and (rows % TILE_ROWS or not blocks.is_contiguous()):
+            raise ValueError(f"tiled {name} blocks hold whole tiles of {TILE_ROWS} contiguous rows, not {rows}")
         self.blocks, self.qtype, self.shape = blocks, qtype, (rows, cols)
         self.kernels = kernels  # the quantized-weight kernels' module the backend handed over; None: the reference
 
@@ -74,6 +84,9 @@ class QuantWeight:
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """float32 [N, K] (or the given rows, [len(rows), K])."""
+        if self.qtype in TILED:  # the quantized-weight kernels take rows: the packed ones
+            packed = self.rows_packed(torch.arange(self.shape[0]) if rows is None else rows.reshape(-1))
+            return QuantWeight(packed, self.qtype - 1000, (packed.shape[0], self.shape[1]), self.kernels).dequantize()
         blocks = self.blocks if rows is None else self.blocks.index_select(0, rows.reshape(-1))
         if self.kernels is not None:
             return self.kernels.dequantize(blocks, self.qtype, self.shape[1])
@@ -83,7 +96,10 @@ class QuantWeight:
         return torch.from_numpy(quants.dequantize(plain.blocks.numpy(), plain.qtype).astype(np.float32, copy=False))
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., K] @ W^T -> [..., N], in x's dtype."""
+        """x [..., K] @ W^T -> [..., N], in x's dtype (a tiled weight through a packed copy: the one-call decoder
+        multiplies those, this is the op-by-op pass's fallback)."""
+        if self.qtype in TILED:
+            return self.untiled().matmul(x)
         lead, k = x.shape[:-1], x.shape[-1]
         flat = x.reshape(-1, k).to(torch.float32).contiguous()
         kernels = self.kernels
@@ -109,6 +125,41 @@ class QuantWeight:
     def slice_rows(self, start: int, end: int) -> QuantWeight:
         return QuantWeight(self.blocks[start:end], self.qtype, (end - start, self.shape[1]), self.kernels)
 
+    def _split(self) -> tuple[int, int]:
+        """A packed or tiled row's bytes of values and of scale halves (Q8_0: K and K / 16; Q4: K / 2 and K / 16 or
+        K / 8)."""
+        values = self.shape[1] if LAYOUTS[self.qtype][0] == "Q8_0" else self.shape[1] // 2
+        return values, self.blocks.shape[1] - values
+
+    def tile_(self) -> None:
+        """A packed weight's bytes rearranged in place into its tiled form (quant.h: kQ4_0T ...): each TILE_ROWS rows
+        (a multiple of them) their values, 32-byte chunk by chunk, as 8 dwords of each row in turn, then their scale
+        halves, half by half, each row's in turn. Its type becomes the tiled one; other QuantWeights on these bytes
+        must change theirs too (`tile_weights`)."""
+        rows, ldw = self.blocks.shape
+        values, scales = self._split()
+        tiles = self.blocks.reshape(rows // TILE_ROWS, TILE_ROWS, ldw)
+        v = tiles[..., :values].reshape(-1, TILE_ROWS, values // 32, 8, 4).permute(0, 2, 3, 1, 4)
+        s = tiles[..., values:].reshape(-1, TILE_ROWS, scales // 2, 2).permute(0, 2, 1, 3)
+        self.blocks.copy_(torch.cat([v.reshape(-1, TILE_ROWS * values), s.reshape(-1, TILE_ROWS * scales)], 1)
+                          .view(rows, ldw))
+        self.qtype = TILES[self.qtype]
+
+    def rows_packed(self, rows: torch.Tensor) -> torch.Tensor:
+        """The packed bytes [len(rows), ldw] of the given rows of a tiled weight (`tile_` undone for them)."""
+        values, scales = self._split()
+        tile, lane = rows // TILE_ROWS, rows % TILE_ROWS
+        flat = self.blocks.view(-1, TILE_ROWS * self.blocks.shape[1])
+        v = flat[:, : TILE_ROWS * values].reshape(-1, values // 32, 8, TILE_ROWS, 4)[tile, :, :, lane]
+        s = flat[:, TILE_ROWS * values :].reshape(-1, scales // 2, TILE_ROWS, 2)[tile, :, lane]
+        return torch.cat([v.reshape(len(rows), values), s.reshape(len(rows), scales)], 1)
+
+    def untiled(self) -> QuantWeight:
+        """A packed copy of a tiled weight (itself when not tiled)."""
+        if self.qtype not in TILED:
+            return self
+        return QuantWeight(self.rows_packed(torch.arange(self.shape[0])), self.qtype - 1000, self.shape, self.kernels)
+
     def repack(self) -> QuantWeight:
         """Q4_0 / Q4_1 / Q8_0 rows packed for the decode kernels (module docstring, quant.h: kQ4_0R / kQ4_1R /
         kQ8_0R); other formats, and rows whose length is not a multiple of 64, as they are. As many bytes, the same
@@ -131,7 +182,9 @@ class QuantWeight:
         return QuantWeight(torch.cat([packed, scales], dim=1), packed_type, self.shape, self.kernels)
 
     def unpack(self) -> QuantWeight:
-        """The GGUF blocks of a packed weight (`repack` undone); any other weight as it is."""
+        """The GGUF blocks of a packed or tiled weight (`repack` undone); any other weight as it is."""
+        if self.qtype in TILED:
+            return self.untiled().unpack()
         gguf = UNPACKED.get(self.qtype)
         if gguf is None:
             return self
@@ -156,6 +209,53 @@ def concat(weights: list[QuantWeight]) -> QuantWeight | None:
         return None
     blocks = stack_rows([w.blocks for w in weights])
     return QuantWeight(blocks, first.qtype, (sum(w.shape[0] for w in weights), first.shape[1]), first.kernels)
+
+
+def tile_weights(weights: list[Any], model: nn.Module) -> int:
+    """Tile each packed weight of `weights` (matmul weights: dense, quantized, lists of pieces) in place
+    (`QuantWeight.tile_`) where it is whole tiles of contiguous rows and every QuantWeight of `model` on its bytes (a
+    fused weight's slices, a tied embedding) lies on whole tiles of it: those all take the tiled type. Returns the
+    bytes tiled."""
+    weights = _quantized(weights)
+    holders = [*weights, *(m.qweight for m in model.modules() if isinstance(m, QuantLinear | QuantEmbedding))]
+    done = 0
+    for weight in weights:
+        blocks = weight.blocks
+        if weight.qtype not in PACKED or weight.shape[0] % TILE_ROWS or not blocks.is_contiguous():
+            continue
+        on = [h for h in holders if h.blocks.untyped_storage().data_ptr() == blocks.untyped_storage().data_ptr()]
+        tile_bytes = TILE_ROWS * blocks.stride(0)
+        if all(_on_tiles(h.blocks, blocks, tile_bytes) for h in on):
+            weight.tile_()
+            for h in on:
+                h.qtype = weight.qtype
+            done += blocks.numel()
+    return done
+
+
+def untile_weights(weights: list[Any], model: nn.Module) -> None:
+    """`tile_weights` undone: each tiled weight of `weights` back to its packed rows in place, with its holders."""
+    weights = _quantized(weights)
+    holders = [*weights, *(m.qweight for m in model.modules() if isinstance(m, QuantLinear | QuantEmbedding))]
+    for weight in weights:
+        if weight.qtype in TILED:
+            key, packed = weight.blocks.untyped_storage().data_ptr(), weight.qtype - 1000
+            weight.blocks.copy_(weight.rows_packed(torch.arange(weight.shape[0])))
+            for h in holders:
+                if h.blocks.untyped_storage().data_ptr() == key:
+                    h.qtype = packed
+
+
+def _quantized(weights: list[Any]) -> list[QuantWeight]:
+    """The QuantWeights of a list of weights (a list among them: its pieces)."""
+    return [p for w in weights for p in (w if isinstance(w, list) else [w]) if isinstance(p, QuantWeight)]
+
+
+def _on_tiles(view: torch.Tensor, whole: torch.Tensor, tile_bytes: int) -> bool:
+    """Whether the uint8 rows `view` are whole tiles of `whole` (of `tile_bytes` each), on the same storage."""
+    offset = view.storage_offset() - whole.storage_offset()
+    return (view.is_contiguous() and view.stride(0) == whole.stride(0) and offset >= 0 and offset % tile_bytes == 0
+            and view.numel() % tile_bytes == 0 and offset + view.numel() <= whole.numel())
 
 
 def stack_rows(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -189,7 +289,7 @@ class QuantLinear(nn.Module):
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
     def extra_repr(self) -> str:
-        packed = " (row-packed)" if self.qweight.qtype in PACKED else ""
+        packed = " (row-packed)" if self.qweight.qtype in PACKED else " (tiled)" if self.qweight.qtype in TILED else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.qweight.type_name}{packed}"
 
 

@@ -101,6 +101,7 @@ class LlamaDecoder {
     TORCH_CHECK(embed.dim() == 2 && embed.stride(1) == 1, "LlamaDecoder: embeddings [vocab, hidden]");
     if (embed_qtype_) {
       TORCH_CHECK(q::supported(embed_qtype_) && embed.scalar_type() == at::kByte &&
+                  (!q::tiled(embed_qtype_) || (embed.size(0) % q::kTileRows == 0 && embed.is_contiguous())) &&
                   hidden_ % q::layout_of(embed_qtype_).elems == 0 &&
                   embed.size(1) == hidden_ / q::layout_of(embed_qtype_).elems * q::layout_of(embed_qtype_).bytes,
                   "LlamaDecoder: quantized embeddings [vocab, hidden / block * bytes] uint8");
@@ -187,7 +188,7 @@ class LlamaDecoder {
     if (embed_qtype_) {  // the looked-up rows dequantized, rounded to T
       std::vector<float> row(hid);
       for (int64_t m = 0; m < B; ++m) {
-        q::dequant_row(embed_qtype_, embed_.data_ptr<uint8_t>() + tokp[m] * embed_.stride(0), hid, row.data());
+        q::dequant_row_at(embed_qtype_, embed_.data_ptr<uint8_t>(), embed_.stride(0), tokp[m], hid, row.data());
         std::copy_n(row.data(), hid, h.data_ptr<T>() + m * hid);
       }
     } else {

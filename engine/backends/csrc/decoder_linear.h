@@ -115,6 +115,8 @@ Linear make_linear(const std::vector<torch::Tensor>& ws, const std::vector<int64
       TORCH_CHECK(q::supported(p.qtype), "LlamaDecoder: unsupported GGUF quantization type " + std::to_string(p.qtype));
       const q::Layout lay = q::layout_of(p.qtype);
       TORCH_CHECK(w.scalar_type() == at::kByte && w.size(1) % lay.bytes == 0, "LlamaDecoder: uint8 rows of blocks");
+      TORCH_CHECK(!q::tiled(p.qtype) || (w.size(0) % q::kTileRows == 0 && w.is_contiguous()),
+                  "LlamaDecoder: a tiled weight is whole tiles of 16 contiguous rows");
       K = w.size(1) / lay.bytes * lay.elems;
     }
     TORCH_CHECK(i == 0 || K == L.K, "LlamaDecoder: a linear's parts differ in K");

@@ -39,6 +39,7 @@ torch::Tensor linear_small(const torch::Tensor& x, const torch::Tensor& w, const
 // --- qlinear.cpp: x @ W^T for W kept quantized (GGUF blocks), int8 dot products (qdot.h); float32 out ---
 torch::Tensor qlinear(const torch::Tensor& x, const torch::Tensor& w, int64_t type,
                       const c10::optional<torch::Tensor>& bias);
+int64_t tile_rows();
 
 // --- norms.cpp ---
 // One row: hr += dr (when given); out = weight * to_T(hr * rsqrt(mean(hr^2) + eps)), statistics in float32.

@@ -91,11 +91,27 @@ void qlinear_rows(int type, const uint8_t* w, int64_t ldw, const QRows& x, int64
     case kQ8_0R:
       if constexpr (lanes_packed(kQ8_0R)) return qlinear_lanes<kQ8_0R>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
       return qlinear_range_packed<kQ8_0R>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
+    case kQ4_0T:  // (only where lanes_packed: supported())
+      if constexpr (lanes_packed(kQ4_0R)) return qlinear_tiles<kQ4_0R>(w, ldw, x, M, bias, out, ldo, n_begin, n_end);
+      return;
+    case kQ4_1T:
+      if constexpr (lanes_packed(kQ4_1R)) return qlinear_tiles<kQ4_1R>(w, ldw, x, M, bias, out, ldo, n_begin, n_end);
+      return;
+    case kQ8_0T:
+      if constexpr (lanes_packed(kQ8_0R)) return qlinear_tiles<kQ8_0R>(w, ldw, x, M, bias, out, ldo, n_begin, n_end);
+      return;
     default: return;  // the callers check the type first (supported())
   }
 }
 
-inline bool supported(int64_t type) { return layout_of(static_cast<int>(type)).elems > 0; }
+// Whether qlinear_rows takes `type`: the tiled forms only in the builds with the 16-lane loops they are laid out for.
+inline bool supported(int64_t type) {
+  return layout_of(static_cast<int>(type)).elems > 0 && (!tiled(static_cast<int>(type)) || lanes_packed(kQ4_1R));
+}
+
+// The rows of a tile where this build multiplies tiled weights (kTileRows), else 0: bound as `tile_rows`, the loader's
+// cue to tile (engine/model/quant.py).
+inline int64_t tile_rows() { return lanes_packed(kQ4_1R) ? kTileRows : 0; }
 
 // One row of an embedding table kept quantized, as float32.
 inline void dequant_row(int type, const uint8_t* row, int64_t K, float* out) {
@@ -116,6 +132,25 @@ inline void dequant_row(int type, const uint8_t* row, int64_t K, float* out) {
     case kQ8_0R: return rows(std::integral_constant<int, kQ8_0R>{});
     default: return;
   }
+}
+
+// Row r of a tiled weight (quant.h: kQ4_0T ...) as its packed row (ldw bytes): its dwords of values and its scale
+// halves gathered from its tile.
+inline void untile_row(int type, const uint8_t* w, int64_t ldw, int64_t r, int64_t K, uint8_t* row) {
+  const int64_t values = type == kQ8_0T ? K : K / 2, j = r % kTileRows;
+  const uint8_t* tile = w + (r - j) * ldw;
+  for (int64_t c = 0; c < values / 32; ++c)
+    for (int64_t i = 0; i < 8; ++i) std::memcpy(row + 32 * c + 4 * i, tile + 512 * c + 64 * i + 4 * j, 4);
+  for (int64_t h = 0; h < (ldw - values) / 2; ++h)
+    std::memcpy(row + values + 2 * h, tile + kTileRows * values + 32 * h + 2 * j, 2);
+}
+
+// Row r of an embedding table `w` (rows of ldw bytes) kept quantized, as float32; a tiled one's through its packed row.
+inline void dequant_row_at(int type, const uint8_t* w, int64_t ldw, int64_t r, int64_t K, float* out) {
+  if (!tiled(type)) return dequant_row(type, w + r * ldw, K, out);
+  std::vector<uint8_t> row(ldw);
+  untile_row(type, w, ldw, r, K, row.data());
+  dequant_row(type - 1000, row.data(), K, out);  // the packed form's id
 }
 
 }  // namespace peregrine_quant

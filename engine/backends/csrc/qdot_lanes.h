@@ -39,6 +39,7 @@ static_assert(kUnsignedQ8, "packed Q8_0 goes through the lanes as q + 128, its m
 // 576 Q4_1 matrix from memory, 2 threads, AMD EPYC Zen 4): the 16 rows are read across, which the hardware's stream
 // prefetch does not follow; three tiles ahead into L2 gave 0.49-0.59.
 constexpr int kLanes = 16, kLaneRowsR = 8, kLanesAhead = 3;
+static_assert(kLanes == kTileRows, "a tile of the tiled forms is one 16-lane tile");
 
 // t[k] holds row k's eight dwords in its low 256 bits and row k + 8's in its high ones; on return t[i] holds dword i
 // of rows 0-15, lane j row j's.
@@ -109,8 +110,10 @@ inline void tile_scales(const uint8_t* const p[kLanes], int64_t K, float* sd, fl
   }
 }
 
-// res[r] (16 lanes) = activation row m0 + r times the tile's 16 rows, r < R.
-template <int T, int R>
+// res[r] (16 lanes) = activation row m0 + r times the tile's 16 rows, r < R. Rows: p[j] is row j, and sd / sm hold
+// the tile's scale and minimum columns (tile_scales); Tiled (quant.h: kQ4_0T ...): p[0] is the tile, already
+// transposed, its scales read from it (sd, sm unused): the same values in the same lanes, so the same bits.
+template <int T, int R, bool Tiled = false>
 inline void lanes_block(const uint8_t* const p[kLanes], const float* sd, const float* sm, const QRows& x, int64_t m0,
                         __m512* res, const uint8_t* fetch = nullptr, int64_t fetch_bytes = 0) {
   const int64_t K = x.K, groups = K / kQK;
@@ -129,24 +132,50 @@ inline void lanes_block(const uint8_t* const p[kLanes], const float* sd, const f
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[k + 8] + at)), 1);
       transpose_dwords(t);
     };
+    auto chunk = [&p](int64_t c, __m512i t[8]) {  // a tiled tile's 32-byte chunk c of its 16 rows, transposed
+      for (int k = 0; k < 8; ++k) t[k] = _mm512_loadu_si512(p[0] + 512 * c + 64 * k);
+    };
     if constexpr (T == kQ8_0R) {  // a group's 32 values a row, signed: flipped to q + 128
       const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-      rows16(kQK * g, w0);
-      rows16(kQK * (g + 1), w1);
+      if constexpr (Tiled) {
+        chunk(g, w0);
+        chunk(g + 1, w1);
+      } else {
+        rows16(kQK * g, w0);
+        rows16(kQK * (g + 1), w1);
+      }
       for (int i = 0; i < 8; ++i) {
         w0[i] = _mm512_xor_si512(w0[i], flip);
         w1[i] = _mm512_xor_si512(w1[i], flip);
       }
     } else {  // the pair's 32 bytes a row: g's values in the low nibbles, g + 1's in the high ones
       __m512i t[8];
-      rows16(16 * g, t);
+      if constexpr (Tiled)
+        chunk(g / 2, t);
+      else
+        rows16(16 * g, t);
       for (int i = 0; i < 8; ++i) {
         w0[i] = _mm512_and_si512(t[i], low);
         w1[i] = _mm512_and_si512(_mm512_srli_epi16(t[i], 4), low);
       }
     }
-    const __m512 d0 = _mm512_loadu_ps(sd + g * kLanes), d1 = _mm512_loadu_ps(sd + (g + 1) * kLanes);
-    const __m512 m0v = _mm512_loadu_ps(sm + g * kLanes), m1v = _mm512_loadu_ps(sm + (g + 1) * kLanes);
+    __m512 d0, d1, m0v, m1v;
+    if constexpr (Tiled) {  // the scale halves after the tile's values (K / 2 or K bytes a row): 32 bytes a column
+      const uint8_t* halves = p[0] + kLanes * scales_at<T>(K);
+      auto column = [halves](int64_t h) {
+        return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(halves + 32 * h)));
+      };
+      d0 = column(g), d1 = column(g + 1);
+      if constexpr (T == kQ4_1R) {
+        m0v = column(groups + g), m1v = column(groups + g + 1);
+      } else {  // as tile_scales: a minimum of -8 d (-128 d)
+        m0v = _mm512_mul_ps(_mm512_set1_ps(offset_min<T>()), d0);
+        m1v = _mm512_mul_ps(_mm512_set1_ps(offset_min<T>()), d1);
+      }
+    } else {
+      d0 = _mm512_loadu_ps(sd + g * kLanes), d1 = _mm512_loadu_ps(sd + (g + 1) * kLanes);
+      m0v = _mm512_loadu_ps(sm + g * kLanes), m1v = _mm512_loadu_ps(sm + (g + 1) * kLanes);
+    }
     for (int r = 0; r < R; ++r) {
       const int8_t* a = x.q + (m0 + r) * K + g * kQK;
       auto four = [a](int i) {  // activations 4i .. 4i + 3 of the pair, in every lane
@@ -205,6 +234,41 @@ inline void store_lanes(O* out, __m512 v, int64_t count, __mmask16 mask) {
   }
 }
 
+// Output rows [n_begin, n_end) of a tiled weight (quant.h: kQ4_0T ...; tiles of 16 rows from row 0): each tile that
+// meets the range is multiplied whole and its lanes in the range stored; the tile kLanesAhead on prefetched as below.
+template <int T, typename O>
+void qlinear_tiles(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, const float* bias, O* out, int64_t ldo,
+                   int64_t n_begin, int64_t n_end) {
+  const int64_t end_row = (n_end + kLanes - 1) / kLanes * kLanes;  // the last tile met, whole
+  prefetch_first(w, ldw, n_begin / kLanes * kLanes, end_row, kLanes * kLanesAhead);
+  for (int64_t n = n_begin / kLanes * kLanes; n < n_end; n += kLanes) {
+    const int64_t lo = std::max(n, n_begin), count = std::min(n + kLanes, n_end) - lo;
+    const uint8_t* p[kLanes] = {w + n * ldw};
+    const int64_t fetch_begin = std::min(end_row, n + kLanes * kLanesAhead) * ldw;
+    const int64_t fetch_bytes = std::min(end_row, n + kLanes * (kLanesAhead + 1)) * ldw - fetch_begin;
+    const __mmask16 mask = static_cast<__mmask16>(((1u << count) - 1) << (lo - n));
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
+    __m512 res[kLaneRowsR];
+    auto block = [&](int64_t m, auto rr) {
+      constexpr int RR = decltype(rr)::value;
+      if (m == 0)
+        lanes_block<T, RR, true>(p, nullptr, nullptr, x, m, res, w + fetch_begin, fetch_bytes);
+      else
+        lanes_block<T, RR, true>(p, nullptr, nullptr, x, m, res);
+      for (int r = 0; r < RR; ++r) {
+        if (lo == n) {
+          store_lanes(out + (m + r) * ldo + n, _mm512_add_ps(res[r], b), count, mask);
+          continue;
+        }
+        alignas(64) float lanes[kLanes];  // a range that starts inside a tile (qlinear's split)
+        _mm512_store_ps(lanes, _mm512_add_ps(res[r], b));
+        for (int64_t j = 0; j < count; ++j) out[(m + r) * ldo + lo + j] = static_cast<O>(lanes[lo - n + j]);
+      }
+    };
+    row_blocks(M, block);
+  }
+}
+
 template <int T, typename O>
 void qlinear_lanes(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, const float* bias, O* out, int64_t ldo,
                    int64_t n_begin, int64_t n_end, QScratch& s) {
@@ -239,6 +303,9 @@ constexpr bool lanes_packed(int) { return false; }
 template <int T, typename O>  // never called here (lanes_packed): declared for qlinear_rows' discarded branch
 void qlinear_lanes(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, const float* bias, O* out, int64_t ldo,
                    int64_t n_begin, int64_t n_end, QScratch& s);
+template <int T, typename O>  // likewise
+void qlinear_tiles(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, const float* bias, O* out, int64_t ldo,
+                   int64_t n_begin, int64_t n_end);
 #endif
 
 }  // namespace peregrine_quant

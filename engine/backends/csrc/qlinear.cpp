@@ -20,6 +20,8 @@ torch::Tensor qlinear(const torch::Tensor& x, const torch::Tensor& w, int64_t ty
   torch::Tensor b32;
   if (bias.has_value() && bias->numel()) b32 = bias->to(at::kFloat).contiguous();
   TORCH_CHECK(!b32.defined() || b32.numel() == N, "qlinear: bias [N]");
+  TORCH_CHECK(!q::tiled(static_cast<int>(type)) || (N % q::kTileRows == 0 && w.is_contiguous()),
+              "qlinear: a tiled weight is whole tiles of 16 contiguous rows");
   const float* bp = b32.defined() ? b32.data_ptr<float>() : nullptr;
   auto out = torch::empty({M, N}, x.options().dtype(at::kFloat));
   const uint8_t* wp = w.data_ptr<uint8_t>();
@@ -36,5 +38,7 @@ torch::Tensor qlinear(const torch::Tensor& x, const torch::Tensor& w, int64_t ty
   });
   return out;
 }
+
+int64_t tile_rows() { return peregrine_quant::tile_rows(); }
 
 }  // namespace peregrine

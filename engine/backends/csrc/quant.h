@@ -23,12 +23,21 @@ namespace peregrine_quant {
 //   d * q + m (Q4_1), as in the file.
 //   Q8_0: the K int8 values in order (one 64-byte load is two groups), then the K / 32 f16 scales d. A value is
 //   d * q, as in the file.
+// The tiled forms (kQ4_0T / kQ4_1T / kQ8_0T, the packed id + 1000) hold the same bytes as the packed rows, each 16
+// rows (a tile, 16 x the row's bytes, where the 16 rows lay) transposed for the 16-lane loops of the AVX-512 VNNI
+// builds (qdot_lanes.h), which then read a tile front to back with no shuffles: first the values, each 32-byte chunk
+// of the 16 rows as 512 bytes, 64 for each of its eight dwords (dword i of row j at 64 i + 4 j); then the scale
+// halves, 32 bytes each (half h of row j at 32 h + 2 j). Only whole tiles: a matrix of a multiple of 16 rows. Made
+// at start by engine/model/quant.py (`QuantWeight.tile`) for the one-call decoder's matmuls alone; nothing reads a
+// row of them on its own.
 enum QType : int {
   kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kIQ4_NL = 20,
-  kIQ4_XS = 23, kQ4_0R = 1002, kQ4_1R = 1003, kQ8_0R = 1008,
+  kIQ4_XS = 23, kQ4_0R = 1002, kQ4_1R = 1003, kQ8_0R = 1008, kQ4_0T = 2002, kQ4_1T = 2003, kQ8_0T = 2008,
 };
 
 constexpr bool row_packed(int type) { return type == kQ4_0R || type == kQ4_1R || type == kQ8_0R; }
+constexpr bool tiled(int type) { return type == kQ4_0T || type == kQ4_1T || type == kQ8_0T; }
+constexpr int64_t kTileRows = 16;  // the rows of a tile of the tiled forms
 
 struct Layout {
   int elems;  // weights per block
@@ -50,6 +59,9 @@ constexpr Layout layout_of(int type) {
     case kQ4_0R: return {64, 36};  // row-packed: whole rows only; bytes per 64 values
     case kQ4_1R: return {64, 40};
     case kQ8_0R: return {64, 68};
+    case kQ4_0T: return {64, 36};  // tiled: as the packed rows, whole tiles of 16 rows only
+    case kQ4_1T: return {64, 40};
+    case kQ8_0T: return {64, 68};
     default: return {0, 0};
   }
 }
