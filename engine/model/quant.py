@@ -18,9 +18,10 @@ file stores them, and the modules that multiply by them.
   f16 minimums; Q8_0 its int8 values first, then its f16 scales. The decode kernels then get 64 weights per load
   and 8 scales per conversion.
 - `QuantWeight.tile_` / `tile_weights`: where the CPU build multiplies them 16 rows a lane each (AVX-512 VNNI,
-  `Kernels.tile_rows`), the one-call decoder's packed weights are rearranged once more at start, in place, each 16
-  rows transposed (quant.h: kQ4_0T / kQ4_1T / kQ8_0T): the kernel then streams a tile front to back with no
-  shuffles (the same bits). Their rows are still read one by one where needed (`rows_packed`: a tied embedding).
+  `Kernels.tile_rows`), the one-call decoder's packed and Q4_K weights are rearranged once more at start, in place,
+  each 16 rows interleaved (quant.h: kQ4_0T / kQ4_1T / kQ8_0T / kQ4_KT): the kernel then streams a tile front to back
+  with no shuffles (the same bits). Their rows are still read one by one where needed (`rows_packed`: a tied
+  embedding).
 """
 
 from __future__ import annotations
@@ -52,9 +53,13 @@ Q8_0 = 8
 PACKED: dict[int, tuple[str, int, int]] = {1002: ("Q4_0", 64, 36), 1003: ("Q4_1", 64, 40), 1008: ("Q8_0", 64, 68)}
 PACKS = {2: 1002, 3: 1003, 8: 1008}  # GGUF type -> its packed form
 UNPACKED = {packed: gguf for gguf, packed in PACKS.items()}
-# their tiled forms (quant.h: kQ4_0T ...): the packed rows, each TILE_ROWS transposed for the 16-lane kernels
-TILED: dict[int, tuple[str, int, int]] = {2002: ("Q4_0", 64, 36), 2003: ("Q4_1", 64, 40), 2008: ("Q8_0", 64, 68)}
-TILES = {packed: packed + 1000 for packed in PACKED}  # packed type -> its tiled form
+# the tiled forms (quant.h: kQ4_0T ...) of the packed ones and of Q4_K: each TILE_ROWS rows interleaved for the
+# 16-lane kernels
+TILED: dict[int, tuple[str, int, int]] = {2002: ("Q4_0", 64, 36), 2003: ("Q4_1", 64, 40), 2008: ("Q8_0", 64, 68),
+                                          2012: ("Q4_K", 256, 144)}
+TILES = {1002: 2002, 1003: 2003, 1008: 2008, 12: 2012}  # type -> its tiled form
+UNTILED = {tiled: plain for plain, tiled in TILES.items()}
+Q4_K = 12
 TILE_ROWS = 16
 LAYOUTS = {**FORMATS, **PACKED, **TILED}
 PREFILL_TILE_ELEMS = 1 << 22  # float32 weights dequantized at a time for many-row matmuls (16 MiB)
@@ -86,7 +91,7 @@ class QuantWeight:
         """float32 [N, K] (or the given rows, [len(rows), K])."""
         if self.qtype in TILED:  # the quantized-weight kernels take rows: the packed ones
             packed = self.rows_packed(torch.arange(self.shape[0]) if rows is None else rows.reshape(-1))
-            return QuantWeight(packed, self.qtype - 1000, (packed.shape[0], self.shape[1]), self.kernels).dequantize()
+            return QuantWeight(packed, UNTILED[self.qtype], (packed.shape[0], self.shape[1]), self.kernels).dequantize()
         blocks = self.blocks if rows is None else self.blocks.index_select(0, rows.reshape(-1))
         if self.kernels is not None:
             return self.kernels.dequantize(blocks, self.qtype, self.shape[1])
@@ -132,13 +137,19 @@ class QuantWeight:
         return values, self.blocks.shape[1] - values
 
     def tile_(self) -> None:
-        """A packed weight's bytes rearranged in place into its tiled form (quant.h: kQ4_0T ...): each TILE_ROWS rows
-        (a multiple of them) their values, 32-byte chunk by chunk, as 8 dwords of each row in turn, then their scale
-        halves, half by half, each row's in turn. Its type becomes the tiled one; other QuantWeights on these bytes
-        must change theirs too (`tile_weights`)."""
+        """A packed (or Q4_K) weight's bytes rearranged in place into its tiled form (quant.h: kQ4_0T ...): each
+        TILE_ROWS rows (a multiple of them) their values, 32-byte chunk by chunk, as 8 dwords of each row in turn,
+        then their scale halves, half by half, each row's in turn (Q4_K: each super-block's 36 dwords, each row's in
+        turn). Its type becomes the tiled one; other QuantWeights on these bytes must change theirs too
+        (`tile_weights`)."""
         rows, ldw = self.blocks.shape
-        values, scales = self._split()
         tiles = self.blocks.reshape(rows // TILE_ROWS, TILE_ROWS, ldw)
+        if self.qtype == Q4_K:  # each super-block's 36 dwords: dword i of row j at 64 i + 4 j of its 2,304 bytes
+            dwords = tiles.reshape(-1, TILE_ROWS, ldw // 144, 36, 4).permute(0, 2, 3, 1, 4)
+            self.blocks.copy_(dwords.reshape(rows, ldw))
+            self.qtype = TILES[self.qtype]
+            return
+        values, scales = self._split()
         v = tiles[..., :values].reshape(-1, TILE_ROWS, values // 32, 8, 4).permute(0, 2, 3, 1, 4)
         s = tiles[..., values:].reshape(-1, TILE_ROWS, scales // 2, 2).permute(0, 2, 1, 3)
         self.blocks.copy_(torch.cat([v.reshape(-1, TILE_ROWS * values), s.reshape(-1, TILE_ROWS * scales)], 1)
@@ -146,10 +157,13 @@ class QuantWeight:
         self.qtype = TILES[self.qtype]
 
     def rows_packed(self, rows: torch.Tensor) -> torch.Tensor:
-        """The packed bytes [len(rows), ldw] of the given rows of a tiled weight (`tile_` undone for them)."""
-        values, scales = self._split()
+        """The packed (Q4_K: the file's) bytes [len(rows), ldw] of the given rows of a tiled weight (`tile_` undone
+        for them)."""
         tile, lane = rows // TILE_ROWS, rows % TILE_ROWS
         flat = self.blocks.view(-1, TILE_ROWS * self.blocks.shape[1])
+        if self.qtype == TILES[Q4_K]:
+            return flat.reshape(-1, self.blocks.shape[1] // 144, 36, TILE_ROWS, 4)[tile, :, :, lane].reshape(len(rows), -1)
+        values, scales = self._split()
         v = flat[:, : TILE_ROWS * values].reshape(-1, values // 32, 8, TILE_ROWS, 4)[tile, :, :, lane]
         s = flat[:, TILE_ROWS * values :].reshape(-1, scales // 2, TILE_ROWS, 2)[tile, :, lane]
         return torch.cat([v.reshape(len(rows), values), s.reshape(len(rows), scales)], 1)
@@ -158,7 +172,7 @@ class QuantWeight:
         """A packed copy of a tiled weight (itself when not tiled)."""
         if self.qtype not in TILED:
             return self
-        return QuantWeight(self.rows_packed(torch.arange(self.shape[0])), self.qtype - 1000, self.shape, self.kernels)
+        return QuantWeight(self.rows_packed(torch.arange(self.shape[0])), UNTILED[self.qtype], self.shape, self.kernels)
 
     def repack(self) -> QuantWeight:
         """Q4_0 / Q4_1 / Q8_0 rows packed for the decode kernels (module docstring, quant.h: kQ4_0R / kQ4_1R /
@@ -221,7 +235,7 @@ def tile_weights(weights: list[Any], model: nn.Module) -> int:
     done = 0
     for weight in weights:
         blocks = weight.blocks
-        if weight.qtype not in PACKED or weight.shape[0] % TILE_ROWS or not blocks.is_contiguous():
+        if weight.qtype not in TILES or weight.shape[0] % TILE_ROWS or not blocks.is_contiguous():
             continue
         on = [h for h in holders if h.blocks.untyped_storage().data_ptr() == blocks.untyped_storage().data_ptr()]
         tile_bytes = TILE_ROWS * blocks.stride(0)
@@ -239,7 +253,7 @@ def untile_weights(weights: list[Any], model: nn.Module) -> None:
     holders = [*weights, *(m.qweight for m in model.modules() if isinstance(m, QuantLinear | QuantEmbedding))]
     for weight in weights:
         if weight.qtype in TILED:
-            key, packed = weight.blocks.untyped_storage().data_ptr(), weight.qtype - 1000
+            key, packed = weight.blocks.untyped_storage().data_ptr(), UNTILED[weight.qtype]
             weight.blocks.copy_(weight.rows_packed(torch.arange(weight.shape[0])))
             for h in holders:
                 if h.blocks.untyped_storage().data_ptr() == key:

@@ -1,8 +1,8 @@
-"""Tiled packed weights (engine/model/quant.py `QuantWeight.tile_`, quant.h kQ4_0T / kQ4_1T / kQ8_0T): the one-call
-decoder's packed Q4_0 / Q4_1 / Q8_0 matmuls, each 16 rows transposed at start where the build multiplies them 16 rows
-a lane each (the AVX-512 VNNI builds). The layout is checked byte by byte, a tiled weight gives its packed rows back,
-`qlinear` gives the packed form's bits on it for every number of activation rows and thread split, and an engine
-over the bundled model answers with the same tokens and logprobs tiled or not."""
+"""Tiled weights (engine/model/quant.py `QuantWeight.tile_`, quant.h kQ4_0T / kQ4_1T / kQ8_0T / kQ4_KT): the one-call
+decoder's packed Q4_0 / Q4_1 / Q8_0 and Q4_K matmuls, each 16 rows interleaved at start where the build multiplies
+them 16 rows a lane each (the AVX-512 VNNI builds). The layout is checked byte by byte, a tiled weight gives its rows
+back, `qlinear` gives the untiled form's bits on it for every number of activation rows and thread split, and engines
+over the bundled model and over tiny GGUFs answer with the same tokens and logprobs tiled or not."""
 
 from __future__ import annotations
 
@@ -17,19 +17,37 @@ from config import tool_cache_dir
 from engine.backends import cpu_kernels
 from engine.model.quant import TILE_ROWS, TILED, QuantLinear, QuantWeight, tile_weights, untile_weights
 from engine.types import SamplingParams
+from models import gguf_weights
 from tests.engine.test_cpu_kernels_paths import PATHS
-from tests.quant_blocks import make_blocks
-from tests.support import chat_ids, load_bundled_gguf, make_engine, run_all
+from tests.quant_blocks import make_blocks, write_tiny_gguf
+from tests.support import Loaded, chat_ids, load_bundled_gguf, make_engine, run_all
 
-TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12}
 
 
 def packed_weight(fmt: str, rows: int, k: int, seed: int = 7) -> QuantWeight:
+    """`fmt` as the loader keeps it: Q4_0 / Q4_1 / Q8_0 packed, Q4_K as the file stores it."""
     blocks = torch.from_numpy(make_blocks(fmt, rows, k, np.random.default_rng(seed)))
     return QuantWeight(blocks, TYPES[fmt], (rows, k)).repack()
 
 
-@pytest.mark.parametrize("fmt", sorted(TYPES))
+def test_q4_k_tiles_interleave_every_dword() -> None:
+    """Q4_K: dword i of super-block b of row j of a tile at 2,304 b + 64 i + 4 j; the rows come back."""
+    plain = packed_weight("Q4_K", 32, 512)
+    tiled = QuantWeight(plain.blocks.clone(), plain.qtype, plain.shape)
+    tiled.tile_()
+    assert tiled.qtype == 2012 and tiled.type_name == "Q4_K"
+    for row, block, dword in [(0, 0, 0), (19, 1, 3), (31, 1, 35), (7, 0, 20)]:
+        at = (row // TILE_ROWS) * TILE_ROWS * 288 + 2304 * block + 64 * dword + 4 * (row % TILE_ROWS)
+        assert torch.equal(tiled.blocks.view(-1)[at : at + 4], plain.blocks[row, 144 * block + 4 * dword :][:4])
+    picked = torch.tensor([31, 0, 17, 16])
+    assert torch.equal(tiled.rows_packed(picked), plain.blocks[picked])
+    assert torch.equal(tiled.dequantize(picked), plain.dequantize(picked))
+    untile_weights([tiled], torch.nn.Module())
+    assert tiled.qtype == 12 and torch.equal(tiled.blocks, plain.blocks)
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
 def test_tiles_hold_the_packed_rows(fmt: str) -> None:
     """Dword i of chunk c of row j of a tile at 512 c + 64 i + 4 j, scale half h at 16 x (the row's value bytes) +
     32 h + 2 j; `rows_packed` and `untile_weights` give the packed rows back; dequantizing and multiplying (the
@@ -85,9 +103,9 @@ def module(request: pytest.FixtureRequest) -> Any:
     return built
 
 
-@pytest.mark.parametrize("fmt", sorted(TYPES))
-@pytest.mark.parametrize("k", [576, 1536])
-def test_qlinear_on_tiled_weights_gives_the_packed_bits(module: Any, fmt: str, k: int) -> None:
+@pytest.mark.parametrize(("fmt", "k"), [(f, k) for f in ("Q4_0", "Q4_1", "Q8_0") for k in (576, 1536)]
+                         + [("Q4_K", 1024), ("Q4_K", 1536)])
+def test_qlinear_on_tiled_weights_gives_the_untiled_bits(module: Any, fmt: str, k: int) -> None:
     """Where the build multiplies tiles (`tile_rows` 16), a tiled weight gives the packed weight's bits for 1 to 16
     activation rows, with a bias, over 48 rows split across threads mid-tile (qlinear's split of 48 rows between two
     threads is 24 + 24); a weight of rows not whole tiles is refused. Elsewhere (`tile_rows` 0) the tiled types are
@@ -136,6 +154,36 @@ def test_engine_answers_the_same_tiled_or_not(monkeypatch: pytest.MonkeyPatch) -
     tok = tiled_model.tokenizer
     requests = {f"r{i}": (chat_ids(tok, text), params) for i, text in enumerate(
         ["What is the capital of France?", "Write a haiku about the sea.", "Count from one to five."])}
+    want, got = run_all(plain, requests), run_all(tiled, requests)
+    for rid in requests:
+        assert [o.token_ids for o in got[rid]] == [o.token_ids for o in want[rid]], rid
+        assert [o.logprobs for o in got[rid]] == [o.logprobs for o in want[rid]], rid
+
+
+MIXES = {"q4_k_m": {"*": "Q4_K", "attn_v": "Q6_K", "token_embd": "Q6_K"},  # a Q4_K_M file's mix
+         "q4_k_tied": {"*": "Q4_K"}, "q8_0": {"*": "Q8_0"}, "q4_0_q4_1": {"*": "Q4_0", "ffn_down": "Q4_1"}}
+
+
+@pytest.mark.parametrize("formats", list(MIXES.values()), ids=list(MIXES))
+def test_tiny_gguf_engines_answer_the_same_tiled_or_not(formats: dict[str, str], byte_level_tokenizer: Any,
+                                                        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tiny Llama GGUF (tied embedding) in each mix: the same greedy tokens and logprobs tiled or not, two requests
+    at once; its tiled formats are tiled (the tied embedding with them where it is one)."""
+    vocab = len(byte_level_tokenizer)
+    write_tiny_gguf(tmp_path, formats, vocab=vocab + (-vocab) % 32)
+    models = [gguf_weights.load(tmp_path / "tiny.gguf", tmp_path, torch.float32) for _ in range(2)]
+    tiled = make_engine(Loaded(models[0], byte_level_tokenizer, 128), model_impl="llama")
+    if tiled.runner.kernels.tile_rows == 0:
+        pytest.skip(f"this CPU's build ({tiled.runner.kernels.path}) multiplies rows as rows")
+    built = cpu_kernels.kernels_for
+    monkeypatch.setattr(cpu_kernels, "kernels_for", lambda *a: dataclasses.replace(built(*a), tile_rows=0))
+    plain = make_engine(Loaded(models[1], byte_level_tokenizer, 128), model_impl="llama")
+    layer = models[0].model.layers[0]
+    assert layer.self_attn.q_proj.qweight.qtype in TILED
+    assert (models[0].model.embed_tokens.qweight.qtype in TILED) == (formats.get("token_embd") != "Q6_K")
+    assert models[1].model.layers[0].self_attn.q_proj.qweight.qtype not in TILED
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    requests = {"a": ([5, 60, 61, 62, 63, 64], params), "b": ([9, 8, 7, 70, 71], params)}
     want, got = run_all(plain, requests), run_all(tiled, requests)
     for rid in requests:
         assert [o.token_ids for o in got[rid]] == [o.token_ids for o in want[rid]], rid

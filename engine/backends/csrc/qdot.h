@@ -100,6 +100,9 @@ void qlinear_rows(int type, const uint8_t* w, int64_t ldw, const QRows& x, int64
     case kQ8_0T:
       if constexpr (lanes_packed(kQ8_0R)) return qlinear_tiles<kQ8_0R>(w, ldw, x, M, bias, out, ldo, n_begin, n_end);
       return;
+    case kQ4_KT:
+      if constexpr (lanes_k(kQ4_K)) return qlinear_tiles_k(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
+      return;
     default: return;  // the callers check the type first (supported())
   }
 }
@@ -137,8 +140,15 @@ inline void dequant_row(int type, const uint8_t* row, int64_t K, float* out) {
 // Row r of a tiled weight (quant.h: kQ4_0T ...) as its packed row (ldw bytes): its dwords of values and its scale
 // halves gathered from its tile.
 inline void untile_row(int type, const uint8_t* w, int64_t ldw, int64_t r, int64_t K, uint8_t* row) {
-  const int64_t values = type == kQ8_0T ? K : K / 2, j = r % kTileRows;
+  const int64_t j = r % kTileRows;
   const uint8_t* tile = w + (r - j) * ldw;
+  if (type == kQ4_KT) {  // every dword of a super-block interleaved
+    for (int64_t b = 0; b < K / kQK_K; ++b)
+      for (int64_t i = 0; i < 36; ++i)
+        std::memcpy(row + 144 * b + 4 * i, tile + kTileRows * 144 * b + 64 * i + 4 * j, 4);
+    return;
+  }
+  const int64_t values = type == kQ8_0T ? K : K / 2;
   for (int64_t c = 0; c < values / 32; ++c)
     for (int64_t i = 0; i < 8; ++i) std::memcpy(row + 32 * c + 4 * i, tile + 512 * c + 64 * i + 4 * j, 4);
   for (int64_t h = 0; h < (ldw - values) / 2; ++h)
@@ -150,7 +160,7 @@ inline void dequant_row_at(int type, const uint8_t* w, int64_t ldw, int64_t r, i
   if (!tiled(type)) return dequant_row(type, w + r * ldw, K, out);
   std::vector<uint8_t> row(ldw);
   untile_row(type, w, ldw, r, K, row.data());
-  dequant_row(type - 1000, row.data(), K, out);  // the packed form's id
+  dequant_row(untiled(type), row.data(), K, out);
 }
 
 }  // namespace peregrine_quant

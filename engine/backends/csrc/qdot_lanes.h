@@ -235,10 +235,11 @@ inline void store_lanes(O* out, __m512 v, int64_t count, __mmask16 mask) {
 }
 
 // Output rows [n_begin, n_end) of a tiled weight (quant.h: kQ4_0T ...; tiles of 16 rows from row 0): each tile that
-// meets the range is multiplied whole and its lanes in the range stored; the tile kLanesAhead on prefetched as below.
-template <int T, typename O>
-void qlinear_tiles(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, const float* bias, O* out, int64_t ldo,
-                   int64_t n_begin, int64_t n_end) {
+// meets the range is multiplied whole (`block(p, m, rows, res, fetch, fetch_bytes)`: p[0] the tile, activation rows
+// m .. m + rows - 1 into res, the first block prefetching the tile kLanesAhead on) and its lanes in the range stored.
+template <typename O, typename F>
+void tiles_in(const uint8_t* w, int64_t ldw, int64_t M, const float* bias, O* out, int64_t ldo, int64_t n_begin,
+              int64_t n_end, F&& tile_block) {
   const int64_t end_row = (n_end + kLanes - 1) / kLanes * kLanes;  // the last tile met, whole
   prefetch_first(w, ldw, n_begin / kLanes * kLanes, end_row, kLanes * kLanesAhead);
   for (int64_t n = n_begin / kLanes * kLanes; n < n_end; n += kLanes) {
@@ -250,11 +251,8 @@ void qlinear_tiles(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, con
     const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
     __m512 res[kLaneRowsR];
     auto block = [&](int64_t m, auto rr) {
+      tile_block(p, m, rr, res, m == 0 ? w + fetch_begin : nullptr, m == 0 ? fetch_bytes : 0);
       constexpr int RR = decltype(rr)::value;
-      if (m == 0)
-        lanes_block<T, RR, true>(p, nullptr, nullptr, x, m, res, w + fetch_begin, fetch_bytes);
-      else
-        lanes_block<T, RR, true>(p, nullptr, nullptr, x, m, res);
       for (int r = 0; r < RR; ++r) {
         if (lo == n) {
           store_lanes(out + (m + r) * ldo + n, _mm512_add_ps(res[r], b), count, mask);
@@ -267,6 +265,15 @@ void qlinear_tiles(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, con
     };
     row_blocks(M, block);
   }
+}
+
+template <int T, typename O>
+void qlinear_tiles(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, const float* bias, O* out, int64_t ldo,
+                   int64_t n_begin, int64_t n_end) {
+  tiles_in(w, ldw, M, bias, out, ldo, n_begin, n_end, [&](const uint8_t* const p[kLanes], int64_t m, auto rr,
+                                                         __m512* res, const uint8_t* fetch, int64_t fetch_bytes) {
+    lanes_block<T, decltype(rr)::value, true>(p, nullptr, nullptr, x, m, res, fetch, fetch_bytes);
+  });
 }
 
 template <int T, typename O>

@@ -61,7 +61,9 @@ inline void transpose_bytes16(__m128i v[16]) {
 // scales and minimums are unpacked in the lanes, all 16 rows at once (ggml's get_scale_min_k4, as
 // q4k_scales_mins_x): at one activation row, unpacking each row's by shuffles and transposing the bytes had been
 // two fifths of a Q4_K matrix's time.
+// Tiled (quant.h: kQ4_KT): p[0] is the tile, whose super-blocks hold those four vectors as they are.
 constexpr int64_t kLaneKFloats = 9 * kLanes, kLaneKInts = 8 * kLanes;
+template <bool Tiled = false>
 inline void tile_scales_k4(const uint8_t* const p[kLanes], int64_t nb, int32_t* sc, float* fl) {
   constexpr int64_t bytes = layout_of(kQ4_K).bytes;
   // element k of the result: dword c of row k, rows 0-7 from the first two vectors' lanes, 8-15 from the others
@@ -71,17 +73,21 @@ inline void tile_scales_k4(const uint8_t* const p[kLanes], int64_t nb, int32_t* 
       _mm512_setr_epi32(2, 6, 10, 14, 18, 22, 26, 30, 0, 0, 0, 0, 0, 0, 0, 0),
       _mm512_setr_epi32(3, 7, 11, 15, 19, 23, 27, 31, 0, 0, 0, 0, 0, 0, 0, 0)};
   for (int64_t b = 0; b < nb; ++b) {
-    __m512i r[4];  // r[q]: rows 4q .. 4q + 3, a row's 16 bytes a 128-bit lane
-    for (int q = 0; q < 4; ++q) {
-      const uint8_t* const* rows = p + 4 * q;
-      auto row = [&](int i) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[i] + b * bytes)); };
-      r[q] = _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(_mm512_castsi128_si512(row(0)), row(1), 1),
-                                                   row(2), 2), row(3), 3);
-    }
     __m512i dw[4];  // dw[c]: dword c of each row, row k in element k
-    for (int c = 0; c < 4; ++c)
-      dw[c] = _mm512_inserti64x4(_mm512_permutex2var_epi32(r[0], pick[c], r[1]),
-                                 _mm512_castsi512_si256(_mm512_permutex2var_epi32(r[2], pick[c], r[3])), 1);
+    if constexpr (Tiled) {
+      for (int c = 0; c < 4; ++c) dw[c] = _mm512_loadu_si512(p[0] + kLanes * bytes * b + 64 * c);
+    } else {
+      __m512i r[4];  // r[q]: rows 4q .. 4q + 3, a row's 16 bytes a 128-bit lane
+      for (int q = 0; q < 4; ++q) {
+        const uint8_t* const* rows = p + 4 * q;
+        auto row = [&](int i) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[i] + b * bytes)); };
+        r[q] = _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(_mm512_castsi128_si512(row(0)), row(1), 1),
+                                                     row(2), 2), row(3), 3);
+      }
+      for (int c = 0; c < 4; ++c)
+        dw[c] = _mm512_inserti64x4(_mm512_permutex2var_epi32(r[0], pick[c], r[1]),
+                                   _mm512_castsi512_si256(_mm512_permutex2var_epi32(r[2], pick[c], r[3])), 1);
+    }
     const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dw[0]));
     const __m512 dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dw[0], 16)));
     float* f = fl + b * kLaneKFloats;
@@ -96,8 +102,9 @@ inline void tile_scales_k4(const uint8_t* const p[kLanes], int64_t nb, int32_t* 
   }
 }
 
-// res[r] (16 lanes) = activation row m0 + r times the tile's 16 Q4_K rows, r < R.
-template <int R>
+// res[r] (16 lanes) = activation row m0 + r times the tile's 16 Q4_K rows, r < R (Tiled: p[0] is the tile, its
+// nibbles read as they lie: the same values in the same lanes, so the same bits).
+template <int R, bool Tiled = false>
 inline void lanes_block_k4(const uint8_t* const p[kLanes], const int32_t* sc, const float* fl, const QRows& x,
                            int64_t m0, __m512* res, const uint8_t* fetch = nullptr, int64_t fetch_bytes = 0) {
   constexpr int64_t bytes = layout_of(kQ4_K).bytes;
@@ -114,12 +121,16 @@ inline void lanes_block_k4(const uint8_t* const p[kLanes], const int32_t* sc, co
       for (int64_t o = pair * step; o < std::min(fetch_bytes, (pair + 1) * step); o += 64)
         __builtin_prefetch(fetch + o, 0, 1);  // into L2 (prefetcht2)
       __m512i t[8];
-      const int64_t at = b * bytes + 16 + 32 * j;  // the pair's 32 bytes of nibbles
-      for (int k = 0; k < 8; ++k)
-        t[k] = _mm512_inserti64x4(
-            _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[k] + at))),
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[k + 8] + at)), 1);
-      transpose_dwords(t);
+      if constexpr (Tiled) {  // dwords 4 + 8j .. 11 + 8j of the super-block
+        for (int k = 0; k < 8; ++k) t[k] = _mm512_loadu_si512(p[0] + kLanes * bytes * b + 64 * (4 + 8 * j + k));
+      } else {
+        const int64_t at = b * bytes + 16 + 32 * j;  // the pair's 32 bytes of nibbles
+        for (int k = 0; k < 8; ++k)
+          t[k] = _mm512_inserti64x4(
+              _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[k] + at))),
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[k + 8] + at)), 1);
+        transpose_dwords(t);
+      }
       __m512i w0[8], w1[8];  // groups 2j and 2j + 1: values 4i .. 4i + 3 of each row
       for (int i = 0; i < 8; ++i) {
         w0[i] = _mm512_and_si512(t[i], low);
@@ -192,10 +203,31 @@ void qlinear_lanes_k(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, c
     row_blocks(M, block);
   }
 }
+
+// qlinear_tiles (qdot_lanes.h) for tiled Q4_K (quant.h: kQ4_KT): each tile that meets [n_begin, n_end) multiplied
+// whole, its lanes in the range stored.
+template <typename O>
+void qlinear_tiles_k(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, const float* bias, O* out,
+                     int64_t ldo, int64_t n_begin, int64_t n_end, QScratch& s) {
+  const int64_t nb = x.K / kQK_K;
+  const int64_t floats = nb * (kLaneKFloats + kLaneKInts);
+  if (static_cast<int64_t>(s.sc.size()) < floats) s.sc.resize(floats);
+  float* fl = s.sc.data();
+  int32_t* sc = reinterpret_cast<int32_t*>(fl + nb * kLaneKFloats);
+  tiles_in(w, ldw, M, bias, out, ldo, n_begin, n_end, [&](const uint8_t* const p[kLanes], int64_t m, auto rr,
+                                                         __m512* res, const uint8_t* fetch, int64_t fetch_bytes) {
+    constexpr int RR = decltype(rr)::value;
+    if (m == 0) tile_scales_k4<true>(p, nb, sc, fl);
+    lanes_block_k4<RR, true>(p, sc, fl, x, m, res, fetch, fetch_bytes);
+  });
+}
 #else
 constexpr bool lanes_k(int) { return false; }
 template <int T, typename O>  // never called here (lanes_k): declared for qlinear_rows' discarded branch
 void qlinear_lanes_k(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, const float* bias, O* out,
+                     int64_t ldo, int64_t n_begin, int64_t n_end, QScratch& s);
+template <typename O>  // likewise
+void qlinear_tiles_k(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, const float* bias, O* out,
                      int64_t ldo, int64_t n_begin, int64_t n_end, QScratch& s);
 #endif
 

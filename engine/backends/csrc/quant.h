@@ -27,16 +27,20 @@ namespace peregrine_quant {
 // rows (a tile, 16 x the row's bytes, where the 16 rows lay) transposed for the 16-lane loops of the AVX-512 VNNI
 // builds (qdot_lanes.h), which then read a tile front to back with no shuffles: first the values, each 32-byte chunk
 // of the 16 rows as 512 bytes, 64 for each of its eight dwords (dword i of row j at 64 i + 4 j); then the scale
-// halves, 32 bytes each (half h of row j at 32 h + 2 j). Only whole tiles: a matrix of a multiple of 16 rows. Made
-// at start by engine/model/quant.py (`QuantWeight.tile`) for the one-call decoder's matmuls alone; nothing reads a
-// row of them on its own.
+// halves, 32 bytes each (half h of row j at 32 h + 2 j). Q4_K's tiled form (kQ4_KT, from the file's blocks) takes
+// each super-block of the 16 rows as 2,304 bytes, its 36 dwords (d and dmin, the scales, the nibbles) 64 bytes each
+// (dword i of row j at 64 i + 4 j). Only whole tiles: a matrix of a multiple of 16 rows. Made at start by
+// engine/model/quant.py (`QuantWeight.tile_`) for the one-call decoder's weights; a row is read on its own only
+// through `untile_row` (a tied embedding).
 enum QType : int {
   kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kIQ4_NL = 20,
   kIQ4_XS = 23, kQ4_0R = 1002, kQ4_1R = 1003, kQ8_0R = 1008, kQ4_0T = 2002, kQ4_1T = 2003, kQ8_0T = 2008,
+  kQ4_KT = 2012,
 };
 
 constexpr bool row_packed(int type) { return type == kQ4_0R || type == kQ4_1R || type == kQ8_0R; }
-constexpr bool tiled(int type) { return type == kQ4_0T || type == kQ4_1T || type == kQ8_0T; }
+constexpr bool tiled(int type) { return type == kQ4_0T || type == kQ4_1T || type == kQ8_0T || type == kQ4_KT; }
+constexpr int untiled(int type) { return type == kQ4_KT ? kQ4_K : type - 1000; }  // the form a tiled one was made from
 constexpr int64_t kTileRows = 16;  // the rows of a tile of the tiled forms
 
 struct Layout {
@@ -62,6 +66,7 @@ constexpr Layout layout_of(int type) {
     case kQ4_0T: return {64, 36};  // tiled: as the packed rows, whole tiles of 16 rows only
     case kQ4_1T: return {64, 40};
     case kQ8_0T: return {64, 68};
+    case kQ4_KT: return {256, 144};
     default: return {0, 0};
   }
 }
