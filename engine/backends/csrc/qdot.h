@@ -18,7 +18,9 @@
 // four rows' independent chains in flight instead of one row's prologue, loop and reductions one after the other
 // (1.45x at one row on AVX-512). In the AVX-512 builds packed Q4_0 / Q4_1 / Q8_0 take qdot_lanes.h instead: 16 weight
 // rows at a time, one a 32-bit lane (a group's conversion, scale and FMA shared by 16 rows), for every number of
-// activation rows; its own order of float sums (not the file layout's bits), the same for a row in any batch.
+// activation rows; its own order of float sums (not the file layout's bits), the same for a row in any batch. There
+// the engine hands the decoder those weights, and Q4_K's, tiled (quant.h: kQ4_0T ...; qlinear_tiles, qlinear_tiles_k):
+// each 16 rows interleaved as the 16-lane loops read them, so they load a tile front to back and shuffle nothing.
 //
 // The K-quants (Q4_K, Q5_K, Q6_K) and IQ4_XS are multiplied as the file stores them, against activations quantized in
 // blocks of 256 instead (ggml's Q8_K): a super-block's sums stay in integers, its group scales applied by `vpmaddwd`,

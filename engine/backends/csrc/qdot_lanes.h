@@ -19,6 +19,9 @@
 // (2048): 1 row 18.3 (60.7) ns against dot_packed's 16.5 (48.3), 4 rows 31.2 (106) against 72 (160), 16 rows 107
 // (365) against 238 (597); from memory (a 65536 x 2048 matrix, 2 threads) one row 5.0 ms against 6.2 (the tiles
 // prefetched into L2, below), 16 rows 13.8 against 26.4.
+// Tiled weights (quant.h: kQ4_0T / kQ4_1T / kQ8_0T; qlinear_tiles) hold each tile as the transpose leaves it: the
+// same loop loads it front to back with no shuffles, the scale columns as they lie (one activation row of packed
+// Q4_1 in L2 1.9x faster on an Intel Xeon with AMX; docs/benchmarks.md, "Tiled weights for the 16-lane loops").
 #pragma once
 
 #include "qdot_packed.h"
