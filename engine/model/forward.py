@@ -155,13 +155,11 @@ class LlamaFastForward:
         for layer in inner.layers[: config.num_hidden_layers]:
             self.layers.append(self._layer(layer))
             huge_pages.release_freed_memory()  # its unfused copies, freed: glibc would keep them (the peak held both)
-        decoder = kernels.decoder  # engine.backends.cpu_kernels.llama_decoder_for: None unless on CPU
-        self._decoder_factory = decoder
+        self._decoder_factory = decoder = kernels.decoder  # cpu_kernels.llama_decoder_for: None unless on CPU
         self._decoder: tuple[KVCache, object] | None = None  # built on the first decode-only step
+        self._tiles = decoder is not None and kernels.tile_rows > 0  # the weights' layout it wants (quant.lay_out)
+        quant.lay_out([w for w, _ in self._matmuls()], model, self._tiles)
         if decoder is not None:  # at start, not on the first request: the step's weights onto huge pages, in order
-            if kernels.tile_rows:  # packed Q4_0 / Q4_1 / Q8_0 in the 16-lane kernels' tiles (engine/model/quant.py)
-                tiled = quant.tile_weights([w for w, _ in self._matmuls()], model)
-                log.info("decode-step weights tiled for the 16-lane kernels: %.1f MiB", tiled / 2**20)
             huge_pages.gather([t for weight, _ in self._matmuls() for t in _parts(weight)[0]], self._weight_tensors())
         rope_type = str(getattr(inner.rotary_emb, "rope_type", "default"))
         # RoPE that depends on the position alone (not "dynamic" scaling, not longrope's length switch) is looked up
@@ -173,6 +171,8 @@ class LlamaFastForward:
         """The one-call decode step over `kv_cache`, or None where it does not apply (logged once)."""
         if self._decoder_factory is None:
             return None
+        if quant.is_tiled(self.model) != self._tiles:  # another engine on this model re-laid its weights since
+            quant.lay_out([w for w, _ in self._matmuls()], self.model, self._tiles)
         if self._decoder is None or self._decoder[0] is not kv_cache:
             none = torch.empty(0)
             layers = [[w.input_norm, w.post_norm, kv_cache.k[i], kv_cache.v[i]] for i, w in enumerate(self.layers)]
@@ -190,8 +190,8 @@ class LlamaFastForward:
                 self._configure(built)
             except RuntimeError as exc:  # a shape or dtype the kernel does not take: keep the op-by-op pass
                 log.info("one-call decode step off: %s", str(exc).splitlines()[0])
-                self._decoder_factory = None
-                quant.untile_weights([w for w, _ in matmuls], self.model)  # (the op-by-op kernels take packed rows)
+                self._decoder_factory, self._tiles = None, False
+                quant.lay_out([w for w, _ in matmuls], self.model, False)  # (the op-by-op kernels take rows)
                 return None
             self._decoder = (kv_cache, built)
         return self._decoder[1]

@@ -26,6 +26,7 @@ file stores them, and the modules that multiply by them.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
@@ -62,6 +63,7 @@ UNTILED = {tiled: plain for plain, tiled in TILES.items()}
 Q4_K = 12
 TILE_ROWS = 16
 LAYOUTS = {**FORMATS, **PACKED, **TILED}
+log = logging.getLogger(__name__)
 PREFILL_TILE_ELEMS = 1 << 22  # float32 weights dequantized at a time for many-row matmuls (16 MiB)
 
 
@@ -223,6 +225,28 @@ def concat(weights: list[QuantWeight]) -> QuantWeight | None:
         return None
     blocks = stack_rows([w.blocks for w in weights])
     return QuantWeight(blocks, first.qtype, (sum(w.shape[0] for w in weights), first.shape[1]), first.kernels)
+
+
+def lay_out(weights: list[Any], model: nn.Module, tiled: bool) -> int:
+    """The packed and Q4_K weights among `weights` (a forward's matmuls) tiled (`tile_weights`) or in rows
+    (`untile_weights`), as the kernels of the engine about to run them want, in place, and that noted on the model
+    (`is_tiled`): engines of two kinds on one model in a process (tests, benchmarks) each put the weights back in their
+    own layout when they see the other one's. Returns the bytes tiled."""
+    if is_tiled(model) == tiled and not tiled:
+        return 0
+    model.peregrine_tiled = tiled
+    if not tiled:
+        untile_weights(weights, model)
+        return 0
+    done = tile_weights(weights, model)
+    if done:
+        log.info("decode-step weights tiled for the 16-lane kernels: %.1f MiB", done / 2**20)
+    return done
+
+
+def is_tiled(model: nn.Module) -> bool:
+    """Whether `lay_out` last tiled this model's weights."""
+    return bool(getattr(model, "peregrine_tiled", False))
 
 
 def tile_weights(weights: list[Any], model: nn.Module) -> int:

@@ -15,7 +15,15 @@ import torch
 
 from config import tool_cache_dir
 from engine.backends import cpu_kernels
-from engine.model.quant import TILE_ROWS, TILED, QuantLinear, QuantWeight, tile_weights, untile_weights
+from engine.model.quant import (
+    TILE_ROWS,
+    TILED,
+    QuantLinear,
+    QuantWeight,
+    is_tiled,
+    tile_weights,
+    untile_weights,
+)
 from engine.types import SamplingParams
 from models import gguf_weights
 from tests.engine.test_cpu_kernels_paths import PATHS
@@ -188,3 +196,30 @@ def test_tiny_gguf_engines_answer_the_same_tiled_or_not(formats: dict[str, str],
     for rid in requests:
         assert [o.token_ids for o in got[rid]] == [o.token_ids for o in want[rid]], rid
         assert [o.logprobs for o in got[rid]] == [o.logprobs for o in want[rid]], rid
+
+
+def test_engines_of_two_kinds_on_one_model_each_run_on_their_layout(byte_level_tokenizer: Any, tmp_path: Any,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """One loaded model, an engine whose kernels tile and one whose kernels do not (as tests and benchmarks build
+    engines of several levels on one model): each puts the weights in its own layout when it is built and again at
+    its next step after the other ran (`quant.lay_out`), so their answers stay equal in any order."""
+    vocab = len(byte_level_tokenizer)
+    write_tiny_gguf(tmp_path, {"*": "Q4_K", "ffn_down": "Q8_0"}, vocab=vocab + (-vocab) % 32)
+    model = gguf_weights.load(tmp_path / "tiny.gguf", tmp_path, torch.float32)
+    loaded = Loaded(model, byte_level_tokenizer, 128)
+    tiling = make_engine(loaded, model_impl="llama")
+    if tiling.runner.kernels.tile_rows == 0:
+        pytest.skip(f"this CPU's build ({tiling.runner.kernels.path}) multiplies rows as rows")
+    assert is_tiled(model)
+    built = cpu_kernels.kernels_for
+    monkeypatch.setattr(cpu_kernels, "kernels_for", lambda *a: dataclasses.replace(built(*a), tile_rows=0))
+    rows = make_engine(loaded, model_impl="llama")
+    assert not is_tiled(model) and model.model.layers[0].self_attn.q_proj.qweight.qtype == 12
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
+    requests = {"a": ([5, 60, 61, 62, 63, 64], params), "b": ([9, 8, 7, 70, 71], params)}
+    answers = []
+    for engine, tiled in ((rows, False), (tiling, True), (rows, False), (tiling, True)):
+        out = run_all(engine, requests)
+        assert is_tiled(model) == tiled
+        answers.append({rid: ([o.token_ids for o in outs], [o.logprobs for o in outs]) for rid, outs in out.items()})
+    assert all(a == answers[0] for a in answers[1:])
