@@ -29,12 +29,12 @@ import gguf_random  # noqa: E402  (scripts/, beside this file)
 
 from config import tool_cache_dir  # noqa: E402
 from engine.backends import cpu_kernels  # noqa: E402
-from engine.model.quant import FORMATS, TILES, QuantWeight  # noqa: E402
+from engine.model.quant import FORMATS, PACKS, TILES, QuantWeight  # noqa: E402
 
 TYPES = {name: t for t, (name, _, _) in FORMATS.items()
          if name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")}
-# (Q4_0 / Q4_1 / Q8_0 are packed at load, QuantWeight.repack, and tiled where the build multiplies tiles; the K-quants
-# are served as the file stores them)
+# (Q4_0 / Q4_1 / Q8_0 are packed at load, QuantWeight.repack; the K-quants are served as the file stores them; packed
+# rows and Q4_K are tiled where the build multiplies tiles, QuantWeight.tile_)
 ROWS_BYTES = 550_000  # about half of a 1 MiB L2
 
 
@@ -80,8 +80,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7, help="timed batches of 500 calls; the best is reported")
     parser.add_argument("--cpu-isa", default="auto", help="the ISA cap, as the server's --cpu-isa")
     parser.add_argument("--untiled", action="store_true",
-                        help="packed Q4_0 / Q4_1 / Q8_0 as rows, not in the tiles the engine gives them where the build "
-                             "multiplies tiles (the AVX-512 VNNI builds)")
+                        help="packed Q4_0 / Q4_1 / Q8_0 and Q4_K as rows, not in the tiles the engine gives them "
+                             "where the build multiplies tiles (the AVX-512 VNNI builds)")
     args = parser.parse_args()
     module = cpu_kernels.load(tool_cache_dir(), cap=args.cpu_isa)
     if module is None:
@@ -89,7 +89,7 @@ def main() -> None:
     torch.set_num_threads(1)
     tiled = bool(module.tile_rows()) and not args.untiled
     results = [time_rows(module, args.format, k, args.rows, args.repeats, tiled) for k in args.k]
-    layout = "tiled" if tiled and TYPES[args.format] in (2, 3, 8) else "rows"
+    layout = "tiled" if tiled and PACKS.get(TYPES[args.format], TYPES[args.format]) in TILES else "rows"
     print(f"qlinear, {args.format} ({layout}), {args.rows} activation row(s), one thread, {module.isa()} build")
     print(f"{'K':>6}{'rows':>7}{'ns a row':>10}{'GB/s':>8}")
     for r in results:

@@ -157,8 +157,7 @@ class LlamaFastForward:
             huge_pages.release_freed_memory()  # its unfused copies, freed: glibc would keep them (the peak held both)
         self._decoder_factory = decoder = kernels.decoder  # cpu_kernels.llama_decoder_for: None unless on CPU
         self._decoder: tuple[KVCache, object] | None = None  # built on the first decode-only step
-        self._tiles = decoder is not None and kernels.tile_rows > 0  # the weights' layout it wants (quant.lay_out)
-        quant.lay_out([w for w, _ in self._matmuls()], model, self._tiles)
+        quant.lay_out([w for w, _ in self._matmuls()], model, decoder is not None and kernels.tile_rows > 0)
         if decoder is not None:  # at start, not on the first request: the step's weights onto huge pages, in order
             huge_pages.gather([t for weight, _ in self._matmuls() for t in _parts(weight)[0]], self._weight_tensors())
         rope_type = str(getattr(inner.rotary_emb, "rope_type", "default"))
@@ -171,8 +170,6 @@ class LlamaFastForward:
         """The one-call decode step over `kv_cache`, or None where it does not apply (logged once)."""
         if self._decoder_factory is None:
             return None
-        if quant.is_tiled(self.model) != self._tiles:  # another engine on this model re-laid its weights since
-            quant.lay_out([w for w, _ in self._matmuls()], self.model, self._tiles)
         if self._decoder is None or self._decoder[0] is not kv_cache:
             none = torch.empty(0)
             layers = [[w.input_norm, w.post_norm, kv_cache.k[i], kv_cache.v[i]] for i, w in enumerate(self.layers)]
@@ -190,8 +187,7 @@ class LlamaFastForward:
                 self._configure(built)
             except RuntimeError as exc:  # a shape or dtype the kernel does not take: keep the op-by-op pass
                 log.info("one-call decode step off: %s", str(exc).splitlines()[0])
-                self._decoder_factory, self._tiles = None, False
-                quant.lay_out([w for w, _ in matmuls], self.model, False)  # (the op-by-op kernels take rows)
+                self._decoder_factory = None  # (the op-by-op pass multiplies tiled weights through packed copies)
                 return None
             self._decoder = (kv_cache, built)
         return self._decoder[1]

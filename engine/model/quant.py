@@ -164,7 +164,8 @@ class QuantWeight:
         tile, lane = rows // TILE_ROWS, rows % TILE_ROWS
         flat = self.blocks.view(-1, TILE_ROWS * self.blocks.shape[1])
         if self.qtype == TILES[Q4_K]:
-            return flat.reshape(-1, self.blocks.shape[1] // 144, 36, TILE_ROWS, 4)[tile, :, :, lane].reshape(len(rows), -1)
+            picked = flat.reshape(-1, self.blocks.shape[1] // 144, 36, TILE_ROWS, 4)[tile, :, :, lane]
+            return picked.reshape(len(rows), -1)
         values, scales = self._split()
         v = flat[:, : TILE_ROWS * values].reshape(-1, values // 32, 8, TILE_ROWS, 4)[tile, :, :, lane]
         s = flat[:, TILE_ROWS * values :].reshape(-1, scales // 2, TILE_ROWS, 2)[tile, :, lane]
@@ -228,15 +229,14 @@ def concat(weights: list[QuantWeight]) -> QuantWeight | None:
 
 
 def lay_out(weights: list[Any], model: nn.Module, tiled: bool) -> int:
-    """The packed and Q4_K weights among `weights` (a forward's matmuls) tiled (`tile_weights`) or in rows
-    (`untile_weights`), as the kernels of the engine about to run them want, in place, and that noted on the model
-    (`is_tiled`): engines of two kinds on one model in a process (tests, benchmarks) each put the weights back in their
-    own layout when they see the other one's. Returns the bytes tiled."""
-    if is_tiled(model) == tiled and not tiled:
+    """The packed and Q4_K weights among `weights` (a forward's matmuls) tiled in place (`tile_weights`) if the first
+    forward over `model` asks for it, noted on the model (`is_tiled`). Later forwards, of any kind, run on that layout
+    (every CPU build multiplies tiled weights; those without the 16-lane loops gather a tile's rows back first), so
+    bytes that engines share never change under one of them. Returns the bytes tiled."""
+    if hasattr(model, "peregrine_tiled"):
         return 0
     model.peregrine_tiled = tiled
     if not tiled:
-        untile_weights(weights, model)
         return 0
     done = tile_weights(weights, model)
     if done:
@@ -245,7 +245,7 @@ def lay_out(weights: list[Any], model: nn.Module, tiled: bool) -> int:
 
 
 def is_tiled(model: nn.Module) -> bool:
-    """Whether `lay_out` last tiled this model's weights."""
+    """Whether `lay_out` tiled this model's weights."""
     return bool(getattr(model, "peregrine_tiled", False))
 
 
@@ -258,17 +258,22 @@ def tile_weights(weights: list[Any], model: nn.Module) -> int:
     holders = [*weights, *(m.qweight for m in model.modules() if isinstance(m, QuantLinear | QuantEmbedding))]
     done = 0
     for weight in weights:
-        blocks = weight.blocks
-        if weight.qtype not in TILES or weight.shape[0] % TILE_ROWS or not blocks.is_contiguous():
-            continue
-        on = [h for h in holders if h.blocks.untyped_storage().data_ptr() == blocks.untyped_storage().data_ptr()]
-        tile_bytes = TILE_ROWS * blocks.stride(0)
-        if all(_on_tiles(h.blocks, blocks, tile_bytes) for h in on):
+        if _tileable(weight.qtype, weight.blocks, holders):
             weight.tile_()
-            for h in on:
-                h.qtype = weight.qtype
-            done += blocks.numel()
+            for h in holders:
+                if _overlap(h.blocks, weight.blocks):
+                    h.qtype = weight.qtype
+            done += weight.nbytes
     return done
+
+
+def _tileable(qtype: int, blocks: torch.Tensor, holders: list[QuantWeight]) -> bool:
+    """Whether a weight of `qtype` in rows on `blocks` may be tiled: a form with a tiled one, whole tiles of contiguous
+    rows, and every holder on its bytes on whole tiles of it."""
+    if qtype not in TILES or blocks.shape[0] % TILE_ROWS or not blocks.is_contiguous():
+        return False
+    tile_bytes = TILE_ROWS * blocks.stride(0)
+    return all(_on_tiles(h.blocks, blocks, tile_bytes) for h in holders if _overlap(h.blocks, blocks))
 
 
 def untile_weights(weights: list[Any], model: nn.Module) -> None:
@@ -277,16 +282,23 @@ def untile_weights(weights: list[Any], model: nn.Module) -> None:
     holders = [*weights, *(m.qweight for m in model.modules() if isinstance(m, QuantLinear | QuantEmbedding))]
     for weight in weights:
         if weight.qtype in TILED:
-            key, packed = weight.blocks.untyped_storage().data_ptr(), UNTILED[weight.qtype]
+            on, packed = [h for h in holders if _overlap(h.blocks, weight.blocks)], UNTILED[weight.qtype]
             weight.blocks.copy_(weight.rows_packed(torch.arange(weight.shape[0])))
-            for h in holders:
-                if h.blocks.untyped_storage().data_ptr() == key:
-                    h.qtype = packed
+            for h in on:
+                h.qtype = packed
 
 
 def _quantized(weights: list[Any]) -> list[QuantWeight]:
     """The QuantWeights of a list of weights (a list among them: its pieces)."""
     return [p for w in weights for p in (w if isinstance(w, list) else [w]) if isinstance(p, QuantWeight)]
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two uint8 tensors share bytes (one storage, overlapping spans: after huge_pages.gather every weight
+    lies in one storage)."""
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    return a.storage_offset() < b.storage_offset() + b.numel() and b.storage_offset() < a.storage_offset() + a.numel()
 
 
 def _on_tiles(view: torch.Tensor, whole: torch.Tensor, tile_bytes: int) -> bool:

@@ -104,6 +104,25 @@ def test_tile_weights_keeps_every_holder_in_step() -> None:
     assert fused.qtype == model.a.qweight.qtype == model.b.qweight.qtype == 1003 and torch.equal(fused.blocks, before)
 
 
+def test_weights_in_one_buffer_are_tiled_each_alone() -> None:
+    """After huge_pages.gather every weight lies in one storage: tiling or untiling one changes only the holders on
+    its own bytes."""
+    first, second = packed_weight("Q4_1", 32, 576, seed=1), packed_weight("Q8_0", 48, 576, seed=2)
+    buffer = torch.empty(first.nbytes + second.nbytes, dtype=torch.uint8)
+    views = buffer[: first.nbytes].view(first.blocks.shape), buffer[first.nbytes :].view(second.blocks.shape)
+    views[0].copy_(first.blocks), views[1].copy_(second.blocks)
+    a, b = QuantWeight(views[0], first.qtype, first.shape), QuantWeight(views[1], second.qtype, second.shape)
+    model = torch.nn.Module()
+    model.a, model.b = QuantLinear(a.slice_rows(0, 32)), QuantLinear(b.slice_rows(16, 48))
+    assert tile_weights([a], model) == first.nbytes
+    assert a.qtype == model.a.qweight.qtype == 2003 and b.qtype == model.b.qweight.qtype == 1008
+    assert torch.equal(views[1], second.blocks)
+    assert tile_weights([b], model) == second.nbytes and model.b.qweight.qtype == 2008
+    untile_weights([a], model)
+    assert a.qtype == model.a.qweight.qtype == 1003 and b.qtype == model.b.qweight.qtype == 2008
+    assert torch.equal(views[0], first.blocks)
+
+
 @pytest.fixture(scope="module", params=PATHS)
 def module(request: pytest.FixtureRequest) -> Any:
     built = cpu_kernels.load(tool_cache_dir(), level=request.param)
@@ -114,20 +133,16 @@ def module(request: pytest.FixtureRequest) -> Any:
 @pytest.mark.parametrize(("fmt", "k"), [(f, k) for f in ("Q4_0", "Q4_1", "Q8_0") for k in (576, 1536)]
                          + [("Q4_K", 1024), ("Q4_K", 1536)])
 def test_qlinear_on_tiled_weights_gives_the_untiled_bits(module: Any, fmt: str, k: int) -> None:
-    """Where the build multiplies tiles (`tile_rows` 16), a tiled weight gives the packed weight's bits for 1 to 16
-    activation rows, with a bias, over 48 rows split across threads mid-tile (qlinear's split of 48 rows between two
-    threads is 24 + 24); a weight of rows not whole tiles is refused. Elsewhere (`tile_rows` 0) the tiled types are
-    refused."""
+    """A tiled weight gives the untiled weight's bits for 1 to 16 activation rows, with a bias, over 48 rows split
+    across threads mid-tile (qlinear's split of 48 rows between two threads is 24 + 24), in every build: the 16-lane
+    loops where the build has them (`tile_rows` 16), elsewhere the rows gathered back a tile at a time
+    (`qlinear_untiling`); a weight of rows not whole tiles is refused."""
     packed = packed_weight(fmt, 48, k)
     tiled = QuantWeight(packed.blocks.clone(), packed.qtype, packed.shape)
     tiled.tile_()
     x = torch.randn(16, k, generator=torch.Generator().manual_seed(3))
     bias = torch.randn(48, generator=torch.Generator().manual_seed(4))
-    if module.tile_rows() == 0:
-        with pytest.raises(RuntimeError, match="unsupported"):
-            module.qlinear(x[:1], tiled.blocks, tiled.qtype, None)
-        return
-    assert module.tile_rows() == TILE_ROWS
+    assert module.tile_rows() == (TILE_ROWS if module.isa() in ("avx512", "avx512_bf16") else 0)
     threads = torch.get_num_threads()
     try:
         for n in (1, 2):
@@ -198,28 +213,30 @@ def test_tiny_gguf_engines_answer_the_same_tiled_or_not(formats: dict[str, str],
         assert [o.logprobs for o in got[rid]] == [o.logprobs for o in want[rid]], rid
 
 
-def test_engines_of_two_kinds_on_one_model_each_run_on_their_layout(byte_level_tokenizer: Any, tmp_path: Any,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """One loaded model, an engine whose kernels tile and one whose kernels do not (as tests and benchmarks build
-    engines of several levels on one model): each puts the weights in its own layout when it is built and again at
-    its next step after the other ran (`quant.lay_out`), so their answers stay equal in any order."""
+def test_the_first_engine_on_a_model_decides_its_layout(byte_level_tokenizer: Any, tmp_path: Any) -> None:
+    """Engines of two levels on one loaded model (as tests and benchmarks build them): the first one's kernels decide
+    the layout (`quant.lay_out`) and the later one runs on it, so shared bytes never change under an engine. An avx2
+    engine on a model an AVX-512 engine tiled (its rows gathered back a tile at a time) answers bit for bit as an
+    avx2 engine on the same file in rows; the AVX-512 engine as one built on the model in rows."""
     vocab = len(byte_level_tokenizer)
-    write_tiny_gguf(tmp_path, {"*": "Q4_K", "ffn_down": "Q8_0"}, vocab=vocab + (-vocab) % 32)
-    model = gguf_weights.load(tmp_path / "tiny.gguf", tmp_path, torch.float32)
-    loaded = Loaded(model, byte_level_tokenizer, 128)
-    tiling = make_engine(loaded, model_impl="llama")
-    if tiling.runner.kernels.tile_rows == 0:
-        pytest.skip(f"this CPU's build ({tiling.runner.kernels.path}) multiplies rows as rows")
-    assert is_tiled(model)
-    built = cpu_kernels.kernels_for
-    monkeypatch.setattr(cpu_kernels, "kernels_for", lambda *a: dataclasses.replace(built(*a), tile_rows=0))
-    rows = make_engine(loaded, model_impl="llama")
-    assert not is_tiled(model) and model.model.layers[0].self_attn.q_proj.qweight.qtype == 12
+    write_tiny_gguf(tmp_path, {"*": "Q4_K", "ffn_down": "Q8_0", "attn_v": "Q4_1"}, vocab=vocab + (-vocab) % 32)
+    tiled, rows = (Loaded(gguf_weights.load(tmp_path / "tiny.gguf", tmp_path, torch.float32), byte_level_tokenizer,
+                          128) for _ in range(2))
+    wide = make_engine(tiled, model_impl="llama")
+    if wide.runner.kernels.tile_rows == 0:
+        pytest.skip(f"this CPU's build ({wide.runner.kernels.path}) multiplies rows as rows")
+    narrow_on_tiled = make_engine(tiled, model_impl="llama", cpu_isa="avx2")
+    narrow = make_engine(rows, model_impl="llama", cpu_isa="avx2")
+    wide_on_rows = make_engine(rows, model_impl="llama")
+    assert is_tiled(tiled.model) and not is_tiled(rows.model)
+    assert tiled.model.model.layers[0].mlp.down_proj.qweight.qtype == 2008
+    assert rows.model.model.layers[0].mlp.down_proj.qweight.qtype == 1008
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
     requests = {"a": ([5, 60, 61, 62, 63, 64], params), "b": ([9, 8, 7, 70, 71], params)}
-    answers = []
-    for engine, tiled in ((rows, False), (tiling, True), (rows, False), (tiling, True)):
-        out = run_all(engine, requests)
-        assert is_tiled(model) == tiled
-        answers.append({rid: ([o.token_ids for o in outs], [o.logprobs for o in outs]) for rid, outs in out.items()})
-    assert all(a == answers[0] for a in answers[1:])
+
+    def answers(engine: Any) -> dict:
+        return {rid: ([o.token_ids for o in outs], [o.logprobs for o in outs])
+                for rid, outs in run_all(engine, requests).items()}
+
+    assert answers(narrow_on_tiled) == answers(narrow)
+    assert answers(wide) == answers(wide_on_rows)

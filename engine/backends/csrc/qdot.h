@@ -53,6 +53,30 @@
 
 namespace peregrine_quant {
 
+// Row r of a tiled weight (quant.h: kQ4_0T ...) as its packed row (ldw bytes): its dwords of values and its scale
+// halves gathered from its tile.
+inline void untile_row(int type, const uint8_t* w, int64_t ldw, int64_t r, int64_t K, uint8_t* row) {
+  const int64_t j = r % kTileRows;
+  const uint8_t* tile = w + (r - j) * ldw;
+  if (type == kQ4_KT) {  // every dword of a super-block interleaved
+    for (int64_t b = 0; b < K / kQK_K; ++b)
+      for (int64_t i = 0; i < 36; ++i)
+        std::memcpy(row + 144 * b + 4 * i, tile + kTileRows * 144 * b + 64 * i + 4 * j, 4);
+    return;
+  }
+  const int64_t values = type == kQ8_0T ? K : K / 2;
+  for (int64_t c = 0; c < values / 32; ++c)
+    for (int64_t i = 0; i < 8; ++i) std::memcpy(row + 32 * c + 4 * i, tile + 512 * c + 64 * i + 4 * j, 4);
+  for (int64_t h = 0; h < (ldw - values) / 2; ++h)
+    std::memcpy(row + values + 2 * h, tile + kTileRows * values + 32 * h + 2 * j, 2);
+}
+
+// Tiled weights in a build without the 16-lane loops (tile_rows() 0: another engine on the same model, of a level
+// with them, tiled its weights first): each tile met gathered back into rows, then multiplied as rows (their bits).
+template <typename O>
+void qlinear_untiling(int type, const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, const float* bias, O* out,
+                      int64_t ldo, int64_t n_begin, int64_t n_end, QScratch& s);
+
 template <typename O>
 void qlinear_rows(int type, const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, const float* bias, O* out,
                   int64_t ldo, int64_t n_begin, int64_t n_end, QScratch& s) {
@@ -93,25 +117,34 @@ void qlinear_rows(int type, const uint8_t* w, int64_t ldw, const QRows& x, int64
     case kQ8_0R:
       if constexpr (lanes_packed(kQ8_0R)) return qlinear_lanes<kQ8_0R>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
       return qlinear_range_packed<kQ8_0R>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
-    case kQ4_0T:  // (only where lanes_packed: supported())
+    case kQ4_0T:
       if constexpr (lanes_packed(kQ4_0R)) return qlinear_tiles<kQ4_0R>(w, ldw, x, M, bias, out, ldo, n_begin, n_end);
-      return;
+      return qlinear_untiling(type, w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
     case kQ4_1T:
       if constexpr (lanes_packed(kQ4_1R)) return qlinear_tiles<kQ4_1R>(w, ldw, x, M, bias, out, ldo, n_begin, n_end);
-      return;
+      return qlinear_untiling(type, w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
     case kQ8_0T:
       if constexpr (lanes_packed(kQ8_0R)) return qlinear_tiles<kQ8_0R>(w, ldw, x, M, bias, out, ldo, n_begin, n_end);
-      return;
+      return qlinear_untiling(type, w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
     case kQ4_KT:
       if constexpr (lanes_k(kQ4_K)) return qlinear_tiles_k(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
-      return;
+      return qlinear_untiling(type, w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
     default: return;  // the callers check the type first (supported())
   }
 }
 
-// Whether qlinear_rows takes `type`: the tiled forms only in the builds with the 16-lane loops they are laid out for.
-inline bool supported(int64_t type) {
-  return layout_of(static_cast<int>(type)).elems > 0 && (!tiled(static_cast<int>(type)) || lanes_packed(kQ4_1R));
+// Whether qlinear_rows takes `type` (the tiled forms in every build: qlinear_untiling where the 16-lane loops are not).
+inline bool supported(int64_t type) { return layout_of(static_cast<int>(type)).elems > 0; }
+
+template <typename O>
+void qlinear_untiling(int type, const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, const float* bias, O* out,
+                      int64_t ldo, int64_t n_begin, int64_t n_end, QScratch& s) {
+  std::vector<uint8_t> rows(kTileRows * ldw);
+  for (int64_t n = n_begin / kTileRows * kTileRows; n < n_end; n += kTileRows) {
+    for (int64_t j = 0; j < kTileRows; ++j) untile_row(type, w, ldw, n + j, x.K, rows.data() + j * ldw);
+    qlinear_rows(untiled(type), rows.data(), ldw, x, M, bias ? bias + n : nullptr, out + n, ldo,
+                 std::max(n, n_begin) - n, std::min(n + kTileRows, n_end) - n, s);
+  }
 }
 
 // The rows of a tile where this build multiplies tiled weights (kTileRows), else 0: bound as `tile_rows`, the loader's
@@ -137,24 +170,6 @@ inline void dequant_row(int type, const uint8_t* row, int64_t K, float* out) {
     case kQ8_0R: return rows(std::integral_constant<int, kQ8_0R>{});
     default: return;
   }
-}
-
-// Row r of a tiled weight (quant.h: kQ4_0T ...) as its packed row (ldw bytes): its dwords of values and its scale
-// halves gathered from its tile.
-inline void untile_row(int type, const uint8_t* w, int64_t ldw, int64_t r, int64_t K, uint8_t* row) {
-  const int64_t j = r % kTileRows;
-  const uint8_t* tile = w + (r - j) * ldw;
-  if (type == kQ4_KT) {  // every dword of a super-block interleaved
-    for (int64_t b = 0; b < K / kQK_K; ++b)
-      for (int64_t i = 0; i < 36; ++i)
-        std::memcpy(row + 144 * b + 4 * i, tile + kTileRows * 144 * b + 64 * i + 4 * j, 4);
-    return;
-  }
-  const int64_t values = type == kQ8_0T ? K : K / 2;
-  for (int64_t c = 0; c < values / 32; ++c)
-    for (int64_t i = 0; i < 8; ++i) std::memcpy(row + 32 * c + 4 * i, tile + 512 * c + 64 * i + 4 * j, 4);
-  for (int64_t h = 0; h < (ldw - values) / 2; ++h)
-    std::memcpy(row + values + 2 * h, tile + kTileRows * values + 32 * h + 2 * j, 2);
 }
 
 // Row r of an embedding table `w` (rows of ldw bytes) kept quantized, as float32; a tiled one's through its packed row.
