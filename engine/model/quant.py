@@ -130,6 +130,8 @@ class QuantWeight:
         return out
 
     def slice_rows(self, start: int, end: int) -> QuantWeight:
+        if self.qtype in TILED and start % TILE_ROWS:  # (whole tiles: the constructor checks the row count)
+            raise ValueError(f"a slice of a tiled weight starts on a tile of {TILE_ROWS} rows, not at row {start}")
         return QuantWeight(self.blocks[start:end], self.qtype, (end - start, self.shape[1]), self.kernels)
 
     def _split(self) -> tuple[int, int]:

@@ -100,6 +100,10 @@ def test_tile_weights_keeps_every_holder_in_step() -> None:
     assert odd.qtype == model.c.qweight.qtype == 1008 and short.qtype == 1002
     assert torch.equal(model.b.qweight.rows_packed(torch.arange(16)), before[48:])
     assert tile_weights([fused], model) == 0  # tiled already
+    with pytest.raises(ValueError, match="starts on a tile"):
+        fused.slice_rows(8, 24)
+    with pytest.raises(ValueError, match="whole tiles"):
+        fused.slice_rows(16, 24)
     untile_weights([fused], model)
     assert fused.qtype == model.a.qweight.qtype == model.b.qweight.qtype == 1003 and torch.equal(fused.blocks, before)
 
