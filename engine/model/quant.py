@@ -278,18 +278,6 @@ def _tileable(qtype: int, blocks: torch.Tensor, holders: list[QuantWeight]) -> b
     return all(_on_tiles(h.blocks, blocks, tile_bytes) for h in holders if _overlap(h.blocks, blocks))
 
 
-def untile_weights(weights: list[Any], model: nn.Module) -> None:
-    """`tile_weights` undone: each tiled weight of `weights` back to its packed rows in place, with its holders."""
-    weights = _quantized(weights)
-    holders = [*weights, *(m.qweight for m in model.modules() if isinstance(m, QuantLinear | QuantEmbedding))]
-    for weight in weights:
-        if weight.qtype in TILED:
-            on, packed = [h for h in holders if _overlap(h.blocks, weight.blocks)], UNTILED[weight.qtype]
-            weight.blocks.copy_(weight.rows_packed(torch.arange(weight.shape[0])))
-            for h in on:
-                h.qtype = packed
-
-
 def _quantized(weights: list[Any]) -> list[QuantWeight]:
     """The QuantWeights of a list of weights (a list among them: its pieces)."""
     return [p for w in weights for p in (w if isinstance(w, list) else [w]) if isinstance(p, QuantWeight)]

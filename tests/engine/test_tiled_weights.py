@@ -22,7 +22,6 @@ from engine.model.quant import (
     QuantWeight,
     is_tiled,
     tile_weights,
-    untile_weights,
 )
 from engine.types import SamplingParams
 from models import gguf_weights
@@ -51,14 +50,14 @@ def test_q4_k_tiles_interleave_every_dword() -> None:
     picked = torch.tensor([31, 0, 17, 16])
     assert torch.equal(tiled.rows_packed(picked), plain.blocks[picked])
     assert torch.equal(tiled.dequantize(picked), plain.dequantize(picked))
-    untile_weights([tiled], torch.nn.Module())
-    assert tiled.qtype == 12 and torch.equal(tiled.blocks, plain.blocks)
+    back = tiled.untiled()
+    assert back.qtype == 12 and torch.equal(back.blocks, plain.blocks)
 
 
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
 def test_tiles_hold_the_packed_rows(fmt: str) -> None:
     """Dword i of chunk c of row j of a tile at 512 c + 64 i + 4 j, scale half h at 16 x (the row's value bytes) +
-    32 h + 2 j; `rows_packed` and `untile_weights` give the packed rows back; dequantizing and multiplying (the
+    32 h + 2 j; `rows_packed` and `untiled` give the packed rows back; dequantizing and multiplying (the
     reference, no kernels) give the packed weight's values."""
     packed = packed_weight(fmt, 48, 576)
     tiled = QuantWeight(packed.blocks.clone(), packed.qtype, packed.shape)
@@ -81,8 +80,8 @@ def test_tiles_hold_the_packed_rows(fmt: str) -> None:
     x = torch.randn(3, 576)
     assert torch.equal(tiled.matmul(x), packed.matmul(x))
     assert torch.equal(tiled.unpack().blocks, packed.unpack().blocks)
-    untile_weights([tiled], torch.nn.Module())
-    assert tiled.qtype == packed.qtype and torch.equal(tiled.blocks, packed.blocks)
+    back = tiled.untiled()
+    assert back.qtype == packed.qtype and torch.equal(back.blocks, packed.blocks)
 
 
 def test_tile_weights_keeps_every_holder_in_step() -> None:
@@ -104,13 +103,13 @@ def test_tile_weights_keeps_every_holder_in_step() -> None:
         fused.slice_rows(8, 24)
     with pytest.raises(ValueError, match="whole tiles"):
         fused.slice_rows(16, 24)
-    untile_weights([fused], model)
-    assert fused.qtype == model.a.qweight.qtype == model.b.qweight.qtype == 1003 and torch.equal(fused.blocks, before)
+    back = fused.untiled()
+    assert back.qtype == 1003 and torch.equal(back.blocks, before)
 
 
 def test_weights_in_one_buffer_are_tiled_each_alone() -> None:
-    """After huge_pages.gather every weight lies in one storage: tiling or untiling one changes only the holders on
-    its own bytes."""
+    """After huge_pages.gather every weight lies in one storage: tiling one changes only the holders on its own
+    bytes."""
     first, second = packed_weight("Q4_1", 32, 576, seed=1), packed_weight("Q8_0", 48, 576, seed=2)
     buffer = torch.empty(first.nbytes + second.nbytes, dtype=torch.uint8)
     views = buffer[: first.nbytes].view(first.blocks.shape), buffer[first.nbytes :].view(second.blocks.shape)
@@ -122,9 +121,8 @@ def test_weights_in_one_buffer_are_tiled_each_alone() -> None:
     assert a.qtype == model.a.qweight.qtype == 2003 and b.qtype == model.b.qweight.qtype == 1008
     assert torch.equal(views[1], second.blocks)
     assert tile_weights([b], model) == second.nbytes and model.b.qweight.qtype == 2008
-    untile_weights([a], model)
-    assert a.qtype == model.a.qweight.qtype == 1003 and b.qtype == model.b.qweight.qtype == 2008
-    assert torch.equal(views[0], first.blocks)
+    assert a.qtype == model.a.qweight.qtype == 2003  # b's tiling left a's holders as they were
+    assert torch.equal(a.untiled().blocks, first.blocks) and torch.equal(b.untiled().blocks, second.blocks)
 
 
 @pytest.fixture(scope="module", params=PATHS)
