@@ -18,10 +18,10 @@ file stores them, and the modules that multiply by them.
   f16 minimums; Q8_0 its int8 values first, then its f16 scales. The decode kernels then get 64 weights per load
   and 8 scales per conversion.
 - `QuantWeight.tile_` / `tile_weights`: where the CPU build multiplies them 16 rows a lane each (AVX-512 VNNI,
-  `Kernels.tile_rows`), the one-call decoder's packed and Q4_K weights are rearranged once more at start, in place,
-  each 16 rows interleaved (quant.h: kQ4_0T / kQ4_1T / kQ8_0T / kQ4_KT): the kernel then streams a tile front to back
-  with no shuffles (the same bits). Their rows are still read one by one where needed (`rows_packed`: a tied
-  embedding).
+  `Kernels.tile_rows`), the one-call decoder's packed, Q4_K and Q6_K weights are rearranged once more at start, in
+  place, each 16 rows interleaved (quant.h: kQ4_0T / kQ4_1T / kQ8_0T / kQ4_KT / kQ6_KT): the kernel then streams a
+  tile front to back with no shuffles (the same bits). Their rows are still read one by one where needed
+  (`rows_packed`: a tied embedding).
 """
 
 from __future__ import annotations
@@ -54,13 +54,13 @@ Q8_0 = 8
 PACKED: dict[int, tuple[str, int, int]] = {1002: ("Q4_0", 64, 36), 1003: ("Q4_1", 64, 40), 1008: ("Q8_0", 64, 68)}
 PACKS = {2: 1002, 3: 1003, 8: 1008}  # GGUF type -> its packed form
 UNPACKED = {packed: gguf for gguf, packed in PACKS.items()}
-# the tiled forms (quant.h: kQ4_0T ...) of the packed ones and of Q4_K: each TILE_ROWS rows interleaved for the
-# 16-lane kernels
+# the tiled forms (quant.h: kQ4_0T ...) of the packed ones and of Q4_K and Q6_K: each TILE_ROWS rows interleaved for
+# the 16-lane kernels
 TILED: dict[int, tuple[str, int, int]] = {2002: ("Q4_0", 64, 36), 2003: ("Q4_1", 64, 40), 2008: ("Q8_0", 64, 68),
-                                          2012: ("Q4_K", 256, 144)}
-TILES = {1002: 2002, 1003: 2003, 1008: 2008, 12: 2012}  # type -> its tiled form
+                                          2012: ("Q4_K", 256, 144), 2014: ("Q6_K", 256, 210)}
+TILES = {1002: 2002, 1003: 2003, 1008: 2008, 12: 2012, 14: 2014}  # type -> its tiled form
 UNTILED = {tiled: plain for plain, tiled in TILES.items()}
-Q4_K = 12
+SUPER_TILED = {2012, 2014}  # the K-quants' tiled forms: a super-block's dwords interleaved (then Q6_K's f16 d)
 TILE_ROWS = 16
 LAYOUTS = {**FORMATS, **PACKED, **TILED}
 log = logging.getLogger(__name__)
@@ -141,16 +141,22 @@ class QuantWeight:
         return values, self.blocks.shape[1] - values
 
     def tile_(self) -> None:
-        """A packed (or Q4_K) weight's bytes rearranged in place into its tiled form (quant.h: kQ4_0T ...): each
-        TILE_ROWS rows (a multiple of them) their values, 32-byte chunk by chunk, as 8 dwords of each row in turn,
+        """A packed (or Q4_K, Q6_K) weight's bytes rearranged in place into its tiled form (quant.h: kQ4_0T ...):
+        each TILE_ROWS rows (a multiple of them) their values, 32-byte chunk by chunk, as 8 dwords of each row in turn,
         then their scale halves, half by half, each row's in turn (Q4_K: each super-block's 36 dwords, each row's in
-        turn). Its type becomes the tiled one; other QuantWeights on these bytes must change theirs too
-        (`tile_weights`)."""
+        turn; Q6_K: its first 52 dwords so, then each row's f16 d). Its type becomes the tiled one; other
+        QuantWeights on these bytes must change theirs too (`tile_weights`)."""
         rows, ldw = self.blocks.shape
         tiles = self.blocks.reshape(rows // TILE_ROWS, TILE_ROWS, ldw)
-        if self.qtype == Q4_K:  # each super-block's 36 dwords: dword i of row j at 64 i + 4 j of its 2,304 bytes
-            dwords = tiles.reshape(-1, TILE_ROWS, ldw // 144, 36, 4).permute(0, 2, 3, 1, 4)
-            self.blocks.copy_(dwords.reshape(rows, ldw))
+        if TILES[self.qtype] in SUPER_TILED:  # each super-block's dwords (dword i of row j at 64 i + 4 j), then the
+            size = LAYOUTS[self.qtype][2]  # 16 rows' remaining 2 bytes (Q6_K's d) in turn
+            dwords, rest, blocks = size // 4 * 4, size % 4, ldw // size
+            per_block = tiles.reshape(-1, TILE_ROWS, blocks, size)
+            d = per_block[..., :dwords].reshape(-1, TILE_ROWS, blocks, dwords // 4, 4).permute(0, 2, 3, 1, 4)
+            r = per_block[..., dwords:].permute(0, 2, 1, 3)
+            tiled = rows // TILE_ROWS, blocks
+            self.blocks.copy_(torch.cat([d.reshape(*tiled, TILE_ROWS * dwords), r.reshape(*tiled, TILE_ROWS * rest)], 2)
+                              .view(rows, ldw))
             self.qtype = TILES[self.qtype]
             return
         values, scales = self._split()
@@ -161,13 +167,18 @@ class QuantWeight:
         self.qtype = TILES[self.qtype]
 
     def rows_packed(self, rows: torch.Tensor) -> torch.Tensor:
-        """The packed (Q4_K: the file's) bytes [len(rows), ldw] of the given rows of a tiled weight (`tile_` undone
-        for them)."""
+        """The packed (Q4_K, Q6_K: the file's) bytes [len(rows), ldw] of the given rows of a tiled weight (`tile_`
+        undone for them)."""
         tile, lane = rows // TILE_ROWS, rows % TILE_ROWS
         flat = self.blocks.view(-1, TILE_ROWS * self.blocks.shape[1])
-        if self.qtype == TILES[Q4_K]:
-            picked = flat.reshape(-1, self.blocks.shape[1] // 144, 36, TILE_ROWS, 4)[tile, :, :, lane]
-            return picked.reshape(len(rows), -1)
+        if self.qtype in SUPER_TILED:
+            size = LAYOUTS[self.qtype][2]
+            dwords, blocks = size // 4 * 4, self.blocks.shape[1] // size
+            per_block = flat.reshape(flat.shape[0], blocks, TILE_ROWS * size)
+            d = per_block[..., : TILE_ROWS * dwords].reshape(-1, blocks, dwords // 4, TILE_ROWS, 4)[tile, :, :, lane]
+            r = per_block[..., TILE_ROWS * dwords :].reshape(flat.shape[0], blocks, TILE_ROWS, size - dwords)
+            r = r[tile, :, lane]
+            return torch.cat([d.reshape(len(rows), blocks, dwords), r], 2).reshape(len(rows), -1)
         values, scales = self._split()
         v = flat[:, : TILE_ROWS * values].reshape(-1, values // 32, 8, TILE_ROWS, 4)[tile, :, :, lane]
         s = flat[:, TILE_ROWS * values :].reshape(-1, scales // 2, TILE_ROWS, 2)[tile, :, lane]
@@ -231,10 +242,10 @@ def concat(weights: list[QuantWeight]) -> QuantWeight | None:
 
 
 def lay_out(weights: list[Any], model: nn.Module, tiled: bool) -> int:
-    """The packed and Q4_K weights among `weights` (a forward's matmuls) tiled in place (`tile_weights`) if the first
-    forward over `model` asks for it, noted on the model (`is_tiled`). Later forwards, of any kind, run on that layout
-    (every CPU build multiplies tiled weights; those without the 16-lane loops gather a tile's rows back first), so
-    bytes that engines share never change under one of them. Returns the bytes tiled."""
+    """The packed, Q4_K and Q6_K weights among `weights` (a forward's matmuls) tiled in place (`tile_weights`) if
+    the first forward over `model` asks for it, noted on the model (`is_tiled`). Later forwards, of any kind, run on
+    that layout (every CPU build multiplies tiled weights; those without the 16-lane loops gather a tile's rows back
+    first), so bytes that engines share never change under one of them. Returns the bytes tiled."""
     if hasattr(model, "peregrine_tiled"):
         return 0
     model.peregrine_tiled = tiled

@@ -1,5 +1,6 @@
-"""Tiled weights (engine/model/quant.py `QuantWeight.tile_`, quant.h kQ4_0T / kQ4_1T / kQ8_0T / kQ4_KT): the one-call
-decoder's packed Q4_0 / Q4_1 / Q8_0 and Q4_K matmuls, each 16 rows interleaved at start where the build multiplies
+"""Tiled weights (engine/model/quant.py `QuantWeight.tile_`, quant.h kQ4_0T / kQ4_1T / kQ8_0T / kQ4_KT / kQ6_KT): the
+one-call decoder's packed Q4_0 / Q4_1 / Q8_0, Q4_K and Q6_K matmuls, each 16 rows interleaved at start where the build
+multiplies
 them 16 rows a lane each (the AVX-512 VNNI builds). The layout is checked byte by byte, a tiled weight gives its rows
 back, `qlinear` gives the untiled form's bits on it for every number of activation rows and thread split, and engines
 over the bundled model and over tiny GGUFs answer with the same tokens and logprobs tiled or not."""
@@ -29,29 +30,39 @@ from tests.engine.test_cpu_kernels_paths import PATHS
 from tests.quant_blocks import make_blocks, write_tiny_gguf
 from tests.support import Loaded, chat_ids, load_bundled_gguf, make_engine, run_all
 
-TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12}
+TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
 
 
 def packed_weight(fmt: str, rows: int, k: int, seed: int = 7) -> QuantWeight:
-    """`fmt` as the loader keeps it: Q4_0 / Q4_1 / Q8_0 packed, Q4_K as the file stores it."""
+    """`fmt` as the loader keeps it: Q4_0 / Q4_1 / Q8_0 packed, Q4_K and Q6_K as the file stores them."""
     blocks = torch.from_numpy(make_blocks(fmt, rows, k, np.random.default_rng(seed)))
     return QuantWeight(blocks, TYPES[fmt], (rows, k)).repack()
 
 
-def test_q4_k_tiles_interleave_every_dword() -> None:
-    """Q4_K: dword i of super-block b of row j of a tile at 2,304 b + 64 i + 4 j; the rows come back."""
-    plain = packed_weight("Q4_K", 32, 512)
+@pytest.mark.parametrize(("fmt", "size"), [("Q4_K", 144), ("Q6_K", 210)])
+def test_k_quant_tiles_interleave_every_dword(fmt: str, size: int) -> None:
+    """Q4_K: dword i of super-block b of row j of a tile at 2,304 b + 64 i + 4 j; Q6_K: its first 52 dwords at
+    3,360 b + 64 i + 4 j, its f16 d at 3,360 b + 3,328 + 2 j; the rows come back."""
+    plain = packed_weight(fmt, 32, 512)
     tiled = QuantWeight(plain.blocks.clone(), plain.qtype, plain.shape)
     tiled.tile_()
-    assert tiled.qtype == 2012 and tiled.type_name == "Q4_K"
-    for row, block, dword in [(0, 0, 0), (19, 1, 3), (31, 1, 35), (7, 0, 20)]:
-        at = (row // TILE_ROWS) * TILE_ROWS * 288 + 2304 * block + 64 * dword + 4 * (row % TILE_ROWS)
-        assert torch.equal(tiled.blocks.view(-1)[at : at + 4], plain.blocks[row, 144 * block + 4 * dword :][:4])
+    assert tiled.qtype == TYPES[fmt] + 2000 and tiled.type_name == fmt
+    block_tile = TILE_ROWS * size
+    for row, block, dword in [(0, 0, 0), (19, 1, 3), (31, 1, size // 4 - 1), (7, 0, 20)]:
+        at = (row // TILE_ROWS) * 2 * block_tile + block_tile * block + 64 * dword + 4 * (row % TILE_ROWS)
+        assert torch.equal(tiled.blocks.view(-1)[at : at + 4], plain.blocks[row, size * block + 4 * dword :][:4])
+    if size % 4:
+        for row, block in [(0, 0), (30, 1), (17, 0)]:
+            at = (row // TILE_ROWS) * 2 * block_tile + block_tile * block + 64 * (size // 4) + 2 * (row % TILE_ROWS)
+            want = plain.blocks[row, size * block + size - 2 : size * (block + 1)]
+            assert torch.equal(tiled.blocks.view(-1)[at : at + 2], want)
     picked = torch.tensor([31, 0, 17, 16])
     assert torch.equal(tiled.rows_packed(picked), plain.blocks[picked])
     assert torch.equal(tiled.dequantize(picked), plain.dequantize(picked))
+    x = torch.randn(3, 512)
+    assert torch.equal(tiled.matmul(x), plain.matmul(x))
     back = tiled.untiled()
-    assert back.qtype == 12 and torch.equal(back.blocks, plain.blocks)
+    assert back.qtype == TYPES[fmt] and torch.equal(back.blocks, plain.blocks)
 
 
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
@@ -133,7 +144,7 @@ def module(request: pytest.FixtureRequest) -> Any:
 
 
 @pytest.mark.parametrize(("fmt", "k"), [(f, k) for f in ("Q4_0", "Q4_1", "Q8_0") for k in (576, 1536)]
-                         + [("Q4_K", 1024), ("Q4_K", 1536)])
+                         + [(f, k) for f in ("Q4_K", "Q6_K") for k in (1024, 1536)])
 def test_qlinear_on_tiled_weights_gives_the_untiled_bits(module: Any, fmt: str, k: int) -> None:
     """A tiled weight gives the untiled weight's bits for 1 to 16 activation rows, with a bias, over 48 rows split
     across threads mid-tile (qlinear's split of 48 rows between two threads is 24 + 24), in every build: the 16-lane
@@ -193,7 +204,7 @@ MIXES = {"q4_k_m": {"*": "Q4_K", "attn_v": "Q6_K", "token_embd": "Q6_K"},  # a Q
 def test_tiny_gguf_engines_answer_the_same_tiled_or_not(formats: dict[str, str], byte_level_tokenizer: Any,
                                                         tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """A tiny Llama GGUF (tied embedding) in each mix: the same greedy tokens and logprobs tiled or not, two requests
-    at once; its tiled formats are tiled (the tied embedding with them where it is one)."""
+    at once; its weights are tiled, the tied embedding with them (Q6_K's too)."""
     vocab = len(byte_level_tokenizer)
     write_tiny_gguf(tmp_path, formats, vocab=vocab + (-vocab) % 32)
     models = [gguf_weights.load(tmp_path / "tiny.gguf", tmp_path, torch.float32) for _ in range(2)]
@@ -205,7 +216,8 @@ def test_tiny_gguf_engines_answer_the_same_tiled_or_not(formats: dict[str, str],
     plain = make_engine(Loaded(models[1], byte_level_tokenizer, 128), model_impl="llama")
     layer = models[0].model.layers[0]
     assert layer.self_attn.q_proj.qweight.qtype in TILED
-    assert (models[0].model.embed_tokens.qweight.qtype in TILED) == (formats.get("token_embd") != "Q6_K")
+    assert models[0].model.embed_tokens.qweight.qtype in TILED
+    assert layer.self_attn.v_proj.qweight.qtype == TYPES[formats.get("attn_v", formats["*"])] + 2000  # tiled
     assert models[1].model.layers[0].self_attn.q_proj.qweight.qtype not in TILED
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
     requests = {"a": ([5, 60, 61, 62, 63, 64], params), "b": ([9, 8, 7, 70, 71], params)}

@@ -19,8 +19,9 @@
 // (1.45x at one row on AVX-512). In the AVX-512 builds packed Q4_0 / Q4_1 / Q8_0 take qdot_lanes.h instead: 16 weight
 // rows at a time, one a 32-bit lane (a group's conversion, scale and FMA shared by 16 rows), for every number of
 // activation rows; its own order of float sums (not the file layout's bits), the same for a row in any batch. There
-// the engine hands the decoder those weights, and Q4_K's, tiled (quant.h: kQ4_0T ...; qlinear_tiles, qlinear_tiles_k):
-// each 16 rows interleaved as the 16-lane loops read them, so they load a tile front to back and shuffle nothing.
+// the engine hands the decoder those weights, and Q4_K's and Q6_K's, tiled (quant.h: kQ4_0T ...; qlinear_tiles,
+// qlinear_tiles_k, qlinear_tiles_q6): each 16 rows interleaved as the 16-lane loops read them, so they load a tile
+// front to back and shuffle nothing.
 //
 // The K-quants (Q4_K, Q5_K, Q6_K) and IQ4_XS are multiplied as the file stores them, against activations quantized in
 // blocks of 256 instead (ggml's Q8_K): a super-block's sums stay in integers, its group scales applied by `vpmaddwd`,
@@ -58,10 +59,13 @@ namespace peregrine_quant {
 inline void untile_row(int type, const uint8_t* w, int64_t ldw, int64_t r, int64_t K, uint8_t* row) {
   const int64_t j = r % kTileRows;
   const uint8_t* tile = w + (r - j) * ldw;
-  if (type == kQ4_KT) {  // every dword of a super-block interleaved
-    for (int64_t b = 0; b < K / kQK_K; ++b)
-      for (int64_t i = 0; i < 36; ++i)
-        std::memcpy(row + 144 * b + 4 * i, tile + kTileRows * 144 * b + 64 * i + 4 * j, 4);
+  if (type == kQ4_KT || type == kQ6_KT) {  // a super-block's dwords interleaved, then (Q6_K) its f16 d
+    const int64_t bytes = layout_of(type).bytes, dwords = bytes / 4;
+    for (int64_t b = 0; b < K / kQK_K; ++b) {
+      const uint8_t* t = tile + kTileRows * bytes * b;
+      for (int64_t i = 0; i < dwords; ++i) std::memcpy(row + bytes * b + 4 * i, t + 64 * i + 4 * j, 4);
+      if (bytes % 4) std::memcpy(row + bytes * b + 4 * dwords, t + 64 * dwords + 2 * j, 2);
+    }
     return;
   }
   const int64_t values = type == kQ8_0T ? K : K / 2;
@@ -129,6 +133,9 @@ void qlinear_rows(int type, const uint8_t* w, int64_t ldw, const QRows& x, int64
     case kQ4_KT:
       if constexpr (lanes_k(kQ4_K)) return qlinear_tiles_k(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
       return qlinear_untiling(type, w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
+    case kQ6_KT:
+      if constexpr (lanes_q6(kQ6_K)) return qlinear_tiles_q6(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
+      return qlinear_untiling(type, w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
     default: return;  // the callers check the type first (supported())
   }
 }
@@ -175,7 +182,8 @@ inline void dequant_row(int type, const uint8_t* row, int64_t K, float* out) {
 // Row r of an embedding table `w` (rows of ldw bytes) kept quantized, as float32; a tiled one's through its packed row.
 inline void dequant_row_at(int type, const uint8_t* w, int64_t ldw, int64_t r, int64_t K, float* out) {
   if (!tiled(type)) return dequant_row(type, w + r * ldw, K, out);
-  std::vector<uint8_t> row(ldw);
+  thread_local std::vector<uint8_t> row;  // one per thread, reused: a lookup a token
+  row.resize(ldw);
   untile_row(type, w, ldw, r, K, row.data());
   dequant_row(untiled(type), row.data(), K, out);
 }

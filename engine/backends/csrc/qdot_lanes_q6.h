@@ -62,6 +62,30 @@ inline void decode_block16(const uint8_t* const p[kLanes], int64_t at, Lanes16Bl
   blk.d = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(dh)));
 }
 
+// decode_block16 for a tiled super-block (quant.h: kQ6_KT; t its 3,360 bytes): the same registers, loaded as they
+// lie; the int8 scales taken from their four dwords by shifts.
+inline void decode_tile16(const uint8_t* t, Lanes16BlockQ6& blk) {
+  auto dword = [t](int i) { return _mm512_loadu_si512(t + 64 * i); };  // dword i of each row
+  for (int n = 0; n < 2; ++n) {
+    __m512i l0[8], l1[8], h[8];
+    for (int i = 0; i < 8; ++i) {
+      l0[i] = dword(16 * n + i);
+      l1[i] = dword(16 * n + 8 + i);
+      h[i] = dword(32 + 8 * n + i);
+    }
+    q6k_half(l0, l1, h, Ops512{},
+             [&](int g, int i, __m512i v) { _mm512_store_si512(&blk.wd[8 * (4 * n + g) + i], v); });
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i v = dword(48 + c);
+    blk.sc[4 * c] = _mm512_srai_epi32(_mm512_slli_epi32(v, 24), 24);
+    blk.sc[4 * c + 1] = _mm512_srai_epi32(_mm512_slli_epi32(v, 16), 24);
+    blk.sc[4 * c + 2] = _mm512_srai_epi32(_mm512_slli_epi32(v, 8), 24);
+    blk.sc[4 * c + 3] = _mm512_srai_epi32(v, 24);
+  }
+  blk.d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 64 * 52)));
+}
+
 // acc[r] (16 lanes, accs + 16 r) = fma(isum[r], d * dx, acc[r]): super-block b's exact integer sums of activation
 // rows m + r, r < R, added as the row loops add them (dx: the activation block's scale).
 template <int R>
@@ -111,6 +135,58 @@ __attribute__((always_inline)) inline void lanes16_rows_q6(const Lanes16BlockQ6&
   lanes16_add<R>(isum, blk.d, x, m, b, accs);
 }
 
+// lanes16_rows_q6 for a tiled super-block (t its 3,360 bytes) met by fewer than kLanesQ6Rows activation rows: its
+// values decoded in registers and multiplied at once (nothing through scratch). The same exact integer sums (in
+// another order), the same float operations.
+template <int G, int R>
+__attribute__((always_inline)) inline void tile_group_q6(const uint8_t* t, int n, const int8_t* const a[R],
+                                                         const int16_t* const ks[R], const __m512i scw[4],
+                                                         __m512i isum[R]) {
+  auto dword = [t](int i) { return _mm512_loadu_si512(t + 64 * i); };
+  for (int half = 0; half < 2; ++half) {
+    const int s = 8 * n + 2 * G + half;  // the 16 values' group (its scale and activations)
+    __m512i v[4];
+    for (int k = 0; k < 4; ++k) {
+      const int i = 4 * half + k;
+      v[k] = q6k_values<G>(dword(16 * n + i), dword(16 * n + 8 + i), dword(32 + 8 * n + i), Ops512{});
+    }
+    const __m512i sc = _mm512_srai_epi32(_mm512_slli_epi32(scw[s / 4], 24 - 8 * (s % 4)), 24);
+    for (int r = 0; r < R; ++r) {
+      __m512i p = _mm512_set1_epi32(-32 * static_cast<int32_t>(ks[r][s]));
+      for (int k = 0; k < 4; ++k) {
+        int32_t u;
+        std::memcpy(&u, a[r] + 16 * s + 4 * k, 4);
+        p = _mm512_dpbusd_epi32(p, v[k], _mm512_set1_epi32(u));
+      }
+      isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(p, sc));
+    }
+  }
+}
+
+template <int R>
+__attribute__((always_inline)) inline void tile_rows_q6(const uint8_t* t, const QRows& x, int64_t m, int64_t b,
+                                                        float* accs) {
+  const int64_t K = x.K;
+  const int8_t* a[R];
+  const int16_t* ks[R];
+  __m512i isum[R];
+  for (int r = 0; r < R; ++r) {
+    a[r] = x.kq + (m + r) * K + b * kQK_K;
+    ks[r] = x.ks + (m + r) * (K / 16) + 16 * b;
+    isum[r] = _mm512_setzero_si512();
+  }
+  __m512i scw[4];
+  for (int c = 0; c < 4; ++c) scw[c] = _mm512_loadu_si512(t + 64 * (48 + c));
+  for (int n = 0; n < 2; ++n) {
+    tile_group_q6<0, R>(t, n, a, ks, scw, isum);
+    tile_group_q6<1, R>(t, n, a, ks, scw, isum);
+    tile_group_q6<2, R>(t, n, a, ks, scw, isum);
+    tile_group_q6<3, R>(t, n, a, ks, scw, isum);
+  }
+  lanes16_add<R>(isum, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 64 * 52))), x, m, b,
+                 accs);
+}
+
 // out[m * ldo + n] = x[m] . W[n] (+ bias[n]) for n in [n_begin, n_end), m < M, W of format T in super-blocks that
 // `decode(p, at, blk)` turns into a Block for 16 weight rows and `rows(blk, m, b, acc, R)` multiplies with R
 // activation rows: lanes_tiles' loop, 16 weight rows a tile, the tile kLanesAhead on prefetched into L2.
@@ -139,10 +215,59 @@ void qlinear_lanes_q6(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, 
         lanes16_rows_q6<decltype(r)::value>(blk, x, m, b, acc);
       });
 }
+
+// qlinear_lanes_q6 for tiled Q6_K (quant.h: kQ6_KT), every number of activation rows: the same loop over the whole
+// tiles that meet [n_begin, n_end) (a thread's share may start or end inside one), each super-block decoded from the
+// tile as it lies (no transposes: at one activation row they had cost more than the row loop's whole work), the
+// lanes in the range stored. The same integers and float operations, so the same bits as the rows.
+template <typename O>
+void qlinear_tiles_q6(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, const float* bias, O* out,
+                      int64_t ldo, int64_t n_begin, int64_t n_end, QScratch& s) {
+  const int64_t lo = n_begin / kLanes * kLanes, hi = (n_end + kLanes - 1) / kLanes * kLanes;
+  const int64_t mt = std::max<int64_t>(16, (64 << 10) / x.K);
+  auto store = [&](int64_t n, int64_t, int64_t m0, int64_t m1, const float* accs) {
+    const int64_t j0 = std::max(n, n_begin) - n, j1 = std::min(n + kLanes, n_end) - n;
+    const __mmask16 mask = static_cast<__mmask16>(((1u << (j1 - j0)) - 1) << j0);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
+    for (int64_t m = m0; m < m1; ++m) {
+      const __m512 v = _mm512_add_ps(_mm512_loadu_ps(accs + (m - m0) * kLanes), bv);
+      if (j0 == 0) {
+        store_lanes(out + m * ldo + n, v, j1, mask);
+        continue;
+      }
+      alignas(64) float lanes[kLanes];
+      _mm512_store_ps(lanes, v);
+      for (int64_t j = j0; j < j1; ++j) out[m * ldo + n + j] = static_cast<O>(lanes[j]);
+    }
+  };
+  if (M < kLanesQ6Rows) {  // each super-block multiplied as it is decoded (the "block" is where it lies)
+    struct At {
+      const uint8_t* t;
+    };
+    lanes_tiles<kLanes, At>(
+        w, ldw, layout_of(kQ6_K).bytes, x, M, lo, hi, mt, kLanes * kLanesAhead, s,
+        [](const uint8_t* const* p, int64_t at, At& blk) { blk.t = p[0] + kLanes * at; },
+        [&](const At& blk, int64_t m, int64_t b, float* acc, auto r) {
+          tile_rows_q6<decltype(r)::value>(blk.t, x, m, b, acc);
+        },
+        store);
+    return;
+  }
+  lanes_tiles<kLanes, Lanes16BlockQ6>(
+      w, ldw, layout_of(kQ6_K).bytes, x, M, lo, hi, mt, kLanes * kLanesAhead, s,
+      [](const uint8_t* const* p, int64_t at, Lanes16BlockQ6& blk) { decode_tile16(p[0] + kLanes * at, blk); },
+      [&](const Lanes16BlockQ6& blk, int64_t m, int64_t b, float* acc, auto r) {
+        lanes16_rows_q6<decltype(r)::value>(blk, x, m, b, acc);
+      },
+      store);
+}
 #else
 constexpr bool lanes_q6(int) { return false; }
 template <int T, typename O>  // never called here (lanes_q6): declared for qlinear_rows' discarded branch
 void qlinear_lanes_q6(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, const float* bias, O* out,
+                      int64_t ldo, int64_t n_begin, int64_t n_end, QScratch& s);
+template <typename O>  // likewise
+void qlinear_tiles_q6(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, const float* bias, O* out,
                       int64_t ldo, int64_t n_begin, int64_t n_end, QScratch& s);
 #endif
 
