@@ -70,20 +70,10 @@ inline void decode_block16_iq4(const uint8_t* const p[kLanes], int64_t at, Lanes
 template <int R>
 __attribute__((always_inline)) inline void lanes16_rows_iq4(const Lanes16BlockIQ4& blk, const QRows& x, int64_t m,
                                                             int64_t b, float* accs) {
-  const int64_t K = x.K;
   const int8_t* a[R];
   const int16_t* ks[R];
   __m512i isum[R];
-  for (int r = 0; r < R; ++r) {
-    a[r] = x.kq + (m + r) * K + b * kQK_K;
-    ks[r] = x.ks + (m + r) * (K / 16) + 16 * b;
-    isum[r] = _mm512_setzero_si512();
-  }
-  auto bc = [](const int8_t* v) {
-    int32_t u;
-    std::memcpy(&u, v, 4);
-    return _mm512_set1_epi32(u);
-  };
+  rows_at<R>(x, m, b, a, ks, isum);
   for (int j = 0; j < 8; ++j) {
     __m512i w[8];
     for (int i = 0; i < 8; ++i) w[i] = _mm512_load_si512(&blk.wd[8 * j + i]);
@@ -93,8 +83,8 @@ __attribute__((always_inline)) inline void lanes16_rows_iq4(const Lanes16BlockIQ
       __m512i p = _mm512_set1_epi32(-128 * (static_cast<int32_t>(ks[r][2 * j]) + ks[r][2 * j + 1]));
       __m512i q = _mm512_setzero_si512();  // (two chains)
       for (int i = 0; i < 8; i += 2) {
-        p = _mm512_dpbusd_epi32(p, w[i], bc(v + 4 * i));
-        q = _mm512_dpbusd_epi32(q, w[i + 1], bc(v + 4 * i + 4));
+        p = _mm512_dpbusd_epi32(p, w[i], broadcast4(v + 4 * i));
+        q = _mm512_dpbusd_epi32(q, w[i + 1], broadcast4(v + 4 * i + 4));
       }
       isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(_mm512_add_epi32(p, q), sc));
     }

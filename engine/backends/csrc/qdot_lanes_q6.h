@@ -100,24 +100,33 @@ __attribute__((always_inline)) inline void lanes16_add(const __m512i* isum, __m5
   }
 }
 
+// Activation rows m .. m + R - 1 at super-block b, as the 16-lane K-quant loops read them: their int8 values (a),
+// their 16-value sums (ks), and an int32 sum vector each (isum), zeroed.
+template <int R>
+__attribute__((always_inline)) inline void rows_at(const QRows& x, int64_t m, int64_t b, const int8_t* a[R],
+                                                   const int16_t* ks[R], __m512i isum[R]) {
+  for (int r = 0; r < R; ++r) {
+    a[r] = x.kq + (m + r) * x.K + b * kQK_K;
+    ks[r] = x.ks + (m + r) * (x.K / 16) + 16 * b;
+    isum[r] = _mm512_setzero_si512();
+  }
+}
+
+// Four int8 values (a dword) in every lane.
+inline __m512i broadcast4(const int8_t* v) {
+  int32_t u;
+  std::memcpy(&u, v, 4);
+  return _mm512_set1_epi32(u);
+}
+
 // acc[r] (16 lanes) += activation row m + r's super-block b times the tile's decoded super-block, r < R.
 template <int R>
 __attribute__((always_inline)) inline void lanes16_rows_q6(const Lanes16BlockQ6& blk, const QRows& x, int64_t m,
                                                            int64_t b, float* accs) {
-  const int64_t K = x.K;
   const int8_t* a[R];
   const int16_t* ks[R];
   __m512i isum[R];
-  for (int r = 0; r < R; ++r) {
-    a[r] = x.kq + (m + r) * K + b * kQK_K;
-    ks[r] = x.ks + (m + r) * (K / 16) + 16 * b;
-    isum[r] = _mm512_setzero_si512();
-  }
-  auto bc = [](const int8_t* v) {
-    int32_t u;
-    std::memcpy(&u, v, 4);
-    return _mm512_set1_epi32(u);
-  };
+  rows_at<R>(x, m, b, a, ks, isum);
   for (int s = 0; s < 16; ++s) {
     const __m512i w0 = _mm512_load_si512(&blk.wd[4 * s]), w1 = _mm512_load_si512(&blk.wd[4 * s + 1]),
                   w2 = _mm512_load_si512(&blk.wd[4 * s + 2]), w3 = _mm512_load_si512(&blk.wd[4 * s + 3]);
@@ -125,10 +134,10 @@ __attribute__((always_inline)) inline void lanes16_rows_q6(const Lanes16BlockQ6&
     for (int r = 0; r < R; ++r) {
       const int8_t* v = a[r] + 16 * s;
       __m512i p = _mm512_set1_epi32(-32 * static_cast<int32_t>(ks[r][s]));
-      p = _mm512_dpbusd_epi32(p, w0, bc(v));
-      p = _mm512_dpbusd_epi32(p, w1, bc(v + 4));
-      p = _mm512_dpbusd_epi32(p, w2, bc(v + 8));
-      p = _mm512_dpbusd_epi32(p, w3, bc(v + 12));
+      p = _mm512_dpbusd_epi32(p, w0, broadcast4(v));
+      p = _mm512_dpbusd_epi32(p, w1, broadcast4(v + 4));
+      p = _mm512_dpbusd_epi32(p, w2, broadcast4(v + 8));
+      p = _mm512_dpbusd_epi32(p, w3, broadcast4(v + 12));
       isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(p, sc));
     }
   }
@@ -153,11 +162,7 @@ __attribute__((always_inline)) inline void tile_group_q6(const uint8_t* t, int n
     const __m512i sc = _mm512_srai_epi32(_mm512_slli_epi32(scw[s / 4], 24 - 8 * (s % 4)), 24);
     for (int r = 0; r < R; ++r) {
       __m512i p = _mm512_set1_epi32(-32 * static_cast<int32_t>(ks[r][s]));
-      for (int k = 0; k < 4; ++k) {
-        int32_t u;
-        std::memcpy(&u, a[r] + 16 * s + 4 * k, 4);
-        p = _mm512_dpbusd_epi32(p, v[k], _mm512_set1_epi32(u));
-      }
+      for (int k = 0; k < 4; ++k) p = _mm512_dpbusd_epi32(p, v[k], broadcast4(a[r] + 16 * s + 4 * k));
       isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(p, sc));
     }
   }
@@ -166,15 +171,10 @@ __attribute__((always_inline)) inline void tile_group_q6(const uint8_t* t, int n
 template <int R>
 __attribute__((always_inline)) inline void tile_rows_q6(const uint8_t* t, const QRows& x, int64_t m, int64_t b,
                                                         float* accs) {
-  const int64_t K = x.K;
   const int8_t* a[R];
   const int16_t* ks[R];
   __m512i isum[R];
-  for (int r = 0; r < R; ++r) {
-    a[r] = x.kq + (m + r) * K + b * kQK_K;
-    ks[r] = x.ks + (m + r) * (K / 16) + 16 * b;
-    isum[r] = _mm512_setzero_si512();
-  }
+  rows_at<R>(x, m, b, a, ks, isum);
   __m512i scw[4];
   for (int c = 0; c < 4; ++c) scw[c] = _mm512_loadu_si512(t + 64 * (48 + c));
   for (int n = 0; n < 2; ++n) {
