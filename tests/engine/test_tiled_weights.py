@@ -1,7 +1,6 @@
 """Tiled weights (engine/model/quant.py `QuantWeight.tile_`, quant.h kQ4_0T / kQ4_1T / kQ8_0T / kQ4_KT / kQ6_KT): the
 one-call decoder's packed Q4_0 / Q4_1 / Q8_0, Q4_K and Q6_K matmuls, each 16 rows interleaved at start where the build
-multiplies
-them 16 rows a lane each (the AVX-512 VNNI builds). The layout is checked byte by byte, a tiled weight gives its rows
+multiplies them 16 rows a lane each (the AVX-512 VNNI builds). The layout is checked byte by byte, a tiled weight gives its rows
 back, `qlinear` gives the untiled form's bits on it for every number of activation rows and thread split, and engines
 over the bundled model and over tiny GGUFs answer with the same tokens and logprobs tiled or not."""
 

@@ -62,6 +62,12 @@ inline void decode_block16(const uint8_t* const p[kLanes], int64_t at, Lanes16Bl
   blk.d = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(dh)));
 }
 
+// Group s's int8 scale in each of the 16 lanes of a tiled Q6_K super-block (kQ6_KT), sign-extended from byte s % 4 of
+// the scale dwords scw[s / 4] (dwords 48-51 of the tile).
+__attribute__((always_inline)) inline __m512i tile_scale_q6(const __m512i scw[4], int s) {
+  return _mm512_srai_epi32(_mm512_slli_epi32(scw[s / 4], 24 - 8 * (s % 4)), 24);
+}
+
 // decode_block16 for a tiled super-block (quant.h: kQ6_KT; t its 3,360 bytes): the same registers, loaded as they
 // lie; the int8 scales taken from their four dwords by shifts.
 inline void decode_tile16(const uint8_t* t, Lanes16BlockQ6& blk) {
@@ -76,13 +82,8 @@ inline void decode_tile16(const uint8_t* t, Lanes16BlockQ6& blk) {
     q6k_half(l0, l1, h, Ops512{},
              [&](int g, int i, __m512i v) { _mm512_store_si512(&blk.wd[8 * (4 * n + g) + i], v); });
   }
-  for (int c = 0; c < 4; ++c) {
-    const __m512i v = dword(48 + c);
-    blk.sc[4 * c] = _mm512_srai_epi32(_mm512_slli_epi32(v, 24), 24);
-    blk.sc[4 * c + 1] = _mm512_srai_epi32(_mm512_slli_epi32(v, 16), 24);
-    blk.sc[4 * c + 2] = _mm512_srai_epi32(_mm512_slli_epi32(v, 8), 24);
-    blk.sc[4 * c + 3] = _mm512_srai_epi32(v, 24);
-  }
+  const __m512i scw[4] = {dword(48), dword(49), dword(50), dword(51)};
+  for (int s = 0; s < 16; ++s) blk.sc[s] = tile_scale_q6(scw, s);
   blk.d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 64 * 52)));
 }
 
@@ -159,7 +160,7 @@ __attribute__((always_inline)) inline void tile_group_q6(const uint8_t* t, int n
       const int i = 4 * half + k;
       v[k] = q6k_values<G>(dword(16 * n + i), dword(16 * n + 8 + i), dword(32 + 8 * n + i), Ops512{});
     }
-    const __m512i sc = _mm512_srai_epi32(_mm512_slli_epi32(scw[s / 4], 24 - 8 * (s % 4)), 24);
+    const __m512i sc = tile_scale_q6(scw, s);
     for (int r = 0; r < R; ++r) {
       __m512i p = _mm512_set1_epi32(-32 * static_cast<int32_t>(ks[r][s]));
       for (int k = 0; k < 4; ++k) p = _mm512_dpbusd_epi32(p, v[k], broadcast4(a[r] + 16 * s + 4 * k));
