@@ -120,8 +120,9 @@ class Settings(DerivedValues, BaseSettings):
         "Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS; about the file's size in RAM), on Peregrine's kernels (CPU, "
         "Llama-block models); a file with another type is converted to dense with a warning naming the tensor and type. dense: "
         "converted once to float32 in cache_dir, served in --dtype. auto: on CPU quantized, timed on decode steps "
-        "against dense copies made in memory where they fit in RAM, a dense one kept only when >= 1.2x faster at "
-        "the configured concurrency and >= 0.9x at one row; the decision is remembered per file, CPU and settings "
+        "against dense copies made in memory where they fit in RAM and the memory's bandwidth leaves them a chance at "
+        "one row, a dense one kept only when >= 1.2x faster at the configured concurrency and >= 0.9x at one row; "
+        "the decision is remembered per file, CPU and settings "
         "in cache_dir/autotune (later starts do not time again).",
     )
     quantize: Literal["none", "int8"] = Field(

@@ -17,14 +17,22 @@ quantized model is. (On an AMD EPYC Zen 5, dense bfloat16 was 1.19-1.2x quantize
 before this condition, starts of the same server picked one or the other.) Dense candidates are only built when
 the probe's peak (quantized weights, KV cache and every dense copy at once) fits in the free RAM:
 `models.memory.auto_weight_formats`, also used by the preflight.
+
+Nor where a dense copy cannot win (`out_of_reach`): a one-row decode step reads every linear weight once, so a dense
+copy too big for the caches (`CACHED_BYTES`) decodes a lone request at most at the memory's read bandwidth over its
+bytes. The quantized model is timed at one row first and the read bandwidth measured (`read_bandwidth`); a dense
+dtype whose ceiling, with `READ_HEADROOM` to spare, is below `LONE_MARGIN` times the quantized figure could never be
+served, so it is neither built nor timed (a 1B Q4_K_M file: 2.5 and 5 GB of copies and ~25 s no longer spent).
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import math
 import time
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -38,6 +46,8 @@ log = logging.getLogger(__name__)
 
 DENSE_MARGIN = 1.2  # quantized keeps the RAM small: a dense copy is served only when >= 20% faster
 LONE_MARGIN = 0.9  # ... and when a lone request decodes at >= 90% of quantized's speed on it (one row: timing noise)
+READ_HEADROOM = 1.5  # a dense step may read faster than torch's sum over a buffer, the host's bandwidth may move
+CACHED_BYTES = 256 << 20  # a dense copy smaller than this may sit in the caches: no bound from the memory's bandwidth
 QUANTIZED = "quantized"
 
 
@@ -52,6 +62,10 @@ def choose(model: nn.Module, tokenizer: Any, cfg: EngineConfig, device: torch.de
     keeps, logged with the figures behind the choice: (model, dtype, the candidate's name, why)."""
     plan = plan or ProbePlan.for_config(cfg)
     start = time.perf_counter()
+    dense, skipped = beyond_reach(model, tokenizer, cfg, device, dtype, max_model_len, list(dense), plan)
+    if not dense:
+        log.info("weight format auto: %s, timed in %.1f s (%s)", QUANTIZED, time.perf_counter() - start, skipped)
+        return model, dtype, QUANTIZED, skipped
     models, dtypes = {QUANTIZED: model}, {QUANTIZED: dtype}
     for d in dense:  # bfloat16 beside float32: a cast of the float32 copy (dequantizing twice costs more)
         f32 = models.get(dense_name(torch.float32))
@@ -59,8 +73,64 @@ def choose(model: nn.Module, tokenizer: Any, cfg: EngineConfig, device: torch.de
         models[dense_name(d)], dtypes[dense_name(d)] = copied, d
     timings = measure(models, tokenizer, cfg, device, max_model_len, plan, dtypes)
     name, reason = pick(timings, plan.rows[-1])
+    reason = f"{reason}; {skipped}" if skipped else reason
     log.info("weight format auto: %s, timed in %.1f s (%s)", name, time.perf_counter() - start, reason)
     return models[name], dtypes[name], name, reason
+
+
+def beyond_reach(model: nn.Module, tokenizer: Any, cfg: EngineConfig, device: torch.device, dtype: torch.dtype,
+                 max_model_len: int, dense: list[torch.dtype], plan: ProbePlan) -> tuple[list[torch.dtype], str]:
+    """Of the `dense` dtypes, those a lone request could decode at `LONE_MARGIN` x quantized's speed on, and why the
+    others are not tried: the quantized model's one-row step and the read bandwidth are measured only when a copy
+    is too big for the caches."""
+    big = {d: step_bytes(model, d) for d in dense}
+    big = {d: n for d, n in big.items() if n >= CACHED_BYTES}
+    if not big:
+        return dense, ""
+    [lone] = measure({QUANTIZED: model}, tokenizer, cfg, device, max_model_len, replace(plan, rows=(1,)),
+                     {QUANTIZED: dtype})  # fmt: skip
+    read = read_bandwidth()
+    out = out_of_reach({dense_name(d): n for d, n in big.items()}, read, lone.tok_s)
+    if not out:
+        return dense, ""
+    return [d for d in dense if dense_name(d) not in out], (
+        f"{' and '.join(out)} not tried: quantized decodes one row at {lone.tok_s:.1f} tok/s "
+        f"({lone.step_s * 1e3:.1f} ms/step), and {'; '.join(out.values())}")
+
+
+def out_of_reach(step_bytes: dict[str, int], read: float, quantized_tok_s: float) -> dict[str, str]:
+    """The dense candidates (name -> bytes a one-row step reads) that cannot decode one row at `LONE_MARGIN` x
+    `quantized_tok_s` even at `READ_HEADROOM` x the measured `read` bandwidth (bytes/s), each with its arithmetic."""
+    ceiling = {name: read * READ_HEADROOM / n for name, n in step_bytes.items()}
+    return {name: f"a one-row step of {name} reads {n / 1e9:.2f} GB: at most {ceiling[name]:.1f} tok/s at "
+                  f"{READ_HEADROOM:.1f}x the {read / 1e9:.1f} GB/s read here, under {LONE_MARGIN:.2f}x quantized's"
+            for name, n in step_bytes.items() if ceiling[name] < LONE_MARGIN * quantized_tok_s}
+
+
+def step_bytes(model: nn.Module, dtype: torch.dtype) -> int:
+    """The bytes a one-row decode step of `densify(model, dtype)` reads at least: every linear weight once (the LM
+    head's too, a tied one once); an embedding only looks up a row."""
+    seen: set[int] = set()
+    total = 0
+    for module in model.modules():
+        weight = module.qweight if isinstance(module, QuantLinear) else getattr(module, "weight", None)
+        if isinstance(module, (QuantLinear, nn.Linear)) and id(weight) not in seen:
+            seen.add(id(weight))
+            total += weight.shape[0] * weight.shape[1]
+    return total * torch.empty((), dtype=dtype).element_size()
+
+
+def read_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Bytes/s this machine reads now: the best of `repeats` sums over `nbytes` of float32 (scripts/bandwidth.py's
+    "read", with the threads torch uses), far beyond the caches."""
+    x = torch.ones(nbytes // 4, dtype=torch.float32)
+    x.sum()  # first touch: page faults stay out of the timing
+    best = math.inf
+    for _ in range(repeats):
+        begin = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - begin)
+    return nbytes / best
 
 
 def names(dense: Iterable[str]) -> tuple[str, ...]:

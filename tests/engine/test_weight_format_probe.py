@@ -89,6 +89,21 @@ def test_the_reason_carries_every_figure() -> None:
         assert figure in reason, reason
 
 
+def test_a_dense_copy_out_of_reach_at_one_row_is_not_tried() -> None:
+    """A lone request on a dense copy too big for the caches decodes at most at the read bandwidth over its bytes:
+    below LONE_MARGIN x quantized's one-row figure even with READ_HEADROOM, it could never be served."""
+    reach, headroom = weight_format_probe.out_of_reach, weight_format_probe.READ_HEADROOM
+    read = 40e9  # bytes/s
+    steps = {BF16: 2_400_000_000, F32: 4_800_000_000}  # a 1.2B-weight step's bytes
+    ceiling_bf16 = read * headroom / steps[BF16]  # 25 tok/s
+    out = reach(steps, read, quantized_tok_s=ceiling_bf16 / LONE_MARGIN * 1.01)
+    assert list(out) == [BF16, F32]
+    assert out[BF16] == (f"a one-row step of {BF16} reads 2.40 GB: at most 25.0 tok/s at {headroom:.1f}x the "
+                         f"40.0 GB/s read here, under {LONE_MARGIN:.2f}x quantized's")
+    assert list(reach(steps, read, quantized_tok_s=ceiling_bf16 / LONE_MARGIN * 0.99)) == [F32]
+    assert reach(steps, read, quantized_tok_s=1.0) == {}  # a slow quantized model: the copies are timed
+
+
 # --- the dense candidate -------------------------------------------------------------------------------------
 
 
@@ -108,6 +123,21 @@ def test_densify_dequantizes_every_weight_and_keeps_the_logits(tiny_gguf: tuple[
     half = densify(model, torch.bfloat16)
     assert {p.dtype for p in half.parameters()} == {torch.bfloat16} and half.config.dtype is torch.bfloat16
     assert not any(isinstance(m, (QuantLinear, QuantEmbedding)) for m in half.modules())
+
+
+def test_step_bytes_count_every_linear_weight_once(tiny_gguf: tuple[Path, dict[str, Any]]) -> None:
+    count = weight_format_probe.step_bytes
+    model = quantized(tiny_gguf[0])
+    dense = densify(model, torch.float32)
+    linears = {id(m.weight): m.weight.numel() for m in dense.modules() if isinstance(m, torch.nn.Linear)}
+    assert dense.lm_head.weight is dense.model.embed_tokens.weight  # the tied head is read, the lookup is not
+    assert count(model, torch.float32) == 4 * sum(linears.values()) == 2 * count(model, torch.bfloat16)
+    assert count(dense, torch.bfloat16) == count(model, torch.bfloat16)  # dense modules count alike
+
+
+def test_read_bandwidth_is_a_measured_rate() -> None:
+    read = weight_format_probe.read_bandwidth(nbytes=64 << 20, repeats=2)
+    assert math.isfinite(read) and 1e8 < read < 1e14  # between 0.1 GB/s and 100 TB/s: bytes a second, measured
 
 
 # --- through the loader ------------------------------------------------------------------------------------
@@ -233,3 +263,33 @@ def test_main_preflights_the_dense_copies_only_with_weight_format_auto(
         assert line.startswith("preflight: needs") and "quantized (GGUF tensors)" in line
         copies = "dense float32 copy timed by --weight-format auto + " in line and "dense bfloat16 copy" in line
         assert copies == (fmt == "auto"), line
+
+
+def test_copies_out_of_reach_are_neither_built_nor_timed(gguf_cfg: Any, monkeypatch: pytest.MonkeyPatch,
+                                                          caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
+    """The tiny model's copies fit in any cache, so here CACHED_BYTES is lowered and the bandwidth given (a stand-in
+    for a slow memory): the quantized model is timed at one row, no dense copy is built, the decision and its
+    arithmetic are remembered; with bandwidth to spare, the copies are built and timed as before."""
+    plan = ProbePlan(rows=(1, 4), steps=1, repeats=1, settle=math.inf)
+    choose = weight_format_probe.choose
+    monkeypatch.setattr(weight_format_probe, "choose", lambda *a: choose(*a, plan=plan))
+    monkeypatch.setattr(weight_format_probe, "CACHED_BYTES", 0)
+    built: list[torch.dtype] = []
+    monkeypatch.setattr(weight_format_probe, "densify", lambda m, d: built.append(d) or densify(m, d))
+    monkeypatch.setattr(weight_format_probe, "read_bandwidth", lambda: 1e3)  # 1 kB/s: no copy can keep up
+    with caplog.at_level(logging.INFO):
+        loaded = loader.load_model(gguf_cfg())
+    assert is_quantized(loaded.model) and built == []
+    [line] = [r.message for r in caplog.records if r.message.startswith("weight format auto:")]
+    assert re.match(rf"weight format auto: quantized, timed in \d+\.\d s \({F32} and {BF16} not tried: quantized "
+                    r"decodes one row at \d+\.\d tok/s \(\d+\.\d ms/step\), and a one-row step of dense float32 reads "
+                    r"0\.\d\d GB: at most 0\.0 tok/s at 1\.5x the 0\.0 GB/s read here", line), line
+    [kept] = list((tmp_path / "decisions" / "autotune").glob("weight-format-*.json"))
+    assert '"choice": "quantized"' in kept.read_text() and "not tried: quantized decodes one row" in kept.read_text()
+    kept.unlink()
+    monkeypatch.setattr(weight_format_probe, "read_bandwidth", lambda: 1e15)  # every copy within reach: timed
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        loader.load_model(gguf_cfg())
+    assert built == [torch.float32]  # bfloat16: a cast of the float32 copy
+    assert "not tried" not in caplog.text and f"{BF16} " in caplog.text
