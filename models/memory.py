@@ -97,7 +97,8 @@ def memory_need(
     copy_words = f" + {fmt_bytes(copy)} packed copy for AMX decode steps" if copy else ""
     held = f"in {stored}" if fp.weight_bytes is None else "quantized (GGUF tensors)"
     timed = {d: fp.param_count * dtype_bytes(d) + (bf16 if packed_copy and d == "bfloat16" else 0) for d in dense}
-    timed_words = "".join(f" + {fmt_bytes(n)} dense {d} copy timed by --weight-format auto" for d, n in timed.items())
+    timed_words = "".join(f" + {fmt_bytes(n)} dense {d} copy if --weight-format auto times it"  # not where it cannot win
+                          for d, n in timed.items())
     return weights + kv + probe + copy + sum(timed.values()), (
         f"weights {fmt_bytes(weights)} {held} + {kv_words}{probe_words}{copy_words}{timed_words}")
 

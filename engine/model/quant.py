@@ -62,6 +62,7 @@ TILES = {1002: 2002, 1003: 2003, 1008: 2008, 12: 2012, 14: 2014}  # type -> its 
 UNTILED = {tiled: plain for plain, tiled in TILES.items()}
 SUPER_TILED = {2012, 2014}  # the K-quants' tiled forms: a super-block's dwords interleaved (then Q6_K's f16 d)
 TILE_ROWS = 16
+TILE_CHUNK = 4 << 20  # bytes `tile_` rearranges at a time
 LAYOUTS = {**FORMATS, **PACKED, **TILED}
 log = logging.getLogger(__name__)
 PREFILL_TILE_ELEMS = 1 << 22  # float32 weights dequantized at a time for many-row matmuls (16 MiB)
@@ -145,25 +146,13 @@ class QuantWeight:
         each TILE_ROWS rows (a multiple of them) their values, 32-byte chunk by chunk, as 8 dwords of each row in turn,
         then their scale halves, half by half, each row's in turn (Q4_K: each super-block's 36 dwords, each row's in
         turn; Q6_K: its first 52 dwords so, then each row's f16 d). Its type becomes the tiled one; other
-        QuantWeights on these bytes must change theirs too (`tile_weights`)."""
-        rows, ldw = self.blocks.shape
-        tiles = self.blocks.reshape(rows // TILE_ROWS, TILE_ROWS, ldw)
-        if TILES[self.qtype] in SUPER_TILED:  # each super-block's dwords (dword i of row j at 64 i + 4 j), then the
-            size = LAYOUTS[self.qtype][2]  # 16 rows' remaining 2 bytes (Q6_K's d) in turn
-            dwords, rest, blocks = size // 4 * 4, size % 4, ldw // size
-            per_block = tiles.reshape(-1, TILE_ROWS, blocks, size)
-            d = per_block[..., :dwords].reshape(-1, TILE_ROWS, blocks, dwords // 4, 4).permute(0, 2, 3, 1, 4)
-            r = per_block[..., dwords:].permute(0, 2, 1, 3)
-            tiled = rows // TILE_ROWS, blocks
-            self.blocks.copy_(torch.cat([d.reshape(*tiled, TILE_ROWS * dwords), r.reshape(*tiled, TILE_ROWS * rest)], 2)
-                              .view(rows, ldw))
-            self.qtype = TILES[self.qtype]
-            return
-        values, scales = self._split()
-        v = tiles[..., :values].reshape(-1, TILE_ROWS, values // 32, 8, 4).permute(0, 2, 3, 1, 4)
-        s = tiles[..., values:].reshape(-1, TILE_ROWS, scales // 2, 2).permute(0, 2, 1, 3)
-        self.blocks.copy_(torch.cat([v.reshape(-1, TILE_ROWS * values), s.reshape(-1, TILE_ROWS * scales)], 1)
-                          .view(rows, ldw))
+        QuantWeights on these bytes must change theirs too (`tile_weights`). Tiles are independent, so they are
+        rearranged `TILE_CHUNK` bytes at a time: the start never holds a second copy of a weight (Gemma's 626 MB
+        embedding)."""
+        step = max(1, TILE_CHUNK // (TILE_ROWS * self.blocks.shape[1])) * TILE_ROWS
+        split = None if TILES[self.qtype] in SUPER_TILED else self._split()
+        for start in range(0, self.blocks.shape[0], step):
+            _tile(self.blocks[start : start + step], LAYOUTS[self.qtype][2], split)
         self.qtype = TILES[self.qtype]
 
     def rows_packed(self, rows: torch.Tensor) -> torch.Tensor:
@@ -239,6 +228,26 @@ def concat(weights: list[QuantWeight]) -> QuantWeight | None:
         return None
     blocks = stack_rows([w.blocks for w in weights])
     return QuantWeight(blocks, first.qtype, (sum(w.shape[0] for w in weights), first.shape[1]), first.kernels)
+
+
+def _tile(blocks: torch.Tensor, size: int, split: tuple[int, int] | None) -> None:
+    """`QuantWeight.tile_` on whole tiles of rows (`blocks`, contiguous, written in place); `split`: a packed row's
+    bytes of values and of scale halves, None for the K-quants (`size`: their super-block's bytes)."""
+    rows, ldw = blocks.shape
+    tiles = blocks.reshape(rows // TILE_ROWS, TILE_ROWS, ldw)
+    if split is None:  # each super-block's dwords (dword i of row j at 64 i + 4 j), then the 16 rows' remaining 2
+        dwords, rest, per_row = size // 4 * 4, size % 4, ldw // size  # bytes (Q6_K's d) in turn
+        per_block = tiles.reshape(-1, TILE_ROWS, per_row, size)
+        d = per_block[..., :dwords].reshape(-1, TILE_ROWS, per_row, dwords // 4, 4).permute(0, 2, 3, 1, 4)
+        r = per_block[..., dwords:].permute(0, 2, 1, 3)
+        tiled = rows // TILE_ROWS, per_row
+        blocks.copy_(torch.cat([d.reshape(*tiled, TILE_ROWS * dwords), r.reshape(*tiled, TILE_ROWS * rest)], 2)
+                     .view(rows, ldw))
+        return
+    values, scales = split
+    v = tiles[..., :values].reshape(-1, TILE_ROWS, values // 32, 8, 4).permute(0, 2, 3, 1, 4)
+    s = tiles[..., values:].reshape(-1, TILE_ROWS, scales // 2, 2).permute(0, 2, 1, 3)
+    blocks.copy_(torch.cat([v.reshape(-1, TILE_ROWS * values), s.reshape(-1, TILE_ROWS * scales)], 1).view(rows, ldw))
 
 
 def lay_out(weights: list[Any], model: nn.Module, tiled: bool) -> int:

@@ -1,8 +1,8 @@
 """Tiled weights (engine/model/quant.py `QuantWeight.tile_`, quant.h kQ4_0T / kQ4_1T / kQ8_0T / kQ4_KT / kQ6_KT): the
 one-call decoder's packed Q4_0 / Q4_1 / Q8_0, Q4_K and Q6_K matmuls, each 16 rows interleaved at start where the build
-multiplies them 16 rows a lane each (the AVX-512 VNNI builds). The layout is checked byte by byte, a tiled weight gives its rows
-back, `qlinear` gives the untiled form's bits on it for every number of activation rows and thread split, and engines
-over the bundled model and over tiny GGUFs answer with the same tokens and logprobs tiled or not."""
+multiplies them 16 rows a lane each (the AVX-512 VNNI builds). The layout is checked byte by byte, a tiled weight
+gives its rows back, `qlinear` gives the untiled form's bits on it for every number of activation rows and thread
+split, and engines over the bundled model and over tiny GGUFs answer with the same tokens and logprobs tiled or not."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch
 
 from config import tool_cache_dir
 from engine.backends import cpu_kernels
+from engine.model import quant
 from engine.model.quant import (
     TILE_ROWS,
     TILED,
@@ -62,6 +63,22 @@ def test_k_quant_tiles_interleave_every_dword(fmt: str, size: int) -> None:
     assert torch.equal(tiled.matmul(x), plain.matmul(x))
     back = tiled.untiled()
     assert back.qtype == TYPES[fmt] and torch.equal(back.blocks, plain.blocks)
+
+
+@pytest.mark.parametrize("fmt", list(TYPES))
+def test_tiling_a_few_tiles_at_a_time_gives_the_same_bytes(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`tile_` rearranges TILE_CHUNK bytes at a time (whole tiles, at least one): any chunk, a short last one
+    included, gives the bytes of the weight tiled in one go."""
+    plain = packed_weight(fmt, 80, 512)  # five tiles
+    whole = QuantWeight(plain.blocks.clone(), plain.qtype, plain.shape)
+    whole.tile_()
+    tile_bytes = TILE_ROWS * plain.blocks.shape[1]
+    for chunk in (1, tile_bytes, 3 * tile_bytes - 1):  # a tile a chunk (twice), then two (2 + 2 + 1)
+        monkeypatch.setattr(quant, "TILE_CHUNK", chunk)
+        pieces = QuantWeight(plain.blocks.clone(), plain.qtype, plain.shape)
+        pieces.tile_()
+        assert pieces.qtype == whole.qtype and torch.equal(pieces.blocks, whole.blocks), chunk
+    assert not torch.equal(whole.blocks, plain.blocks) and torch.equal(whole.untiled().blocks, plain.blocks)
 
 
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])

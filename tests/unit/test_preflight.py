@@ -317,7 +317,7 @@ def test_weight_format_auto_counts_the_dense_copies_it_times_only_where_they_fit
     tight = preflight.check(QUANT, Resources(ram_free=10 * GB), dtype="auto", on_cuda=False,
                             dense=("float32", "bfloat16"))
     assert roomy[0].ok and roomy[0].needed == both
-    assert roomy[0].breakdown.endswith("+ 30.0 GB dense float32 copy timed by --weight-format auto + 15.0 GB dense "
-                                       "bfloat16 copy timed by --weight-format auto")
+    assert roomy[0].breakdown.endswith("+ 30.0 GB dense float32 copy if --weight-format auto times it + 15.0 GB "
+                                       "dense bfloat16 copy if --weight-format auto times it")
     assert tight[0].ok and tight[0].needed == quantized and "dense" not in tight[0].breakdown
     assert preflight.check(QUANT, Resources(ram_free=64 * GB), dtype="auto", on_cuda=False)[0].needed == quantized
