@@ -25,27 +25,18 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # config and engine, from any working folder
 
 
-def best_seconds(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # first touch: page faults and lazy allocation stay out of the timing
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def measure(size_mb: int, repeats: int, threads: int | None, simd: bool = True) -> dict[str, float]:
     """GB/s (1e9 bytes per second) for read, copy and scale over float32 buffers of `size_mb` MiB (and the
     hand-written reads unless `simd` is False: they compile a small extension on first use)."""
     import torch
+
+    from models.autotune.bandwidth import best_seconds  # the package's timing loop (torch: imported on use)
 
     if threads:
         torch.set_num_threads(threads)

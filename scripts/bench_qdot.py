@@ -88,7 +88,11 @@ def main() -> None:
         sys.exit(f"the CPU kernels did not build: {cpu_kernels.unsupported_reason(args.cpu_isa)}")
     torch.set_num_threads(1)
     tiled = bool(module.tile_rows()) and not args.untiled
-    results = [time_rows(module, args.format, k, args.rows, args.repeats, tiled) for k in args.k]
+    per_block = FORMATS[TYPES[args.format]][1]
+    if skipped := [k for k in args.k if k % per_block]:
+        print(f"K {', '.join(map(str, skipped))} skipped: {args.format} rows hold whole blocks of {per_block}")
+    ks = [k for k in args.k if not k % per_block]
+    results = [time_rows(module, args.format, k, args.rows, args.repeats, tiled) for k in ks]
     layout = "tiled" if tiled and PACKS.get(TYPES[args.format], TYPES[args.format]) in TILES else "rows"
     print(f"qlinear, {args.format} ({layout}), {args.rows} activation row(s), one thread, {module.isa()} build")
     print(f"{'K':>6}{'rows':>7}{'ns a row':>10}{'GB/s':>8}")

@@ -18,8 +18,8 @@ file stores them, and the modules that multiply by them.
   f16 minimums; Q8_0 its int8 values first, then its f16 scales. The decode kernels then get 64 weights per load
   and 8 scales per conversion.
 - `QuantWeight.tile_` / `tile_weights`: where the CPU build multiplies them 16 rows a lane each (AVX-512 VNNI,
-  `Kernels.tile_rows`), the one-call decoder's packed, Q4_K and Q6_K weights are rearranged once more at start, in
-  place, each 16 rows interleaved (quant.h: kQ4_0T / kQ4_1T / kQ8_0T / kQ4_KT / kQ6_KT): the kernel then streams a
+  `Kernels.tile_rows`), the one-call decoder's packed, Q5_0, Q4_K and Q6_K weights are rearranged once more at start,
+  in place, each 16 rows interleaved (quant.h: kQ4_0T ... kQ5_0T / kQ4_KT / kQ6_KT): the kernel then streams a
   tile front to back with no shuffles (the same bits). Their rows are still read one by one where needed
   (`rows_packed`: a tied embedding).
 """
@@ -54,13 +54,14 @@ Q8_0 = 8
 PACKED: dict[int, tuple[str, int, int]] = {1002: ("Q4_0", 64, 36), 1003: ("Q4_1", 64, 40), 1008: ("Q8_0", 64, 68)}
 PACKS = {2: 1002, 3: 1003, 8: 1008}  # GGUF type -> its packed form
 UNPACKED = {packed: gguf for gguf, packed in PACKS.items()}
-# the tiled forms (quant.h: kQ4_0T ...) of the packed ones and of Q4_K and Q6_K: each TILE_ROWS rows interleaved for
-# the 16-lane kernels
+# the tiled forms (quant.h: kQ4_0T ...) of the packed ones and of Q5_0, Q4_K and Q6_K: each TILE_ROWS rows
+# interleaved for the 16-lane kernels
 TILED: dict[int, tuple[str, int, int]] = {2002: ("Q4_0", 64, 36), 2003: ("Q4_1", 64, 40), 2008: ("Q8_0", 64, 68),
-                                          2012: ("Q4_K", 256, 144), 2014: ("Q6_K", 256, 210)}
-TILES = {1002: 2002, 1003: 2003, 1008: 2008, 12: 2012, 14: 2014}  # type -> its tiled form
+                                          2006: ("Q5_0", 32, 22), 2012: ("Q4_K", 256, 144), 2014: ("Q6_K", 256, 210)}
+TILES = {1002: 2002, 1003: 2003, 1008: 2008, 6: 2006, 12: 2012, 14: 2014}  # type -> its tiled form
 UNTILED = {tiled: plain for plain, tiled in TILES.items()}
-SUPER_TILED = {2012, 2014}  # the K-quants' tiled forms: a super-block's dwords interleaved (then Q6_K's f16 d)
+SUPER_TILED = {2006, 2012, 2014}  # Q5_0's and the K-quants': a block's dwords interleaved (then 16 f16 d)
+HEAD_LAST = {2006: 2}  # tiled Q5_0: each block's first 2 bytes (its d) moved last, so its 20 others are 5 dwords
 TILE_ROWS = 16
 TILE_CHUNK = 4 << 20  # bytes `tile_` rearranges at a time
 LAYOUTS = {**FORMATS, **PACKED, **TILED}
@@ -142,32 +143,32 @@ class QuantWeight:
         return values, self.blocks.shape[1] - values
 
     def tile_(self) -> None:
-        """A packed (or Q4_K, Q6_K) weight's bytes rearranged in place into its tiled form (quant.h: kQ4_0T ...):
+        """A packed (or Q5_0, Q4_K, Q6_K) weight's bytes rearranged in place into its tiled form (quant.h: kQ4_0T ...):
         each TILE_ROWS rows (a multiple of them) their values, 32-byte chunk by chunk, as 8 dwords of each row in turn,
         then their scale halves, half by half, each row's in turn (Q4_K: each super-block's 36 dwords, each row's in
-        turn; Q6_K: its first 52 dwords so, then each row's f16 d). Its type becomes the tiled one; other
-        QuantWeights on these bytes must change theirs too (`tile_weights`). Tiles are independent, so they are
-        rearranged `TILE_CHUNK` bytes at a time: the start never holds a second copy of a weight (Gemma's 626 MB
-        embedding)."""
+        turn; Q6_K: its first 52 dwords so, then each row's f16 d; Q5_0: each block's last 5 dwords, then d). Its
+        type becomes the tiled one; other QuantWeights on these bytes must change theirs too (`tile_weights`). Tiles
+        are independent, so they are rearranged `TILE_CHUNK` bytes at a time: the start never holds a second copy of a
+        weight (Gemma's 626 MB embedding)."""
         step = max(1, TILE_CHUNK // (TILE_ROWS * self.blocks.shape[1])) * TILE_ROWS
         split = None if TILES[self.qtype] in SUPER_TILED else self._split()
         for start in range(0, self.blocks.shape[0], step):
-            _tile(self.blocks[start : start + step], LAYOUTS[self.qtype][2], split)
+            _tile(self.blocks[start : start + step], LAYOUTS[self.qtype][2], split, HEAD_LAST.get(TILES[self.qtype], 0))
         self.qtype = TILES[self.qtype]
 
     def rows_packed(self, rows: torch.Tensor) -> torch.Tensor:
-        """The packed (Q4_K, Q6_K: the file's) bytes [len(rows), ldw] of the given rows of a tiled weight (`tile_`
+        """The packed (Q5_0, Q4_K, Q6_K: the file's) bytes [len(rows), ldw] of the given rows of a tiled weight (`tile_`
         undone for them)."""
         tile, lane = rows // TILE_ROWS, rows % TILE_ROWS
         flat = self.blocks.view(-1, TILE_ROWS * self.blocks.shape[1])
         if self.qtype in SUPER_TILED:
-            size = LAYOUTS[self.qtype][2]
+            size, head = LAYOUTS[self.qtype][2], HEAD_LAST.get(self.qtype, 0)
             dwords, blocks = size // 4 * 4, self.blocks.shape[1] // size
             per_block = flat.reshape(flat.shape[0], blocks, TILE_ROWS * size)
             d = per_block[..., : TILE_ROWS * dwords].reshape(-1, blocks, dwords // 4, TILE_ROWS, 4)[tile, :, :, lane]
             r = per_block[..., TILE_ROWS * dwords :].reshape(flat.shape[0], blocks, TILE_ROWS, size - dwords)
             r = r[tile, :, lane]
-            return torch.cat([d.reshape(len(rows), blocks, dwords), r], 2).reshape(len(rows), -1)
+            return torch.cat([d.reshape(len(rows), blocks, dwords), r], 2).roll(head, -1).reshape(len(rows), -1)
         values, scales = self._split()
         v = flat[:, : TILE_ROWS * values].reshape(-1, values // 32, 8, TILE_ROWS, 4)[tile, :, :, lane]
         s = flat[:, TILE_ROWS * values :].reshape(-1, scales // 2, TILE_ROWS, 2)[tile, :, lane]
@@ -230,14 +231,14 @@ def concat(weights: list[QuantWeight]) -> QuantWeight | None:
     return QuantWeight(blocks, first.qtype, (sum(w.shape[0] for w in weights), first.shape[1]), first.kernels)
 
 
-def _tile(blocks: torch.Tensor, size: int, split: tuple[int, int] | None) -> None:
-    """`QuantWeight.tile_` on whole tiles of rows (`blocks`, contiguous, written in place); `split`: a packed row's
-    bytes of values and of scale halves, None for the K-quants (`size`: their super-block's bytes)."""
+def _tile(blocks: torch.Tensor, size: int, split: tuple[int, int] | None, head: int = 0) -> None:
+    """`QuantWeight.tile_` on whole tiles of rows (`blocks`, contiguous, in place); `split`: a packed row's bytes of
+    values and of scale halves, None for Q5_0 and the K-quants (`size`: a block's bytes, its first `head` last)."""
     rows, ldw = blocks.shape
     tiles = blocks.reshape(rows // TILE_ROWS, TILE_ROWS, ldw)
-    if split is None:  # each super-block's dwords (dword i of row j at 64 i + 4 j), then the 16 rows' remaining 2
-        dwords, rest, per_row = size // 4 * 4, size % 4, ldw // size  # bytes (Q6_K's d) in turn
-        per_block = tiles.reshape(-1, TILE_ROWS, per_row, size)
+    if split is None:  # each block's dwords (dword i of row j at 64 i + 4 j), then the 16 rows' remaining 2 bytes
+        dwords, rest, per_row = size // 4 * 4, size % 4, ldw // size  # (Q6_K's d, Q5_0's) in turn
+        per_block = tiles.reshape(-1, TILE_ROWS, per_row, size).roll(-head, -1)
         d = per_block[..., :dwords].reshape(-1, TILE_ROWS, per_row, dwords // 4, 4).permute(0, 2, 3, 1, 4)
         r = per_block[..., dwords:].permute(0, 2, 1, 3)
         tiled = rows // TILE_ROWS, per_row
@@ -251,7 +252,7 @@ def _tile(blocks: torch.Tensor, size: int, split: tuple[int, int] | None) -> Non
 
 
 def lay_out(weights: list[Any], model: nn.Module, tiled: bool) -> int:
-    """The packed, Q4_K and Q6_K weights among `weights` (a forward's matmuls) tiled in place (`tile_weights`) if
+    """The packed, Q5_0, Q4_K and Q6_K weights among `weights` (a forward's matmuls) tiled in place (`tile_weights`) if
     the first forward over `model` asks for it, noted on the model (`is_tiled`). Later forwards, of any kind, run on
     that layout (every CPU build multiplies tiled weights; those without the 16-lane loops gather a tile's rows back
     first), so bytes that engines share never change under one of them. Returns the bytes tiled."""
@@ -292,7 +293,8 @@ def tile_weights(weights: list[Any], model: nn.Module) -> int:
 def _tileable(qtype: int, blocks: torch.Tensor, holders: list[QuantWeight]) -> bool:
     """Whether a weight of `qtype` in rows on `blocks` may be tiled: a form with a tiled one, whole tiles of contiguous
     rows, and every holder on its bytes on whole tiles of it."""
-    if qtype not in TILES or blocks.shape[0] % TILE_ROWS or not blocks.is_contiguous():
+    pairs = qtype != 6 or blocks.shape[1] // 22 % 2 == 0  # Q5_0's 16-lane kernel takes pairs of groups
+    if qtype not in TILES or blocks.shape[0] % TILE_ROWS or not blocks.is_contiguous() or not pairs:
         return False
     tile_bytes = TILE_ROWS * blocks.stride(0)
     return all(_on_tiles(h.blocks, blocks, tile_bytes) for h in holders if _overlap(h.blocks, blocks))

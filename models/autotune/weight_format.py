@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 import time
 from collections.abc import Iterable
 from dataclasses import replace
@@ -40,6 +39,7 @@ from torch import nn
 
 from engine.model.quant import QuantEmbedding, QuantLinear
 from engine.types import EngineConfig
+from models.autotune.bandwidth import read_bandwidth
 from models.autotune.dtype import BF16_MARGIN, ProbePlan, Timing, bfloat16_copy, figures, measure
 
 log = logging.getLogger(__name__)
@@ -118,19 +118,6 @@ def step_bytes(model: nn.Module, dtype: torch.dtype) -> int:
             seen.add(id(weight))
             total += weight.shape[0] * weight.shape[1]
     return total * torch.empty((), dtype=dtype).element_size()
-
-
-def read_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
-    """Bytes/s this machine reads now: the best of `repeats` sums over `nbytes` of float32 (scripts/bandwidth.py's
-    "read", with the threads torch uses), far beyond the caches."""
-    x = torch.ones(nbytes // 4, dtype=torch.float32)
-    x.sum()  # first touch: page faults stay out of the timing
-    best = math.inf
-    for _ in range(repeats):
-        begin = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - begin)
-    return nbytes / best
 
 
 def names(dense: Iterable[str]) -> tuple[str, ...]:

@@ -1,5 +1,6 @@
-"""Tiled weights (engine/model/quant.py `QuantWeight.tile_`, quant.h kQ4_0T / kQ4_1T / kQ8_0T / kQ4_KT / kQ6_KT): the
-one-call decoder's packed Q4_0 / Q4_1 / Q8_0, Q4_K and Q6_K matmuls, each 16 rows interleaved at start where the build
+"""Tiled weights (engine/model/quant.py `QuantWeight.tile_`, quant.h kQ4_0T / kQ4_1T / kQ8_0T / kQ5_0T / kQ4_KT /
+kQ6_KT): the one-call decoder's packed Q4_0 / Q4_1 / Q8_0, Q5_0, Q4_K and Q6_K matmuls, each 16 rows interleaved at
+start where the build
 multiplies them 16 rows a lane each (the AVX-512 VNNI builds). The layout is checked byte by byte, a tiled weight
 gives its rows back, `qlinear` gives the untiled form's bits on it for every number of activation rows and thread
 split, and engines over the bundled model and over tiny GGUFs answer with the same tokens and logprobs tiled or not."""
@@ -30,32 +31,37 @@ from tests.engine.test_cpu_kernels_paths import PATHS
 from tests.quant_blocks import make_blocks, write_tiny_gguf
 from tests.support import Loaded, chat_ids, load_bundled_gguf, make_engine, run_all
 
-TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
+TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q5_0": 6, "Q4_K": 12, "Q6_K": 14}
 
 
 def packed_weight(fmt: str, rows: int, k: int, seed: int = 7) -> QuantWeight:
-    """`fmt` as the loader keeps it: Q4_0 / Q4_1 / Q8_0 packed, Q4_K and Q6_K as the file stores them."""
+    """`fmt` as the loader keeps it: Q4_0 / Q4_1 / Q8_0 packed, Q5_0, Q4_K and Q6_K as the file stores them."""
     blocks = torch.from_numpy(make_blocks(fmt, rows, k, np.random.default_rng(seed)))
     return QuantWeight(blocks, TYPES[fmt], (rows, k)).repack()
 
 
-@pytest.mark.parametrize(("fmt", "size"), [("Q4_K", 144), ("Q6_K", 210)])
-def test_k_quant_tiles_interleave_every_dword(fmt: str, size: int) -> None:
+@pytest.mark.parametrize(("fmt", "size", "head"), [("Q4_K", 144, 0), ("Q6_K", 210, 0), ("Q5_0", 22, 2)])
+def test_block_tiles_interleave_every_dword(fmt: str, size: int, head: int) -> None:
     """Q4_K: dword i of super-block b of row j of a tile at 2,304 b + 64 i + 4 j; Q6_K: its first 52 dwords at
-    3,360 b + 64 i + 4 j, its f16 d at 3,360 b + 3,328 + 2 j; the rows come back."""
+    3,360 b + 64 i + 4 j, its f16 d at 3,360 b + 3,328 + 2 j; Q5_0: a block's bytes 2 + 4 i .. (the fifth bits, the
+    nibbles) at 352 b + 64 i + 4 j, its f16 d (bytes 0, 1) at 352 b + 320 + 2 j; the rows come back."""
     plain = packed_weight(fmt, 32, 512)
+    dwords = (size - head) // 4
     tiled = QuantWeight(plain.blocks.clone(), plain.qtype, plain.shape)
     tiled.tile_()
     assert tiled.qtype == TYPES[fmt] + 2000 and tiled.type_name == fmt
     block_tile = TILE_ROWS * size
-    for row, block, dword in [(0, 0, 0), (19, 1, 3), (31, 1, size // 4 - 1), (7, 0, 20)]:
-        at = (row // TILE_ROWS) * 2 * block_tile + block_tile * block + 64 * dword + 4 * (row % TILE_ROWS)
-        assert torch.equal(tiled.blocks.view(-1)[at : at + 4], plain.blocks[row, size * block + 4 * dword :][:4])
+    per_row = 512 // (256 if size > 22 else 32)  # blocks a row
+    tile_bytes = per_row * block_tile
+    for row, block, dword in [(0, 0, 0), (19, 1, 3), (31, per_row - 1, dwords - 1), (7, 0, 20 % dwords)]:
+        at = (row // TILE_ROWS) * tile_bytes + block_tile * block + 64 * dword + 4 * (row % TILE_ROWS)
+        want = plain.blocks[row, size * block + head + 4 * dword :][:4]
+        assert torch.equal(tiled.blocks.view(-1)[at : at + 4], want)
     if size % 4:
-        for row, block in [(0, 0), (30, 1), (17, 0)]:
-            at = (row // TILE_ROWS) * 2 * block_tile + block_tile * block + 64 * (size // 4) + 2 * (row % TILE_ROWS)
-            want = plain.blocks[row, size * block + size - 2 : size * (block + 1)]
-            assert torch.equal(tiled.blocks.view(-1)[at : at + 2], want)
+        for row, block in [(0, 0), (30, per_row - 1), (17, 0)]:
+            at = (row // TILE_ROWS) * tile_bytes + block_tile * block + 64 * dwords + 2 * (row % TILE_ROWS)
+            first = size * block + (0 if head else size - 2)
+            assert torch.equal(tiled.blocks.view(-1)[at : at + 2], plain.blocks[row, first : first + 2])
     picked = torch.tensor([31, 0, 17, 16])
     assert torch.equal(tiled.rows_packed(picked), plain.blocks[picked])
     assert torch.equal(tiled.dequantize(picked), plain.dequantize(picked))
@@ -113,17 +119,20 @@ def test_tiles_hold_the_packed_rows(fmt: str) -> None:
 
 def test_tile_weights_keeps_every_holder_in_step() -> None:
     """A fused weight's slices (QuantLinear views on its bytes) take the tiled type with it; a weight one of whose
-    holders is not whole tiles of it, or whose rows are not whole tiles, is left packed."""
+    holders is not whole tiles of it, or whose rows are not whole tiles, is left packed, and Q5_0 rows of an odd number
+    of groups (its 16-lane kernel takes pairs) as they are."""
     fused = packed_weight("Q4_1", 64, 576)
     model = torch.nn.Module()
     model.a, model.b = QuantLinear(fused.slice_rows(0, 48)), QuantLinear(fused.slice_rows(48, 64))
     odd = packed_weight("Q8_0", 48, 576)
     model.c, model.d = QuantLinear(odd.slice_rows(0, 24)), QuantLinear(odd.slice_rows(24, 48))  # 24: mid-tile
     short = packed_weight("Q4_0", 40, 576)  # 40 rows: not whole tiles
+    fives, pairs = packed_weight("Q5_0", 32, 544), packed_weight("Q5_0", 32, 576)  # 17 groups a row: no pairs
     before = fused.blocks.clone()
-    assert tile_weights([fused, [odd, short]], model) == fused.nbytes
+    assert tile_weights([fused, [odd, short], fives, pairs], model) == fused.nbytes + pairs.nbytes
     assert fused.qtype == model.a.qweight.qtype == model.b.qweight.qtype == 2003
     assert odd.qtype == model.c.qweight.qtype == 1008 and short.qtype == 1002
+    assert fives.qtype == 6 and pairs.qtype == 2006
     assert torch.equal(model.b.qweight.rows_packed(torch.arange(16)), before[48:])
     assert tile_weights([fused], model) == 0  # tiled already
     with pytest.raises(ValueError, match="starts on a tile"):
@@ -160,7 +169,8 @@ def module(request: pytest.FixtureRequest) -> Any:
 
 
 @pytest.mark.parametrize(("fmt", "k"), [(f, k) for f in ("Q4_0", "Q4_1", "Q8_0") for k in (576, 1536)]
-                         + [(f, k) for f in ("Q4_K", "Q6_K") for k in (1024, 1536)])
+                         + [(f, k) for f in ("Q4_K", "Q6_K") for k in (1024, 1536)]
+                         + [("Q5_0", k) for k in (1024, 1152)])
 def test_qlinear_on_tiled_weights_gives_the_untiled_bits(module: Any, fmt: str, k: int) -> None:
     """A tiled weight gives the untiled weight's bits for 1 to 16 activation rows, with a bias, over 48 rows split
     across threads mid-tile (qlinear's split of 48 rows between two threads is 24 + 24), in every build: the 16-lane
@@ -213,7 +223,8 @@ def test_engine_answers_the_same_tiled_or_not(monkeypatch: pytest.MonkeyPatch) -
 
 
 MIXES = {"q4_k_m": {"*": "Q4_K", "attn_v": "Q6_K", "token_embd": "Q6_K"},  # a Q4_K_M file's mix
-         "q4_k_tied": {"*": "Q4_K"}, "q8_0": {"*": "Q8_0"}, "q4_0_q4_1": {"*": "Q4_0", "ffn_down": "Q4_1"}}
+         "q4_k_tied": {"*": "Q4_K"}, "q8_0": {"*": "Q8_0"}, "q4_0_q4_1": {"*": "Q4_0", "ffn_down": "Q4_1"},
+         "q5_0_q8_0": {"*": "Q5_0", "token_embd": "Q8_0"}}  # Gemma-3-1B's Q4_K_M: rows of 1,152 fall back so
 
 
 @pytest.mark.parametrize("formats", list(MIXES.values()), ids=list(MIXES))

@@ -21,7 +21,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear", &qlinear, "x[M, K] @ W^T (+ bias or None), W GGUF blocks [N, bytes] of a ggml type; int8 dots",
         release());
   m.def("tile_rows", &tile_rows,
-        "rows a tile of the tiled Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K forms this build multiplies (0: none)");
+        "rows a tile of the tiled Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q4_K / Q6_K forms this build multiplies (0: none)");
   m.def("amx_available", &amx_available, "this build and CPU have AMX-BF16 and Linux lets the process use it");
   m.def("argmax_rows", &argmax_rows, "each row's first index of its largest value (NaN largest)", release());
   bind_decoder(m);

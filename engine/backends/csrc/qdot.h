@@ -19,9 +19,9 @@
 // (1.45x at one row on AVX-512). In the AVX-512 builds packed Q4_0 / Q4_1 / Q8_0 take qdot_lanes.h instead: 16 weight
 // rows at a time, one a 32-bit lane (a group's conversion, scale and FMA shared by 16 rows), for every number of
 // activation rows; its own order of float sums (not the file layout's bits), the same for a row in any batch. There
-// the engine hands the decoder those weights, and Q4_K's and Q6_K's, tiled (quant.h: kQ4_0T ...; qlinear_tiles,
-// qlinear_tiles_k, qlinear_tiles_q6): each 16 rows interleaved as the 16-lane loops read them, so they load a tile
-// front to back and shuffle nothing.
+// the engine hands the decoder those weights, and Q4_K's, Q6_K's and Q5_0's, tiled (quant.h: kQ4_0T ...;
+// qlinear_tiles, qlinear_tiles_k, qlinear_tiles_q6, qlinear_tiles_q5): each 16 rows interleaved as the 16-lane loops
+// read them, so they load a tile front to back and shuffle nothing (Q5_0: nothing but its fifth bits).
 //
 // The K-quants (Q4_K, Q5_K, Q6_K) and IQ4_XS are multiplied as the file stores them, against activations quantized in
 // blocks of 256 instead (ggml's Q8_K): a super-block's sums stay in integers, its group scales applied by `vpmaddwd`,
@@ -59,12 +59,14 @@ namespace peregrine_quant {
 inline void untile_row(int type, const uint8_t* w, int64_t ldw, int64_t r, int64_t K, uint8_t* row) {
   const int64_t j = r % kTileRows;
   const uint8_t* tile = w + (r - j) * ldw;
-  if (type == kQ4_KT || type == kQ6_KT) {  // a super-block's dwords interleaved, then (Q6_K) its f16 d
-    const int64_t bytes = layout_of(type).bytes, dwords = bytes / 4;
-    for (int64_t b = 0; b < K / kQK_K; ++b) {
-      const uint8_t* t = tile + kTileRows * bytes * b;
-      for (int64_t i = 0; i < dwords; ++i) std::memcpy(row + bytes * b + 4 * i, t + 64 * i + 4 * j, 4);
-      if (bytes % 4) std::memcpy(row + bytes * b + 4 * dwords, t + 64 * dwords + 2 * j, 2);
+  if (type == kQ4_KT || type == kQ6_KT || type == kQ5_0T) {  // a block's dwords interleaved, then its f16 d (Q6_K's
+    const Layout l = layout_of(type);                           // last, Q5_0's first: moved last in the tile)
+    const int64_t head = type == kQ5_0T ? 2 : 0, dwords = (l.bytes - head) / 4;
+    for (int64_t b = 0; b < K / l.elems; ++b) {
+      const uint8_t* t = tile + kTileRows * l.bytes * b;
+      uint8_t* o = row + l.bytes * b;
+      for (int64_t i = 0; i < dwords; ++i) std::memcpy(o + head + 4 * i, t + 64 * i + 4 * j, 4);
+      if (l.bytes % 4) std::memcpy(head ? o : o + 4 * dwords, t + 64 * dwords + 2 * j, 2);
     }
     return;
   }
@@ -129,6 +131,10 @@ void qlinear_rows(int type, const uint8_t* w, int64_t ldw, const QRows& x, int64
       return qlinear_untiling(type, w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
     case kQ8_0T:
       if constexpr (lanes_packed(kQ8_0R)) return qlinear_tiles<kQ8_0R>(w, ldw, x, M, bias, out, ldo, n_begin, n_end);
+      return qlinear_untiling(type, w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
+    case kQ5_0T:  // (tiled only where rows are a multiple of 64 values: quant.py)
+      if constexpr (lanes_q5(kQ5_0))
+        if (x.K % 64 == 0) return qlinear_tiles_q5(w, ldw, x, M, bias, out, ldo, n_begin, n_end);
       return qlinear_untiling(type, w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
     case kQ4_KT:
       if constexpr (lanes_k(kQ4_K)) return qlinear_tiles_k(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);

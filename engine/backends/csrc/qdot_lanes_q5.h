@@ -74,19 +74,65 @@ inline void values_q5(const __m512i* t, __m512i qh, __m512i* w) {
   w[7] = with_fifths<28>(_mm512_and_si512(_mm512_srli_epi16(t[3], 4), low), qh);
 }
 
-// res[r] (16 lanes) = activation row m0 + r times the tile's 16 Q5_0 rows, r < R.
+// A pair of groups (g, g + 1) of the 16 rows times activation rows m0 .. m0 + R - 1, into acc and macc: t[i], i < 4,
+// group g's nibble bytes 4i .. 4i + 3 in lane j (row j's), t[4 + i] group g + 1's; qh, d and -16 d of each group in
+// lane j. Both layouts (the file's rows, the tiled form) come here: the same operations, the same bits.
+template <int R>
+__attribute__((always_inline)) inline void pair_q5(const __m512i t[8], __m512i qh0, __m512i qh1, __m512 d0, __m512 d1,
+                                                   __m512 m0v, __m512 m1v, const QRows& x, int64_t m0, int64_t g,
+                                                   __m512 acc[R][2], __m512 macc[R]) {
+  const int64_t K = x.K, groups = K / kQK;
+  __m512i w0[8], w1[8];
+  values_q5(t, qh0, w0);
+  values_q5(t + 4, qh1, w1);
+  for (int r = 0; r < R; ++r) {
+    const int8_t* a = x.q + (m0 + r) * K + g * kQK;
+    auto four = [a](int i) {  // activations 4i .. 4i + 3 of the pair, in every lane
+      int32_t v;
+      std::memcpy(&v, a + 4 * i, 4);
+      return _mm512_set1_epi32(v);
+    };
+    // w[i] holds values 4i .. (i < 4) or 16 + 4(i - 4) .. (i >= 4): activations at the same offsets, 4i in both
+    __m512i s0a = _mm512_setzero_si512(), s0b = s0a, s1a = s0a, s1b = s0a;  // two chains a group
+    for (int i = 0; i < 8; i += 2) {
+      s0a = _mm512_dpbusd_epi32(s0a, w0[i], four(i));
+      s0b = _mm512_dpbusd_epi32(s0b, w0[i + 1], four(i + 1));
+      s1a = _mm512_dpbusd_epi32(s1a, w1[i], four(8 + i));
+      s1b = _mm512_dpbusd_epi32(s1b, w1[i + 1], four(9 + i));
+    }
+    const float* da = x.d + (m0 + r) * groups + g;
+    const float* sa = x.s + (m0 + r) * groups + g;
+    acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0a, s0b)),
+                                _mm512_mul_ps(d0, _mm512_set1_ps(da[0])), acc[r][0]);
+    acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s1a, s1b)),
+                                _mm512_mul_ps(d1, _mm512_set1_ps(da[1])), acc[r][1]);
+    macc[r] = _mm512_fmadd_ps(m1v, _mm512_set1_ps(sa[1]), _mm512_fmadd_ps(m0v, _mm512_set1_ps(sa[0]), macc[r]));
+  }
+}
+
+// The pairs of groups of a row length, each after prefetching its share of the `fetch_bytes` at `fetch` (the tile
+// kLanesAhead on, into L2), then `pair(g, acc, macc)`; res[r] the sums.
+template <int R, typename F>
+__attribute__((always_inline)) inline void pairs_q5(int64_t groups, const uint8_t* fetch, int64_t fetch_bytes,
+                                                    __m512* res, F&& pair) {
+  __m512 acc[R][2], macc[R];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = macc[r] = _mm512_setzero_ps();
+  const int64_t step = (fetch_bytes / (groups / 2) + 63) / 64 * 64;  // the lines to fetch a pair
+  for (int64_t g = 0; g < groups; g += 2) {
+    for (int64_t o = (g / 2) * step; o < std::min(fetch_bytes, (g / 2 + 1) * step); o += 64)
+      __builtin_prefetch(fetch + o, 0, 1);  // into L2 (prefetcht2)
+    pair(g, acc, macc);
+  }
+  for (int r = 0; r < R; ++r) res[r] = _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), macc[r]);
+}
+
+// res[r] (16 lanes) = activation row m0 + r times the tile's 16 Q5_0 rows (the file's), r < R.
 template <int R>
 inline void lanes_block_q5(const uint8_t* const p[kLanes], const float* sd, const float* sm, const uint32_t* qh,
                            const QRows& x, int64_t m0, __m512* res, const uint8_t* fetch = nullptr,
                            int64_t fetch_bytes = 0) {
   constexpr int64_t bytes = 22;
-  const int64_t K = x.K, groups = K / kQK;
-  __m512 acc[R][2], macc[R];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = macc[r] = _mm512_setzero_ps();
-  const int64_t pairs = groups / 2, step = (fetch_bytes / pairs + 63) / 64 * 64;  // the lines to fetch a pair
-  for (int64_t g = 0; g < groups; g += 2) {
-    for (int64_t o = (g / 2) * step; o < std::min(fetch_bytes, (g / 2 + 1) * step); o += 64)
-      __builtin_prefetch(fetch + o, 0, 1);  // into L2 (prefetcht2)
+  pairs_q5<R>(x.K / kQK, fetch, fetch_bytes, res, [&](int64_t g, __m512 acc[R][2], __m512 macc[R]) {
     __m512i t[8];
     auto nib = [&](int k, int64_t gg) {
       return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[k] + gg * bytes + 6));
@@ -97,36 +143,41 @@ inline void lanes_block_q5(const uint8_t* const p[kLanes], const float* sd, cons
       t[k] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
     }
     transpose_dwords(t);  // t[i], i < 4: group g's bytes 4i .. 4i + 3; t[4 + i]: group g + 1's
-    __m512i w0[8], w1[8];
-    values_q5(t, _mm512_loadu_si512(qh + g * kLanes), w0);
-    values_q5(t + 4, _mm512_loadu_si512(qh + (g + 1) * kLanes), w1);
-    const __m512 d0 = _mm512_loadu_ps(sd + g * kLanes), d1 = _mm512_loadu_ps(sd + (g + 1) * kLanes);
-    const __m512 m0v = _mm512_loadu_ps(sm + g * kLanes), m1v = _mm512_loadu_ps(sm + (g + 1) * kLanes);
-    for (int r = 0; r < R; ++r) {
-      const int8_t* a = x.q + (m0 + r) * K + g * kQK;
-      auto four = [a](int i) {  // activations 4i .. 4i + 3 of the pair, in every lane
-        int32_t v;
-        std::memcpy(&v, a + 4 * i, 4);
-        return _mm512_set1_epi32(v);
-      };
-      // w[i] holds values 4i .. (i < 4) or 16 + 4(i - 4) .. (i >= 4): activations at the same offsets, 4i in both
-      __m512i s0a = _mm512_setzero_si512(), s0b = s0a, s1a = s0a, s1b = s0a;  // two chains a group
-      for (int i = 0; i < 8; i += 2) {
-        s0a = _mm512_dpbusd_epi32(s0a, w0[i], four(i));
-        s0b = _mm512_dpbusd_epi32(s0b, w0[i + 1], four(i + 1));
-        s1a = _mm512_dpbusd_epi32(s1a, w1[i], four(8 + i));
-        s1b = _mm512_dpbusd_epi32(s1b, w1[i + 1], four(9 + i));
-      }
-      const float* da = x.d + (m0 + r) * groups + g;
-      const float* sa = x.s + (m0 + r) * groups + g;
-      acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0a, s0b)),
-                                  _mm512_mul_ps(d0, _mm512_set1_ps(da[0])), acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s1a, s1b)),
-                                  _mm512_mul_ps(d1, _mm512_set1_ps(da[1])), acc[r][1]);
-      macc[r] = _mm512_fmadd_ps(m1v, _mm512_set1_ps(sa[1]), _mm512_fmadd_ps(m0v, _mm512_set1_ps(sa[0]), macc[r]));
-    }
-  }
-  for (int r = 0; r < R; ++r) res[r] = _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), macc[r]);
+    pair_q5<R>(t, _mm512_loadu_si512(qh + g * kLanes), _mm512_loadu_si512(qh + (g + 1) * kLanes),
+               _mm512_loadu_ps(sd + g * kLanes), _mm512_loadu_ps(sd + (g + 1) * kLanes),
+               _mm512_loadu_ps(sm + g * kLanes), _mm512_loadu_ps(sm + (g + 1) * kLanes), x, m0, g, acc, macc);
+  });
+}
+
+// lanes_block_q5 for a tile of the tiled form (quant.h: kQ5_0T; t its first byte): each group's 352 bytes hold the
+// 16 rows' fifth bits (lane j row j's), their nibbles as transpose_dwords leaves them and their f16 d, so a pair of
+// groups is ten loads and two conversions; -16 d is computed as tile_scales_q5 does (the same bits).
+template <int R>
+inline void tile_block_q5(const uint8_t* t, const QRows& x, int64_t m0, __m512* res, const uint8_t* fetch,
+                          int64_t fetch_bytes) {
+  constexpr int64_t group = kLanes * 22;
+  const __m512 sixteen = _mm512_set1_ps(-16.f);
+  pairs_q5<R>(x.K / kQK, fetch, fetch_bytes, res, [&](int64_t g, __m512 acc[R][2], __m512 macc[R]) {
+    const uint8_t* a = t + g * group;
+    const uint8_t* b = a + group;
+    auto at = [](const uint8_t* q, int i) { return _mm512_loadu_si512(q + 64 * i); };
+    const __m512i v[8] = {at(a, 1), at(a, 2), at(a, 3), at(a, 4), at(b, 1), at(b, 2), at(b, 3), at(b, 4)};
+    const __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 320)));
+    const __m512 d1 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 320)));
+    pair_q5<R>(v, at(a, 0), at(b, 0), d0, d1, _mm512_mul_ps(sixteen, d0), _mm512_mul_ps(sixteen, d1), x, m0, g, acc,
+               macc);
+  });
+}
+
+// qlinear_tiles (qdot_lanes.h) for tiled Q5_0 (quant.h: kQ5_0T; rows of a multiple of 64 values): each tile that
+// meets [n_begin, n_end) multiplied whole, its lanes in the range stored.
+template <typename O>
+void qlinear_tiles_q5(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, const float* bias, O* out,
+                      int64_t ldo, int64_t n_begin, int64_t n_end) {
+  tiles_in(w, ldw, M, bias, out, ldo, n_begin, n_end, [&](const uint8_t* const p[kLanes], int64_t m, auto rr,
+                                                         __m512* res, const uint8_t* fetch, int64_t fetch_bytes) {
+    tile_block_q5<decltype(rr)::value>(p[0], x, m, res, fetch, fetch_bytes);
+  });
 }
 
 template <int T, typename O>
@@ -166,6 +217,9 @@ constexpr bool lanes_q5(int) { return false; }
 template <int T, typename O>  // never called here (lanes_q5): declared for qlinear_rows' discarded branch
 void qlinear_lanes_q5(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, const float* bias, O* out,
                       int64_t ldo, int64_t n_begin, int64_t n_end, QScratch& s);
+template <typename O>  // likewise
+void qlinear_tiles_q5(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, const float* bias, O* out,
+                      int64_t ldo, int64_t n_begin, int64_t n_end);
 #endif
 
 }  // namespace peregrine_quant
