@@ -81,33 +81,10 @@ template <int R>
 __attribute__((always_inline)) inline void pair_q5(const __m512i t[8], __m512i qh0, __m512i qh1, __m512 d0, __m512 d1,
                                                    __m512 m0v, __m512 m1v, const QRows& x, int64_t m0, int64_t g,
                                                    __m512 acc[R][2], __m512 macc[R]) {
-  const int64_t K = x.K, groups = K / kQK;
   __m512i w0[8], w1[8];
   values_q5(t, qh0, w0);
   values_q5(t + 4, qh1, w1);
-  for (int r = 0; r < R; ++r) {
-    const int8_t* a = x.q + (m0 + r) * K + g * kQK;
-    auto four = [a](int i) {  // activations 4i .. 4i + 3 of the pair, in every lane
-      int32_t v;
-      std::memcpy(&v, a + 4 * i, 4);
-      return _mm512_set1_epi32(v);
-    };
-    // w[i] holds values 4i .. (i < 4) or 16 + 4(i - 4) .. (i >= 4): activations at the same offsets, 4i in both
-    __m512i s0a = _mm512_setzero_si512(), s0b = s0a, s1a = s0a, s1b = s0a;  // two chains a group
-    for (int i = 0; i < 8; i += 2) {
-      s0a = _mm512_dpbusd_epi32(s0a, w0[i], four(i));
-      s0b = _mm512_dpbusd_epi32(s0b, w0[i + 1], four(i + 1));
-      s1a = _mm512_dpbusd_epi32(s1a, w1[i], four(8 + i));
-      s1b = _mm512_dpbusd_epi32(s1b, w1[i + 1], four(9 + i));
-    }
-    const float* da = x.d + (m0 + r) * groups + g;
-    const float* sa = x.s + (m0 + r) * groups + g;
-    acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0a, s0b)),
-                                _mm512_mul_ps(d0, _mm512_set1_ps(da[0])), acc[r][0]);
-    acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s1a, s1b)),
-                                _mm512_mul_ps(d1, _mm512_set1_ps(da[1])), acc[r][1]);
-    macc[r] = _mm512_fmadd_ps(m1v, _mm512_set1_ps(sa[1]), _mm512_fmadd_ps(m0v, _mm512_set1_ps(sa[0]), macc[r]));
-  }
+  pair_rows<R>(w0, w1, d0, d1, m0v, m1v, x, m0, g, acc, macc);
 }
 
 // The pairs of groups of a row length, each after prefetching its share of the `fetch_bytes` at `fetch` (the tile
