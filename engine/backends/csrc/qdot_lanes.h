@@ -113,6 +113,27 @@ inline void tile_scales(const uint8_t* const p[kLanes], int64_t K, float* sd, fl
   }
 }
 
+// The integer dot products of a pair of decoded groups of 16 rows (w0[i] / w1[i]: values 4i .. 4i + 3 of each row's
+// first / second group, unsigned bytes, one row a lane) with the pair's 64 activations at `a` (signed, the second
+// group's from a + 32): s0 and s1, each group's in two chains. Every 16-lane loop that decodes to bytes comes here.
+__attribute__((always_inline)) inline void pair_sums(const __m512i w0[8], const __m512i w1[8], const int8_t* a,
+                                                     __m512i& s0, __m512i& s1) {
+  auto four = [a](int i) {  // activations 4i .. 4i + 3 of the pair, in every lane
+    int32_t v;
+    std::memcpy(&v, a + 4 * i, 4);
+    return _mm512_set1_epi32(v);
+  };
+  __m512i s0a = _mm512_setzero_si512(), s0b = s0a, s1a = s0a, s1b = s0a;  // two chains a group
+  for (int i = 0; i < 8; i += 2) {
+    s0a = _mm512_dpbusd_epi32(s0a, w0[i], four(i));
+    s0b = _mm512_dpbusd_epi32(s0b, w0[i + 1], four(i + 1));
+    s1a = _mm512_dpbusd_epi32(s1a, w1[i], four(8 + i));
+    s1b = _mm512_dpbusd_epi32(s1b, w1[i + 1], four(9 + i));
+  }
+  s0 = _mm512_add_epi32(s0a, s0b);
+  s1 = _mm512_add_epi32(s1a, s1b);
+}
+
 // Activation rows m0 .. m0 + R - 1 times groups g and g + 1 of 16 weight rows, decoded: w0[i] (w1[i]) values 4i ..
 // 4i + 3 of each row's group g (g + 1) as unsigned bytes, d0 / d1 the rows' scales, m0v / m1v their minimums. Into
 // acc[r] (each group's scaled integer sums) and macc[r] (the minimums times the activation blocks' sums): the same
@@ -123,25 +144,12 @@ __attribute__((always_inline)) inline void pair_rows(const __m512i w0[8], const 
                                                      __m512 acc[][2], __m512 macc[]) {
   const int64_t K = x.K, groups = K / kQK;
   for (int r = 0; r < R; ++r) {
-    const int8_t* a = x.q + (m0 + r) * K + g * kQK;
-    auto four = [a](int i) {  // activations 4i .. 4i + 3 of the pair, in every lane
-      int32_t v;
-      std::memcpy(&v, a + 4 * i, 4);
-      return _mm512_set1_epi32(v);
-    };
-    __m512i s0a = _mm512_setzero_si512(), s0b = s0a, s1a = s0a, s1b = s0a;  // two chains a group
-    for (int i = 0; i < 8; i += 2) {
-      s0a = _mm512_dpbusd_epi32(s0a, w0[i], four(i));
-      s0b = _mm512_dpbusd_epi32(s0b, w0[i + 1], four(i + 1));
-      s1a = _mm512_dpbusd_epi32(s1a, w1[i], four(8 + i));
-      s1b = _mm512_dpbusd_epi32(s1b, w1[i + 1], four(9 + i));
-    }
+    __m512i s0, s1;
+    pair_sums(w0, w1, x.q + (m0 + r) * K + g * kQK, s0, s1);
     const float* da = x.d + (m0 + r) * groups + g;
     const float* sa = x.s + (m0 + r) * groups + g;
-    acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0a, s0b)),
-                                _mm512_mul_ps(d0, _mm512_set1_ps(da[0])), acc[r][0]);
-    acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s1a, s1b)),
-                                _mm512_mul_ps(d1, _mm512_set1_ps(da[1])), acc[r][1]);
+    acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_mul_ps(d0, _mm512_set1_ps(da[0])), acc[r][0]);
+    acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_mul_ps(d1, _mm512_set1_ps(da[1])), acc[r][1]);
     macc[r] = _mm512_fmadd_ps(m1v, _mm512_set1_ps(sa[1]), _mm512_fmadd_ps(m0v, _mm512_set1_ps(sa[0]), macc[r]));
   }
 }

@@ -139,21 +139,9 @@ inline void lanes_block_k4(const uint8_t* const p[kLanes], const int32_t* sc, co
       const __m512i s0 = _mm512_loadu_si512(sc + b * kLaneKInts + kLanes * (2 * j)),
                     s1 = _mm512_loadu_si512(sc + b * kLaneKInts + kLanes * (2 * j + 1));
       for (int r = 0; r < R; ++r) {
-        const int8_t* a = x.kq + (m0 + r) * K + b * kQK_K + 64 * j;
-        auto four = [a](int i) {  // activations 4i .. 4i + 3 of the pair, in every lane
-          int32_t v;
-          std::memcpy(&v, a + 4 * i, 4);
-          return _mm512_set1_epi32(v);
-        };
-        __m512i s0a = _mm512_setzero_si512(), s0b = s0a, s1a = s0a, s1b = s0a;  // two chains a group
-        for (int i = 0; i < 8; i += 2) {
-          s0a = _mm512_dpbusd_epi32(s0a, w0[i], four(i));
-          s0b = _mm512_dpbusd_epi32(s0b, w0[i + 1], four(i + 1));
-          s1a = _mm512_dpbusd_epi32(s1a, w1[i], four(8 + i));
-          s1b = _mm512_dpbusd_epi32(s1b, w1[i + 1], four(9 + i));
-        }
-        isum[r] = _mm512_add_epi32(isum[r], _mm512_add_epi32(_mm512_mullo_epi32(_mm512_add_epi32(s0a, s0b), s0),
-                                                             _mm512_mullo_epi32(_mm512_add_epi32(s1a, s1b), s1)));
+        __m512i p0, p1;
+        pair_sums(w0, w1, x.kq + (m0 + r) * K + b * kQK_K + 64 * j, p0, p1);
+        isum[r] = _mm512_add_epi32(isum[r], _mm512_add_epi32(_mm512_mullo_epi32(p0, s0), _mm512_mullo_epi32(p1, s1)));
       }
     }
     const float* f = fl + b * kLaneKFloats;
