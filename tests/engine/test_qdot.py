@@ -134,9 +134,11 @@ def test_k_quant_sums_are_the_avx2_bodys_bits_on_every_path(module: Any, fmt: st
     `vpmaddubsw` in the AVX2 build), and so does Q6_K from four rows (qdot_lanes_q6.h's 16, qdot_lanes8.h's 8): the
     same integer sums and float operations, so the same bits too; the avx_vnni build's lanes sum with `vpdpbusd`,
     the same integers again. IQ4_XS goes through lanes of their own in the VNNI builds (qdot_lanes_iq4.h's 16 rows
-    with AVX-512 VNNI, qdot_lanes8.h's 8 with AVX-VNNI, every number of rows), their own float order: the same bits
-    in each of those builds (held to the avx512 build's), the row loop's in the others (held to avx2's)."""
-    reference = "avx512" if fmt == "IQ4_XS" and module.isa() in IQ4_LANES else "avx2"
+    with AVX-512 VNNI, qdot_lanes8.h's 8 with AVX-VNNI, every number of rows), and so does Q5_K in the AVX-512 VNNI
+    builds (qdot_lanes_k.h's, with its fifth bits): their own float order, the same bits in each of those builds (held
+    to the avx512 build's), the row loop's in the others (held to avx2's)."""
+    lanes = (fmt == "IQ4_XS" and module.isa() in IQ4_LANES) or (fmt == "Q5_K" and module.isa() in LANES)
+    reference = "avx512" if lanes else "avx2"
     if module.isa() in ("none", reference):
         pytest.skip(f"the portable build sums in its own order; {reference} is the reference itself")
     if (reason := _path_reason(reference)) is not None:

@@ -100,7 +100,9 @@ void qlinear_rows(int type, const uint8_t* w, int64_t ldw, const QRows& x, int64
       if constexpr (lanes_k(kQ4_K)) return qlinear_lanes_k<kQ4_K>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
       if constexpr (lanes_k8(kQ4_K)) return qlinear_lanes_k8<kQ4_K>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
       return qlinear_range_k<kQ4_K>(w, ldw, x, M, bias, out, ldo, n_begin, n_end);
-    case kQ5_K: return qlinear_range_k<kQ5_K>(w, ldw, x, M, bias, out, ldo, n_begin, n_end);
+    case kQ5_K:
+      if constexpr (lanes_k(kQ5_K)) return qlinear_lanes_k<kQ5_K>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
+      return qlinear_range_k<kQ5_K>(w, ldw, x, M, bias, out, ldo, n_begin, n_end);
     case kQ6_K:
       if (M >= kLanesQ6Rows) {  // (fewer rows: the row loop, the same bits)
         if constexpr (lanes_q6(kQ6_K)) return qlinear_lanes_q6<kQ6_K>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);

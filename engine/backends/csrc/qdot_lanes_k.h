@@ -17,7 +17,7 @@
 namespace peregrine_quant {
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__FMA__) && defined(__F16C__)
-constexpr bool lanes_k(int T) { return T == kQ4_K; }
+constexpr bool lanes_k(int T) { return T == kQ4_K || T == kQ5_K; }
 
 // The 512-bit operations of the width-generic helpers (qdot_lanes8.h's Ops256 at twice the width).
 struct Ops512 {
@@ -63,9 +63,9 @@ inline void transpose_bytes16(__m128i v[16]) {
 // two fifths of a Q4_K matrix's time.
 // Tiled (quant.h: kQ4_KT): p[0] is the tile, whose super-blocks hold those four vectors as they are.
 constexpr int64_t kLaneKFloats = 9 * kLanes, kLaneKInts = 8 * kLanes;
-template <bool Tiled = false>
+template <bool Tiled = false, int T = kQ4_K>  // (Q5_K: the same first 16 bytes, in blocks of 176)
 inline void tile_scales_k4(const uint8_t* const p[kLanes], int64_t nb, int32_t* sc, float* fl) {
-  constexpr int64_t bytes = layout_of(kQ4_K).bytes;
+  constexpr int64_t bytes = layout_of(T).bytes;
   // element k of the result: dword c of row k, rows 0-7 from the first two vectors' lanes, 8-15 from the others
   const __m512i pick[4] = {
       _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 0, 0, 0, 0, 0, 0, 0),
@@ -103,19 +103,29 @@ inline void tile_scales_k4(const uint8_t* const p[kLanes], int64_t nb, int32_t* 
 }
 
 // res[r] (16 lanes) = activation row m0 + r times the tile's 16 Q4_K rows, r < R (Tiled: p[0] is the tile, its
-// nibbles read as they lie: the same values in the same lanes, so the same bits).
-template <int R, bool Tiled = false>
+// nibbles read as they lie: the same values in the same lanes, so the same bits). Q5_K (T): the same, its nibbles
+// after the 32 bytes of fifth bits (qh), which are transposed as the nibbles are, once a super-block; group g's value
+// l takes bit g of qh[l] as 16 (a bit test and a masked add a register of four values a row).
+template <int R, bool Tiled = false, int T = kQ4_K>
 inline void lanes_block_k4(const uint8_t* const p[kLanes], const int32_t* sc, const float* fl, const QRows& x,
                            int64_t m0, __m512* res, const uint8_t* fetch = nullptr, int64_t fetch_bytes = 0) {
-  constexpr int64_t bytes = layout_of(kQ4_K).bytes;
+  constexpr int64_t bytes = layout_of(T).bytes, qs = T == kQ5_K ? 48 : 16;  // where the nibbles start
+  auto rows32 = [&p](int64_t at, __m512i t[8]) {  // 32 bytes of each row at `at`, transposed
+    for (int k = 0; k < 8; ++k)
+      t[k] = _mm512_inserti64x4(
+          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[k] + at))),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[k + 8] + at)), 1);
+    transpose_dwords(t);
+  };
   const int64_t K = x.K, nb = K / kQK_K;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0xF);
   const int64_t pairs = 4 * nb, step = (fetch_bytes / pairs + 63) / 64 * 64;  // the lines to fetch a pair
   for (int64_t b = 0; b < nb; ++b) {
-    __m512i isum[R];
+    __m512i isum[R], qh[8];
     for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+    if constexpr (T == kQ5_K) rows32(b * bytes + 16, qh);
     for (int j = 0; j < 4; ++j) {
       const int64_t pair = 4 * b + j;
       for (int64_t o = pair * step; o < std::min(fetch_bytes, (pair + 1) * step); o += 64)
@@ -124,17 +134,20 @@ inline void lanes_block_k4(const uint8_t* const p[kLanes], const int32_t* sc, co
       if constexpr (Tiled) {  // dwords 4 + 8j .. 11 + 8j of the super-block
         for (int k = 0; k < 8; ++k) t[k] = _mm512_loadu_si512(p[0] + kLanes * bytes * b + 64 * (4 + 8 * j + k));
       } else {
-        const int64_t at = b * bytes + 16 + 32 * j;  // the pair's 32 bytes of nibbles
-        for (int k = 0; k < 8; ++k)
-          t[k] = _mm512_inserti64x4(
-              _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[k] + at))),
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[k + 8] + at)), 1);
-        transpose_dwords(t);
+        rows32(b * bytes + qs + 32 * j, t);  // the pair's 32 bytes of nibbles
       }
       __m512i w0[8], w1[8];  // groups 2j and 2j + 1: values 4i .. 4i + 3 of each row
       for (int i = 0; i < 8; ++i) {
         w0[i] = _mm512_and_si512(t[i], low);
         w1[i] = _mm512_and_si512(_mm512_srli_epi16(t[i], 4), low);
+      }
+      if constexpr (T == kQ5_K) {  // the fifth bits: bit 2j of qh[l] for group 2j's value l, 2j + 1 for the other
+        const __m512i sixteen = _mm512_set1_epi8(16), bit0 = _mm512_set1_epi8(static_cast<char>(1 << (2 * j))),
+                      bit1 = _mm512_set1_epi8(static_cast<char>(2 << (2 * j)));
+        for (int i = 0; i < 8; ++i) {
+          w0[i] = _mm512_mask_add_epi8(w0[i], _mm512_test_epi8_mask(qh[i], bit0), w0[i], sixteen);
+          w1[i] = _mm512_mask_add_epi8(w1[i], _mm512_test_epi8_mask(qh[i], bit1), w1[i], sixteen);
+        }
       }
       const __m512i s0 = _mm512_loadu_si512(sc + b * kLaneKInts + kLanes * (2 * j)),
                     s1 = _mm512_loadu_si512(sc + b * kLaneKInts + kLanes * (2 * j + 1));
@@ -162,7 +175,7 @@ inline void lanes_block_k4(const uint8_t* const p[kLanes], const int32_t* sc, co
 template <int T, typename O>
 void qlinear_lanes_k(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, const float* bias, O* out,
                      int64_t ldo, int64_t n_begin, int64_t n_end, QScratch& s) {
-  static_assert(T == kQ4_K, "lanes_k");
+  static_assert(lanes_k(T), "lanes_k");
   const int64_t nb = x.K / kQK_K;
   const int64_t floats = nb * (kLaneKFloats + kLaneKInts);
   if (static_cast<int64_t>(s.sc.size()) < floats) s.sc.resize(floats);
@@ -176,16 +189,16 @@ void qlinear_lanes_k(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, c
     for (int j = 0; j < kLanes; ++j) p[j] = w + (n + std::min<int64_t>(j, count - 1)) * ldw;
     const int64_t fetch_begin = std::min(n_end, n + ahead) * ldw;  // the tile `ahead` rows on
     const int64_t fetch_bytes = std::min(n_end, n + ahead + kLanes) * ldw - fetch_begin;
-    tile_scales_k4(p, nb, sc, fl);
+    tile_scales_k4<false, T>(p, nb, sc, fl);
     const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
     const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
     __m512 res[kLaneRowsR];
     auto block = [&](int64_t m, auto rr) {
       constexpr int RR = decltype(rr)::value;
       if (m == 0)
-        lanes_block_k4<RR>(p, sc, fl, x, m, res, w + fetch_begin, fetch_bytes);
+        lanes_block_k4<RR, false, T>(p, sc, fl, x, m, res, w + fetch_begin, fetch_bytes);
       else
-        lanes_block_k4<RR>(p, sc, fl, x, m, res);
+        lanes_block_k4<RR, false, T>(p, sc, fl, x, m, res);
       for (int r = 0; r < RR; ++r) store_lanes(out + (m + r) * ldo + n, _mm512_add_ps(res[r], bv), count, mask);
     };
     row_blocks(M, block);
