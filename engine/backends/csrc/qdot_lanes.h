@@ -113,6 +113,14 @@ inline void tile_scales(const uint8_t* const p[kLanes], int64_t K, float* sd, fl
   }
 }
 
+// The 16 rows' 32 bytes at offset `at` of each, transposed: t[i] dword i of rows 0-15 (lane k row k's).
+inline void load_transposed16(const uint8_t* const p[kLanes], int64_t at, __m512i t[8]) {
+  for (int k = 0; k < 8; ++k)
+    t[k] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[k] + at))),
+                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[k + 8] + at)), 1);
+  transpose_dwords(t);
+}
+
 // The integer dot products of a pair of decoded groups of 16 rows (w0[i] / w1[i]: values 4i .. 4i + 3 of each row's
 // first / second group, unsigned bytes, one row a lane) with the pair's 64 activations at `a` (signed, the second
 // group's from a + 32): s0 and s1, each group's in two chains. Every 16-lane loop that decodes to bytes comes here.
@@ -169,13 +177,6 @@ inline void lanes_block(const uint8_t* const p[kLanes], const float* sd, const f
     for (int64_t o = (g / 2) * step; o < std::min(fetch_bytes, (g / 2 + 1) * step); o += 64)
       __builtin_prefetch(fetch + o, 0, 1);  // into L2 (prefetcht2)
     __m512i w0[8], w1[8];  // groups g and g + 1: values 4i .. 4i + 3 of each row
-    auto rows16 = [&p](int64_t at, __m512i t[8]) {  // 32 bytes of each row at `at`, transposed
-      for (int k = 0; k < 8; ++k)
-        t[k] = _mm512_inserti64x4(
-            _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[k] + at))),
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[k + 8] + at)), 1);
-      transpose_dwords(t);
-    };
     auto chunk = [&p](int64_t c, __m512i t[8]) {  // a tiled tile's 32-byte chunk c of its 16 rows, transposed
       for (int k = 0; k < 8; ++k) t[k] = _mm512_loadu_si512(p[0] + 512 * c + 64 * k);
     };
@@ -185,8 +186,8 @@ inline void lanes_block(const uint8_t* const p[kLanes], const float* sd, const f
         chunk(g, w0);
         chunk(g + 1, w1);
       } else {
-        rows16(kQK * g, w0);
-        rows16(kQK * (g + 1), w1);
+        load_transposed16(p, kQK * g, w0);
+        load_transposed16(p, kQK * (g + 1), w1);
       }
       for (int i = 0; i < 8; ++i) {
         w0[i] = _mm512_xor_si512(w0[i], flip);
@@ -197,7 +198,7 @@ inline void lanes_block(const uint8_t* const p[kLanes], const float* sd, const f
       if constexpr (Tiled)
         chunk(g / 2, t);
       else
-        rows16(16 * g, t);
+        load_transposed16(p, 16 * g, t);
       for (int i = 0; i < 8; ++i) {
         w0[i] = _mm512_and_si512(t[i], low);
         w1[i] = _mm512_and_si512(_mm512_srli_epi16(t[i], 4), low);

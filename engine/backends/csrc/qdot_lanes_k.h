@@ -110,13 +110,6 @@ template <int R, bool Tiled = false, int T = kQ4_K>
 inline void lanes_block_k4(const uint8_t* const p[kLanes], const int32_t* sc, const float* fl, const QRows& x,
                            int64_t m0, __m512* res, const uint8_t* fetch = nullptr, int64_t fetch_bytes = 0) {
   constexpr int64_t bytes = layout_of(T).bytes, qs = T == kQ5_K ? 48 : 16;  // where the nibbles start
-  auto rows32 = [&p](int64_t at, __m512i t[8]) {  // 32 bytes of each row at `at`, transposed
-    for (int k = 0; k < 8; ++k)
-      t[k] = _mm512_inserti64x4(
-          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[k] + at))),
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[k + 8] + at)), 1);
-    transpose_dwords(t);
-  };
   const int64_t K = x.K, nb = K / kQK_K;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -125,7 +118,7 @@ inline void lanes_block_k4(const uint8_t* const p[kLanes], const int32_t* sc, co
   for (int64_t b = 0; b < nb; ++b) {
     __m512i isum[R], qh[8];
     for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
-    if constexpr (T == kQ5_K) rows32(b * bytes + 16, qh);
+    if constexpr (T == kQ5_K) load_transposed16(p, b * bytes + 16, qh);
     for (int j = 0; j < 4; ++j) {
       const int64_t pair = 4 * b + j;
       for (int64_t o = pair * step; o < std::min(fetch_bytes, (pair + 1) * step); o += 64)
@@ -134,7 +127,7 @@ inline void lanes_block_k4(const uint8_t* const p[kLanes], const int32_t* sc, co
       if constexpr (Tiled) {  // dwords 4 + 8j .. 11 + 8j of the super-block
         for (int k = 0; k < 8; ++k) t[k] = _mm512_loadu_si512(p[0] + kLanes * bytes * b + 64 * (4 + 8 * j + k));
       } else {
-        rows32(b * bytes + qs + 32 * j, t);  // the pair's 32 bytes of nibbles
+        load_transposed16(p, b * bytes + qs + 32 * j, t);  // the pair's 32 bytes of nibbles
       }
       __m512i w0[8], w1[8];  // groups 2j and 2j + 1: values 4i .. 4i + 3 of each row
       for (int i = 0; i < 8; ++i) {

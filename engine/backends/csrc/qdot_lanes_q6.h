@@ -34,14 +34,6 @@ struct Lanes16BlockQ6 {
   __m512 d;
 };
 
-// The 16 rows' 32 bytes at offset `at` of each, transposed: t[i] dword i of rows 0-15 (lane k row k's).
-inline void load_transposed16(const uint8_t* const p[kLanes], int64_t at, __m512i t[8]) {
-  for (int k = 0; k < 8; ++k)
-    t[k] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[k] + at))),
-                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[k + 8] + at)), 1);
-  transpose_dwords(t);
-}
-
 inline void decode_block16(const uint8_t* const p[kLanes], int64_t at, Lanes16BlockQ6& blk) {
   for (int n = 0; n < 2; ++n) {
     __m512i l0[8], l1[8], h[8];
