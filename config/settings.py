@@ -149,8 +149,9 @@ class Settings(DerivedValues, BaseSettings):
     )
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "int8"] = Field(
         "auto",
-        description="KV cache element type. auto: the model dtype. float16 (what llama.cpp keeps by default): with "
-        "a float32 model, half the memory a token takes, so twice the tokens fit, and half the bytes a decode "
+        description="KV cache element type. auto: the model dtype, but float16 where a GGUF's weights are kept "
+        "quantized on the CPU (activations in float32), as llama.cpp and Ollama keep theirs. float16: with a float32 "
+        "model, half the memory a token takes, so twice the tokens fit, and half the bytes a decode "
         "step's attention reads; keys and values rounded to float16. int8 (as llama.cpp's -ctk/-ctv q8_0): each "
         "head's key or value row as int8 with one float scale, about a quarter of float32's memory and bytes read "
         "at long contexts; answers part from the float cache's sooner (docs/gguf-and-kernels.md).",

@@ -32,6 +32,7 @@ from engine.core.speculative import (
 )
 from engine.draft import DraftModel, DraftProposer, check_same_vocabulary, kv_share
 from engine.model.kv_cache import KVCache, KVCacheSpec, kv_cache_dtype, plan_num_blocks
+from engine.model.quant import is_quantized
 from engine.model.runner import ModelRunner
 from engine.sampling import grammar, prompt_logprobs
 from engine.sampling.sampler import Sampler
@@ -377,7 +378,7 @@ def eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> frozenset[int]:
 
 
 def _kv_spec(model: torch.nn.Module, cfg: EngineConfig, dtype: torch.dtype) -> KVCacheSpec:
-    return KVCacheSpec.from_hf_config(model.config, kv_cache_dtype(cfg.kv_cache_dtype, dtype))
+    return KVCacheSpec.from_hf_config(model.config, kv_cache_dtype(cfg.kv_cache_dtype, dtype, is_quantized(model)))
 
 
 def _allocate_kv(spec: KVCacheSpec, cfg: EngineConfig, free_bytes: int, device: torch.device, max_model_len: int,

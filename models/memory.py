@@ -64,11 +64,14 @@ def kv_cache_need(fp: ModelFootprint, kv_dtype: str, max_model_len: int | None, 
     return max(kv_bytes_per_token(fp.kv, kv_dtype) * tokens, kv_cache_bytes or 0)
 
 
-def kv_cache_stored(dtype: str, kv_dtype: str) -> str:
+def kv_cache_stored(dtype: str, kv_dtype: str, quantized: bool = False) -> str:
     """The KV cache's dtype for weights served in `dtype` ("auto": float32, the widest the probes keep) and
-    `--kv-cache-dtype kv_dtype` (auto: the weights' dtype)."""
+    `--kv-cache-dtype kv_dtype` (auto: the weights' dtype, float16 for float32 activations over `quantized` weights:
+    engine.model.kv_cache.kv_cache_dtype)."""
     stored = "float32" if dtype == "auto" else dtype
-    return stored if kv_dtype == "auto" else kv_dtype
+    if kv_dtype != "auto":
+        return kv_dtype
+    return "float16" if quantized and stored == "float32" else stored
 
 
 def memory_need(
@@ -81,10 +84,10 @@ def memory_need(
     them. `dense`: the dense copies `--weight-format auto` times beside quantized weights
     (models/autotune/weight_format.py). `kv_dtype`: `--kv-cache-dtype` (auto: the KV cache in the weights' dtype)."""
     if fp.weight_bytes is not None and dtype == "auto":
-        dtype = "float32"  # quantized weights: activations and KV cache in float32, no dtype probe
+        dtype = "float32"  # quantized weights: activations in float32 (KV cache in float16), no dtype probe
     stored = "float32" if dtype == "auto" else dtype
     weights = fp.param_count * dtype_bytes(stored) if fp.weight_bytes is None else fp.weight_bytes
-    kv_stored = kv_cache_stored(stored, kv_dtype)
+    kv_stored = kv_cache_stored(stored, kv_dtype, quantized=fp.weight_bytes is not None)
     kv = kv_cache_need(fp, kv_stored, max_model_len, kv_cache_bytes)
     tokens = max_model_len or fp.context_len
     kv_words = f"KV cache {fmt_bytes(kv)}" + (
@@ -150,7 +153,8 @@ def serving_size(
     packed_copy: bool,
 ) -> ServingSize:
     """The model's `kv_cache_bytes`, else one sequence of the full context; and its whole need with that cache."""
-    kv = int(kv_cache_bytes or kv_cache_need(fp, kv_cache_stored(dtype, kv_dtype), max_model_len, None))
+    kv = int(kv_cache_bytes or kv_cache_need(fp, kv_cache_stored(dtype, kv_dtype, fp.weight_bytes is not None),
+                                                    max_model_len, None))
     need, words = memory_need(fp, dtype, max_model_len=max_model_len, kv_cache_bytes=kv, packed_copy=packed_copy,
                               kv_dtype=kv_dtype)  # fmt: skip
     return ServingSize(kv, need, words)

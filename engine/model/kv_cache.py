@@ -1,7 +1,8 @@
 """The KV cache: one K and one V tensor per layer, allocated once at start, split into paged blocks.
 
 Layout per layer: [(num_blocks + 1) * block_size, kv_heads, head_dim] where slot = block * block_size + offset.
-Elements in the model dtype, or as `--kv-cache-dtype` says (`kv_cache_dtype`; float16 halves a float32 model's cache;
+Elements in the model dtype (float16 where the weights are kept quantized), or as `--kv-cache-dtype` says
+(`kv_cache_dtype`; float16 halves a float32 model's cache;
 int8 keeps each (slot, KV head) row of head_dim values as int8 with one float32 scale beside it, in `k_scale` and
 `v_scale` [slots, kv_heads] per layer: `quantize_kv`, what the CPU's one-call decoder stores too).
 The extra last block is kept at zero and is where padded block tables point. The batched decode gathers whole
@@ -40,11 +41,12 @@ log = logging.getLogger(__name__)
 ZERO_STEP_BLOCKS = 64
 
 
-def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+def kv_cache_dtype(name: str, model_dtype: torch.dtype, quantized: bool = False) -> torch.dtype:
     """The KV cache's element type for `--kv-cache-dtype name` (engine.types.KV_DTYPES' names): auto is the model
-    dtype."""
+    dtype, but float16 for a float32 model whose weights are kept `quantized` (GGUF blocks on the CPU), as llama.cpp
+    and Ollama keep theirs: half the memory a token takes and the bytes a decode step's attention reads."""
     if name == "auto":
-        return model_dtype
+        return torch.float16 if quantized and model_dtype == torch.float32 else model_dtype
     if name not in KV_DTYPES:
         raise ValueError(f"unknown kv_cache_dtype {name!r}: use auto, {', '.join(KV_DTYPES)}")
     return getattr(torch, name)

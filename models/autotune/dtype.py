@@ -30,6 +30,7 @@ import torch
 
 from engine.llm_engine import LLMEngine
 from engine.model.kv_cache import KVCacheSpec, kv_cache_dtype
+from engine.model.quant import is_quantized
 from engine.types import EngineConfig, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -136,7 +137,7 @@ def probe_engine(model: torch.nn.Module, tokenizer: Any, cfg: EngineConfig, devi
     rows = plan.rows[-1]
     tokens = plan.prompt_tokens + plan.steps * plan.repeats + 2  # prompt, warm-up step, timed steps
     context = -(-tokens // cfg.block_size) * cfg.block_size  # whole blocks: every row's fit at once
-    kv = kv_cache_dtype(cfg.kv_cache_dtype, dtype)  # --kv-cache-dtype: the cache may be wider than the weights
+    kv = kv_cache_dtype(cfg.kv_cache_dtype, dtype, is_quantized(model))  # as the serving engine's (LLMEngine)
     kv_bytes = KVCacheSpec.from_hf_config(model.config, kv).bytes_per_token * rows * context
     small = replace(cfg, dtype=str(dtype).removeprefix("torch."), max_num_seqs=rows, kv_cache_bytes=kv_bytes,
                     prefix_caching=False, max_num_batched_tokens=max(cfg.max_num_batched_tokens, rows * tokens))

@@ -18,7 +18,7 @@ from engine.model.kv_cache import (
     quantize_kv,
 )
 from engine.types import SamplingParams
-from tests.support import run_all, tokens_of
+from tests.support import make_engine, run_all, tokens_of
 
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.bfloat16)  # 256 bytes / token
 
@@ -134,6 +134,21 @@ def test_kv_cache_dtype_auto_is_the_model_dtype_and_float16_holds_twice_the_toke
     torch_ops = engine_factory(tiny, kv_cache_bytes=1 << 20, kv_cache_dtype="float16", cpu_kernels=False)
     assert torch_ops.kv_cache.k[0].dtype == torch.float16
     assert tokens_of(run_all(torch_ops, {"a": ([5, 6, 7], params)})["a"]) == kernel and len(kernel) == 6
+
+
+def test_kv_cache_dtype_auto_is_float16_over_quantized_weights(smollm2_q4_1: Any) -> None:
+    """A GGUF kept quantized (float32 activations): auto is float16, as llama.cpp keeps its cache, and the engine's
+    cache is; a dtype asked for is kept, and a bfloat16 model's auto stays bfloat16."""
+    assert kv_cache_dtype("auto", torch.float32, quantized=True) == torch.float16
+    assert kv_cache_dtype("auto", torch.float32) == torch.float32  # dense float32 weights
+    assert kv_cache_dtype("auto", torch.bfloat16, quantized=True) == torch.bfloat16
+    assert kv_cache_dtype("float32", torch.float32, quantized=True) == torch.float32
+    auto = make_engine(smollm2_q4_1, kv_cache_bytes=1 << 20)
+    wide = make_engine(smollm2_q4_1, kv_cache_bytes=1 << 20, kv_cache_dtype="float32")
+    assert auto.kv_cache.k[0].dtype == torch.float16 and wide.kv_cache.k[0].dtype == torch.float32
+    assert auto.kv_cache.num_slots == 2 * wide.kv_cache.num_slots
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    assert len(tokens_of(run_all(auto, {"a": ([1, 2, 3, 4], params)})["a"])) == 8
 
 
 def test_int8_rows_keep_each_value_within_half_a_step_of_their_scale() -> None:

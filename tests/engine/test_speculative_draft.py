@@ -200,7 +200,7 @@ def test_preemption_releases_the_drafts_state_and_keeps_the_answers(smollm2_q4_1
     """A budget too small for every sequence at once: preempted sequences drop their draft state and blocks, and
     the draft catches up again when they come back."""
     ids = prompts(smollm2_q4_1)
-    bytes_per_token = 30 * 3 * 64 * 2 * 4  # SmolLM2-135M, float32 K and V
+    bytes_per_token = 30 * 3 * 64 * 2 * 2  # SmolLM2-135M, float16 K and V (quantized weights' default cache)
     small = {"kv_cache_bytes": 2 * 320 * bytes_per_token, "max_num_batched_tokens": 32}  # ~320 tokens each side
     plain = make_engine(smollm2_q4_1, **small)
     spec = make_engine(smollm2_q4_1, draft=smollm2_q4_1, speculative_adaptive=False, **small)

@@ -303,11 +303,12 @@ QUANT = ModelFootprint(param_count=7_500_000_000, kv=KVShape(32, 8, 128), contex
 
 def test_weight_format_auto_counts_the_dense_copies_it_times_only_where_they_fit() -> None:
     room = {"max_model_len": None, "kv_cache_bytes": None}
-    quantized, _ = memory.memory_need(QUANT, "float32", **room)  # 4.4 GB + KV cache 2.1 GB
+    quantized, words = memory.memory_need(QUANT, "float32", **room)  # 4.4 GB + KV cache 1.1 GB (float16)
+    assert "KV cache 1.1 GB for 8192 tokens in float16" in words  # quantized weights: the cache in float16
     both = quantized + 30 * GB + 15 * GB
     assert memory.auto_weight_formats(QUANT, both, ("float32", "bfloat16"), **room) == (("float32", "bfloat16"), "")
     tried, why = memory.auto_weight_formats(QUANT, both - 1, ("float32", "bfloat16"), **room)
-    assert tried == ("bfloat16",) and why.startswith("dense float32 not tried: timing it needs 51.5 GB (weights 4.4 GB")
+    assert tried == ("bfloat16",) and why.startswith("dense float32 not tried: timing it needs 50.5 GB (weights 4.4 GB")
     tried, why = memory.auto_weight_formats(QUANT, quantized + 15 * GB - 1, ("float32", "bfloat16"), **room)
     assert tried == () and why.startswith("dense float32 and bfloat16 not tried")
     assert memory.auto_weight_formats(QUANT, quantized + 30 * GB, ("float32",), **room) == (("float32",), "")
