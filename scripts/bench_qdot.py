@@ -34,7 +34,7 @@ from engine.model.quant import FORMATS, PACKS, TILES, QuantWeight  # noqa: E402
 TYPES = {name: t for t, (name, _, _) in FORMATS.items()
          if name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")}
 # (Q4_0 / Q4_1 / Q8_0 are packed at load, QuantWeight.repack; the K-quants are served as the file stores them; packed
-# rows, Q4_K and Q6_K are tiled where the build multiplies tiles, QuantWeight.tile_)
+# rows, Q5_0, Q4_K, Q5_K and Q6_K are tiled where the build multiplies tiles, QuantWeight.tile_)
 ROWS_BYTES = 550_000  # about half of a 1 MiB L2
 
 
@@ -80,8 +80,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7, help="timed batches of 500 calls; the best is reported")
     parser.add_argument("--cpu-isa", default="auto", help="the ISA cap, as the server's --cpu-isa")
     parser.add_argument("--untiled", action="store_true",
-                        help="packed Q4_0 / Q4_1 / Q8_0, Q4_K and Q6_K as rows, not in the tiles the engine gives them "
-                             "where the build multiplies tiles (the AVX-512 VNNI builds)")
+                        help="packed Q4_0 / Q4_1 / Q8_0, Q5_0, Q4_K, Q5_K and Q6_K as rows, not in the tiles the "
+                             "engine gives them where the build multiplies tiles (the AVX-512 VNNI builds)")
     args = parser.parse_args()
     module = cpu_kernels.load(tool_cache_dir(), cap=args.cpu_isa)
     if module is None:

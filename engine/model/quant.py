@@ -18,8 +18,8 @@ file stores them, and the modules that multiply by them.
   f16 minimums; Q8_0 its int8 values first, then its f16 scales. The decode kernels then get 64 weights per load
   and 8 scales per conversion.
 - `QuantWeight.tile_` / `tile_weights`: where the CPU build multiplies them 16 rows a lane each (AVX-512 VNNI,
-  `Kernels.tile_rows`), the one-call decoder's packed, Q5_0, Q4_K and Q6_K weights are rearranged once more at start,
-  in place, each 16 rows interleaved (quant.h: kQ4_0T ... kQ5_0T / kQ4_KT / kQ6_KT): the kernel then streams a
+  `Kernels.tile_rows`), the one-call decoder's packed, Q5_0 and K-quant weights are rearranged once more at start,
+  in place, each 16 rows interleaved (quant.h: kQ4_0T ... kQ5_0T / kQ4_KT / kQ5_KT / kQ6_KT): the kernel streams a
   tile front to back with no shuffles (the same bits). Their rows are still read one by one where needed
   (`rows_packed`: a tied embedding).
 """
@@ -54,13 +54,14 @@ Q8_0 = 8
 PACKED: dict[int, tuple[str, int, int]] = {1002: ("Q4_0", 64, 36), 1003: ("Q4_1", 64, 40), 1008: ("Q8_0", 64, 68)}
 PACKS = {2: 1002, 3: 1003, 8: 1008}  # GGUF type -> its packed form
 UNPACKED = {packed: gguf for gguf, packed in PACKS.items()}
-# the tiled forms (quant.h: kQ4_0T ...) of the packed ones and of Q5_0, Q4_K and Q6_K: each TILE_ROWS rows
+# the tiled forms (quant.h: kQ4_0T ...) of the packed ones and of Q5_0, Q4_K, Q5_K and Q6_K: each TILE_ROWS rows
 # interleaved for the 16-lane kernels
 TILED: dict[int, tuple[str, int, int]] = {2002: ("Q4_0", 64, 36), 2003: ("Q4_1", 64, 40), 2008: ("Q8_0", 64, 68),
-                                          2006: ("Q5_0", 32, 22), 2012: ("Q4_K", 256, 144), 2014: ("Q6_K", 256, 210)}
-TILES = {1002: 2002, 1003: 2003, 1008: 2008, 6: 2006, 12: 2012, 14: 2014}  # type -> its tiled form
+                                          2006: ("Q5_0", 32, 22), 2012: ("Q4_K", 256, 144), 2013: ("Q5_K", 256, 176),
+                                          2014: ("Q6_K", 256, 210)}
+TILES = {1002: 2002, 1003: 2003, 1008: 2008, 6: 2006, 12: 2012, 13: 2013, 14: 2014}  # type -> its tiled form
 UNTILED = {tiled: plain for plain, tiled in TILES.items()}
-SUPER_TILED = {2006, 2012, 2014}  # Q5_0's and the K-quants': a block's dwords interleaved (then 16 f16 d)
+SUPER_TILED = {2006, 2012, 2013, 2014}  # Q5_0's and the K-quants': a block's dwords interleaved (then 16 f16 d)
 HEAD_LAST = {2006: 2}  # tiled Q5_0: each block's first 2 bytes (its d) moved last, so its 20 others are 5 dwords
 TILE_ROWS = 16
 TILE_CHUNK = 4 << 20  # bytes `tile_` rearranges at a time
@@ -293,7 +294,7 @@ def tile_weights(weights: list[Any], model: nn.Module) -> int:
 def _tileable(qtype: int, blocks: torch.Tensor, holders: list[QuantWeight]) -> bool:
     """Whether a weight of `qtype` in rows on `blocks` may be tiled: a form with a tiled one, whole tiles of contiguous
     rows, and every holder on its bytes on whole tiles of it."""
-    pairs = qtype != 6 or blocks.shape[1] // 22 % 2 == 0  # Q5_0's 16-lane kernel takes pairs of groups
+    pairs = TILES.get(qtype) != 2006 or blocks.shape[1] // LAYOUTS[qtype][2] % 2 == 0  # Q5_0's loop: pairs of groups
     if qtype not in TILES or blocks.shape[0] % TILE_ROWS or not blocks.is_contiguous() or not pairs:
         return False
     tile_bytes = TILE_ROWS * blocks.stride(0)

@@ -1,9 +1,9 @@
 """Tiled weights (engine/model/quant.py `QuantWeight.tile_`, quant.h kQ4_0T / kQ4_1T / kQ8_0T / kQ5_0T / kQ4_KT /
-kQ6_KT): the one-call decoder's packed Q4_0 / Q4_1 / Q8_0, Q5_0, Q4_K and Q6_K matmuls, each 16 rows interleaved at
-start where the build
-multiplies them 16 rows a lane each (the AVX-512 VNNI builds). The layout is checked byte by byte, a tiled weight
-gives its rows back, `qlinear` gives the untiled form's bits on it for every number of activation rows and thread
-split, and engines over the bundled model and over tiny GGUFs answer with the same tokens and logprobs tiled or not."""
+kQ5_KT / kQ6_KT): the one-call decoder's packed Q4_0 / Q4_1 / Q8_0, Q5_0, Q4_K, Q5_K and Q6_K matmuls, each 16 rows
+interleaved at start where the build multiplies them 16 rows a lane each (the AVX-512 VNNI builds). The layout is
+checked byte by byte, a tiled weight gives its rows back, `qlinear` gives the untiled form's bits on it for every
+number of activation rows and thread split, and engines over the bundled model and over tiny GGUFs answer with the
+same tokens and logprobs tiled or not."""
 
 from __future__ import annotations
 
@@ -31,18 +31,20 @@ from tests.engine.test_cpu_kernels_paths import PATHS
 from tests.quant_blocks import make_blocks, write_tiny_gguf
 from tests.support import Loaded, chat_ids, load_bundled_gguf, make_engine, run_all
 
-TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q5_0": 6, "Q4_K": 12, "Q6_K": 14}
+TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q5_0": 6, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 
 
 def packed_weight(fmt: str, rows: int, k: int, seed: int = 7) -> QuantWeight:
-    """`fmt` as the loader keeps it: Q4_0 / Q4_1 / Q8_0 packed, Q5_0, Q4_K and Q6_K as the file stores them."""
+    """`fmt` as the loader keeps it: Q4_0 / Q4_1 / Q8_0 packed, Q5_0 and the K-quants as the file stores them."""
     blocks = torch.from_numpy(make_blocks(fmt, rows, k, np.random.default_rng(seed)))
     return QuantWeight(blocks, TYPES[fmt], (rows, k)).repack()
 
 
-@pytest.mark.parametrize(("fmt", "size", "head"), [("Q4_K", 144, 0), ("Q6_K", 210, 0), ("Q5_0", 22, 2)])
+@pytest.mark.parametrize(("fmt", "size", "head"),
+                         [("Q4_K", 144, 0), ("Q5_K", 176, 0), ("Q6_K", 210, 0), ("Q5_0", 22, 2)])
 def test_block_tiles_interleave_every_dword(fmt: str, size: int, head: int) -> None:
-    """Q4_K: dword i of super-block b of row j of a tile at 2,304 b + 64 i + 4 j; Q6_K: its first 52 dwords at
+    """Q4_K: dword i of super-block b of row j of a tile at 2,304 b + 64 i + 4 j (Q5_K: 2,816 b + 64 i + 4 j, all 44
+    of its dwords: d and dmin, scales, fifth bits, nibbles); Q6_K: its first 52 dwords at
     3,360 b + 64 i + 4 j, its f16 d at 3,360 b + 3,328 + 2 j; Q5_0: a block's bytes 2 + 4 i .. (the fifth bits, the
     nibbles) at 352 b + 64 i + 4 j, its f16 d (bytes 0, 1) at 352 b + 320 + 2 j; the rows come back."""
     plain = packed_weight(fmt, 32, 512)
@@ -169,7 +171,7 @@ def module(request: pytest.FixtureRequest) -> Any:
 
 
 @pytest.mark.parametrize(("fmt", "k"), [(f, k) for f in ("Q4_0", "Q4_1", "Q8_0") for k in (576, 1536)]
-                         + [(f, k) for f in ("Q4_K", "Q6_K") for k in (1024, 1536)]
+                         + [(f, k) for f in ("Q4_K", "Q5_K", "Q6_K") for k in (1024, 1536)]
                          + [("Q5_0", k) for k in (1024, 1152)])
 def test_qlinear_on_tiled_weights_gives_the_untiled_bits(module: Any, fmt: str, k: int) -> None:
     """A tiled weight gives the untiled weight's bits for 1 to 16 activation rows, with a bias, over 48 rows split
@@ -224,7 +226,8 @@ def test_engine_answers_the_same_tiled_or_not(monkeypatch: pytest.MonkeyPatch) -
 
 MIXES = {"q4_k_m": {"*": "Q4_K", "attn_v": "Q6_K", "token_embd": "Q6_K"},  # a Q4_K_M file's mix
          "q4_k_tied": {"*": "Q4_K"}, "q8_0": {"*": "Q8_0"}, "q4_0_q4_1": {"*": "Q4_0", "ffn_down": "Q4_1"},
-         "q5_0_q8_0": {"*": "Q5_0", "token_embd": "Q8_0"}}  # Gemma-3-1B's Q4_K_M: rows of 1,152 fall back so
+         "q5_0_q8_0": {"*": "Q5_0", "token_embd": "Q8_0"},  # Gemma-3-1B's Q4_K_M: rows of 1,152 fall back so
+         "q5_k_m": {"*": "Q5_K", "attn_v": "Q6_K", "token_embd": "Q6_K"}}  # a Q5_K_M file's mix
 
 
 @pytest.mark.parametrize("formats", list(MIXES.values()), ids=list(MIXES))

@@ -59,8 +59,8 @@ namespace peregrine_quant {
 inline void untile_row(int type, const uint8_t* w, int64_t ldw, int64_t r, int64_t K, uint8_t* row) {
   const int64_t j = r % kTileRows;
   const uint8_t* tile = w + (r - j) * ldw;
-  if (type == kQ4_KT || type == kQ6_KT || type == kQ5_0T) {  // a block's dwords interleaved, then its f16 d (Q6_K's
-    const Layout l = layout_of(type);                           // last, Q5_0's first: moved last in the tile)
+  if (type == kQ4_KT || type == kQ5_KT || type == kQ6_KT || type == kQ5_0T) {  // a block's dwords interleaved,
+    const Layout l = layout_of(type);  // then its f16 d (Q6_K's last, Q5_0's first: moved last in the tile)
     const int64_t head = type == kQ5_0T ? 2 : 0, dwords = (l.bytes - head) / 4;
     for (int64_t b = 0; b < K / l.elems; ++b) {
       const uint8_t* t = tile + kTileRows * l.bytes * b;
@@ -139,7 +139,10 @@ void qlinear_rows(int type, const uint8_t* w, int64_t ldw, const QRows& x, int64
         if (x.K % 64 == 0) return qlinear_tiles_q5(w, ldw, x, M, bias, out, ldo, n_begin, n_end);
       return qlinear_untiling(type, w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
     case kQ4_KT:
-      if constexpr (lanes_k(kQ4_K)) return qlinear_tiles_k(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
+      if constexpr (lanes_k(kQ4_K)) return qlinear_tiles_k<kQ4_K>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
+      return qlinear_untiling(type, w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
+    case kQ5_KT:
+      if constexpr (lanes_k(kQ5_K)) return qlinear_tiles_k<kQ5_K>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
       return qlinear_untiling(type, w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
     case kQ6_KT:
       if constexpr (lanes_q6(kQ6_K)) return qlinear_tiles_q6(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);

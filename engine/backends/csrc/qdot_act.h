@@ -25,7 +25,8 @@ constexpr int kQK_K = 256;  // the K-quants' super-block, and their activation b
 // The K-quant formats and IQ4_XS (a super-block of 256 values with 6- or 8-bit group scales): multiplied with
 // Q8_K-style activations (qdot_kquant.h); tiled Q4_K and Q6_K too.
 inline constexpr bool is_kquant(int T) {
-  return T == kQ4_K || T == kQ5_K || T == kQ6_K || T == kIQ4_XS || T == kQ4_KT || T == kQ6_KT;
+  return T == kQ4_K || T == kQ5_K || T == kQ6_K || T == kIQ4_XS || T == kQ4_KT || T == kQ5_KT ||
+         T == kQ6_KT;
 }
 
 // Activation rows quantized in blocks of 32: q = round(x / d), d = max|x| / 127, and s = d * sum(q) (the block's

@@ -61,7 +61,7 @@ inline void transpose_bytes16(__m128i v[16]) {
 // scales and minimums are unpacked in the lanes, all 16 rows at once (ggml's get_scale_min_k4, as
 // q4k_scales_mins_x): at one activation row, unpacking each row's by shuffles and transposing the bytes had been
 // two fifths of a Q4_K matrix's time.
-// Tiled (quant.h: kQ4_KT): p[0] is the tile, whose super-blocks hold those four vectors as they are.
+// Tiled (quant.h: kQ4_KT, kQ5_KT): p[0] is the tile, whose super-blocks hold those four vectors as they are.
 constexpr int64_t kLaneKFloats = 9 * kLanes, kLaneKInts = 8 * kLanes;
 template <bool Tiled = false, int T = kQ4_K>  // (Q5_K: the same first 16 bytes, in blocks of 176)
 inline void tile_scales_k4(const uint8_t* const p[kLanes], int64_t nb, int32_t* sc, float* fl) {
@@ -104,8 +104,9 @@ inline void tile_scales_k4(const uint8_t* const p[kLanes], int64_t nb, int32_t* 
 
 // res[r] (16 lanes) = activation row m0 + r times the tile's 16 Q4_K rows, r < R (Tiled: p[0] is the tile, its
 // nibbles read as they lie: the same values in the same lanes, so the same bits). Q5_K (T): the same, its nibbles
-// after the 32 bytes of fifth bits (qh), which are transposed as the nibbles are, once a super-block; group g's value
-// l takes bit g of qh[l] as 16 (a bit test and a masked add a register of four values a row).
+// after the 32 bytes of fifth bits (qh), which are transposed as the nibbles are (tiled: read as they lie), once a
+// super-block; group g's value l takes bit g of qh[l] as 16 (a bit test and a masked add a register of four values a
+// row).
 template <int R, bool Tiled = false, int T = kQ4_K>
 inline void lanes_block_k4(const uint8_t* const p[kLanes], const int32_t* sc, const float* fl, const QRows& x,
                            int64_t m0, __m512* res, const uint8_t* fetch = nullptr, int64_t fetch_bytes = 0) {
@@ -118,14 +119,19 @@ inline void lanes_block_k4(const uint8_t* const p[kLanes], const int32_t* sc, co
   for (int64_t b = 0; b < nb; ++b) {
     __m512i isum[R], qh[8];
     for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
-    if constexpr (T == kQ5_K) load_transposed16(p, b * bytes + 16, qh);
+    if constexpr (T == kQ5_K && Tiled) {  // dwords 4 .. 11 of the super-block
+      for (int i = 0; i < 8; ++i) qh[i] = _mm512_loadu_si512(p[0] + kLanes * bytes * b + 64 * (4 + i));
+    } else if constexpr (T == kQ5_K) {
+      load_transposed16(p, b * bytes + 16, qh);
+    }
     for (int j = 0; j < 4; ++j) {
       const int64_t pair = 4 * b + j;
       for (int64_t o = pair * step; o < std::min(fetch_bytes, (pair + 1) * step); o += 64)
         __builtin_prefetch(fetch + o, 0, 1);  // into L2 (prefetcht2)
       __m512i t[8];
-      if constexpr (Tiled) {  // dwords 4 + 8j .. 11 + 8j of the super-block
-        for (int k = 0; k < 8; ++k) t[k] = _mm512_loadu_si512(p[0] + kLanes * bytes * b + 64 * (4 + 8 * j + k));
+      if constexpr (Tiled) {  // dwords qs / 4 + 8j .. qs / 4 + 8j + 7 of the super-block
+        for (int k = 0; k < 8; ++k)
+          t[k] = _mm512_loadu_si512(p[0] + kLanes * bytes * b + 64 * (qs / 4 + 8 * j + k));
       } else {
         load_transposed16(p, b * bytes + qs + 32 * j, t);  // the pair's 32 bytes of nibbles
       }
@@ -198,9 +204,9 @@ void qlinear_lanes_k(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, c
   }
 }
 
-// qlinear_tiles (qdot_lanes.h) for tiled Q4_K (quant.h: kQ4_KT): each tile that meets [n_begin, n_end) multiplied
-// whole, its lanes in the range stored.
-template <typename O>
+// qlinear_tiles (qdot_lanes.h) for tiled Q4_K or Q5_K (T; quant.h: kQ4_KT, kQ5_KT): each tile that meets
+// [n_begin, n_end) multiplied whole, its lanes in the range stored.
+template <int T, typename O>
 void qlinear_tiles_k(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, const float* bias, O* out,
                      int64_t ldo, int64_t n_begin, int64_t n_end, QScratch& s) {
   const int64_t nb = x.K / kQK_K;
@@ -211,8 +217,8 @@ void qlinear_tiles_k(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, c
   tiles_in(w, ldw, M, bias, out, ldo, n_begin, n_end, [&](const uint8_t* const p[kLanes], int64_t m, auto rr,
                                                          __m512* res, const uint8_t* fetch, int64_t fetch_bytes) {
     constexpr int RR = decltype(rr)::value;
-    if (m == 0) tile_scales_k4<true>(p, nb, sc, fl);
-    lanes_block_k4<RR, true>(p, sc, fl, x, m, res, fetch, fetch_bytes);
+    if (m == 0) tile_scales_k4<true, T>(p, nb, sc, fl);
+    lanes_block_k4<RR, true, T>(p, sc, fl, x, m, res, fetch, fetch_bytes);
   });
 }
 #else
@@ -220,7 +226,7 @@ constexpr bool lanes_k(int) { return false; }
 template <int T, typename O>  // never called here (lanes_k): declared for qlinear_rows' discarded branch
 void qlinear_lanes_k(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, const float* bias, O* out,
                      int64_t ldo, int64_t n_begin, int64_t n_end, QScratch& s);
-template <typename O>  // likewise
+template <int T, typename O>  // likewise
 void qlinear_tiles_k(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, const float* bias, O* out,
                      int64_t ldo, int64_t n_begin, int64_t n_end, QScratch& s);
 #endif

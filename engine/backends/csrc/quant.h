@@ -29,24 +29,26 @@ namespace peregrine_quant {
 // of the 16 rows as 512 bytes, 64 for each of its eight dwords (dword i of row j at 64 i + 4 j); then the scale
 // halves, 32 bytes each (half h of row j at 32 h + 2 j). Q4_K's tiled form (kQ4_KT, from the file's blocks) takes
 // each super-block of the 16 rows as 2,304 bytes, its 36 dwords (d and dmin, the scales, the nibbles) 64 bytes each
-// (dword i of row j at 64 i + 4 j); Q6_K's (kQ6_KT) each super-block as 3,360 bytes, its first 52 dwords (ql, qh,
-// the scales) so, then the 16 rows' f16 d (row j's at 3,328 + 2 j); Q5_0's (kQ5_0T) each 32-value group of the 16
-// rows as 352 bytes: the fifth bits (row j's at 4 j), the four dwords of nibbles (dword i of row j at 64 + 64 i + 4 j),
-// then the f16 d (row j's at 320 + 2 j), as its 22-byte blocks would be with d moved last. Only whole tiles: a
-// matrix of a multiple of 16 rows. Made at start by engine/model/quant.py (`QuantWeight.tile_`) for the one-call
+// (dword i of row j at 64 i + 4 j), Q5_K's (kQ5_KT) as 2,816 bytes, its 44 dwords (d and dmin, the scales, the fifth
+// bits, the nibbles) so; Q6_K's (kQ6_KT) each super-block as 3,360 bytes, its first 52 dwords (ql, qh, the scales)
+// so, then the 16 rows' f16 d (row j's at 3,328 + 2 j); Q5_0's (kQ5_0T) each 32-value group of the 16 rows as 352
+// bytes: the fifth bits (row j's at 4 j), the four dwords of nibbles (dword i of row j at 64 + 64 i + 4 j), then the
+// f16 d (row j's at 320 + 2 j), as its 22-byte blocks would be with d moved last. Only whole tiles: a matrix of a
+// multiple of 16 rows. Made at start by engine/model/quant.py (`QuantWeight.tile_`) for the one-call
 // decoder's weights; a row is read on its own only through `untile_row` (a tied embedding).
 enum QType : int {
   kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kIQ4_NL = 20,
   kIQ4_XS = 23, kQ4_0R = 1002, kQ4_1R = 1003, kQ8_0R = 1008, kQ4_0T = 2002, kQ4_1T = 2003, kQ8_0T = 2008,
-  kQ5_0T = 2006, kQ4_KT = 2012, kQ6_KT = 2014,
+  kQ5_0T = 2006, kQ4_KT = 2012, kQ5_KT = 2013, kQ6_KT = 2014,
 };
 
 constexpr bool row_packed(int type) { return type == kQ4_0R || type == kQ4_1R || type == kQ8_0R; }
 constexpr bool tiled(int type) {
-  return type == kQ4_0T || type == kQ4_1T || type == kQ8_0T || type == kQ5_0T || type == kQ4_KT || type == kQ6_KT;
+  return type == kQ4_0T || type == kQ4_1T || type == kQ8_0T || type == kQ5_0T || type == kQ4_KT || type == kQ5_KT ||
+         type == kQ6_KT;
 }
 constexpr int untiled(int type) {  // the form a tiled one was made from
-  return type == kQ5_0T ? kQ5_0 : type == kQ4_KT ? kQ4_K : type == kQ6_KT ? kQ6_K : type - 1000;
+  return type == kQ5_0T ? kQ5_0 : type == kQ4_KT || type == kQ5_KT || type == kQ6_KT ? type - 2000 : type - 1000;
 }
 constexpr int64_t kTileRows = 16;  // the rows of a tile of the tiled forms
 
@@ -75,6 +77,7 @@ constexpr Layout layout_of(int type) {
     case kQ8_0T: return {64, 68};
     case kQ5_0T: return {32, 22};
     case kQ4_KT: return {256, 144};
+    case kQ5_KT: return {256, 176};
     case kQ6_KT: return {256, 210};
     default: return {0, 0};
   }
