@@ -277,7 +277,7 @@ def test_decoder_on_quantized_weights_matches_the_op_by_op_pass(module: Any, for
     write_tiny_gguf(tmp_path, formats, vocab=vocab + (-vocab) % 32)
     model = gguf_weights.load(tmp_path / "tiny.gguf", tmp_path, torch.float32)
     engine = engine_factory(Loaded(model, byte_level_tokenizer, 128), kv_cache_bytes=8 << 20, block_size=4,
-                            cpu_kernels=False, model_impl="llama")
+                            cpu_kernels=False, model_impl="llama", kv_cache_dtype="float32")  # the decoder's below
     factory = lambda *args: module.LlamaDecoder_float32(*args, False)  # noqa: E731
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     steps = decoder_against_op_by_op(engine, factory, {f"r{i}": (list(range(3 + 5 * i, 10 + 9 * i)), params)
