@@ -29,6 +29,18 @@ KV_DTYPES: tuple[str, ...] = (*DTYPE_BYTES, "int8")
 scale: engine.model.kv_cache.quantize_kv)."""
 
 
+def kv_dtype_for(kv_dtype: str, model_dtype: str, quantized: bool = False) -> str:
+    """The one KV dtype rule, by name: `--kv-cache-dtype kv_dtype` (a KV_DTYPES name, or auto) for a model whose
+    activations are `model_dtype`. auto is the model dtype, but float16 for float32 activations over weights kept
+    `quantized` (GGUF blocks on the CPU), as llama.cpp and Ollama keep theirs. The engine sizes its cache by it
+    (engine.model.kv_cache.kv_cache_dtype); the preflight counts by it (models.memory.kv_cache_stored)."""
+    if kv_dtype == "auto":
+        return "float16" if quantized and model_dtype == "float32" else model_dtype
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"unknown kv_cache_dtype {kv_dtype!r}: use auto, {', '.join(KV_DTYPES)}")
+    return kv_dtype
+
+
 def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype: str) -> int:
     """The one KV arithmetic: bytes one token's keys and values take across all layers, in `dtype` (a KV_DTYPES
     name). The engine sizes its cache with it (engine.model.kv_cache.KVCacheSpec); the preflight calls it too."""

@@ -67,11 +67,8 @@ def kv_cache_need(fp: ModelFootprint, kv_dtype: str, max_model_len: int | None, 
 def kv_cache_stored(dtype: str, kv_dtype: str, quantized: bool = False) -> str:
     """The KV cache's dtype for weights served in `dtype` ("auto": float32, the widest the probes keep) and
     `--kv-cache-dtype kv_dtype` (auto: the weights' dtype, float16 for float32 activations over `quantized` weights:
-    engine.model.kv_cache.kv_cache_dtype)."""
-    stored = "float32" if dtype == "auto" else dtype
-    if kv_dtype != "auto":
-        return kv_dtype
-    return "float16" if quantized and stored == "float32" else stored
+    engine.types.kv_dtype_for)."""
+    return engine_types.kv_dtype_for(kv_dtype, "float32" if dtype == "auto" else dtype, quantized)
 
 
 def memory_need(

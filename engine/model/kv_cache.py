@@ -34,7 +34,7 @@ import torch
 
 from engine.backends.huge_pages import whole_pages
 from engine.model.families import layer_windows
-from engine.types import KV_DTYPES, kv_bytes_per_token
+from engine.types import kv_bytes_per_token, kv_dtype_for
 
 log = logging.getLogger(__name__)
 
@@ -42,14 +42,10 @@ ZERO_STEP_BLOCKS = 64
 
 
 def kv_cache_dtype(name: str, model_dtype: torch.dtype, quantized: bool = False) -> torch.dtype:
-    """The KV cache's element type for `--kv-cache-dtype name` (engine.types.KV_DTYPES' names): auto is the model
-    dtype, but float16 for a float32 model whose weights are kept `quantized` (GGUF blocks on the CPU), as llama.cpp
-    and Ollama keep theirs: half the memory a token takes and the bytes a decode step's attention reads."""
-    if name == "auto":
-        return torch.float16 if quantized and model_dtype == torch.float32 else model_dtype
-    if name not in KV_DTYPES:
-        raise ValueError(f"unknown kv_cache_dtype {name!r}: use auto, {', '.join(KV_DTYPES)}")
-    return getattr(torch, name)
+    """The KV cache's element type for `--kv-cache-dtype name` (engine.types.kv_dtype_for's rule): auto is the model
+    dtype, but float16 for a float32 model whose weights are kept `quantized` (GGUF blocks on the CPU): half the
+    memory a token takes and the bytes a decode step's attention reads."""
+    return getattr(torch, kv_dtype_for(name, str(model_dtype).removeprefix("torch."), quantized))
 
 
 def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
