@@ -33,6 +33,7 @@ import argparse
 import asyncio
 import shlex
 import signal
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -228,9 +229,14 @@ class OpenPeer:
     pid: int | None = None  # a server's process (None in-process)
     rounds: list[list[dict[str, Any]]] = field(default_factory=list)
     idle_cpu_s: float = 0.0  # CPU its process used while the other peers were measured
+    reads_gb_s: list[float] = field(default_factory=list)  # read bandwidth measured just before each round
 
     def measure(self, tokenizer: Any, args: argparse.Namespace, round_no: int | None = None) -> None:
-        """One round of every load level (warmed up in the first)."""
+        """One round of every load level (warmed up in the first), after a read bandwidth sample of its own
+        (unless --bandwidth was given): a shared host's bandwidth moves by more than a peer's lead from minute to
+        minute, so each peer's roofline share is taken against the bandwidth of its own minutes."""
+        if args.bandwidth is None and (gb_s := workloads.read_bandwidth(args)):
+            self.reads_gb_s.append(gb_s)
         warmup = not self.rounds
         self.rounds.append(run_levels(self.name, self.target, self.engine, tokenizer, args, warmup=warmup,
                                       round_no=round_no))  # fmt: skip
@@ -267,12 +273,14 @@ class OpenPeer:
         return None if rss is None else rss / 2**20
 
     def result(self) -> dict[str, Any]:
-        rss = {"peak_rss_mb": mb} if (mb := self.peak_rss_mb()) is not None else {}
-        rss |= {"rss_mb": mb} if (mb := self.rss_mb()) is not None else {}
+        extra = {"peak_rss_mb": mb} if (mb := self.peak_rss_mb()) is not None else {}
+        extra |= {"rss_mb": mb} if (mb := self.rss_mb()) is not None else {}
+        if self.reads_gb_s:
+            extra |= {"read_gb_s": statistics.median(self.reads_gb_s), "reads_gb_s": self.reads_gb_s}
         if len(self.rounds) == 1:
-            return self.info | {"rows": self.rounds[0]} | rss
+            return self.info | {"rows": self.rounds[0]} | extra
         rounds = {"rows": median_rows(self.rounds), "rounds": self.rounds}
-        return self.info | rounds | rss | ({"idle_cpu_s": self.idle_cpu_s} if self.pid is not None else {})
+        return self.info | rounds | extra | ({"idle_cpu_s": self.idle_cpu_s} if self.pid is not None else {})
 
 
 def open_peer(

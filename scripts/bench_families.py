@@ -8,7 +8,7 @@ the --formats given: any llama-quantize type, e.g. Q5_K_M).
 `run` serves each file with both servers through `scripts/bench.py` (one stream and 16, same file, same threads,
 random prompts, fixed-length answers) and prints one table with the ratios; at one stream also each server's share of
 the memory roofline (the decode rate, 1 / TPOT p50, times the weight bytes a token reads, over the read bandwidth
-bench.py measured at that file's start). `table` prints the table again from the results `run` saved.
+bench.py measured just before that server's run: a shared host's bandwidth moves by 1.5x from minute to minute). `table` prints the table again from the results `run` saved.
 
     python scripts/bench_families.py make --shapes qwen3-0.6b,llama-3.2-1b
     python scripts/bench_families.py run --shapes qwen3-0.6b --formats Q4_K_M,Q8_0
@@ -212,19 +212,21 @@ def table(names: list[str], formats: list[str]) -> None:
                 machines.append(result.get("meta", {}).get("machine", {}))
     print(json.dumps(rows))
     if machines:
-        m, reads = machines[0], [x["read_gb_s"] for x in machines if x.get("read_gb_s")]
+        m = machines[0]
+        reads = [x for r in rows for x in (r["read_gb_s"], r["read_gb_s_llamacpp"]) if x]
         print(f"\n{m.get('cpu')}, {m.get('cpus')} CPUs, flags {' '.join(m.get('flags', []))}, Peregrine level "
-              f"{m.get('peregrine_level')}; read bandwidth at each file's start "
-              f"{min(reads, default=0):.1f}-{max(reads, default=0):.1f} GB/s")
+              f"{m.get('peregrine_level')}; read bandwidth {min(reads, default=0):.1f}-{max(reads, default=0):.1f} "
+              "GB/s (each server's sample, taken just before its run, is the one its roofline share is of)")
     print("\n| shape | format | streams | Peregrine tok/s | llama-server tok/s | ratio | TTFT p50 P / L (s) "
-          "| TPOT p50 P / L (ms) | of roofline P / L | RSS peak, after P / L (MB); P's after over the file |")
+          "| TPOT p50 P / L (ms) | of roofline P / L (at GB/s) | RSS peak, after P / L (MB); P's after over the file |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         mem = [r["rss_peregrine"], r["rss_now_peregrine"], r["rss_llamacpp"], r["rss_now_llamacpp"]]
         rss = (f"{mem[0]:.0f}, {mem[1]:.0f} / {mem[2]:.0f}, {mem[3]:.0f}; {mem[1] / r['file_mb']:.2f}x"
                if all(mem) else "n/a")
-        roof = (f"{r['roofline_peregrine']:.0%} / {r['roofline_llamacpp']:.0%}"
-                if r["roofline_peregrine"] is not None else "")
+        roof = " / ".join(f"{share:.0%} ({gb_s:.0f})" if share is not None else "n/a" for share, gb_s in (
+            (r["roofline_peregrine"], r["read_gb_s"]), (r["roofline_llamacpp"], r["read_gb_s_llamacpp"])))
+        roof = "" if r["concurrency"] != 1 else roof
         print(f"| {r['shape']} | {r['format']} | {r['concurrency']} | {r['peregrine']:.1f} | {r['llamacpp']:.1f} "
               f"| {r['ratio']:.2f}x | {r['ttft_peregrine']:.2f} / {r['ttft_llamacpp']:.2f} "
               f"| {r['tpot_peregrine']:.1f} / {r['tpot_llamacpp']:.1f} | {roof} | {rss} |")
@@ -245,13 +247,15 @@ def summarize(name: str, fmt: str, gguf: Path, result: dict) -> list[dict]:
     by_peer = {run["peer"]: {row["concurrency"]: row for row in run["rows"]} for run in result["runs"]}
     rss = {run["peer"]: run.get("peak_rss_mb") for run in result["runs"]}  # the server's whole run, every level
     now = {run["peer"]: run.get("rss_mb") for run in result["runs"]}  # after it
-    read_gb_s = result.get("meta", {}).get("machine", {}).get("read_gb_s")
-    step_bytes = weight_bytes_a_token(gguf) if read_gb_s else 0
+    at_start = result.get("meta", {}).get("machine", {}).get("read_gb_s")
+    # each peer's own sample, taken just before its run (bench.py), else the one at the file's start
+    reads = {run["peer"]: run.get("read_gb_s") or at_start for run in result["runs"]}
+    step_bytes = weight_bytes_a_token(gguf) if any(reads.values()) else 0
 
-    def roofline(row: dict) -> float | None:
-        if not step_bytes or row["concurrency"] != 1 or not row["tpot_ms"]["p50"]:
+    def roofline(row: dict, peer: str) -> float | None:
+        if not step_bytes or not reads.get(peer) or row["concurrency"] != 1 or not row["tpot_ms"]["p50"]:
             return None
-        return step_bytes / (row["tpot_ms"]["p50"] / 1e3) / (read_gb_s * 1e9)
+        return step_bytes / (row["tpot_ms"]["p50"] / 1e3) / (reads[peer] * 1e9)
 
     rows = []
     for conc, ours in sorted(by_peer.get("peregrine", {}).items()):
@@ -263,8 +267,10 @@ def summarize(name: str, fmt: str, gguf: Path, result: dict) -> list[dict]:
                      "ratio": ours["output_throughput"] / theirs["output_throughput"],
                      "ttft_peregrine": ours["ttft_ms"]["p50"] / 1e3, "ttft_llamacpp": theirs["ttft_ms"]["p50"] / 1e3,
                      "tpot_peregrine": ours["tpot_ms"]["p50"], "tpot_llamacpp": theirs["tpot_ms"]["p50"],
-                     "read_gb_s": read_gb_s, "step_mb": step_bytes / 1e6 if step_bytes else None,
-                     "roofline_peregrine": roofline(ours), "roofline_llamacpp": roofline(theirs),
+                     "read_gb_s": reads.get("peregrine"), "read_gb_s_llamacpp": reads.get("llamacpp"),
+                     "step_mb": step_bytes / 1e6 if step_bytes else None,
+                     "roofline_peregrine": roofline(ours, "peregrine"),
+                     "roofline_llamacpp": roofline(theirs, "llamacpp"),
                      "rss_peregrine": rss.get("peregrine"), "rss_llamacpp": rss.get("llamacpp"),
                      "rss_now_peregrine": now.get("peregrine"), "rss_now_llamacpp": now.get("llamacpp")})  # fmt: skip
     return rows

@@ -77,6 +77,11 @@ def test_the_roofline_counts_the_weights_a_step_reads(tmp_path: Path) -> None:
     step = bench_families.weight_bytes_a_token(path)
     assert one["roofline_peregrine"] == pytest.approx(step * 100 / 2e9)  # 100 steps a second
     assert one["roofline_llamacpp"] == pytest.approx(step * 50 / 2e9)
+    # each server's own bandwidth sample (bench.py takes one just before each run) over the one at the file's start
+    result["runs"][0]["read_gb_s"], result["runs"][1]["read_gb_s"] = 4.0, 1.0
+    (one,) = bench_families.summarize("tiny", "F16", path, result)
+    assert one["roofline_peregrine"] == pytest.approx(step * 100 / 4e9) and one["read_gb_s"] == 4.0
+    assert one["roofline_llamacpp"] == pytest.approx(step * 50 / 1e9) and one["read_gb_s_llamacpp"] == 1.0
 
 
 def test_fused_windowed_and_padded_shapes_are_written_as_llama_cpp_reads_them(tmp_path: Path) -> None:
