@@ -10,6 +10,13 @@ is bound by compute, not by memory. Prints a table, then one JSON object. Not a 
     python scripts/bench_qdot.py                 # the build for this CPU
     python scripts/bench_qdot.py --format Q8_0 --rows 16   # packed Q8_0 rows, 16 activation rows
     python scripts/bench_qdot.py --cpu-isa avx2  # the AVX2 build on an AVX-512 machine
+    python scripts/bench_qdot.py --format Q4_K --against ../other-checkout   # a kernel change, A/B in turns
+
+`--against CHECKOUT` runs that checkout's kernels (its engine/backends/csrc, same level, built once into the same
+cache) and this one's in two processes on the same rows, timed in turns, 40 batches each, the order flipped every
+batch, and prints the median of the batch-by-batch speed ratios with its quartiles (this one's speed over the
+other's): a shared host's slow spells fall on both alike, where separate runs minutes apart differ by 20-30%. Their
+outputs are compared bit for bit.
 """
 
 from __future__ import annotations
@@ -72,6 +79,70 @@ def time_rows(module: object, fmt: str, k: int, rows: int, repeats: int, tiled: 
             "gb_s": round(packed.blocks.numel() / best / 1e9, 1)}
 
 
+# One side of --against: a process on one checkout's kernels, the same rows (the same seed) as the other side, that
+# times `calls` qlinear calls each time it reads a line. Two processes, because a second build of the same extension
+# module cannot be imported beside the first (Python hands back the first).
+_SIDE = """
+import hashlib, sys, time
+checkout, fmt, k, rows, tiled, cap = sys.argv[1:7]
+sys.path[:0] = [checkout + "/scripts", checkout]
+import torch
+import bench_qdot as bq
+from config import tool_cache_dir
+from engine.backends import cpu_kernels
+from engine.model.quant import FORMATS, TILES, QuantWeight
+module = cpu_kernels.load(tool_cache_dir(), cap=cap)
+torch.set_num_threads(1)
+k, rows = int(k), int(rows)
+_, per_block, block_bytes = FORMATS[bq.TYPES[fmt]]
+n = max(16, bq.ROWS_BYTES // (k // per_block * block_bytes) // 16 * 16)
+packed = QuantWeight(torch.from_numpy(bq.random_blocks(fmt, n, k).copy()), bq.TYPES[fmt], (n, k)).repack()
+if tiled == "1" and packed.qtype in TILES:
+    packed.tile_()
+x = torch.randn(rows, k, generator=torch.Generator().manual_seed(0))
+call = lambda: module.qlinear(x, packed.blocks, packed.qtype, None)
+for _ in range(200):
+    call()
+print(n, packed.blocks.numel(), hashlib.sha1(call().numpy().tobytes()).hexdigest(), flush=True)
+for line in sys.stdin:
+    calls = int(line)
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    print((time.perf_counter() - start) / calls, flush=True)
+"""
+
+
+def time_against(checkouts: tuple[Path, Path], fmt: str, k: int, rows: int, tiled: bool, cap: str) -> dict:
+    """This checkout's kernels (checkouts[0]) against another's, each in its own process on the same rows, timed
+    in turns: 40 batches of 300 calls each, the order flipped every batch, so only one runs at a time."""
+    import statistics
+    import subprocess
+
+    sides = [subprocess.Popen([sys.executable, "-c", _SIDE, str(c), fmt, str(k), str(rows), "1" if tiled else "0", cap],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=c) for c in checkouts]
+    try:
+        heads = [side.stdout.readline().split() for side in sides]  # one at a time would be fairer; both idle after
+        if any(len(h) != 3 for h in heads):
+            sys.exit(f"--against: a side did not start (its first line: {heads})")
+        seconds: list[list[float]] = [[], []]
+        for batch in range(40):
+            for i in (0, 1) if batch % 2 else (1, 0):
+                sides[i].stdin.write("300\n")
+                sides[i].stdin.flush()
+                seconds[i].append(float(sides[i].stdout.readline()))
+    finally:
+        for side in sides:
+            side.stdin.close()
+            side.wait(timeout=60)
+    (n, nbytes, ours_bits), (_, _, their_bits) = heads
+    ratios = [t / o for o, t in zip(*seconds, strict=True)]  # our speed over theirs, batch by batch
+    q1, median, q3 = statistics.quantiles(ratios, n=4)
+    gb_s = [round(int(nbytes) / statistics.median(s) / 1e9, 1) for s in seconds]
+    return {"k": k, "rows": int(n), "gb_s": gb_s[0], "gb_s_against": gb_s[1], "ratio": round(median, 3),
+            "ratio_q1": round(q1, 3), "ratio_q3": round(q3, 3), "same_bits": ours_bits == their_bits}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--k", type=int, nargs="+", default=[576, 1536, 4608, 9216])
@@ -82,6 +153,8 @@ def main() -> None:
     parser.add_argument("--untiled", action="store_true",
                         help="packed Q4_0 / Q4_1 / Q8_0, Q5_0, Q4_K, Q5_K and Q6_K as rows, not in the tiles the "
                              "engine gives them where the build multiplies tiles (the AVX-512 VNNI builds)")
+    parser.add_argument("--against", type=Path, metavar="CHECKOUT",
+                        help="another checkout's kernels, timed alternately with this one's in one process")
     args = parser.parse_args()
     module = cpu_kernels.load(tool_cache_dir(), cap=args.cpu_isa)
     if module is None:
@@ -92,6 +165,19 @@ def main() -> None:
     if skipped := [k for k in args.k if k % per_block]:
         print(f"K {', '.join(map(str, skipped))} skipped: {args.format} rows hold whole blocks of {per_block}")
     ks = [k for k in args.k if not k % per_block]
+    if args.against:
+        repo = Path(__file__).resolve().parents[1]
+        results = [time_against((repo, args.against.resolve()), args.format, k, args.rows, tiled, args.cpu_isa)
+                   for k in ks]
+        print(f"qlinear, {args.format}, {args.rows} activation row(s), one thread, {module.isa()} build: this "
+              f"checkout against {args.against} (speed ratio: median of 40 alternating batches, quartiles)")
+        print(f"{'K':>6}{'rows':>7}{'GB/s':>8}{'against':>9}{'ratio':>8}{'q1-q3':>13}  bits")
+        for r in results:
+            print(f"{r['k']:>6}{r['rows']:>7}{r['gb_s']:>8}{r['gb_s_against']:>9}{r['ratio']:>8}"
+                  f"{r['ratio_q1']:>7}-{r['ratio_q3']:<5}  {'same' if r['same_bits'] else 'DIFFER'}")
+        print(json.dumps({"isa": module.isa(), "format": args.format, "rows": args.rows, "against": str(args.against),
+                          "results": results}))
+        return
     results = [time_rows(module, args.format, k, args.rows, args.repeats, tiled) for k in ks]
     layout = "tiled" if tiled and PACKS.get(TYPES[args.format], TYPES[args.format]) in TILES else "rows"
     print(f"qlinear, {args.format} ({layout}), {args.rows} activation row(s), one thread, {module.isa()} build")
