@@ -23,7 +23,7 @@ constexpr int kQK = 32;     // activation block: one float scale per 32 int8 val
 constexpr int kQK_K = 256;  // the K-quants' super-block, and their activation block (Q8_K)
 
 // The K-quant formats and IQ4_XS (a super-block of 256 values with 6- or 8-bit group scales): multiplied with
-// Q8_K-style activations (qdot_kquant.h); tiled Q4_K and Q6_K too.
+// Q8_K-style activations (qdot_kquant.h); tiled Q4_K, Q5_K and Q6_K too.
 inline constexpr bool is_kquant(int T) {
   return T == kQ4_K || T == kQ5_K || T == kQ6_K || T == kIQ4_XS || T == kQ4_KT || T == kQ5_KT ||
          T == kQ6_KT;

@@ -61,9 +61,10 @@ inline void transpose_bytes16(__m128i v[16]) {
 // scales and minimums are unpacked in the lanes, all 16 rows at once (ggml's get_scale_min_k4, as
 // q4k_scales_mins_x): at one activation row, unpacking each row's by shuffles and transposing the bytes had been
 // two fifths of a Q4_K matrix's time.
-// Tiled (quant.h: kQ4_KT, kQ5_KT): p[0] is the tile, whose super-blocks hold those four vectors as they are.
+// (Tiled, quant.h kQ4_KT and kQ5_KT, the tile's super-blocks hold those four vectors as they are: lanes_block_k4
+// reads them there and unpacks each value where it is used, k4_scale and k4_min.)
 constexpr int64_t kLaneKFloats = 9 * kLanes, kLaneKInts = 8 * kLanes;
-template <bool Tiled = false, int T = kQ4_K>  // (Q5_K: the same first 16 bytes, in blocks of 176)
+template <int T = kQ4_K>  // (Q5_K: the same first 16 bytes, in blocks of 176)
 inline void tile_scales_k4(const uint8_t* const p[kLanes], int64_t nb, int32_t* sc, float* fl) {
   constexpr int64_t bytes = layout_of(T).bytes;
   // element k of the result: dword c of row k, rows 0-7 from the first two vectors' lanes, 8-15 from the others
@@ -74,20 +75,16 @@ inline void tile_scales_k4(const uint8_t* const p[kLanes], int64_t nb, int32_t* 
       _mm512_setr_epi32(3, 7, 11, 15, 19, 23, 27, 31, 0, 0, 0, 0, 0, 0, 0, 0)};
   for (int64_t b = 0; b < nb; ++b) {
     __m512i dw[4];  // dw[c]: dword c of each row, row k in element k
-    if constexpr (Tiled) {
-      for (int c = 0; c < 4; ++c) dw[c] = _mm512_loadu_si512(p[0] + kLanes * bytes * b + 64 * c);
-    } else {
-      __m512i r[4];  // r[q]: rows 4q .. 4q + 3, a row's 16 bytes a 128-bit lane
-      for (int q = 0; q < 4; ++q) {
-        const uint8_t* const* rows = p + 4 * q;
-        auto row = [&](int i) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[i] + b * bytes)); };
-        r[q] = _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(_mm512_castsi128_si512(row(0)), row(1), 1),
-                                                     row(2), 2), row(3), 3);
-      }
-      for (int c = 0; c < 4; ++c)
-        dw[c] = _mm512_inserti64x4(_mm512_permutex2var_epi32(r[0], pick[c], r[1]),
-                                   _mm512_castsi512_si256(_mm512_permutex2var_epi32(r[2], pick[c], r[3])), 1);
+    __m512i r[4];  // r[q]: rows 4q .. 4q + 3, a row's 16 bytes a 128-bit lane
+    for (int q = 0; q < 4; ++q) {
+      const uint8_t* const* rows = p + 4 * q;
+      auto row = [&](int i) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[i] + b * bytes)); };
+      r[q] = _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(_mm512_castsi128_si512(row(0)), row(1), 1),
+                                                   row(2), 2), row(3), 3);
     }
+    for (int c = 0; c < 4; ++c)
+      dw[c] = _mm512_inserti64x4(_mm512_permutex2var_epi32(r[0], pick[c], r[1]),
+                                 _mm512_castsi512_si256(_mm512_permutex2var_epi32(r[2], pick[c], r[3])), 1);
     const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dw[0]));
     const __m512 dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dw[0], 16)));
     float* f = fl + b * kLaneKFloats;
@@ -100,6 +97,43 @@ inline void tile_scales_k4(const uint8_t* const p[kLanes], int64_t nb, int32_t* 
       _mm512_storeu_ps(f + kLanes * (5 + j), _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(m_hi)));
     });
   }
+}
+
+// A pair's 32 bytes of nibbles a row, transposed (t[i]: bytes 4i .. 4i + 3 of each row), as the low nibbles' values
+// (w0, a byte each) and the high ones' kept in place, 16 times their value (w1: `vpdpbusd` takes them as unsigned
+// bytes up to 240, and lanes_block_k4 shifts their sums back by 4, exactly: every product is a multiple of 16), an
+// `and` each instead of a shift and an `and` for the high ones. `bench_qdot.py --format Q4_K --against` (AMD EPYC
+// Zen 4, one thread, rows in L2, the speed ratio's median and quartiles over 40 alternating batches): 1.10x
+// (1.03-1.29) and 1.08x (0.91-1.17) at K 1024 and 3072 at one activation row, 0.98x and 1.05x at four.
+__attribute__((always_inline)) inline void high_nibbles(const __m512i t[8], __m512i w0[8], __m512i w1[8]) {
+  const __m512i low = _mm512_set1_epi8(0xF), high = _mm512_set1_epi8(static_cast<char>(0xF0));
+  for (int i = 0; i < 8; ++i) {
+    w0[i] = _mm512_and_si512(t[i], low);
+    w1[i] = _mm512_and_si512(t[i], high);
+  }
+}
+
+// Group g's 6-bit scale (k4_scale) and minimum (k4_min) of the 16 rows, as int32 lanes, from a super-block's first
+// four dwords of each row (dw[c]: dword c of row k in lane k; dw[0] is d and dmin): q4k_scales_mins_lanes' values, one
+// at a time, for the tiled loop, which reads those dwords as they lie and so unpacks each value where it is used
+// instead of a tile's scales and minimums going through scratch first (tile_scales_k4, still the untiled loop's).
+// Unpacked once a tile in scratch, they had been about 30% of the tiled Q4_K loop's time at one activation row
+// (that pass skipped, wrongly, ran 1.40x faster). This and high_nibbles together against the loop before both
+// (`bench_qdot.py --against`, AMD EPYC Zen 4, one thread, rows in L2, K 1024 / 3072): Q4_K 1.05x (0.93-1.19) /
+// 1.23x (1.16-1.35) at one row, 1.02x / 1.02x at four; Q5_K 1.21x (1.06-1.33) / 1.37x (1.30-1.43) at one row,
+// 1.11x / 1.04x at four.
+inline __m512i k4_scale(const __m512i dw[4], int g) {
+  const __m512i six = _mm512_set1_epi32(63), nib = _mm512_set1_epi32(15), top = _mm512_set1_epi32(0x30);
+  if (g < 4) return _mm512_and_si512(_mm512_srli_epi32(dw[1], 8 * g), six);
+  return _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(dw[3], 8 * (g - 4)), nib),
+                         _mm512_and_si512(_mm512_srli_epi32(dw[1], 8 * (g - 4) + 2), top));
+}
+
+inline __m512i k4_min(const __m512i dw[4], int g) {
+  const __m512i six = _mm512_set1_epi32(63), nib = _mm512_set1_epi32(15), top = _mm512_set1_epi32(0x30);
+  if (g < 4) return _mm512_and_si512(_mm512_srli_epi32(dw[2], 8 * g), six);
+  return _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(dw[3], 8 * (g - 4) + 4), nib),
+                         _mm512_and_si512(_mm512_srli_epi32(dw[2], 8 * (g - 4) + 2), top));
 }
 
 // res[r] (16 lanes) = activation row m0 + r times the tile's 16 Q4_K rows, r < R (Tiled: p[0] is the tile, its
@@ -117,8 +151,10 @@ inline void lanes_block_k4(const uint8_t* const p[kLanes], const int32_t* sc, co
   const __m512i low = _mm512_set1_epi8(0xF);
   const int64_t pairs = 4 * nb, step = (fetch_bytes / pairs + 63) / 64 * 64;  // the lines to fetch a pair
   for (int64_t b = 0; b < nb; ++b) {
-    __m512i isum[R], qh[8];
+    __m512i isum[R], qh[8], dw[4];
     for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+    if constexpr (Tiled)  // d, dmin and the scales: each unpacked where it is used (k4_scale, k4_min), not in scratch
+      for (int c = 0; c < 4; ++c) dw[c] = _mm512_loadu_si512(p[0] + kLanes * bytes * b + 64 * c);
     if constexpr (T == kQ5_K && Tiled) {  // dwords 4 .. 11 of the super-block
       for (int i = 0; i < 8; ++i) qh[i] = _mm512_loadu_si512(p[0] + kLanes * bytes * b + 64 * (4 + i));
     } else if constexpr (T == kQ5_K) {
@@ -135,10 +171,14 @@ inline void lanes_block_k4(const uint8_t* const p[kLanes], const int32_t* sc, co
       } else {
         load_transposed16(p, b * bytes + qs + 32 * j, t);  // the pair's 32 bytes of nibbles
       }
-      __m512i w0[8], w1[8];  // groups 2j and 2j + 1: values 4i .. 4i + 3 of each row
-      for (int i = 0; i < 8; ++i) {
-        w0[i] = _mm512_and_si512(t[i], low);
-        w1[i] = _mm512_and_si512(_mm512_srli_epi16(t[i], 4), low);
+      __m512i w0[8], w1[8];  // groups 2j and 2j + 1: values 4i .. 4i + 3 of each row (Q4_K: 2j + 1's times 16)
+      if constexpr (T == kQ4_K) {
+        high_nibbles(t, w0, w1);
+      } else {
+        for (int i = 0; i < 8; ++i) {
+          w0[i] = _mm512_and_si512(t[i], low);
+          w1[i] = _mm512_and_si512(_mm512_srli_epi16(t[i], 4), low);
+        }
       }
       if constexpr (T == kQ5_K) {  // the fifth bits: bit 2j of qh[l] for group 2j's value l, 2j + 1 for the other
         const __m512i sixteen = _mm512_set1_epi8(16), bit0 = _mm512_set1_epi8(static_cast<char>(1 << (2 * j))),
@@ -148,23 +188,32 @@ inline void lanes_block_k4(const uint8_t* const p[kLanes], const int32_t* sc, co
           w1[i] = _mm512_mask_add_epi8(w1[i], _mm512_test_epi8_mask(qh[i], bit1), w1[i], sixteen);
         }
       }
-      const __m512i s0 = _mm512_loadu_si512(sc + b * kLaneKInts + kLanes * (2 * j)),
-                    s1 = _mm512_loadu_si512(sc + b * kLaneKInts + kLanes * (2 * j + 1));
+      const int32_t* scales = sc + b * kLaneKInts + kLanes * 2 * j;  // (untiled: tile_scales_k4's)
+      const __m512i s0 = Tiled ? k4_scale(dw, 2 * j) : _mm512_loadu_si512(scales),
+                    s1 = Tiled ? k4_scale(dw, 2 * j + 1) : _mm512_loadu_si512(scales + kLanes);
       for (int r = 0; r < R; ++r) {
         __m512i p0, p1;
         pair_sums(w0, w1, x.kq + (m0 + r) * K + b * kQK_K + 64 * j, p0, p1);
+        if constexpr (T == kQ4_K) p1 = _mm512_srai_epi32(p1, 4);  // (high_nibbles: exact)
         isum[r] = _mm512_add_epi32(isum[r], _mm512_add_epi32(_mm512_mullo_epi32(p0, s0), _mm512_mullo_epi32(p1, s1)));
       }
     }
-    const float* f = fl + b * kLaneKFloats;
-    const __m512 d = _mm512_loadu_ps(f);
+    __m512 d, mins[8];  // d, and each group's dmin * minimum (tile_scales_k4's, the same values)
+    if constexpr (Tiled) {
+      d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dw[0]));
+      const __m512 dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dw[0], 16)));
+      for (int j = 0; j < 8; ++j) mins[j] = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(k4_min(dw, j)));
+    } else {
+      const float* f = fl + b * kLaneKFloats;
+      d = _mm512_loadu_ps(f);
+      for (int j = 0; j < 8; ++j) mins[j] = _mm512_loadu_ps(f + kLanes * (1 + j));
+    }
     for (int r = 0; r < R; ++r) {
       const int64_t row = m0 + r;
       __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(d, _mm512_set1_ps(x.kd[row * nb + b])),
                                  acc[r]);
       const float* ksf = x.ksf + row * (K / kQK) + 8 * b;
-      for (int j = 0; j < 8; ++j)
-        v = _mm512_fnmadd_ps(_mm512_loadu_ps(f + kLanes * (1 + j)), _mm512_set1_ps(ksf[j]), v);
+      for (int j = 0; j < 8; ++j) v = _mm512_fnmadd_ps(mins[j], _mm512_set1_ps(ksf[j]), v);
       acc[r] = v;
     }
   }
@@ -188,7 +237,7 @@ void qlinear_lanes_k(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, c
     for (int j = 0; j < kLanes; ++j) p[j] = w + (n + std::min<int64_t>(j, count - 1)) * ldw;
     const int64_t fetch_begin = std::min(n_end, n + ahead) * ldw;  // the tile `ahead` rows on
     const int64_t fetch_bytes = std::min(n_end, n + ahead + kLanes) * ldw - fetch_begin;
-    tile_scales_k4<false, T>(p, nb, sc, fl);
+    tile_scales_k4<T>(p, nb, sc, fl);
     const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
     const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
     __m512 res[kLaneRowsR];
@@ -209,16 +258,10 @@ void qlinear_lanes_k(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, c
 template <int T, typename O>
 void qlinear_tiles_k(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, const float* bias, O* out,
                      int64_t ldo, int64_t n_begin, int64_t n_end, QScratch& s) {
-  const int64_t nb = x.K / kQK_K;
-  const int64_t floats = nb * (kLaneKFloats + kLaneKInts);
-  if (static_cast<int64_t>(s.sc.size()) < floats) s.sc.resize(floats);
-  float* fl = s.sc.data();
-  int32_t* sc = reinterpret_cast<int32_t*>(fl + nb * kLaneKFloats);
+  (void)s;  // (the tiles' scales are unpacked in the loop: no scratch)
   tiles_in(w, ldw, M, bias, out, ldo, n_begin, n_end, [&](const uint8_t* const p[kLanes], int64_t m, auto rr,
                                                          __m512* res, const uint8_t* fetch, int64_t fetch_bytes) {
-    constexpr int RR = decltype(rr)::value;
-    if (m == 0) tile_scales_k4<true, T>(p, nb, sc, fl);
-    lanes_block_k4<RR, true, T>(p, sc, fl, x, m, res, fetch, fetch_bytes);
+    lanes_block_k4<decltype(rr)::value, true, T>(p, nullptr, nullptr, x, m, res, fetch, fetch_bytes);
   });
 }
 #else
