@@ -8,7 +8,8 @@ the --formats given: any llama-quantize type, e.g. Q5_K_M).
 `run` serves each file with both servers through `scripts/bench.py` (one stream and 16, same file, same threads,
 random prompts, fixed-length answers) and prints one table with the ratios; at one stream also each server's share of
 the memory roofline (the decode rate, 1 / TPOT p50, times the weight bytes a token reads, over the read bandwidth
-bench.py measured just before that server's run: a shared host's bandwidth moves by 1.5x from minute to minute). `table` prints the table again from the results `run` saved.
+bench.py measured just before that server's run: a shared host's bandwidth moves by 1.5x from minute to minute).
+`table` prints the table again from the results `run` saved.
 
     python scripts/bench_families.py make --shapes qwen3-0.6b,llama-3.2-1b
     python scripts/bench_families.py run --shapes qwen3-0.6b --formats Q4_K_M,Q8_0

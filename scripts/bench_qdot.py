@@ -154,7 +154,7 @@ def main() -> None:
                         help="packed Q4_0 / Q4_1 / Q8_0, Q5_0, Q4_K, Q5_K and Q6_K as rows, not in the tiles the "
                              "engine gives them where the build multiplies tiles (the AVX-512 VNNI builds)")
     parser.add_argument("--against", type=Path, metavar="CHECKOUT",
-                        help="another checkout's kernels, timed alternately with this one's in one process")
+                        help="another checkout's kernels, timed in turns with this one's (two processes, same rows)")
     args = parser.parse_args()
     module = cpu_kernels.load(tool_cache_dir(), cap=args.cpu_isa)
     if module is None:
