@@ -49,6 +49,7 @@ using bf16 = c10::BFloat16;
 using f16 = c10::Half;  // a KV cache's element where it is kept in float16 (the decoder's attention reads it)
 
 inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
+inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }  // into L2 (prefetcht1), not L1
 
 // A spin-wait hint to the core (another hardware thread may use the pipeline meanwhile).
 inline void cpu_relax() {
