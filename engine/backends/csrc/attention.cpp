@@ -211,9 +211,9 @@ void attend_chunk(const AttnItem& item, const T* q, const C* k_cache, const C* v
     std::fill(v_sc + span, v_sc + kAttnChunk + kPos, 0.f);
   }
   // The rows come from memory (a step's weight stream evicts them): ask for all of the chunk's rows up front, into
-  // L2. Into L1 (prefetcht0) the 512 lines of a float16 chunk at head_dim 128 are the whole L1, and the rows of one
-  // KV head lie kv_heads * dim elements apart, on few of its sets: the chunk was read 10-20% slower (AMD EPYC Zen 4,
-  // docs/benchmarks.md "Decode attention's rows from memory").
+  // L2. Into L1 (prefetcht0; 512 lines, a float16 chunk at head_dim 128, are the whole L1) the loop still waited on
+  // the V rows' lines, and a step's attention ran 1.2x slower (AMD EPYC Zen 4, docs/benchmarks.md "Decode
+  // attention's rows from memory").
   const int64_t row_bytes = dim * static_cast<int64_t>(sizeof(C));
   for (int64_t o = 0; o < span; ++o)
     for (int64_t l = 0; l < row_bytes; l += 64) {
