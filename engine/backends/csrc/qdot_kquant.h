@@ -46,20 +46,30 @@ inline __m128i q4k_scales_mins_x(const uint8_t* b) {
 }
 #endif
 
-// The scales and minimums of a Q4_K super-block for one row a 32-bit lane (the Q4_K lanes, qdot_lanes8.h and
-// qdot_lanes_k.h, at 256 and 512 bits): dw[c] holds dword c of each row's first 16 bytes (dw[1], dw[2] the low six
-// bits of scales and minimums 0-3, dw[3] the nibbles of 4-7, bits 6-7 of dw[1], dw[2] their top bits: ggml's
-// get_scale_min_k4, as q4k_scales_mins_x); store(j, s_lo, s_hi, m_lo, m_hi) takes scales j and 4 + j and minimums j
-// and 4 + j as int32 lanes. `ops`: the width's and_, or_, srli32 and set1_32.
+// Group g's (0-7) 6-bit scale (q4k_scale) and minimum (q4k_min) of a Q4_K / Q5_K super-block for one row a 32-bit
+// lane (the K-quant lanes, qdot_lanes8.h and qdot_lanes_k.h, at 256 and 512 bits): dw[c] holds dword c of each row's
+// first 16 bytes (dw[1], dw[2] the low six bits of scales and minimums 0-3, dw[3] the nibbles of 4-7, bits 6-7 of
+// dw[1], dw[2] their top bits: ggml's get_scale_min_k4, as q4k_scales_mins_x). `ops`: the width's and_, or_, srli32
+// and set1_32.
+template <typename V, typename Ops>
+inline V q4k_scale(const V dw[4], int g, Ops ops) {
+  if (g < 4) return ops.and_(ops.srli32(dw[1], 8 * g), ops.set1_32(63));
+  return ops.or_(ops.and_(ops.srli32(dw[3], 8 * (g - 4)), ops.set1_32(15)),
+                 ops.and_(ops.srli32(dw[1], 8 * (g - 4) + 2), ops.set1_32(0x30)));
+}
+
+template <typename V, typename Ops>
+inline V q4k_min(const V dw[4], int g, Ops ops) {
+  if (g < 4) return ops.and_(ops.srli32(dw[2], 8 * g), ops.set1_32(63));
+  return ops.or_(ops.and_(ops.srli32(dw[3], 8 * (g - 4) + 4), ops.set1_32(15)),
+                 ops.and_(ops.srli32(dw[2], 8 * (g - 4) + 2), ops.set1_32(0x30)));
+}
+
+// All eight of them: store(j, s_lo, s_hi, m_lo, m_hi) takes scales j and 4 + j and minimums j and 4 + j.
 template <typename V, typename Ops, typename Store>
 inline void q4k_scales_mins_lanes(const V dw[4], Ops ops, Store&& store) {
-  const V six = ops.set1_32(63), nib = ops.set1_32(15), top = ops.set1_32(0x30);
-  for (int j = 0; j < 4; ++j) {
-    const V s_lo = ops.and_(ops.srli32(dw[1], 8 * j), six), m_lo = ops.and_(ops.srli32(dw[2], 8 * j), six);
-    const V s_hi = ops.or_(ops.and_(ops.srli32(dw[3], 8 * j), nib), ops.and_(ops.srli32(dw[1], 8 * j + 2), top));
-    const V m_hi = ops.or_(ops.and_(ops.srli32(dw[3], 8 * j + 4), nib), ops.and_(ops.srli32(dw[2], 8 * j + 2), top));
-    store(j, s_lo, s_hi, m_lo, m_hi);
-  }
+  for (int j = 0; j < 4; ++j)
+    store(j, q4k_scale(dw, j, ops), q4k_scale(dw, 4 + j, ops), q4k_min(dw, j, ops), q4k_min(dw, 4 + j, ops));
 }
 
 // Asks for the `bytes` at p into L2 (prefetcht2), a line at a time: with p a super-block `fetch` bytes ahead of the

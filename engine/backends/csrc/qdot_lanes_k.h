@@ -62,7 +62,7 @@ inline void transpose_bytes16(__m128i v[16]) {
 // q4k_scales_mins_x): at one activation row, unpacking each row's by shuffles and transposing the bytes had been
 // two fifths of a Q4_K matrix's time.
 // (Tiled, quant.h kQ4_KT and kQ5_KT, the tile's super-blocks hold those four vectors as they are: lanes_block_k4
-// reads them there and unpacks each value where it is used, k4_scale and k4_min.)
+// reads them there and unpacks each value where it is used, q4k_scale and q4k_min.)
 constexpr int64_t kLaneKFloats = 9 * kLanes, kLaneKInts = 8 * kLanes;
 template <int T = kQ4_K>  // (Q5_K: the same first 16 bytes, in blocks of 176)
 inline void tile_scales_k4(const uint8_t* const p[kLanes], int64_t nb, int32_t* sc, float* fl) {
@@ -113,29 +113,6 @@ __attribute__((always_inline)) inline void high_nibbles(const __m512i t[8], __m5
   }
 }
 
-// Group g's 6-bit scale (k4_scale) and minimum (k4_min) of the 16 rows, as int32 lanes, from a super-block's first
-// four dwords of each row (dw[c]: dword c of row k in lane k; dw[0] is d and dmin): q4k_scales_mins_lanes' values, one
-// at a time, for the tiled loop, which reads those dwords as they lie and so unpacks each value where it is used
-// instead of a tile's scales and minimums going through scratch first (tile_scales_k4, still the untiled loop's).
-// Unpacked once a tile in scratch, they had been about 30% of the tiled Q4_K loop's time at one activation row
-// (that pass skipped, wrongly, ran 1.40x faster). This and high_nibbles together against the loop before both
-// (`bench_qdot.py --against`, AMD EPYC Zen 4, one thread, rows in L2, K 1024 / 3072): Q4_K 1.05x (0.93-1.19) /
-// 1.23x (1.16-1.35) at one row, 1.02x / 1.02x at four; Q5_K 1.21x (1.06-1.33) / 1.37x (1.30-1.43) at one row,
-// 1.11x / 1.04x at four.
-inline __m512i k4_scale(const __m512i dw[4], int g) {
-  const __m512i six = _mm512_set1_epi32(63), nib = _mm512_set1_epi32(15), top = _mm512_set1_epi32(0x30);
-  if (g < 4) return _mm512_and_si512(_mm512_srli_epi32(dw[1], 8 * g), six);
-  return _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(dw[3], 8 * (g - 4)), nib),
-                         _mm512_and_si512(_mm512_srli_epi32(dw[1], 8 * (g - 4) + 2), top));
-}
-
-inline __m512i k4_min(const __m512i dw[4], int g) {
-  const __m512i six = _mm512_set1_epi32(63), nib = _mm512_set1_epi32(15), top = _mm512_set1_epi32(0x30);
-  if (g < 4) return _mm512_and_si512(_mm512_srli_epi32(dw[2], 8 * g), six);
-  return _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(dw[3], 8 * (g - 4) + 4), nib),
-                         _mm512_and_si512(_mm512_srli_epi32(dw[2], 8 * (g - 4) + 2), top));
-}
-
 // res[r] (16 lanes) = activation row m0 + r times the tile's 16 Q4_K rows, r < R (Tiled: p[0] is the tile, its
 // nibbles read as they lie: the same values in the same lanes, so the same bits). Q5_K (T): the same, its nibbles
 // after the 32 bytes of fifth bits (qh), which are transposed as the nibbles are (tiled: read as they lie), once a
@@ -153,7 +130,14 @@ inline void lanes_block_k4(const uint8_t* const p[kLanes], const int32_t* sc, co
   for (int64_t b = 0; b < nb; ++b) {
     __m512i isum[R], qh[8], dw[4];
     for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
-    if constexpr (Tiled)  // d, dmin and the scales: each unpacked where it is used (k4_scale, k4_min), not in scratch
+    // Tiled: d, dmin and the scales and minimums unpacked where each is used (q4k_scale, q4k_min), from the tile's
+    // first four dwords a row as they lie, not a tile's worth through scratch first (tile_scales_k4, the untiled
+    // loop's). Unpacked once a tile in scratch, they had been about 30% of the tiled Q4_K loop's time at one
+    // activation row (that pass skipped, wrongly, ran 1.40x faster). This and high_nibbles together against the loop
+    // before both (`bench_qdot.py --against`, AMD EPYC Zen 4, one thread, rows in L2, K 1024 / 3072): Q4_K 1.05x
+    // (0.93-1.19) / 1.23x (1.16-1.35) at one row, 1.02x / 1.02x at four; Q5_K 1.21x (1.06-1.33) / 1.37x (1.30-1.43)
+    // at one row, 1.11x / 1.04x at four.
+    if constexpr (Tiled)
       for (int c = 0; c < 4; ++c) dw[c] = _mm512_loadu_si512(p[0] + kLanes * bytes * b + 64 * c);
     if constexpr (T == kQ5_K && Tiled) {  // dwords 4 .. 11 of the super-block
       for (int i = 0; i < 8; ++i) qh[i] = _mm512_loadu_si512(p[0] + kLanes * bytes * b + 64 * (4 + i));
@@ -189,8 +173,8 @@ inline void lanes_block_k4(const uint8_t* const p[kLanes], const int32_t* sc, co
         }
       }
       const int32_t* scales = sc + b * kLaneKInts + kLanes * 2 * j;  // (untiled: tile_scales_k4's)
-      const __m512i s0 = Tiled ? k4_scale(dw, 2 * j) : _mm512_loadu_si512(scales),
-                    s1 = Tiled ? k4_scale(dw, 2 * j + 1) : _mm512_loadu_si512(scales + kLanes);
+      const __m512i s0 = Tiled ? q4k_scale(dw, 2 * j, Ops512{}) : _mm512_loadu_si512(scales),
+                    s1 = Tiled ? q4k_scale(dw, 2 * j + 1, Ops512{}) : _mm512_loadu_si512(scales + kLanes);
       for (int r = 0; r < R; ++r) {
         __m512i p0, p1;
         pair_sums(w0, w1, x.kq + (m0 + r) * K + b * kQK_K + 64 * j, p0, p1);
@@ -202,7 +186,7 @@ inline void lanes_block_k4(const uint8_t* const p[kLanes], const int32_t* sc, co
     if constexpr (Tiled) {
       d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dw[0]));
       const __m512 dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dw[0], 16)));
-      for (int j = 0; j < 8; ++j) mins[j] = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(k4_min(dw, j)));
+      for (int j = 0; j < 8; ++j) mins[j] = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(q4k_min(dw, j, Ops512{})));
     } else {
       const float* f = fl + b * kLaneKFloats;
       d = _mm512_loadu_ps(f);
