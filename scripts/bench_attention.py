@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         seconds = time_step(module, args.layers, args.heads, args.kv_heads, args.head_dim, ctx, dtype, args.repeats)
         kv_bytes = args.layers * 2 * ctx * args.kv_heads * args.head_dim * dtype.itemsize
         rows.append({"ctx": ctx, "ms": round(seconds * 1e3, 3), "kv_mb": round(kv_bytes / 1e6, 1),
-                     "gb_s": round(kv_bytes / seconds / 1e9, 2)})
+                     "gb_s": round(kv_bytes / seconds / 1e9, 4)})
     print(f"CPU kernels {module.isa()} (this CPU: {cpu_features.detected_level()}), {torch.get_num_threads()} threads,"
           f" {args.layers} layers, {args.heads} / {args.kv_heads} heads of {args.head_dim}, {args.kv_dtype} cache")
     print("| context | ms a step | K and V (MB) | GB/s |\n|---|---|---|---|")
