@@ -221,22 +221,26 @@ class Settings(DerivedValues, BaseSettings):
         None,
         description="The chat template to serve with, instead of the model's own: a Jinja file, or a name the "
         "server knows (llama3.1, llama3.2, qwen2.5, qwen3, gemma, phi3.5, mistral-nemo, mistral-small, granite3.3, "
-        "granite4, deepseek-r1, hermes3; docs/chat-templates.md). Unset: the model's own, else its architecture's "
+        "granite4, deepseek-r1, hermes3, gpt-oss; docs/chat-templates.md). Unset: the model's own, else its architecture's "
         "family format, else chat routes answer 400.",
     )
-    reasoning_parser: Literal["auto", "none", "deepseek_r1", "qwen3"] = Field(
+    reasoning_parser: Literal["auto", "none", "deepseek_r1", "qwen3", "gpt_oss"] = Field(
         "auto",
         description="Split a reasoning model's <think>...</think> into message.reasoning_content (and "
         "delta.reasoning_content in streams). deepseek_r1: the prompt opens <think>, so the answer is reasoning "
-        "until </think>; qwen3: reasoning only when the answer starts with <think>; auto: on when the tokenizer "
-        "or chat template knows the markers, deepseek_r1 when the prompt ends with <think>, else qwen3; none: off.",
+        "until </think>; qwen3: reasoning only when the answer starts with <think>; gpt_oss: gpt-oss's harmony "
+        "channels (analysis is reasoning, final the answer, calls to functions tool calls); auto: gpt_oss for a "
+        "harmony chat template, else on when the tokenizer or chat template knows the markers, deepseek_r1 when "
+        "the prompt ends with <think>, else qwen3; none: off.",
     )
-    tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral", "mistral_args", "granite", "smollm2"] = Field(
+    tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral", "mistral_args", "granite", "harmony",
+                              "smollm2"] = Field(
         "auto",
         description="How the model writes tool calls (parsed into message.tool_calls). hermes: <tool_call>{json}"
         "</tool_call> (Qwen, Hermes); llama3_json: {\"name\", \"parameters\"} JSON (Llama 3.x); mistral: "
         "[TOOL_CALLS][...] (Mistral Nemo); mistral_args: [TOOL_CALLS]name[ARGS]{...} (Mistral Small 3.2); granite: "
-        "<|tool_call|>[...]; smollm2: <tool_call>[...]</tool_call> with Peregrine's default tool prompt (for "
+        "<|tool_call|>[...]; harmony: <|channel|>commentary to=functions.NAME ... <|message|>{...} (gpt-oss, read "
+        "through the gpt_oss reasoning parser); smollm2: <tool_call>[...]</tool_call> with Peregrine's default tool prompt (for "
         "templates without tool support). auto: picked from the chat template's text (docs/chat-templates.md).",
     )
     override_generation_config: dict[str, float] = Field(

@@ -32,9 +32,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from app.chat import structured
+from app.chat import harmony, structured
 from app.chat.prompts import chat_prompt_ids, chat_prompt_text
-from app.chat.tools import NamedChoice, ToolPlan, plan_for
+from app.chat.tools import NamedChoice, ToolPlan, plan_for, special_token_id
 from app.errors import BadRequestError
 from app.openai.schemas import ChatMessage
 from engine.types import SamplingParams
@@ -108,6 +108,8 @@ async def build_plan(tokenizer: Any, request: PlanRequest, tool_call_parser: str
     tool_plan = plan_tools(request.tools, tokenizer, tool_call_parser)
     if tool_plan is not None:
         params = tool_plan.sampling_params(params)
+    if request.conversations and harmony.is_harmony(getattr(tokenizer, "chat_template", None)):
+        params = _harmony(params, tokenizer)
     prompts = [_prompt_ids(tokenizer, messages, tool_plan, options.continue_final_message)
                for messages in request.conversations] or [list(ids) for ids in request.prompt_ids]
     if options.count_only:
@@ -132,6 +134,14 @@ def _prompt_ids(tokenizer: Any, messages: Sequence[ChatMessage], tool_plan: Tool
     text = chat_prompt_text(tokenizer, messages, add_generation_prompt=False, continue_final_message=True,
                             tool_plan=tool_plan)
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _harmony(params: SamplingParams, tokenizer: Any) -> SamplingParams:
+    """A chat turn of a harmony model (gpt-oss): its channel markers are special tokens, kept in the text for the
+    harmony splitter (`app/chat/harmony.py`), and its turn-ending tokens stop it whatever its configuration says."""
+    ids = [i for tag in harmony.STOP_TOKENS if (i := special_token_id(tag, tokenizer)) is not None]
+    stops = params.stop_token_ids + tuple(i for i in ids if i not in params.stop_token_ids)
+    return replace(params, skip_special_tokens=False, stop_token_ids=stops)
 
 
 def _fit(params: SamplingParams, prompt_len: int, context: int) -> SamplingParams:

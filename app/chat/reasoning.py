@@ -10,6 +10,9 @@ Parsers (`--reasoning-parser`):
 - `qwen3`: reasoning only when the answer starts with `<think>` (Qwen3, QwQ); else it is all content.
 - `auto` (default): on for tokenizers that know the `<think>`/`</think>` tokens or templates that write
   them, off otherwise; per request, `deepseek_r1` when the rendered prompt ends with `<think>`, else `qwen3`.
+- `gpt_oss`: gpt-oss's harmony channels (`app/chat/harmony.py`): the analysis channel is reasoning, the final
+  channel content, and a call to a function is rewritten for the tool parser; `auto` picks it for a chat
+  template that writes the harmony format.
 - `none`: off; the markers stay in `content`.
 The splitter works on text deltas, holding back a tail that may be the start of a marker, so a marker
 split across tokens is never streamed as content.
@@ -19,14 +22,23 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
+from app.chat.harmony import HarmonySplitter, is_harmony
 from app.openai.schemas import ChatCompletionResponse
 from engine.core.stopping import partial_stop_len
 
-ReasoningParser = Literal["auto", "none", "deepseek_r1", "qwen3"]
+ReasoningParser = Literal["auto", "none", "deepseek_r1", "qwen3", "gpt_oss"]
 START, END = "<think>", "</think>"
 Mode = Literal["await", "reasoning", "content"]
+
+
+class Splitter(Protocol):
+    """Splits one choice's streamed text into (reasoning, content) deltas; `flush` gives what it held back."""
+
+    def feed(self, text: str) -> tuple[str, str]: ...
+
+    def flush(self) -> tuple[str, str]: ...
 
 
 class ReasoningSplitter:
@@ -113,8 +125,10 @@ def parser_enabled(parser: str, tokenizer: Any) -> bool:
 _knows_markers: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
 
-def splitter_factory(parser: str, tokenizer: Any, prompt_ids: list[int]) -> Callable[[], ReasoningSplitter] | None:
+def splitter_factory(parser: str, tokenizer: Any, prompt_ids: list[int]) -> Callable[[], Splitter] | None:
     """Makes one splitter per choice of this request; None when reasoning parsing is off for this model."""
+    if parser == "gpt_oss" or (parser == "auto" and is_harmony(getattr(tokenizer, "chat_template", None))):
+        return HarmonySplitter
     if not parser_enabled(parser, tokenizer):
         return None
     if parser == "auto":
@@ -125,8 +139,7 @@ def splitter_factory(parser: str, tokenizer: Any, prompt_ids: list[int]) -> Call
     return lambda: ReasoningSplitter(in_reasoning)
 
 
-def split_response(response: ChatCompletionResponse,
-                   new_splitter: Callable[[], ReasoningSplitter]) -> ChatCompletionResponse:
+def split_response(response: ChatCompletionResponse, new_splitter: Callable[[], Splitter]) -> ChatCompletionResponse:
     """Move each choice's reasoning out of `content` (non-stream answers)."""
     for choice in response.choices:
         splitter = new_splitter()
@@ -140,10 +153,10 @@ def split_response(response: ChatCompletionResponse,
 
 
 async def split_chunks(events: AsyncIterator[dict[str, Any]],
-                       new_splitter: Callable[[], ReasoningSplitter]) -> AsyncIterator[dict[str, Any]]:
+                       new_splitter: Callable[[], Splitter]) -> AsyncIterator[dict[str, Any]]:
     """Move reasoning from `delta.content` to `delta.reasoning_content` (and `delta.reasoning`) in chat
     stream chunks, one splitter per choice; what a splitter holds back goes out with the choice's last chunk."""
-    splitters: dict[int, ReasoningSplitter] = {}
+    splitters: dict[int, Splitter] = {}
     async for event in events:
         for choice in event.get("choices") or []:
             delta, index = choice.get("delta") or {}, choice["index"]

@@ -8,6 +8,7 @@ reads calls back out of the generated text (whole answers and streams alike).
 | `mistral`     | `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (Mistral Nemo)   | writes `[TOOL_CALLS]`    |
 | `mistral_args`| `[TOOL_CALLS]name[ARGS]{...}` per call (Mistral Small 3.2, Ministral 3)  | writes `[ARGS]`          |
 | `granite`     | `<|tool_call|>[{"name": ..., "arguments": {...}}, ...]` (Granite 3.x)   | writes `<|tool_call|>`   |
+| `harmony`     | `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}` (gpt-oss; one call a turn) | writes `<|channel|>` and `<|message|>` |
 | `smollm2`     | `<tool_call>[{"name": ..., "arguments": {...}}, ...]</tool_call>`       | takes no `tools` (default prompt) |
 
 `smollm2` is the format SmolLM2-Instruct was trained on (its model card's tool prompt), and the format of the
@@ -17,6 +18,8 @@ One parser (`CallStream`) serves every format: text is content until the format'
 `[TOOL_CALLS]`, ...); from there every top-level JSON object is a call `{"name", "arguments" | "parameters"}`.
 Fed text deltas, it returns content deltas and OpenAI tool-call deltas: the name first (with id and type and
 empty arguments), then argument fragments as they are generated. A whole answer is one big delta.
+`harmony` calls reach it already in the Hermes form: `app/chat/harmony.py` rewrites them in the reasoning layer,
+which runs first; its grammar constrains the harmony text the model writes.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from app.chat.harmony import is_harmony
 from engine.core.stopping import partial_stop_len
 
 
@@ -40,12 +44,15 @@ class ToolFormat:
     args_key: Literal["arguments", "parameters"] = "arguments"
     trigger_in_call: bool = False  # the trigger is the start of the call itself (llama3_json's `{"name":`)
     args_tag: str | None = None  # calls written `name<args_tag>{...}` rather than as JSON objects (mistral_args)
+    grammar_trigger: str | None = None  # the lazy grammar's trigger where the model writes another form (harmony)
 
     def grammar(self, tools: list[dict[str, Any]], parallel: bool, *, lazy: bool,
                 term: Callable[[str], str] = json.dumps) -> str:
         """Lark source of a valid call (or calls). `lazy`: the grammar of what follows the trigger (the engine
         feeds the matcher the text after it); else from the first token, trigger included. `term`: a tag as a
         Lark terminal (its text quoted, or `<[id]>` where the tokenizer has it as one token)."""
+        if self.name == "harmony":
+            return _harmony(tools, lazy, term)
         rules = _call_rules(tools, self.args_key)
         if self.args_tag is not None:
             rules += _tagged_call_rule(tools, term(self.args_tag))
@@ -85,6 +92,18 @@ def _llama3(first: str, parallel: bool, term: Term) -> str:
     return f"{first}{more}"
 
 
+def _harmony(tools: list[dict[str, Any]], lazy: bool, term: Term) -> str:
+    """One harmony call: from the first token `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>`
+    and the arguments; lazy, what follows `to=functions.` (the recipient may stand in the role header, then the
+    channel follows the name). The arguments end it: the model's `<|call|>` is a stop token."""
+    msg, constrain, channel = term("<|message|>"), term("<|constrain|>"), term("<|channel|>")
+    kind = f'(" " {constrain} "json" | " json")'
+    alts = " | ".join(f"({_lark_str(tool['name'])} head args_{i})" for i, tool in enumerate(tools))
+    start = "harmony_call" if lazy else f'{channel} "commentary to=functions." harmony_call'
+    return (f"start: {start}\nharmony_call: {alts}\nhead: ({kind} | {channel} \"commentary\" {kind}?)? {msg}\n"
+            + _call_rules(tools, "arguments"))
+
+
 _BODIES = {"hermes": _hermes, "smollm2": _smollm2, "mistral": _mistral, "llama3_json": _llama3,
            "mistral_args": _mistral_args, "granite": _mistral}
 
@@ -94,6 +113,7 @@ FORMATS: dict[str, ToolFormat] = {
     "mistral": ToolFormat("mistral", "[TOOL_CALLS]"),
     "mistral_args": ToolFormat("mistral_args", "[TOOL_CALLS]", args_tag="[ARGS]"),
     "granite": ToolFormat("granite", "<|tool_call|>"),
+    "harmony": ToolFormat("harmony", "<tool_call>", grammar_trigger="to=functions."),
     "llama3_json": ToolFormat("llama3_json", '{"name": ', args_key="parameters", trigger_in_call=True),
 }
 
@@ -140,6 +160,8 @@ def detect(template: str | None) -> str:
     """The parser for a model, from the text of its chat template (see the module table): the markers the
     template writes in assistant turns are the ones the model was trained to generate."""
     template = template or ""
+    if is_harmony(template):
+        return "harmony"
     if "[TOOL_CALLS]" in template:
         return "mistral_args" if "[ARGS]" in template else "mistral"
     if "<|tool_call|>" in template:

@@ -131,7 +131,7 @@ def _check_unique(functions: list[dict[str, Any]]) -> None:
 def _constraint(fmt: ToolFormat, functions: list[dict[str, Any]], parallel: bool, tokenizer: Any,
                 lazy: bool) -> Constraint:
     grammar = fmt.grammar(functions, parallel, lazy=lazy, term=lambda tag: _terminal(tag, tokenizer))
-    return Constraint(kind="lark", value=grammar, trigger=fmt.trigger if lazy else None)
+    return Constraint(kind="lark", value=grammar, trigger=(fmt.grammar_trigger or fmt.trigger) if lazy else None)
 
 
 def _terminal(tag: str, tokenizer: Any) -> str:
@@ -169,7 +169,8 @@ def template_input(conversation: list[dict[str, Any]], tool_plan: ToolPlan | Non
     if template and "alphanumeric strings with length 9" in template:  # Mistral's templates refuse other ids
         conversation = [_nine_char_ids(m) for m in conversation]
     if template_takes_tools(template):
-        tools = [{"type": "function", "function": f} for f in tool_plan.functions] if tool_plan else None
+        tools = [{"type": "function", "function": _described(f, template)} for f in tool_plan.functions] \
+            if tool_plan else None
         return conversation, tools
     out = [_plain_message(m) for m in conversation]
     if tool_plan is not None:
@@ -179,6 +180,14 @@ def template_input(conversation: list[dict[str, Any]], tool_plan: ToolPlan | Non
         else:
             out.insert(0, {"role": "system", "content": prompt})
     return out, None
+
+
+def _described(function: dict[str, Any], template: str | None) -> dict[str, Any]:
+    """A tool without a description gets an empty one for a template that reads the field unguarded (gpt-oss's,
+    Hermes 3's: `"// " + tool.description` fails on an undefined value, so the request would be a 400)."""
+    if function.get("description") is not None or ".description" not in (template or ""):
+        return function
+    return function | {"description": ""}
 
 
 def _json_arguments(message: dict[str, Any]) -> dict[str, Any]:

@@ -22,14 +22,16 @@ asked for (see `app/streaming.py`).
 from __future__ import annotations
 
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from app.chat import harmony
 from app.chat.plan import RequestPlan, build_plan
 from app.chat.prompts import completion_prompt_ids
-from app.deps import engine_for, generates, tool_call_parser
+from app.deps import Engine, engine_for, generates, tool_call_parser
 from app.engine_client import generate
 from app.errors import NotFoundError
 from app.health import engine_state
@@ -44,6 +46,7 @@ from app.llama_stack.schemas import (
 )
 from app.openai.embeddings import get_embedder, run_embed
 from app.streaming import stream_format, stream_response
+from engine.types import RequestOutput
 
 router = APIRouter(tags=["llama-stack"])
 LEGACY_PREFIXES = ("/inference", "/alpha/inference", "/v1/inference")
@@ -154,7 +157,7 @@ async def chat_completion(body: ChatCompletionRequest, request: Request) -> Any:
     deltas); `response_format` (`json_schema`, `grammar`) constrains the answer (see app/llama_stack/tools.py)."""
     engine, _ = await engine_for(request, body.model_name)
     plan = await build_plan(engine.tokenizer, conv.chat_plan(body), tool_call_parser(request))
-    outputs = generate(engine, plan.prompts, plan.params, _rid("chat"), prompt_param="messages")
+    outputs = _channels(engine, generate(engine, plan.prompts, plan.params, _rid("chat"), prompt_param="messages"))
     want_logprobs = plan.params.logprobs is not None
     if body.stream:
         events = conv.chat_events(outputs, _delta_style(request), want_logprobs)
@@ -163,6 +166,13 @@ async def chat_completion(body: ChatCompletionRequest, request: Request) -> Any:
         return _stream(request, events)
     folds = await conv.fold_outputs(outputs, 1, want_logprobs)
     return _chat_responses(plan, folds)[0]
+
+
+def _channels(engine: Engine, outputs: AsyncIterator[tuple[int, RequestOutput]],
+              ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """A harmony model's chat outputs (gpt-oss) as plain content: this API has no reasoning field."""
+    return harmony.content_only(outputs) if harmony.is_harmony(getattr(engine.tokenizer, "chat_template", None)) \
+        else outputs
 
 
 def _chat_responses(plan: RequestPlan, folds: list[conv.Fold]) -> list[dict[str, Any]]:
@@ -195,7 +205,8 @@ async def batch_chat_completion(body: BatchChatCompletionRequest, request: Reque
     """Several conversations in one request, run concurrently: `{"batch": [chat response, ...]}`."""
     engine, _ = await engine_for(request, body.model_name)
     plan = await build_plan(engine.tokenizer, conv.chat_plan(body), tool_call_parser(request))
-    outputs = generate(engine, plan.prompts, plan.params, _rid("chat"), prompt_param="messages_batch")
+    outputs = _channels(engine, generate(engine, plan.prompts, plan.params, _rid("chat"),
+                                         prompt_param="messages_batch"))
     folds = await conv.fold_outputs(outputs, len(plan.prompts), plan.params.logprobs is not None)
     return {"batch": _chat_responses(plan, folds)}
 

@@ -65,14 +65,16 @@ async def create_chat_completion(
 
     Reasoning models: the thinking between `<think>` and `</think>` comes in `message.reasoning_content`
     (and `delta.reasoning_content` in streams; both also as `reasoning`), the answer in `content`; the
-    server's `--reasoning-parser` (auto, none, deepseek_r1, qwen3) chooses how. vLLM's `prompt_logprobs`
-    extra returns the prompt tokens' logprobs in the top-level `prompt_logprobs`.
+    server's `--reasoning-parser` (auto, none, deepseek_r1, qwen3, gpt_oss) chooses how; gpt-oss's analysis
+    channel is its reasoning. vLLM's `prompt_logprobs` extra returns the prompt tokens' logprobs in the
+    top-level `prompt_logprobs`.
 
     Tools: `tools`, `tool_choice` (none, auto, required, or a named function) and `parallel_tool_calls`.
     Calls come back in `message.tool_calls` with `finish_reason: "tool_calls"` (streams: OpenAI's tool-call
     deltas, the name first, then argument fragments). `required` and a named function are constrained to a
     valid call from the first token; with `auto`, a call the model starts is constrained from there on. The
-    model's own format is parsed (`--tool-call-parser`: auto, hermes, llama3_json, mistral, smollm2).
+    model's own format is parsed (`--tool-call-parser`: auto, hermes, llama3_json, mistral, mistral_args,
+    granite, harmony, smollm2).
     """
     engine, model = await engine_for(request, body.model, body.keep_alive)
     plan = await build_plan(engine.tokenizer, conv.chat_plan(body, engine.vocab_size, generation_defaults(request)), tool_call_parser(request))

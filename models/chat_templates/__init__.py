@@ -16,7 +16,7 @@ HERE = Path(__file__).resolve().parent
 
 # the names `--chat-template` knows: one file each in this folder
 NAMES = ("llama3.1", "llama3.2", "qwen2.5", "qwen3", "gemma", "phi3.5", "mistral-nemo", "mistral-small",
-         "granite3.3", "granite4", "deepseek-r1", "hermes3")  # fmt: skip
+         "granite3.3", "granite4", "deepseek-r1", "hermes3", "gpt-oss")  # fmt: skip
 
 # `general.architecture` of a GGUF / `model_type` of a config -> the family's format, for a file without one
 BY_ARCHITECTURE = {
@@ -29,6 +29,8 @@ BY_ARCHITECTURE = {
     "phi3": "phi3.5",
     "mistral": "mistral-nemo",
     "granite": "granite3.3",
+    "gpt-oss": "gpt-oss",
+    "gpt_oss": "gpt-oss",
 }
 
 

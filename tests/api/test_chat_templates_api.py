@@ -2,7 +2,8 @@
 removed: without `--chat-template` it is served with its architecture's family format (llama -> llama3.1, said in
 the start log) and completions work; with `--chat-template qwen2.5` (the real Qwen2.5 template Peregrine ships) a
 forced tool call (tool_choice naming the function: the grammar forces the call's JSON) streams through the `openai`
-SDK and round-trips: the call, the tool's result, an answer. A tiny random GPT-2 (an architecture that names no
+SDK and round-trips: the call, the tool's result, an answer; the same with `--chat-template gpt-oss` (the harmony
+format: the forced call is written in harmony's channels and read back through them). A tiny random GPT-2 (an architecture that names no
 family format) without a template: chat routes answer 400 saying how to pass one, completions work."""
 
 from __future__ import annotations
@@ -75,6 +76,11 @@ def qwen_server(bare_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     yield from serve(bare_model, tmp_path_factory.mktemp("qwen"), "--chat-template", "qwen2.5")
 
 
+@pytest.fixture(scope="module")
+def harmony_server(bare_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TinyServer]:
+    yield from serve(bare_model, tmp_path_factory.mktemp("gpt-oss"), "--chat-template", "gpt-oss")
+
+
 def client(server: TinyServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=300, max_retries=0)
 
@@ -87,9 +93,11 @@ def test_a_model_without_a_template_gets_its_familys(family_server: TinyServer) 
     assert done.choices[0].finish_reason in ("length", "stop")
 
 
-def test_a_forced_tool_call_streams_and_round_trips(qwen_server: TinyServer) -> None:
-    assert "chat template: --chat-template qwen2.5" in qwen_server.log_tail(200_000)
-    api = client(qwen_server)
+@pytest.mark.parametrize("template", ["qwen2.5", "gpt-oss"])
+def test_a_forced_tool_call_streams_and_round_trips(template: str, request: pytest.FixtureRequest) -> None:
+    server = request.getfixturevalue("qwen_server" if template == "qwen2.5" else "harmony_server")
+    assert f"chat template: --chat-template {template}" in server.log_tail(200_000)
+    api = client(server)
     choice = {"type": "function", "function": {"name": "get_weather"}}
     with api.chat.completions.stream(model="tiny", messages=ASK, tools=[WEATHER], tool_choice=choice,
                                      max_tokens=200, temperature=0) as stream:  # fmt: skip

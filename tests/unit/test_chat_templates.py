@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from app.chat import harmony
 from app.chat.plan import plan_tools
 from app.chat.prompts import chat_prompt_text
 from app.chat.tool_parsers import FORMATS, CallStream, detect, parse
@@ -48,6 +49,9 @@ FAMILIES = {
                      '"id": "abcDEF123"}]'),
     "mistral-small": ("mistral_args", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'),
     "granite3.3": ("granite", '<|tool_call|>[{"arguments": {"city": "Paris"}, "name": "get_weather"}]'),
+    # harmony: read through app/chat/harmony.py's channels first (`readable`)
+    "gpt-oss": ("harmony", '<|channel|>analysis<|message|>A tool.<|end|><|start|>assistant<|channel|>commentary '
+                'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}'),
     # no tool support in the template: Peregrine's default tool prompt and the smollm2 format
     "gemma": ("smollm2", '<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}]</tool_call>'),
     "phi3.5": ("smollm2", '<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}]</tool_call>'),
@@ -73,8 +77,13 @@ def render(tokenizer: Any, messages: list[dict[str, Any]]) -> str:
     return chat_prompt_text(tokenizer, [ChatMessage.model_validate(m) for m in messages], tool_plan=plan)
 
 
+def readable(fmt_name: str, text: str) -> str:
+    """The text the tool parser reads: harmony's channels rewritten by the reasoning layer, others as they are."""
+    return harmony.split(text)[1] if fmt_name == "harmony" else text
+
+
 def only_call(fmt_name: str, text: str) -> tuple[str, dict[str, Any]]:
-    _, calls = parse(FORMATS[fmt_name], text, frozenset({"get_weather"}))
+    _, calls = parse(FORMATS[fmt_name], readable(fmt_name, text), frozenset({"get_weather"}))
     assert len(calls) == 1, (fmt_name, text)
     return calls[0].name, json.loads(calls[0].arguments)
 
@@ -95,7 +104,8 @@ def test_the_template_renders_a_tool_round_trip_that_parses_back(base_tokenizer:
     """The tools reach the prompt; the assistant's call as the template writes it is what the parser reads."""
     tokenizer = with_template(base_tokenizer, name)
     text = render(tokenizer, HISTORY)
-    assert '"get_weather"' in text and "Weather in a city" in text and "21 C" in text
+    declared = '"get_weather"' in text or "type get_weather = " in text  # JSON, or gpt-oss's TypeScript namespace
+    assert declared and "Weather in a city" in text and "21 C" in text
     after_user = text.split(USER)[-1]
     if name in DROPS_PAST_CALLS:
         assert "tool_calls" not in named(name) and "<|tool_call|>" not in after_user
@@ -104,9 +114,22 @@ def test_the_template_renders_a_tool_round_trip_that_parses_back(base_tokenizer:
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_a_tool_without_descriptions_renders(base_tokenizer: Any, name: str) -> None:
+    """OpenAI's `description` is optional; gpt-oss's and Hermes 3's templates read it unguarded."""
+    tokenizer = with_template(base_tokenizer, name)
+    bare = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+    request = ChatCompletionRequest.model_validate({"messages": HISTORY, "tools": [{"type": "function",
+                                                                                   "function": bare}]})
+    text = chat_prompt_text(tokenizer, [ChatMessage.model_validate(m) for m in HISTORY],
+                            tool_plan=plan_tools(tools_request(request), tokenizer, "auto"))
+    assert "get_weather" in text and "21 C" in text
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_the_familys_output_parses_whole_and_streamed(name: str) -> None:
     parser, output = FAMILIES[name]
     assert only_call(parser, output) == ("get_weather", {"city": "Paris"})
+    output = readable(parser, output)
     stream = CallStream(FORMATS[parser], frozenset({"get_weather"}))
     deltas = [d for i, ch in enumerate(output) for d in stream.feed(ch, final=i == len(output) - 1)[1]]
     assert deltas[0].name == "get_weather" and deltas[0].id
