@@ -69,6 +69,12 @@ def _template_message(i: int, msg: ChatMessage) -> dict[str, Any]:
     for key in ("name", "tool_call_id", "tool_calls"):
         if getattr(msg, key) is not None:
             out[key] = getattr(msg, key)
+    extra = msg.model_extra or {}
+    thinking = extra.get("reasoning_content", extra.get("reasoning"))
+    if msg.role == "assistant" and isinstance(thinking, str) and thinking and not (out["content"] and msg.tool_calls):
+        # an earlier turn's reasoning, as this API returned it: Qwen3's template reads `reasoning_content`, gpt-oss's
+        # `thinking` (transformers fills it from this), which it refuses beside text content on a tool-call turn
+        out["reasoning_content"] = thinking
     return out
 
 

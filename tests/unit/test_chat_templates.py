@@ -125,6 +125,21 @@ def test_a_tool_without_descriptions_renders(base_tokenizer: Any, name: str) -> 
     assert "get_weather" in text and "21 C" in text
 
 
+@pytest.mark.parametrize(("name", "written"), [
+    ("gpt-oss", "<|start|>assistant<|channel|>analysis<|message|>Paris, then.<|end|><|start|>assistant to=functions"),
+    ("qwen3", "<|im_start|>assistant\n<think>\nParis, then.\n</think>\n\n<tool_call>"),
+])  # fmt: skip
+def test_a_tool_turns_reasoning_sent_back_reaches_the_template(base_tokenizer: Any, name: str, written: str) -> None:
+    """`reasoning_content` on an earlier assistant turn (as this API returned it): Qwen3's template renders it as
+    `reasoning_content`, gpt-oss's as `thinking`; beside text content on a tool-call turn (which gpt-oss's template
+    refuses with reasoning) the content alone."""
+    tokenizer = with_template(base_tokenizer, name)
+    history = [HISTORY[0], HISTORY[1] | {"reasoning_content": "Paris, then."}, HISTORY[2]]
+    assert written in render(tokenizer, history)
+    with_text = [HISTORY[0], HISTORY[1] | {"content": "Checking.", "reasoning_content": "Paris, then."}, HISTORY[2]]
+    assert "Checking." in render(tokenizer, with_text)
+
+
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_the_familys_output_parses_whole_and_streamed(name: str) -> None:
     parser, output = FAMILIES[name]
