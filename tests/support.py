@@ -106,9 +106,13 @@ def load_hf(path: Path | str, dtype: str = "float32", gguf_file: str | None = No
 
 @contextmanager
 def hf_attention(model: Any) -> Iterator[None]:
-    """Temporarily give the model back to transformers' own SDPA attention (for reference generate)."""
+    """Temporarily give the model back to transformers' own attention (for reference generate): SDPA, or eager for
+    a model that has no SDPA path (gpt-oss: its attention sinks)."""
     previous = model.config._attn_implementation
-    model.set_attn_implementation("sdpa")
+    try:
+        model.set_attn_implementation("sdpa")
+    except ValueError:
+        model.set_attn_implementation("eager")
     try:
         yield
     finally:

@@ -99,9 +99,11 @@ def _harmony(tools: list[dict[str, Any]], lazy: bool, term: Term) -> str:
     msg, constrain, channel = term("<|message|>"), term("<|constrain|>"), term("<|channel|>")
     kind = f'(" " {constrain} "json" | " json")'
     alts = " | ".join(f"({_lark_str(tool['name'])} head args_{i})" for i, tool in enumerate(tools))
-    start = "harmony_call" if lazy else f'{channel} "commentary to=functions." harmony_call'
-    return (f"start: {start}\nharmony_call: {alts}\nhead: ({kind} | {channel} \"commentary\" {kind}?)? {msg}\n"
-            + _call_rules(tools, "arguments"))
+    if lazy:
+        start, head = "harmony_call", f'({kind} | {channel} "commentary" {kind}?)? {msg}'
+    else:
+        start, head = f'{channel} "commentary to=functions." harmony_call', f'" " {constrain} "json" {msg}'
+    return f"start: {start}\nharmony_call: {alts}\nhead: {head}\n" + _call_rules(tools, "arguments")
 
 
 _BODIES = {"hermes": _hermes, "smollm2": _smollm2, "mistral": _mistral, "llama3_json": _llama3,

@@ -61,11 +61,14 @@ def paged_attention(
 ) -> tuple[torch.Tensor, None]:
     """Returns ([1, total_tokens, heads, dim], None), the shape transformers' attention modules expect. A layer the
     model gives a `sliding_window` attends to its last that many positions, as transformers' mask would; a
-    `softcap` (Gemma 2) caps its scores as transformers' eager attention does."""
+    `softcap` (Gemma 2) caps its scores as transformers' eager attention does; `s_aux` (gpt-oss's attention sinks, a
+    logit per head) joins each softmax's denominator, as its eager attention does."""
     if peregrine is None:
         raise RuntimeError("peregrine_paged attention needs the step metadata (model(..., peregrine=meta))")
+    sinks = kwargs.get("s_aux")
     out = attend(module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-                 peregrine, scaling, int(kwargs.get("sliding_window") or 0), float(kwargs.get("softcap") or 0.0))
+                 peregrine, scaling, int(kwargs.get("sliding_window") or 0), float(kwargs.get("softcap") or 0.0),
+                 sinks if isinstance(sinks, torch.Tensor) else None)
     return out.unsqueeze(0), None
 
 
@@ -110,10 +113,12 @@ class LayerCache(NamedTuple):
 
 
 def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
-           scaling: float | None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+           scaling: float | None, window: int = 0, softcap: float = 0.0,
+           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Store this step's K/V of `layer` and attend. q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim]. A
-    sliding-window layer (`window` > 0: each token sees its last `window` positions) and soft-capped scores
-    (`softcap` > 0: cap * tanh(score / cap), Gemma 2) take the row-by-row path.
+    sliding-window layer (`window` > 0: each token sees its last `window` positions), soft-capped scores
+    (`softcap` > 0: cap * tanh(score / cap), Gemma 2) and attention sinks (`sinks` [heads]: a logit each softmax
+    takes beside the scores and drops, gpt-oss) take the row-by-row path.
 
     Returns [tokens, heads, dim]."""
     cache = LayerCache.of(meta.kv_cache, layer)
@@ -122,8 +127,8 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: 
     # every token as a row of its own: windows, CPU without the kernel, soft caps (SDPA has none) unless the kernel
     # takes the step (decodes only)
     capped_sdpa = softcap and (meta.prefills or not _kernel_takes(q, cache, meta))
-    if window or (meta.decode_kernel is None and q.device.type == "cpu") or capped_sdpa:
-        return _rows(q, cache, meta, scale, window, softcap)
+    if window or (meta.decode_kernel is None and q.device.type == "cpu") or capped_sdpa or sinks is not None:
+        return _rows(q, cache, meta, scale, window, softcap, sinks)
     if not meta.prefills:
         return _decode(q, cache, meta, scaling, softcap)
     if not meta.num_decodes and len(meta.prefills) == 1:
@@ -157,7 +162,7 @@ def _decode(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata, scaling
 
 
 def _rows(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata, scale: float, window: int = 0,
-          softcap: float = 0.0) -> torch.Tensor:
+          softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Each token, decode or prompt, attends alone over its sequence's cached context (this step's keys included:
     they are stored first), by ops whose shapes depend on that token's context length only, so its result does not
     depend on its batch mates, on how its prompt was chunked or on which blocks came from the prefix cache (the
@@ -171,14 +176,14 @@ def _rows(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata, scale: fl
         rows += [(chunk.offset + j, chunk.context_blocks, chunk.start + j + 1) for j in range(chunk.length)]
     out = torch.empty_like(q)
     for i, table, length in rows:
-        out[i] = _row(q[i], cache, table, length, meta.kv_cache.block_size, scale, window, softcap)
+        out[i] = _row(q[i], cache, table, length, meta.kv_cache.block_size, scale, window, softcap, sinks)
     return out
 
 
 def _row(q: torch.Tensor, cache: LayerCache, table: torch.Tensor, length: int, block_size: int, scale: float,
-         window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+         window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [heads, dim] over the first `length` positions of the blocks in `table` (the last `window` of them when
-    given): softmax in float32, over the scores soft-capped when `softcap` is given."""
+    given): softmax in float32, over the scores soft-capped when `softcap` is given, and the heads' `sinks`."""
     blocks = table[None, : -(-length // block_size)]
     first = max(0, length - window) if window else 0
     keys, values = cache.gather(blocks, block_size)
@@ -188,7 +193,11 @@ def _row(q: torch.Tensor, cache: LayerCache, table: torch.Tensor, length: int, b
     if group > 1:
         keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
     scores = (keys * q.float()).sum(-1) * scale  # [length, heads]
-    probs = torch.softmax(torch.tanh(scores / softcap) * softcap if softcap else scores, dim=0)
+    scores = torch.tanh(scores / softcap) * softcap if softcap else scores
+    if sinks is None:
+        probs = torch.softmax(scores, dim=0)
+    else:
+        probs = torch.softmax(torch.cat([scores, sinks.float()[None, :]]), dim=0)[:-1]
     return (probs[:, :, None] * values).sum(0).to(q.dtype)
 
 

@@ -123,6 +123,39 @@ def test_both_forward_passes_serve_qwen2(engine_factory: Any, tiny: Any, impl: s
         assert tokens_of(outs[f"r{i}"]) == hf_greedy(qwen.model, p, 12)
 
 
+def tiny_gpt_oss(tiny: Any) -> Any:
+    """A tiny random gpt-oss: attention sinks (drawn large, so ignoring them changes the tokens), sliding-window
+    layers interleaved with full ones, a mixture of experts."""
+    import torch
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    from tests.support import Loaded
+
+    config = GptOssConfig(vocab_size=len(tiny.tokenizer), hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                          num_experts_per_tok=2, sliding_window=8, max_position_embeddings=256,
+                          layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+    torch.manual_seed(11)
+    model = GptOssForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 2.0)
+    return Loaded(model, tiny.tokenizer, 256)
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["cpu-kernels", "torch-ops"])
+def test_gpt_oss_attention_sinks_match_hf(engine_factory: Any, tiny: Any, kernels: bool) -> None:
+    """gpt-oss on the generic path: each softmax takes its head's sink (`s_aux`) as transformers' does; prompts past
+    the window, batched with chunked prefill."""
+    oss = tiny_gpt_oss(tiny)
+    engine = engine_factory(oss, max_num_batched_tokens=16, cpu_kernels=kernels)
+    assert engine.runner.impl == "generic"
+    prompts = [tiny.tokenizer.encode(t) for t in TINY_PROMPTS[:3]]
+    outs = run_all(engine, {f"r{i}": (p, greedy(12)) for i, p in enumerate(prompts)})
+    for i, p in enumerate(prompts):
+        assert tokens_of(outs[f"r{i}"]) == hf_greedy(oss.model, p, 12)
+
+
 def test_the_fast_path_leaves_sliding_windows_and_other_blocks_to_the_generic_one(tiny: Any) -> None:
     from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
