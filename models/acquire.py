@@ -9,6 +9,7 @@ heavy libraries are imported, before any loader thread starts.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -181,12 +182,23 @@ def source_footprint(
                 dense = ("float32", "bfloat16") if dtype == "auto" else (dtype,)
         elif source.kind == "folder":
             footprint = preflight.folder_footprint(source.path)
+            _check_architecture(json.loads((Path(source.path) / "config.json").read_text()), source.label)
         else:
             config = fetch_config(plan, **_hub_args(settings, plan=False))
+            _check_architecture(config, source.label)
             footprint = preflight.hub_footprint(plan.param_count, plan.files, plan.missing_bytes, config)
     except (OSError, ValueError, KeyError) as exc:
         raise StartError(f"preflight cannot read {source.label}: {exc} (--skip-preflight skips the check)") from None
     return footprint, dense, dtype
+
+
+def _check_architecture(config: dict[str, Any], label: str) -> None:
+    """Refuse, before anything is downloaded, an architecture the paged KV cache cannot serve (the load would)."""
+    from engine.model.attention import config_refusal
+
+    message = config_refusal(config)
+    if message is not None:
+        raise StartError(f"{label}: {message}")
 
 
 def held_gguf(path: Path, device: str) -> str | None:

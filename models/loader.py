@@ -34,6 +34,7 @@ import torch
 
 from engine.backends.devices import backend_for, placement
 from engine.backends.huge_pages import release_freed_memory
+from engine.model.attention import UnsupportedModel, check_supported
 from engine.types import EngineConfig
 from models import chat_templates, memory, preflight
 from models.autotune import dtype as dtype_probe
@@ -381,6 +382,10 @@ def load_weights(folder: Path, dtype: torch.dtype, device: torch.device, cfg: En
         )
     except (ValueError, OSError) as exc:
         raise LoadError(f"transformers cannot load {folder} as a causal LM: {exc}") from exc
+    try:
+        check_supported(model)
+    except UnsupportedModel as exc:
+        raise LoadError(str(exc)) from None
     model = backend.place(model)
     model.eval()
     model.requires_grad_(False)

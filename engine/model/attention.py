@@ -68,8 +68,72 @@ def paged_attention(
     sinks = kwargs.get("s_aux")
     out = attend(module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
                  peregrine, scaling, int(kwargs.get("sliding_window") or 0), float(kwargs.get("softcap") or 0.0),
-                 sinks if isinstance(sinks, torch.Tensor) else None)
+                 sinks if isinstance(sinks, torch.Tensor) else None, attention_chunk(module))
     return out.unsqueeze(0), None
+
+
+def attention_chunk(module: torch.nn.Module) -> int:
+    """The chunk a layer attends within (Llama 4's chunked layers: position p sees the positions from
+    p // chunk * chunk to p; transformers gives it by the mask only), else 0."""
+    config = getattr(module, "config", None)
+    chunk = getattr(config, "attention_chunk_size", None)
+    types = getattr(config, "layer_types", None) or ()
+    index = getattr(module, "layer_idx", None)
+    if not chunk or index is None or index >= len(types) or types[index] != "chunked_attention":
+        return 0
+    return int(chunk)
+
+
+ATTENTION_LAYERS = {"full_attention", "sliding_attention", "chunked_attention", "attention"}  # config.layer_types
+
+
+class UnsupportedModel(ValueError):
+    """A model whose attention the paged KV cache cannot serve. The message is for the user."""
+
+
+def check_supported(model: torch.nn.Module) -> None:
+    """Raise UnsupportedModel for a model the paged attention would serve wrongly (`refusal`). A compiled model
+    (torch.compile's wrapper: the Tenstorrent backend) is judged by the model it wraps."""
+    model = getattr(model, "_orig_mod", model)
+    message = refusal(type(model), getattr(model, "config", None))
+    if message is not None:
+        raise UnsupportedModel(message)
+
+
+def refusal(model_class: type, config: object) -> str | None:
+    """Why the paged attention cannot serve `model_class` with `config` (None: it can): one that computes attention
+    itself instead of through transformers' AttentionInterface (it would attend to each step's own tokens only, so
+    every token after the first would be wrong: Falcon, StableLM), layers that carry a state from step to step
+    (Mamba, recurrent, convolution or linear-attention layers: the cache holds keys and values only), or multi-head
+    latent attention (DeepSeek V2/V3: its keys and values differ in size from the heads the cache is laid out for)."""
+    name = model_class.__name__
+    text = getattr(config, "text_config", None) or config
+    kinds = {str(k) for k in getattr(text, "layer_types", None) or ()} - ATTENTION_LAYERS
+    if getattr(model_class, "_is_stateful", False) or kinds:
+        layers = f" ({', '.join(sorted(kinds))} layers)" if kinds else ""
+        return (f"{name} carries a state from step to step{layers}, which Peregrine's paged KV cache does not hold "
+                "(keys and values only): this architecture cannot be served")
+    if not getattr(model_class, "_supports_attention_backend", False):
+        return (f"{name} computes attention itself, not through transformers' attention interface, which "
+                "Peregrine's paged KV cache needs: this architecture cannot be served")
+    if getattr(config, "kv_lora_rank", None):
+        return (f"{name} uses multi-head latent attention (kv_lora_rank), whose keys and values the paged KV cache "
+                "does not hold: this architecture cannot be served")
+    return None
+
+
+def config_refusal(config: dict[str, object]) -> str | None:
+    """`refusal` from a config.json alone, before anything is downloaded; None also where transformers does not
+    know the model type (remote code: the load decides)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = {k: v for k, v in config.items() if k != "model_type"}
+    try:
+        parsed = AutoConfig.for_model(str(config.get("model_type")), **fields)
+        model_class = AutoModelForCausalLM._model_mapping[type(parsed)]
+    except Exception:  # noqa: BLE001 - a config transformers cannot read here: the load decides
+        return None
+    return refusal(model_class, parsed)
 
 
 class LayerCache(NamedTuple):
@@ -114,11 +178,12 @@ class LayerCache(NamedTuple):
 
 def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
            scaling: float | None, window: int = 0, softcap: float = 0.0,
-           sinks: torch.Tensor | None = None) -> torch.Tensor:
+           sinks: torch.Tensor | None = None, chunk_size: int = 0) -> torch.Tensor:
     """Store this step's K/V of `layer` and attend. q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim]. A
-    sliding-window layer (`window` > 0: each token sees its last `window` positions), soft-capped scores
-    (`softcap` > 0: cap * tanh(score / cap), Gemma 2) and attention sinks (`sinks` [heads]: a logit each softmax
-    takes beside the scores and drops, gpt-oss) take the row-by-row path.
+    sliding-window layer (`window` > 0: each token sees its last `window` positions), a chunked one (`chunk_size`:
+    each token sees its own chunk's positions up to itself, Llama 4), soft-capped scores (`softcap` > 0: cap *
+    tanh(score / cap), Gemma 2) and attention sinks (`sinks` [heads]: a logit each softmax takes beside the scores
+    and drops, gpt-oss) take the row-by-row path.
 
     Returns [tokens, heads, dim]."""
     cache = LayerCache.of(meta.kv_cache, layer)
@@ -127,8 +192,8 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: 
     # every token as a row of its own: windows, CPU without the kernel, soft caps (SDPA has none) unless the kernel
     # takes the step (decodes only)
     capped_sdpa = softcap and (meta.prefills or not _kernel_takes(q, cache, meta))
-    if window or (meta.decode_kernel is None and q.device.type == "cpu") or capped_sdpa or sinks is not None:
-        return _rows(q, cache, meta, scale, window, softcap, sinks)
+    if window or chunk_size or (meta.decode_kernel is None and q.device.type == "cpu") or capped_sdpa or sinks is not None:
+        return _rows(q, cache, meta, scale, window, softcap, sinks, chunk_size)
     if not meta.prefills:
         return _decode(q, cache, meta, scaling, softcap)
     if not meta.num_decodes and len(meta.prefills) == 1:
@@ -162,7 +227,7 @@ def _decode(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata, scaling
 
 
 def _rows(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata, scale: float, window: int = 0,
-          softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+          softcap: float = 0.0, sinks: torch.Tensor | None = None, chunk_size: int = 0) -> torch.Tensor:
     """Each token, decode or prompt, attends alone over its sequence's cached context (this step's keys included:
     they are stored first), by ops whose shapes depend on that token's context length only, so its result does not
     depend on its batch mates, on how its prompt was chunked or on which blocks came from the prefix cache (the
@@ -176,16 +241,19 @@ def _rows(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata, scale: fl
         rows += [(chunk.offset + j, chunk.context_blocks, chunk.start + j + 1) for j in range(chunk.length)]
     out = torch.empty_like(q)
     for i, table, length in rows:
-        out[i] = _row(q[i], cache, table, length, meta.kv_cache.block_size, scale, window, softcap, sinks)
+        out[i] = _row(q[i], cache, table, length, meta.kv_cache.block_size, scale, window, softcap, sinks,
+                      chunk_size)
     return out
 
 
 def _row(q: torch.Tensor, cache: LayerCache, table: torch.Tensor, length: int, block_size: int, scale: float,
-         window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+         window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None,
+         chunk_size: int = 0) -> torch.Tensor:
     """q [heads, dim] over the first `length` positions of the blocks in `table` (the last `window` of them when
-    given): softmax in float32, over the scores soft-capped when `softcap` is given, and the heads' `sinks`."""
+    given, those of the last position's chunk when `chunk_size` is given): softmax in float32, over the scores soft-capped when
+    `softcap` is given, and the heads' `sinks`."""
     blocks = table[None, : -(-length // block_size)]
-    first = max(0, length - window) if window else 0
+    first = max(max(0, length - window) if window else 0, (length - 1) // chunk_size * chunk_size if chunk_size else 0)
     keys, values = cache.gather(blocks, block_size)
     keys = keys[0, first:length].float()  # [length - first, kv_heads, dim]
     values = values[0, first:length].float()

@@ -49,6 +49,7 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device,
                  impl: str = "auto", kernels: Kernels = TORCH) -> None:
         attention.register()
+        attention.check_supported(model)
         model.set_attn_implementation(attention.ATTN_IMPL)
         self.model = model.eval()
         self.kv_cache = kv_cache
