@@ -28,7 +28,7 @@ for API families; see docs/app-layout.md.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -77,6 +77,7 @@ class PlanRequest:
     conversations: Sequence[Sequence[ChatMessage]] = ()
     prompt_ids: Sequence[list[int]] = ()
     options: Options = Options()
+    template_kwargs: Mapping[str, Any] | None = None  # chat: variables for the chat template (chat_template_kwargs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +111,7 @@ async def build_plan(tokenizer: Any, request: PlanRequest, tool_call_parser: str
         params = tool_plan.sampling_params(params)
     if request.conversations and harmony.is_harmony(getattr(tokenizer, "chat_template", None)):
         params = _harmony(params, tokenizer)
-    prompts = [_prompt_ids(tokenizer, messages, tool_plan, options.continue_final_message)
+    prompts = [_prompt_ids(tokenizer, messages, tool_plan, options.continue_final_message, request.template_kwargs)
                for messages in request.conversations] or [list(ids) for ids in request.prompt_ids]
     if options.count_only:
         return RequestPlan(params, tool_plan, prompts)
@@ -126,13 +127,13 @@ async def build_plan(tokenizer: Any, request: PlanRequest, tool_call_parser: str
 
 
 def _prompt_ids(tokenizer: Any, messages: Sequence[ChatMessage], tool_plan: ToolPlan | None,
-                continue_final: bool) -> list[int]:
+                continue_final: bool, template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
     """The rendered conversation; with `continue_final`, a last assistant turn of text is continued."""
     last = messages[-1] if messages else None
     if not continue_final or last is None or last.role != "assistant" or last.tool_calls:
-        return chat_prompt_ids(tokenizer, messages, tool_plan)
+        return chat_prompt_ids(tokenizer, messages, tool_plan, template_kwargs)
     text = chat_prompt_text(tokenizer, messages, add_generation_prompt=False, continue_final_message=True,
-                            tool_plan=tool_plan)
+                            tool_plan=tool_plan, template_kwargs=template_kwargs)
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 

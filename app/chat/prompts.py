@@ -4,7 +4,7 @@ completion prompts (strings or token ids) checked against the vocabulary."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from app.chat import tools
@@ -23,17 +23,20 @@ def check_token_ids(ids: Sequence[int], vocab_size: int, param: str) -> Sequence
     return ids
 
 
-def chat_prompt_ids(tokenizer: Any, messages: Sequence[ChatMessage], tool_plan: ToolPlan | None = None) -> list[int]:
+def chat_prompt_ids(tokenizer: Any, messages: Sequence[ChatMessage], tool_plan: ToolPlan | None = None,
+                    template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
     """Render the conversation with the model's chat template and tokenize it (no extra BOS: the
     template writes every special token the model expects)."""
-    text = chat_prompt_text(tokenizer, messages, tool_plan=tool_plan)
+    text = chat_prompt_text(tokenizer, messages, tool_plan=tool_plan, template_kwargs=template_kwargs)
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def chat_prompt_text(tokenizer: Any, messages: Sequence[ChatMessage], add_generation_prompt: bool = True,
-                     continue_final_message: bool = False, tool_plan: ToolPlan | None = None) -> str:
+                     continue_final_message: bool = False, tool_plan: ToolPlan | None = None,
+                     template_kwargs: Mapping[str, Any] | None = None) -> str:
     """The conversation rendered with the chat template the model is served with (models/chat_templates); tool
-    definitions and tool-call turns as `app/chat/tools.py` prepares them for that template. A model without one
+    definitions and tool-call turns as `app/chat/tools.py` prepares them for that template; `template_kwargs`: the
+    request's own template variables (`chat_template_kwargs`, `reasoning_effort`). A model without a template
     gets a 400 that says how to pass one: a format it was not trained on would make it answer garbage."""
     own = getattr(tokenizer, "chat_template", None)
     if not own:
@@ -44,8 +47,8 @@ def chat_prompt_text(tokenizer: Any, messages: Sequence[ChatMessage], add_genera
         )
     conversation = [_template_message(i, m) for i, m in enumerate(messages)]
     conversation, tool_defs = tools.template_input(conversation, tool_plan, own if isinstance(own, str) else None)
-    options = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
-               "tools": tool_defs, "tokenize": False}
+    options = {**(template_kwargs or {}), "add_generation_prompt": add_generation_prompt,
+               "continue_final_message": continue_final_message, "tools": tool_defs, "tokenize": False}
     try:
         return tokenizer.apply_chat_template(conversation, **options)
     except Exception as exc:  # jinja's TemplateError, or a template's own raise_exception(...)

@@ -56,6 +56,7 @@ def to_chat_request(body: GenerationRequest, messages: list[dict[str, Any]]) -> 
     if isinstance(body, ChatRequest) and body.tools:
         fields["tools"] = [t.model_dump(exclude_none=True) for t in body.tools]
         fields["tool_choice"] = body.tool_choice
+    fields |= _think(getattr(body, "think", None))
     try:
         return ChatCompletionRequest.model_validate(fields)
     except ValidationError as exc:
@@ -63,6 +64,16 @@ def to_chat_request(body: GenerationRequest, messages: list[dict[str, Any]]) -> 
         loc = [str(p) for p in err["loc"]]
         name = ".".join([OPTION_FIELDS.get(loc[0], loc[0]), *loc[1:]]) if loc else "body"
         raise BadRequestError(f"{name}: {err['msg']}", param=name) from None
+
+
+def _think(think: bool | str | None) -> dict[str, Any]:
+    """Ollama's `think` as the chat template sees it: a bool switches thinking (Qwen3's `enable_thinking`), a
+    level sets `reasoning_effort` (gpt-oss's template reads it); unset: the model's default."""
+    if think is None:
+        return {}
+    if isinstance(think, bool):
+        return {"chat_template_kwargs": {"enable_thinking": think}}
+    return {"chat_template_kwargs": {"enable_thinking": True}, "reasoning_effort": think}
 
 
 def _options(opts: Options) -> dict[str, Any]:

@@ -54,7 +54,15 @@ def chat_plan(req: ChatCompletionRequest, vocab_size: int, defaults: Mapping[str
     """A chat request as the shared request plan's input (`app/chat/plan.py`); `defaults` fill the sampling keys
     it leaves out (`--override-generation-config`, `app.deps.generation_defaults`)."""
     params = to_sampling_params(req, vocab_size, defaults)
-    return PlanRequest(params, structured.field_of(req), tools_request(req), conversations=[req.messages])
+    return PlanRequest(params, structured.field_of(req), tools_request(req), conversations=[req.messages],
+                       template_kwargs=template_kwargs(req))
+
+
+def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
+    """The request's chat template variables: `chat_template_kwargs` (vLLM's extension: Qwen3's `enable_thinking`,
+    ...) and `reasoning_effort` (gpt-oss's template reads it)."""
+    effort = {"reasoning_effort": req.reasoning_effort} if req.reasoning_effort is not None else {}
+    return {**(req.chat_template_kwargs or {}), **effort}
 
 
 def completion_plan(

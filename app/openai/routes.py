@@ -61,7 +61,8 @@ async def create_chat_completion(
     `stream_options.include_usage` a last chunk with empty `choices` carries `usage`. Besides the OpenAI
     fields, vLLM's extra sampling keys are accepted at top level: `top_k`, `min_p`,
     `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`, `skip_special_tokens`,
-    `include_stop_str_in_output`.
+    `include_stop_str_in_output`, and `chat_template_kwargs` (variables for the chat template, e.g.
+    `{"enable_thinking": false}` for Qwen3); `reasoning_effort` reaches the template too (gpt-oss).
 
     Reasoning models: the thinking between `<think>` and `</think>` comes in `message.reasoning_content`
     (and `delta.reasoning_content` in streams; both also as `reasoning`), the answer in `content`; the

@@ -144,6 +144,10 @@ class NamedToolChoice(BaseModel):
 
 
 MAX_TOOLS = 128
+MAX_TEMPLATE_KWARGS = 32
+# what the server itself gives apply_chat_template (a request's chat_template_kwargs cannot replace them)
+TEMPLATE_INPUTS = {"messages", "conversation", "tools", "documents", "add_generation_prompt", "continue_final_message",
+                   "tokenize", "return_dict", "return_tensors", "chat_template", "tokenizer_kwargs"}
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -157,6 +161,23 @@ class ChatCompletionRequest(SamplingRequest):
         "that one. required and named calls are constrained from the first token.",
     )
     parallel_tool_calls: bool | None = Field(None, description="false: at most one call. Default true.")
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = Field(
+        None, description="Passed to the chat template as `reasoning_effort` (gpt-oss's reads it; others ignore it).")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="Extra variables for the chat template (vLLM's extension), e.g. "
+        '{"enable_thinking": false} for Qwen3. The template\'s own inputs (messages, tools, add_generation_prompt, '
+        "...) cannot be set this way.",
+    )
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _not_the_templates_inputs(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        taken = sorted(set(kwargs or {}) & TEMPLATE_INPUTS)
+        if taken:
+            raise ValueError(f"chat_template_kwargs cannot set {', '.join(taken)}: the server renders those")
+        if kwargs is not None and len(kwargs) > MAX_TEMPLATE_KWARGS:
+            raise ValueError(f"chat_template_kwargs takes at most {MAX_TEMPLATE_KWARGS} keys")
+        return kwargs
     max_completion_tokens: int | None = Field(None, ge=1, description="Alias of max_tokens; wins if both.")
     store: bool | None = Field(None, description="Keep this completion (GET /v1/chat/completions/{id}); default: "
                                "the server's --store-chat-completions (off).")

@@ -3,7 +3,8 @@ removed: without `--chat-template` it is served with its architecture's family f
 the start log) and completions work; with `--chat-template qwen2.5` (the real Qwen2.5 template Peregrine ships) a
 forced tool call (tool_choice naming the function: the grammar forces the call's JSON) streams through the `openai`
 SDK and round-trips: the call, the tool's result, an answer; the same with `--chat-template gpt-oss` (the harmony
-format: the forced call is written in harmony's channels and read back through them). A tiny random GPT-2 (an architecture that names no
+format: the forced call is written in harmony's channels and read back through them; `reasoning_effort` and
+`chat_template_kwargs` reach its template, which cannot be given the server's own inputs). A tiny random GPT-2 (an architecture that names no
 family format) without a template: chat routes answer 400 saying how to pass one, completions work."""
 
 from __future__ import annotations
@@ -127,3 +128,28 @@ def test_no_template_and_no_family_chat_is_a_400_completions_work(gpt2_server: T
     assert legacy.status_code == 400 and "--chat-template" in legacy.text
     done = client(gpt2_server).completions.create(model="tiny", prompt="Hello", max_tokens=4)
     assert done.choices[0].finish_reason == "length" and done.usage.completion_tokens == 4
+
+
+def test_reasoning_effort_and_template_kwargs_reach_the_template(harmony_server: TinyServer) -> None:
+    """gpt-oss's template writes `Reasoning: <effort>` (default medium) in its system message."""
+    api = client(harmony_server)
+
+    def prompt_tokens(**extra: object) -> int:
+        answer = api.chat.completions.create(model="tiny", messages=ASK, max_tokens=1, extra_body=extra or None)
+        return answer.usage.prompt_tokens
+
+    medium, high = prompt_tokens(), prompt_tokens(reasoning_effort="high")
+    assert high != medium
+    assert prompt_tokens(chat_template_kwargs={"reasoning_effort": "high"}) == high
+    assert prompt_tokens(reasoning_effort="medium", chat_template_kwargs={"unused": 1}) == medium
+    for bad in ({"chat_template_kwargs": {"add_generation_prompt": False}}, {"reasoning_effort": "extreme"}):
+        with pytest.raises(openai.BadRequestError):
+            api.chat.completions.create(model="tiny", messages=ASK, max_tokens=1, extra_body=bad)
+
+    def ollama_prompt_tokens(**extra: object) -> int:  # Ollama's `think` level: the same variable
+        body = {"model": "tiny", "messages": ASK, "stream": False, "options": {"num_predict": 1}, **extra}
+        answer = httpx.post(f"{harmony_server.url}/api/chat", json=body, timeout=120)
+        assert answer.status_code == 200, answer.text
+        return answer.json()["prompt_eval_count"]
+
+    assert ollama_prompt_tokens(think="high") == high and ollama_prompt_tokens() == medium

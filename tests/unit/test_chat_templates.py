@@ -140,6 +140,24 @@ def test_a_tool_turns_reasoning_sent_back_reaches_the_template(base_tokenizer: A
     assert "Checking." in render(tokenizer, with_text)
 
 
+def test_qwen3s_enable_thinking_through_chat_template_kwargs(base_tokenizer: Any) -> None:
+    """vLLM's `chat_template_kwargs`: Qwen3's template closes an empty think block when thinking is off."""
+    import asyncio
+
+    from app.chat.plan import build_plan
+    from app.openai.convert import chat_plan
+
+    tokenizer = with_template(base_tokenizer, "qwen3")
+
+    def prompt(**extra: Any) -> str:
+        request = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "Hi"}], **extra})
+        plan = asyncio.run(build_plan(tokenizer, chat_plan(request, len(tokenizer))))
+        return tokenizer.decode(plan.prompts[0], skip_special_tokens=False)
+
+    assert prompt().endswith("<|im_start|>assistant\n")
+    assert prompt(chat_template_kwargs={"enable_thinking": False}).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_the_familys_output_parses_whole_and_streamed(name: str) -> None:
     parser, output = FAMILIES[name]
