@@ -59,6 +59,8 @@ def to_turn(req: ResponsesRequest, earlier: list[dict[str, Any]]) -> Turn:
     body |= {k: getattr(req, k) for k in PASSED_THROUGH if getattr(req, k) is not None}
     body |= {"max_tokens": req.max_output_tokens, "stream_options": {"include_usage": True}}
     body |= _tools(req)
+    if req.reasoning is not None and req.reasoning.effort in ("low", "medium", "high"):  # gpt-oss's template's levels
+        body["reasoning_effort"] = req.reasoning.effort
     if (fmt := _response_format(req)) is not None:
         body["response_format"] = fmt
     try:

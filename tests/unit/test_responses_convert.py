@@ -33,6 +33,16 @@ def test_items_become_chat_messages() -> None:
     assert all(item["id"] for item in turn.input_items) and len(turn.input_items) == 6
 
 
+@pytest.mark.parametrize(("effort", "passed"), [("high", "high"), ("low", "low"), ("minimal", None), ("xhigh", None),
+                                               (None, None)])
+def test_reasoning_effort_reaches_the_chat_template_where_it_names_a_level(effort: str | None,
+                                                                          passed: str | None) -> None:
+    """gpt-oss's template takes low / medium / high; other efforts (Codex sends its own) are accepted and dropped."""
+    reasoning = {"effort": effort, "summary": "auto"} if effort else None
+    turn = to_turn(_req(input="Hi", reasoning=reasoning), [])
+    assert turn.chat.reasoning_effort == passed
+
+
 def test_a_continuation_knows_earlier_calls() -> None:
     earlier = output_messages([{"type": "function_call", "call_id": "c9", "name": "w", "arguments": "{}"}])
     turn = to_turn(_req(input=[{"type": "function_call_output", "call_id": "c9", "output": "ok"}]), earlier)
