@@ -221,8 +221,8 @@ class Settings(DerivedValues, BaseSettings):
         None,
         description="The chat template to serve with, instead of the model's own: a Jinja file, or a name the "
         "server knows (llama3.1, llama3.2, qwen2.5, qwen3, gemma, phi3.5, mistral-nemo, mistral-small, granite3.3, "
-        "granite4, deepseek-r1, hermes3, gpt-oss; docs/chat-templates.md). Unset: the model's own, else its architecture's "
-        "family format, else chat routes answer 400.",
+        "granite4, deepseek-r1, hermes3, gpt-oss; docs/chat-templates.md). Unset: the model's own, else its "
+        "architecture's family format, else chat routes answer 400.",
     )
     reasoning_parser: Literal["auto", "none", "deepseek_r1", "qwen3", "gpt_oss"] = Field(
         "auto",
@@ -240,8 +240,8 @@ class Settings(DerivedValues, BaseSettings):
         "</tool_call> (Qwen, Hermes); llama3_json: {\"name\", \"parameters\"} JSON (Llama 3.x); mistral: "
         "[TOOL_CALLS][...] (Mistral Nemo); mistral_args: [TOOL_CALLS]name[ARGS]{...} (Mistral Small 3.2); granite: "
         "<|tool_call|>[...]; harmony: <|channel|>commentary to=functions.NAME ... <|message|>{...} (gpt-oss, read "
-        "through the gpt_oss reasoning parser); smollm2: <tool_call>[...]</tool_call> with Peregrine's default tool prompt (for "
-        "templates without tool support). auto: picked from the chat template's text (docs/chat-templates.md).",
+        "through the gpt_oss reasoning parser); smollm2: <tool_call>[...]</tool_call> with Peregrine's default "
+        "tool prompt (for templates without tool support). auto: picked from the chat template's text (docs/chat-templates.md).",
     )
     override_generation_config: dict[str, float] = Field(
         default_factory=dict,

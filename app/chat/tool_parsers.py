@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from app.chat import harmony
 from app.chat.harmony import is_harmony
 from engine.core.stopping import partial_stop_len
 
@@ -96,7 +97,7 @@ def _harmony(tools: list[dict[str, Any]], lazy: bool, term: Term) -> str:
     """One harmony call: from the first token `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>`
     and the arguments; lazy, what follows `to=functions.` (the recipient may stand in the role header, then the
     channel follows the name). The arguments end it: the model's `<|call|>` is a stop token."""
-    msg, constrain, channel = term("<|message|>"), term("<|constrain|>"), term("<|channel|>")
+    msg, constrain, channel = term(harmony.MESSAGE), term(harmony.CONSTRAIN), term(harmony.CHANNEL)
     kind = f'(" " {constrain} "json" | " json")'
     alts = " | ".join(f"({_lark_str(tool['name'])} head args_{i})" for i, tool in enumerate(tools))
     if lazy:

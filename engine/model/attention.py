@@ -192,7 +192,8 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: 
     # every token as a row of its own: windows, CPU without the kernel, soft caps (SDPA has none) unless the kernel
     # takes the step (decodes only)
     capped_sdpa = softcap and (meta.prefills or not _kernel_takes(q, cache, meta))
-    if window or chunk_size or (meta.decode_kernel is None and q.device.type == "cpu") or capped_sdpa or sinks is not None:
+    own_rows = window or chunk_size or sinks is not None or capped_sdpa
+    if own_rows or (meta.decode_kernel is None and q.device.type == "cpu"):
         return _rows(q, cache, meta, scale, window, softcap, sinks, chunk_size)
     if not meta.prefills:
         return _decode(q, cache, meta, scaling, softcap)
@@ -250,10 +251,12 @@ def _row(q: torch.Tensor, cache: LayerCache, table: torch.Tensor, length: int, b
          window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None,
          chunk_size: int = 0) -> torch.Tensor:
     """q [heads, dim] over the first `length` positions of the blocks in `table` (the last `window` of them when
-    given, those of the last position's chunk when `chunk_size` is given): softmax in float32, over the scores soft-capped when
-    `softcap` is given, and the heads' `sinks`."""
+    given, those of the last position's chunk when `chunk_size` is given): softmax in float32, over the scores
+    soft-capped when `softcap` is given, and the heads' `sinks`."""
     blocks = table[None, : -(-length // block_size)]
-    first = max(max(0, length - window) if window else 0, (length - 1) // chunk_size * chunk_size if chunk_size else 0)
+    first = max(length - window, 0) if window else 0
+    if chunk_size:
+        first = max(first, (length - 1) // chunk_size * chunk_size)
     keys, values = cache.gather(blocks, block_size)
     keys = keys[0, first:length].float()  # [length - first, kv_heads, dim]
     values = values[0, first:length].float()

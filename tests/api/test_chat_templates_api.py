@@ -4,8 +4,9 @@ the start log) and completions work; with `--chat-template qwen2.5` (the real Qw
 forced tool call (tool_choice naming the function: the grammar forces the call's JSON) streams through the `openai`
 SDK and round-trips: the call, the tool's result, an answer; the same with `--chat-template gpt-oss` (the harmony
 format: the forced call is written in harmony's channels and read back through them; `reasoning_effort` and
-`chat_template_kwargs` reach its template, which cannot be given the server's own inputs). A tiny random GPT-2 (an architecture that names no
-family format) without a template: chat routes answer 400 saying how to pass one, completions work."""
+`chat_template_kwargs` reach its template, which cannot be given the server's own inputs). A tiny random GPT-2
+(an architecture that names no family format) without a template: chat routes answer 400 saying how to pass one,
+completions work."""
 
 from __future__ import annotations
 
