@@ -233,13 +233,14 @@ class Settings(DerivedValues, BaseSettings):
         "harmony chat template, else on when the tokenizer or chat template knows the markers, deepseek_r1 when "
         "the prompt ends with <think>, else qwen3; none: off.",
     )
-    tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral", "mistral_args", "granite", "harmony",
-                              "smollm2"] = Field(
+    tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral", "mistral_args", "granite", "phi4_mini",
+                              "harmony", "smollm2"] = Field(
         "auto",
         description="How the model writes tool calls (parsed into message.tool_calls). hermes: <tool_call>{json}"
         "</tool_call> (Qwen, Hermes); llama3_json: {\"name\", \"parameters\"} JSON (Llama 3.x); mistral: "
         "[TOOL_CALLS][...] (Mistral Nemo); mistral_args: [TOOL_CALLS]name[ARGS]{...} (Mistral Small 3.2); granite: "
-        "<|tool_call|>[...]; harmony: <|channel|>commentary to=functions.NAME ... <|message|>{...} (gpt-oss, read "
+        "<|tool_call|>[...]; phi4_mini: <|tool_call|>[...]<|/tool_call|>, the tools on the system message "
+        "(Phi-4-mini); harmony: <|channel|>commentary to=functions.NAME ... <|message|>{...} (gpt-oss, read "
         "through the gpt_oss reasoning parser); smollm2: <tool_call>[...]</tool_call> with Peregrine's default "
         "tool prompt (for templates without tool support). auto: picked from the chat template's text (docs/chat-templates.md).",
     )

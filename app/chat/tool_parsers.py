@@ -8,6 +8,7 @@ reads calls back out of the generated text (whole answers and streams alike).
 | `mistral`     | `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (Mistral Nemo)   | writes `[TOOL_CALLS]`    |
 | `mistral_args`| `[TOOL_CALLS]name[ARGS]{...}` per call (Mistral Small 3.2, Ministral 3)  | writes `[ARGS]`          |
 | `granite`     | `<|tool_call|>[{"name": ..., "arguments": {...}}, ...]` (Granite 3.x)   | writes `<|tool_call|>`   |
+| `phi4_mini`   | `<|tool_call|>[{"name": ..., "arguments": {...}}, ...]<|/tool_call|>` (Phi-4-mini) | writes `<|/tool|>` |
 | `harmony`     | `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}` (gpt-oss; one call a turn) | writes `<|channel|>` and `<|message|>` |
 | `smollm2`     | `<tool_call>[{"name": ..., "arguments": {...}}, ...]</tool_call>`       | takes no `tools` (default prompt) |
 
@@ -83,6 +84,10 @@ def _mistral(call: str, parallel: bool, term: Term) -> str:
     return f'"[" {call}{more} "]"'
 
 
+def _phi4_mini(call: str, parallel: bool, term: Term) -> str:
+    return f"{_mistral(call, parallel, term)} {term('<|/tool_call|>')}"
+
+
 def _mistral_args(call: str, parallel: bool, term: Term) -> str:
     more = f' ({term("[TOOL_CALLS]")} tagged_call)*' if parallel else ""
     return f"tagged_call{more}"
@@ -108,7 +113,7 @@ def _harmony(tools: list[dict[str, Any]], lazy: bool, term: Term) -> str:
 
 
 _BODIES = {"hermes": _hermes, "smollm2": _smollm2, "mistral": _mistral, "llama3_json": _llama3,
-           "mistral_args": _mistral_args, "granite": _mistral}
+           "mistral_args": _mistral_args, "granite": _mistral, "phi4_mini": _phi4_mini}
 
 FORMATS: dict[str, ToolFormat] = {
     "hermes": ToolFormat("hermes", "<tool_call>"),
@@ -116,6 +121,7 @@ FORMATS: dict[str, ToolFormat] = {
     "mistral": ToolFormat("mistral", "[TOOL_CALLS]"),
     "mistral_args": ToolFormat("mistral_args", "[TOOL_CALLS]", args_tag="[ARGS]"),
     "granite": ToolFormat("granite", "<|tool_call|>"),
+    "phi4_mini": ToolFormat("phi4_mini", "<|tool_call|>"),
     "harmony": ToolFormat("harmony", "<tool_call>", grammar_trigger="to=functions."),
     "llama3_json": ToolFormat("llama3_json", '{"name": ', args_key="parameters", trigger_in_call=True),
 }
@@ -167,6 +173,8 @@ def detect(template: str | None) -> str:
         return "harmony"
     if "[TOOL_CALLS]" in template:
         return "mistral_args" if "[ARGS]" in template else "mistral"
+    if "<|/tool|>" in template:  # Phi-4-mini: tools in the system turn, calls in <|tool_call|>...<|/tool_call|>
+        return "phi4_mini"
     if "<|tool_call|>" in template:
         return "granite"
     if "<|python_tag|>" in template:
@@ -181,6 +189,15 @@ def detect(template: str | None) -> str:
 def template_takes_tools(template: str | None) -> bool:
     """Whether a chat template renders the `tools` it is given (else they would vanish silently)."""
     return bool(template) and re.search(r"\btools\b", template or "") is not None
+
+
+_SYSTEM_TOOLS = re.compile(r"""message\[\s*['"]tools['"]\s*\]|message\.tools\b""")
+
+
+def tools_in_system(template: str | None) -> bool:
+    """Whether a chat template reads the tools off the system message (`message['tools']`, JSON text), not from
+    the `tools` variable: Phi-4-mini's, which writes them between `<|tool|>` and `<|/tool|>`."""
+    return _SYSTEM_TOOLS.search(template or "") is not None
 
 
 # ---------------------------------------------------------------- parsing

@@ -16,6 +16,8 @@ Tool definitions reach the prompt through the model's own chat template (`apply_
 A template that takes no `tools` gets `DEFAULT_TOOL_PROMPT` as (the start of) its system message, in the
 format SmolLM2-Instruct was trained on: `<tool_call>[{"name": ..., "arguments": {...}}]</tool_call>`; its
 assistant tool calls are written back in that format and tool results sent as `<tool_response>` user turns.
+A template that reads the tools off the system message (Phi-4-mini's `message['tools']`) gets them there as JSON
+text, and earlier calls in their turn's content as `<|tool_call|>[...]<|/tool_call|>`.
 
 Reading calls back out of the answer is each family's: `app/openai/tools.py`, `app/llama_stack/tools.py`.
 """
@@ -34,6 +36,7 @@ from app.chat.tool_parsers import (
     ToolFormat,
     detect,
     template_takes_tools,
+    tools_in_system,
 )
 from app.errors import BadRequestError
 from engine.types import Constraint, SamplingParams
@@ -163,11 +166,14 @@ def special_token_id(tag: str, tokenizer: Any) -> int | None:
 
 def template_input(conversation: list[dict[str, Any]], tool_plan: ToolPlan | None,
                    template: str | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-    """(messages, tools) for `apply_chat_template`: as they are for a template that takes tools; with the
-    default tool prompt and the calls written as text for one that does not."""
+    """(messages, tools) for `apply_chat_template`: as they are for a template that takes tools; on the system
+    message for one that reads them there; with the default tool prompt and the calls written as text for one
+    that takes none."""
     conversation = [_json_arguments(m) for m in conversation]
     if template and "alphanumeric strings with length 9" in template:  # Mistral's templates refuse other ids
         conversation = [_nine_char_ids(m) for m in conversation]
+    if tools_in_system(template):
+        return _system_tools(conversation, tool_plan), None
     if template_takes_tools(template):
         tools = [{"type": "function", "function": _described(f, template)} for f in tool_plan.functions] \
             if tool_plan else None
@@ -180,6 +186,30 @@ def template_input(conversation: list[dict[str, Any]], tool_plan: ToolPlan | Non
         else:
             out.insert(0, {"role": "system", "content": prompt})
     return out, None
+
+
+# Phi-4-mini's model card: the system turn of a conversation with tools, where the request has none
+SYSTEM_WITH_TOOLS = "You are a helpful assistant with some tools."
+
+
+def _system_tools(conversation: list[dict[str, Any]], tool_plan: ToolPlan | None) -> list[dict[str, Any]]:
+    """For a template that reads the tools off the system message (Phi-4-mini's): the functions as JSON text on
+    it (one is added where the request has none), and earlier calls written as the model writes them,
+    `<|tool_call|>[{"name", "arguments"}, ...]<|/tool_call|>` (the template renders role and content only)."""
+    out = []
+    for message in conversation:
+        calls = message.get("tool_calls")
+        content = message.get("content") or ""
+        if calls:
+            listed = [{"name": c["function"].get("name"), "arguments": c["function"].get("arguments", {})}
+                      for c in calls]
+            content += f"<|tool_call|>{json.dumps(listed)}<|/tool_call|>"
+        out.append({k: v for k, v in message.items() if k not in ("tool_calls", "tool_call_id")} | {"content": content})
+    if tool_plan is not None:
+        if not out or out[0]["role"] != "system":
+            out.insert(0, {"role": "system", "content": SYSTEM_WITH_TOOLS})
+        out[0] = out[0] | {"tools": json.dumps(tool_plan.functions)}
+    return out
 
 
 def _described(function: dict[str, Any], template: str | None) -> dict[str, Any]:

@@ -75,7 +75,7 @@ async def create_chat_completion(
     deltas, the name first, then argument fragments). `required` and a named function are constrained to a
     valid call from the first token; with `auto`, a call the model starts is constrained from there on. The
     model's own format is parsed (`--tool-call-parser`: auto, hermes, llama3_json, mistral, mistral_args,
-    granite, harmony, smollm2).
+    granite, phi4_mini, harmony, smollm2).
     """
     engine, model = await engine_for(request, body.model, body.keep_alive)
     plan = await build_plan(engine.tokenizer, conv.chat_plan(body, engine.vocab_size, generation_defaults(request)), tool_call_parser(request))

@@ -4,7 +4,7 @@ for a model without one, its family's format when its architecture names one. No
 the chat routes answer 400 saying how to pass one (completions need none).
 
 The `.jinja` files are llama.cpp's vendored `models/templates` (MIT; README.md in this folder says which file
-each one is). They live in models/ rather than app/chat/ because the template is settled at load time, when the
+each one is), but for `phi4-mini`, written for Peregrine to Phi-4-mini's format. They live in models/ rather than app/chat/ because the template is settled at load time, when the
 tokenizer is, and models/ must not import app/."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ HERE = Path(__file__).resolve().parent
 
 # the names `--chat-template` knows: one file each in this folder
 NAMES = ("llama3.1", "llama3.2", "qwen2.5", "qwen3", "gemma", "phi3.5", "mistral-nemo", "mistral-small",
-         "granite3.3", "granite4", "deepseek-r1", "hermes3", "gpt-oss")  # fmt: skip
+         "granite3.3", "granite4", "deepseek-r1", "hermes3", "gpt-oss", "phi4-mini")  # fmt: skip
 
 # `general.architecture` of a GGUF / `model_type` of a config -> the family's format, for a file without one
 BY_ARCHITECTURE = {

@@ -3,7 +3,8 @@ tiny random-weight GGUF of each family (tests/family_gguf.py: the architecture's
 quantized on the fast path) with the family's own template in the file's `tokenizer.chat_template`, as a
 downloaded GGUF carries it; Qwen3, Qwen2.5 and Llama 3.1 with their real tokenizers (llama.cpp's vocab-only GGUFs,
 where `<tool_call>` and `<|python_tag|>` are single special tokens), Gemma 2 and 3 with a SentencePiece one (Llama 2's),
-the others with the byte-level test tokenizer.
+the others with the byte-level test tokenizer. Phi-4-mini's format (tools on the system message, calls in
+`<|tool_call|>...<|/tool_call|>`) is served from a `phi3` file, as Phi-4-mini's GGUFs are.
 
 For each, through the `openai` SDK: a forced call (tool_choice naming the function: the grammar writes the call in
 the format `--tool-call-parser auto` read from the template) streams, is parsed back into `tool_calls` with valid
@@ -39,12 +40,14 @@ FAMILIES = {
     "mistral": ("mistral-nemo", None),
     "granite": ("granite3.3", None),
     "phi3": ("phi3.5", None),
+    "phi4-mini": ("phi4-mini", None),  # a `phi3` file (Phi-4-mini's are) with Phi-4-mini's format
     "gemma3": ("gemma", "llama-spm"),  # Gemma's tokenizer is SentencePiece, as this one
     "gemma2": ("gemma", "llama-spm"),
 }
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}}}  # fmt: skip
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
+ARCHITECTURE = {"phi4-mini": "phi3"}  # the tiny model's family (tests/family_gguf.py) where the name differs
 
 
 FILES = Path.home() / ".cache" / "peregrine" / "test-families"  # the files are the same every run: written once
@@ -60,12 +63,13 @@ def write_model(family: str) -> Path:
     if vocab is None:
         tokenizer = build_byte_level_tokenizer()
         size = len(tokenizer) + (-len(tokenizer)) % 32
-        write_family(tmp, family, size, tokenizer=tokenizer, chat_template=named(template), context=4096)
+        write_family(tmp, ARCHITECTURE.get(family, family), size, tokenizer=tokenizer, chat_template=named(template),
+                     context=4096)
     else:
         vocab_file = source() / "vendor" / "llama.cpp" / "models" / f"ggml-vocab-{vocab}.gguf"
         tokens = len(gguf.GGUFReader(vocab_file).fields["tokenizer.ggml.tokens"].contents())
-        write_family(tmp, family, tokens + (-tokens) % 32, vocab_file=vocab_file, chat_template=named(template),
-                     context=4096)  # fmt: skip
+        write_family(tmp, ARCHITECTURE.get(family, family), tokens + (-tokens) % 32, vocab_file=vocab_file,
+                     chat_template=named(template), context=4096)  # fmt: skip
     (tmp / "config.json").unlink()  # only the file, as a user downloads it
     try:
         tmp.rename(folder)

@@ -49,6 +49,7 @@ FAMILIES = {
                      '"id": "abcDEF123"}]'),
     "mistral-small": ("mistral_args", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'),
     "granite3.3": ("granite", '<|tool_call|>[{"arguments": {"city": "Paris"}, "name": "get_weather"}]'),
+    "phi4-mini": ("phi4_mini", '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]<|/tool_call|>'),
     # harmony: read through app/chat/harmony.py's channels first (`readable`)
     "gpt-oss": ("harmony", '<|channel|>analysis<|message|>A tool.<|end|><|start|>assistant<|channel|>commentary '
                 'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}'),

@@ -69,6 +69,11 @@ ANSWERS = {  # format -> (model output, content, [(name, arguments)])
         '{"name": "get_time", "arguments": {"tz": -5}}]',
         "", [("get_weather", {"city": "Lima"}), ("get_time", {"tz": -5})],
     ),
+    "phi4_mini": (  # Phi-4-mini: Granite's list, closed by <|/tool_call|>
+        'Checking.<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Lima"}}, '
+        '{"name": "get_time", "arguments": {"tz": -5}}]<|/tool_call|>',
+        "Checking.", [("get_weather", {"city": "Lima"}), ("get_time", {"tz": -5})],
+    ),
 }
 
 
@@ -133,6 +138,7 @@ def test_detect_from_template() -> None:
     assert detect("{{ '[TOOL_CALLS]' }}") == "mistral"
     assert detect("{{ '[TOOL_CALLS]' + name + '[ARGS]' }}") == "mistral_args"
     assert detect("{{ '<|tool_call|>' }}") == "granite"
+    assert detect("{{ '<|tool|>' + message['tools'] + '<|/tool|>' }}") == "phi4_mini"
     assert detect("<|start_header_id|>{{ '\"parameters\": ' }}{{ tools }}") == "llama3_json"
     assert detect("{{ '<|python_tag|>' }}") == "llama3_json"
     assert detect("{% if tools %}<tool_call>{% endif %}") == "hermes"
@@ -169,7 +175,7 @@ def request(**fields: Any) -> ChatCompletionRequest:
 def test_required_grammar_accepts_valid_calls_only(ll: Any, fmt: str) -> None:
     f = FORMATS[fmt]
     lark = f.grammar([WEATHER, TIME], True, lazy=False)
-    text = ANSWERS[fmt][0].removeprefix("Let me check.")
+    text = re.sub(r"^(Let me check\.|Checking\.)", "", ANSWERS[fmt][0])
     assert accepts(ll, lark, text)
     assert not accepts(ll, lark, re.sub(r"\"city\": \"(?:[^\"\\]|\\.)*\"", "\"city\": 3", text))  # wrong type
     assert not accepts(ll, lark, text.replace("get_weather", "get_wether"))
@@ -253,6 +259,33 @@ def test_template_without_tools_gets_the_default_prompt_and_text_calls() -> None
     assert messages[2] == {"role": "assistant", "content":
                            '<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}]</tool_call>'}
     assert messages[3] == {"role": "user", "content": "<tool_response>\n21 C\n</tool_response>"}
+
+
+# Phi-4-mini's own format, written here as its model card gives it: the tools come on the system message
+PHI4_MINI_OWN = ("{% for message in messages %}{% if message['role'] == 'system' and 'tools' in message and "
+                 "message['tools'] is not none %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|tool|>' + "
+                 "message['tools'] + '<|/tool|>' + '<|end|>' }}{% else %}{{ '<|' + message['role'] + '|>' + "
+                 "message['content'] + '<|end|>' }}{% endif %}{% endfor %}{% if add_generation_prompt %}"
+                 "{{ '<|assistant|>' }}{% endif %}")
+
+
+@pytest.mark.parametrize("system", [None, "Be brief."])
+def test_a_template_reading_tools_off_the_system_message_gets_them_there(system: str | None) -> None:
+    """Phi-4-mini's template ignores the `tools` variable: the functions go on the system message as JSON text
+    (one is added where the request has none), earlier calls as the model writes them."""
+    from jinja2 import Template
+
+    p = plan(request(), NoToolsTokenizer())
+    history = ([{"role": "system", "content": system}] if system else []) + HISTORY
+    messages, tools = template_input(history, p, PHI4_MINI_OWN)
+    assert tools is None
+    text = Template(PHI4_MINI_OWN).render(messages=messages, add_generation_prompt=True)
+    calls = json.dumps([{"name": "get_weather", "arguments": {"city": "Paris"}}])
+    assert text == (f"<|system|>{system or 'You are a helpful assistant with some tools.'}"
+                    f"<|tool|>{json.dumps([WEATHER, TIME])}<|/tool|><|end|><|user|>{HISTORY[0]['content']}<|end|>"
+                    f"<|assistant|><|tool_call|>{calls}<|/tool_call|><|end|><|tool|>21 C<|end|><|assistant|>")
+    without, _ = template_input(HISTORY, None, PHI4_MINI_OWN)  # no tools: no system turn is added
+    assert [m["role"] for m in without] == ["user", "assistant", "tool"] and "tools" not in without[0]
 
 
 def test_chatml_template_renders_a_tool_history() -> None:
