@@ -51,6 +51,7 @@ SPECS = {
     "granite": Spec("granite", "granite", {"embedding_multiplier": 6.0, "residual_multiplier": 0.25,
                                            "attention_multiplier": 1 / 16, "logits_scaling": 4.0}),
     "phi3": Spec("phi3", "phi3", {"partial_rotary_factor": 0.75, "pad_token_id": 0}, tied=False),
+    "phi4-mini": Spec("phi3", "phi3", {"partial_rotary_factor": 0.75, "pad_token_id": 0}),  # a phi3 file, tied head
     # Phi-3.5/4-mini's long context: the file's factors and attention factor; served within the original context,
     # transformers' short factors (past it, its long ones: test_families.test_phi3_long_factors_past_the_original_context)
     "phi3-long": Spec("phi3", "phi3", {"partial_rotary_factor": 0.75, "pad_token_id": 0,

@@ -40,14 +40,13 @@ FAMILIES = {
     "mistral": ("mistral-nemo", None),
     "granite": ("granite3.3", None),
     "phi3": ("phi3.5", None),
-    "phi4-mini": ("phi4-mini", None),  # a `phi3` file (Phi-4-mini's are) with Phi-4-mini's format
+    "phi4-mini": ("phi4-mini", None),  # a `phi3` file (Phi-4-mini's are) with a tied LM head and its format
     "gemma3": ("gemma", "llama-spm"),  # Gemma's tokenizer is SentencePiece, as this one
     "gemma2": ("gemma", "llama-spm"),
 }
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}}}  # fmt: skip
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
-ARCHITECTURE = {"phi4-mini": "phi3"}  # the tiny model's family (tests/family_gguf.py) where the name differs
 
 
 FILES = Path.home() / ".cache" / "peregrine" / "test-families"  # the files are the same every run: written once
@@ -63,12 +62,12 @@ def write_model(family: str) -> Path:
     if vocab is None:
         tokenizer = build_byte_level_tokenizer()
         size = len(tokenizer) + (-len(tokenizer)) % 32
-        write_family(tmp, ARCHITECTURE.get(family, family), size, tokenizer=tokenizer, chat_template=named(template),
+        write_family(tmp, family, size, tokenizer=tokenizer, chat_template=named(template),
                      context=4096)
     else:
         vocab_file = source() / "vendor" / "llama.cpp" / "models" / f"ggml-vocab-{vocab}.gguf"
         tokens = len(gguf.GGUFReader(vocab_file).fields["tokenizer.ggml.tokens"].contents())
-        write_family(tmp, ARCHITECTURE.get(family, family), tokens + (-tokens) % 32, vocab_file=vocab_file,
+        write_family(tmp, family, tokens + (-tokens) % 32, vocab_file=vocab_file,
                      chat_template=named(template), context=4096)  # fmt: skip
     (tmp / "config.json").unlink()  # only the file, as a user downloads it
     try:
