@@ -221,8 +221,8 @@ class Settings(DerivedValues, BaseSettings):
         None,
         description="The chat template to serve with, instead of the model's own: a Jinja file, or a name the "
         "server knows (llama3.1, llama3.2, qwen2.5, qwen3, gemma, phi3.5, mistral-nemo, mistral-small, granite3.3, "
-        "granite4, deepseek-r1, hermes3, gpt-oss; docs/chat-templates.md). Unset: the model's own, else its "
-        "architecture's family format, else chat routes answer 400.",
+        "granite4, deepseek-r1, hermes3, gpt-oss, phi4-mini; docs/chat-templates.md). Unset: the model's own, else "
+        "its architecture's family format, else chat routes answer 400.",
     )
     reasoning_parser: Literal["auto", "none", "deepseek_r1", "qwen3", "gpt_oss"] = Field(
         "auto",

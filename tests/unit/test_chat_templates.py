@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +94,17 @@ def test_every_name_has_a_family_entry_and_a_file() -> None:
     assert set(FAMILIES) == set(NAMES)
     assert set(BY_ARCHITECTURE.values()) <= set(NAMES)
     assert all((chat_templates.HERE / f"{n}.jinja").is_file() for n in NAMES)
+
+
+def test_every_name_is_in_the_settings_help_and_the_docs() -> None:
+    """`--help` (the setting's description) and docs/chat-templates.md list the names `--chat-template` takes."""
+    from config.settings import Settings
+
+    described = Settings.model_fields["chat_template"].description
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "chat-templates.md").read_text(encoding="utf-8")
+    listed = re.findall(r"[\w.-]+", described.split("server knows (")[1].split(";")[0])
+    assert listed == list(NAMES)
+    assert all(f"`{name}`" in docs for name in NAMES)
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
