@@ -395,3 +395,15 @@ def test_a_trigger_that_is_a_special_token_is_kept_in_the_text(special: bool) ->
     text = '\n{"name": "get_time", "arguments": {"tz": 3}}\n</tool_call>'
     ids = [token_id, *lltok.tokenize_str(text)]
     assert matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
+
+
+def test_the_parser_setting_takes_every_format() -> None:
+    """`--tool-call-parser` (its choices in --help and docs/configuration.md) is `auto` or one of the formats."""
+    import typing
+
+    from config.settings import Settings
+
+    choices = typing.get_args(Settings.model_fields["tool_call_parser"].annotation)
+    assert set(choices) == {"auto", *FORMATS}
+    described = Settings.model_fields["tool_call_parser"].description
+    assert all(f"{name}:" in described for name in FORMATS)
