@@ -201,9 +201,7 @@ def _system_tools(conversation: list[dict[str, Any]], tool_plan: ToolPlan | None
         calls = message.get("tool_calls")
         content = message.get("content") or ""
         if calls:
-            listed = [{"name": c["function"].get("name"), "arguments": c["function"].get("arguments", {})}
-                      for c in calls]
-            content += f"<|tool_call|>{json.dumps(listed)}<|/tool_call|>"
+            content += f"<|tool_call|>{json.dumps(_listed(calls))}<|/tool_call|>"
         out.append({k: v for k, v in message.items() if k not in ("tool_calls", "tool_call_id")} | {"content": content})
     if tool_plan is not None:
         if not out or out[0]["role"] != "system":
@@ -258,6 +256,10 @@ def _plain_message(message: dict[str, Any]) -> dict[str, Any]:
     calls = message.get("tool_calls")
     if message["role"] != "assistant" or not calls:
         return {k: v for k, v in message.items() if k not in ("tool_calls", "tool_call_id")}
-    listed = [{"name": c["function"].get("name"), "arguments": c["function"].get("arguments", {})} for c in calls]
-    text = (message.get("content") or "") + f"<tool_call>{json.dumps(listed)}</tool_call>"
+    text = (message.get("content") or "") + f"<tool_call>{json.dumps(_listed(calls))}</tool_call>"
     return {"role": "assistant", "content": text}
+
+
+def _listed(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """An assistant turn's tool calls as the models that write them as text write them: `{"name", "arguments"}`."""
+    return [{"name": c["function"].get("name"), "arguments": c["function"].get("arguments", {})} for c in calls]

@@ -4,8 +4,8 @@ for a model without one, its family's format when its architecture names one. No
 the chat routes answer 400 saying how to pass one (completions need none).
 
 The `.jinja` files are llama.cpp's vendored `models/templates` (MIT; README.md in this folder says which file
-each one is), but for `phi4-mini`, written for Peregrine to Phi-4-mini's format. They live in models/ rather than app/chat/ because the template is settled at load time, when the
-tokenizer is, and models/ must not import app/."""
+each one is), but for `phi4-mini`, written for Peregrine to Phi-4-mini's format. They live in models/ rather than
+app/chat/ because the template is settled at load time, when the tokenizer is, and models/ must not import app/."""
 
 from __future__ import annotations
 

@@ -62,13 +62,12 @@ def write_model(family: str) -> Path:
     if vocab is None:
         tokenizer = build_byte_level_tokenizer()
         size = len(tokenizer) + (-len(tokenizer)) % 32
-        write_family(tmp, family, size, tokenizer=tokenizer, chat_template=named(template),
-                     context=4096)
+        write_family(tmp, family, size, tokenizer=tokenizer, chat_template=named(template), context=4096)
     else:
         vocab_file = source() / "vendor" / "llama.cpp" / "models" / f"ggml-vocab-{vocab}.gguf"
         tokens = len(gguf.GGUFReader(vocab_file).fields["tokenizer.ggml.tokens"].contents())
-        write_family(tmp, family, tokens + (-tokens) % 32, vocab_file=vocab_file,
-                     chat_template=named(template), context=4096)  # fmt: skip
+        write_family(tmp, family, tokens + (-tokens) % 32, vocab_file=vocab_file, chat_template=named(template),
+                     context=4096)  # fmt: skip
     (tmp / "config.json").unlink()  # only the file, as a user downloads it
     try:
         tmp.rename(folder)
