@@ -23,7 +23,7 @@ import torch
 from engine.core.block_manager import BlockManager
 from engine.core.scheduler import ScheduledSeq, SchedulerOutput
 from engine.core.sequence import Sequence
-from engine.core.speculative import StepCost
+from engine.core.step_cost import StepCost
 from engine.model.kv_cache import KVCacheSpec
 from engine.model.runner import ModelRunner
 from engine.types import SamplingParams
@@ -131,7 +131,7 @@ class DraftProposer:
 
     def token_cost(self, rows: int) -> float:
         """Seconds of draft time per proposed token, in a draft step of `rows` sequences (0 before any step)."""
-        fixed, per_row = self.cost.fit()
+        fixed, per_row = self.cost.fit(rows)
         return fixed / max(rows, 1) + per_row
 
     def catchup_cost(self, seq: Sequence) -> float:

@@ -25,11 +25,11 @@ from engine.core.speculative import (
     Acceptance,
     NgramProposer,
     Proposer,
-    StepCost,
     accepted_prefix,
     plan_lengths,
     until_stop,
 )
+from engine.core.step_cost import StepCost
 from engine.draft import DraftModel, DraftProposer, check_same_vocabulary, kv_share
 from engine.model.kv_cache import KVCache, KVCacheSpec, kv_cache_dtype, plan_num_blocks
 from engine.model.quant import is_quantized

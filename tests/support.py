@@ -220,6 +220,16 @@ def make_engine(loaded: Loaded, draft: Loaded | None = None, **overrides: Any) -
 
 
 
+def pin(cost: Any, fixed: float, per_row: float) -> None:
+    """Fix a fitted step cost at `fixed` + `per_row` x rows seconds: a hundred such steps at every row count up to 64,
+    never forgotten, outweigh the few the test's own steps add at any count, so what the adaptive rule decides does
+    not depend on this machine's timings."""
+    cost.decay = 1.0
+    for _ in range(100):
+        for rows in range(1, 65):
+            cost.observe(rows, fixed + rows * per_row)
+
+
 def run_all(engine: Any, requests: dict[str, tuple[list[int], Any]], max_steps: int = 10_000) -> dict[str, list]:
     """Add every request, step until done; returns request_id -> all its RequestOutputs in order."""
     outputs: dict[str, list] = {rid: [] for rid in requests}

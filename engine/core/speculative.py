@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from engine.core.sequence import Sequence
+from engine.core.step_cost import StepCost
 
 
 class Proposer(Protocol):
@@ -59,10 +60,19 @@ class NgramIndex:
         self.min_n = min_n
         self._last: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_n + 1)]  # n -> n-gram -> end index
         self._indexed = 0  # n-grams ending before this index are in `_last`
+        self._found: tuple[int, tuple[int, int] | None] = (-1, None)  # the last match, for a list of that length
 
     def match(self, tokens: list[int]) -> tuple[int, int] | None:
         """(n, end) of the latest earlier occurrence of the longest suffix n-gram of `tokens` found (n from max_n
-        down to min_n; it ends at index `end`), or None."""
+        down to min_n; it ends at index `end`), or None. `tokens` only grows by appending: asked again at the same
+        length (a step's `kind`, then its proposal), the answer is the last one."""
+        if self._found[0] == len(tokens):
+            return self._found[1]
+        found = self._match(tokens)
+        self._found = (len(tokens), found)
+        return found
+
+    def _match(self, tokens: list[int]) -> tuple[int, int] | None:
         end = len(tokens) - 1  # the suffix ends here; occurrences ending before it are indexed
         while self._indexed < end:
             i = self._indexed
@@ -139,53 +149,8 @@ class NgramProposer:
         self._index.pop(seq.seq_id, None)
 
 
-class StepCost:
-    """A step's time as fixed + per_row x rows, fitted online (least squares, older steps forgotten geometrically).
-    On a CPU the one-call step reads the weights once whatever the rows (fixed) and computes each row (per row);
-    `row_share` is the share of a step of `rows` rows that its rows cost: what one more row costs relative to
-    what a row yields. Before the steps vary enough to fit, rows are assumed to cost `prior` of the fixed part."""
-
-    def __init__(self, decay: float = 0.98, prior: float = 0.3) -> None:
-        self.decay = decay
-        self.prior = prior
-        self._w = self._x = self._y = self._xx = self._xy = 0.0
-
-    def observe(self, rows: int, seconds: float) -> None:
-        if self._w == 0.0:  # a pseudo-point that says: each row costs `prior` of the fixed part
-            fixed = seconds / (1 + self.prior * rows)
-            self._add(rows + 8, fixed * (1 + self.prior * (rows + 8)))
-        self._add(rows, seconds)
-
-    def _add(self, x: float, y: float) -> None:
-        d = self.decay
-        self._w, self._x, self._y = d * self._w + 1, d * self._x + x, d * self._y + y
-        self._xx, self._xy = d * self._xx + x * x, d * self._xy + x * y
-
-    def fit(self) -> tuple[float, float]:
-        """(fixed, per_row) seconds; (0, 0) before any step."""
-        if self._w == 0.0:
-            return 0.0, 0.0
-        mx, my = self._x / self._w, self._y / self._w
-        var = self._xx / self._w - mx * mx
-        per_row = max(0.0, (self._xy / self._w - mx * my) / var) if var > 1e-9 else 0.0
-        fixed = my - per_row * mx
-        if fixed <= 0.05 * my:  # noise fitted a line through (almost) zero: keep a fixed part
-            fixed = 0.05 * my
-            per_row = (my - fixed) / max(mx, 1.0)
-        return fixed, per_row
-
-    def step_time(self, rows: int) -> float:
-        """Seconds a step of `rows` rows takes (0 before any step)."""
-        fixed, per_row = self.fit()
-        return fixed + per_row * rows
-
-    def row_share(self, rows: int, extra: float = 0.0) -> float:
-        """(per_row + extra) x rows / (fixed + per_row x rows): the share of such a step its rows cost, a row
-        costing `extra` seconds more elsewhere (a draft model's token) (prior before data)."""
-        fixed, per_row = self.fit()
-        if fixed + per_row == 0.0:
-            return self.prior * rows / (1 + self.prior * rows)
-        return (per_row + extra) * rows / (fixed + per_row * rows)
+MARGIN = 0.1  # a proposal pays when its chance exceeds the rows' share by a tenth (see plan_lengths)
+PROBE_STEPS = 64  # after so many steps without a proposal, one sequence tries one anyway (see plan_lengths)
 
 
 @dataclass(slots=True)
@@ -220,16 +185,19 @@ class Adaptive:
             chance *= self.alpha
         return n
 
-    def length(self, k: int, row_share: float, affordable: bool = True) -> int:
-        """How many of up to `k` proposals to verify this step (0: none; counts a paused step down)."""
+    def length(self, k: int, row_share: float, affordable: bool = True, may_try: bool = True,
+               probe: bool = False) -> int:
+        """How many of up to `k` proposals to verify this step (0: none; counts a paused step down). A try waits
+        while not `may_try` (the engine's call: where proposals of its kind do not pay on average); a `probe` is a
+        try made now, paused or not."""
         n = self.pays(k, row_share) if affordable else 0
         if n > 0:
             self.pause, self.next_pause = 0, self.start_pause
             return n
-        if self.pause > 0:
+        if self.pause > 0 and not probe:
             self.pause -= 1
             return 0
-        if not affordable:
+        if not (affordable and (may_try or probe)):
             return 0  # a try is due, and waits for a step that affords it
         self.pause = self.next_pause
         self.next_pause = min(2 * self.next_pause, self.max_pause)
@@ -254,6 +222,7 @@ class Acceptance:
         self._states: dict[object, dict[int, Adaptive]] = {}
         self._rates: dict[int, list[float]] = {}  # kind -> [hits, tries] across sequences
         self._planned: dict[object, int] = {}
+        self.unprobed = 0  # steps since the last probe (plan_lengths)
 
     def state(self, seq_id: object, kind: int) -> Adaptive:
         states = self._states.setdefault(seq_id, {})
@@ -311,21 +280,40 @@ def plan_lengths(candidates: list[tuple[Sequence, int]], rows: int, proposer: Pr
     pay given its acceptance rate for that kind, what a row costs (`step_cost`) and what a proposed token costs the
     proposer in a step of as many proposing sequences (a draft model's step: its fixed part is shared by the
     sequences that propose, not by every decode), and none, not even a try, while proposing would not pay for the
-    proposer's catch-up (`_affordable`)."""
+    proposer's catch-up (`_affordable`). A proposal pays when its chance exceeds the rows' share by MARGIN: at the
+    break-even it gains nothing on average, while its rejections slow every sequence in the step (the one that
+    ends last among them) and its bookkeeping costs every step; and a due try waits while proposals of its kind do
+    not pay on average across sequences (`Acceptance.rate`). Where the bar is 1 or more (a row costs nearly what
+    it yields: a compute-bound step of many rows), nothing is weighed at all. What no one tries is not measured
+    again, so a cost or a rate that noise set too high (a busy machine's slow steps) would stop proposals for
+    good: after PROBE_STEPS steps without a proposal one sequence tries one whatever the bar (a probe)."""
+    bar = (1 + MARGIN) * step_cost.row_share(rows, proposer.token_cost(rows))
+    acceptance.unprobed += 1
+    probe = acceptance.unprobed >= PROBE_STEPS
+    if bar >= 1.0 and not probe:  # not even a proposal sure to be kept pays (nor may a try be made)
+        return [0] * len(candidates)
     kinds = [proposer.kind(seq) for seq, _ in candidates]
     states = [acceptance.state(seq.seq_id, kind) for (seq, _), kind in zip(candidates, kinds, strict=True)
               if kind is not None]
     candidates = [c for c, kind in zip(candidates, kinds, strict=True) if kind is not None]
     if not candidates:
         return [0] * len(kinds)
-    share = step_cost.row_share(rows, proposer.token_cost(rows))
-    proposing = sum(1 for a, (_, room) in zip(states, candidates, strict=True) if a.pause == 0 or a.pays(room, share))
+    rates = [acceptance.rate(kind) > bar for kind in kinds if kind is not None]  # may a due try be made
+    proposing = sum(1 for a, (_, room), may in zip(states, candidates, rates, strict=True)
+                    if (a.pause == 0 and may) or a.pays(room, bar))
     if 0 < proposing < rows:  # the proposer's step is shared by fewer sequences than decode
-        share = step_cost.row_share(rows, proposer.token_cost(proposing))
+        bar = (1 + MARGIN) * step_cost.row_share(rows, proposer.token_cost(proposing))
+        rates = [acceptance.rate(kind) > bar for kind in kinds if kind is not None]
     saving = _saving(rows, proposing, proposer, step_cost)
-    lengths = iter([a.length(room, share, _affordable(seq, a, saving, proposer, k, max_model_len))
-                    for a, (seq, room) in zip(states, candidates, strict=True)])
-    return [0 if kind is None else next(lengths) for kind in kinds]
+    lengths = [a.length(room, bar, _affordable(seq, a, saving, proposer, k, max_model_len), may)
+               for a, (seq, room), may in zip(states, candidates, rates, strict=True)]
+    if probe and not any(lengths):  # one sequence tries, paused or not
+        (seq, room), a = candidates[0], states[0]
+        lengths[0] = a.length(room, bar, _affordable(seq, a, saving, proposer, k, max_model_len), probe=True)
+    if any(lengths):
+        acceptance.unprobed = 0
+    found = iter(lengths)
+    return [0 if kind is None else next(found) for kind in kinds]
 
 
 def _saving(rows: int, proposing: int, proposer: Proposer, step_cost: StepCost) -> float | None:
@@ -335,7 +323,7 @@ def _saving(rows: int, proposing: int, proposer: Proposer, step_cost: StepCost) 
     step = step_cost.step_time(rows)
     if step == 0.0:
         return None
-    return step / rows - step_cost.fit()[1] - proposer.token_cost(max(proposing, 1))
+    return step / rows - step_cost.fit(rows)[1] - proposer.token_cost(max(proposing, 1))
 
 
 def _affordable(seq: Sequence, adaptive: Adaptive, saving: float | None, proposer: Proposer, k: int,

@@ -13,13 +13,13 @@ from typing import Any
 
 import pytest
 
-from engine.core.speculative import StepCost
 from engine.draft import VocabularyMismatch, check_same_vocabulary
 from engine.types import SamplingParams
 from tests.support import (
     Loaded,
     chat_ids,
     make_engine,
+    pin,
     run_all,
     smollm2_dir,
     text_of,
@@ -135,15 +135,6 @@ def test_a_random_draft_rarely_agrees_and_the_answers_are_the_same(smollm2_q4_1:
     assert 0 < counts(adaptive)[0] < proposed / 3, counts(adaptive)
 
 
-def pin(cost: StepCost, fixed: float, per_row: float) -> None:
-    """Fix a fitted step cost at `fixed` + `per_row` x rows seconds: ten thousand such steps, never forgotten, outweigh
-    the few the test's own steps add, so what the adaptive rule decides does not depend on this machine's timings."""
-    cost.decay = 1.0
-    for _ in range(5000):
-        cost.observe(1, fixed + per_row)
-        cost.observe(9, fixed + 9 * per_row)
-
-
 @pytest.mark.parametrize(("draft_step", "catchup", "proposes"), [
     ((0.050, 0.010), (0.001, 0.0001), False),  # a draft token costs more than a decoded token saves
     ((0.001, 0.0005), (0.001, 1.0), False),  # cheap draft steps, but catching up on a prompt costs seconds
@@ -152,14 +143,14 @@ def pin(cost: StepCost, fixed: float, per_row: float) -> None:
 def test_a_draft_that_cannot_pay_proposes_nothing_and_computes_nothing(
         smollm2_q4_1: Loaded, draft_step: tuple[float, float], catchup: tuple[float, float], proposes: bool) -> None:
     """The adaptive rule prices a proposal with the draft's token and the draft's catch-up on the sequence (its
-    prompt the first time): the target's step pinned at 30 ms + 10 ms a row (a decoded token costs 17.5 ms at four
-    decodes, a row 10 ms), the draft's steps and catch-up as given. Where proposals cannot pay, no sequence
+    prompt the first time): the target's step pinned at 30 ms + 8 ms a row (a decoded token costs 15.5 ms at four
+    decodes, a row 8 ms), the draft's steps and catch-up as given. Where proposals cannot pay, no sequence
     proposes, not even a try, and the draft runs no step at all; the answers are plain decoding's either way."""
     ids = prompts(smollm2_q4_1)
     requests = {n: (p, greedy(32)) for n, p in ids.items()}
     want = {n: tokens_of(o) for n, o in run_all(make_engine(smollm2_q4_1, kv_cache_bytes=KV), requests).items()}
     engine = make_engine(smollm2_q4_1, draft=smollm2_q4_1, kv_cache_bytes=KV)
-    pin(engine.step_cost, 0.030, 0.010)
+    pin(engine.step_cost, 0.030, 0.008)
     pin(engine.proposer.cost, *draft_step)
     pin(engine.proposer.catchup, *catchup)
     fits = engine.proposer.cost.fit(), engine.proposer.catchup.fit()

@@ -1,0 +1,77 @@
+"""What a step costs against its rows, learned online from the engine's own steps: the speculative rule's price of a
+verification row (engine.core.speculative.plan_lengths) and of a draft model's token (engine.draft). No torch."""
+
+from __future__ import annotations
+
+
+class StepCost:
+    """A step's time against its rows, learned online: each row count's mean time (older steps forgotten
+    geometrically), and around any row count a line, fixed + per_row x rows, fitted by least squares to the counts
+    near it (half to twice it, plus two). A CPU step is not one line: at one or two rows it reads the weights and
+    the rows ride along (memory-bound), from a few rows on each row's arithmetic is the cost (compute-bound: on a
+    small model that is from three rows); one line through all counts priced a row at 16 streams at 80% of its
+    cost. The line near a step's own rows prices what its proposals add. Where fewer than two row counts lie near,
+    the line through all of them. Before the rows vary enough to fit, rows are assumed to cost `prior` of the
+    fixed part (a pseudo-point eight rows above the first step)."""
+
+    def __init__(self, decay: float = 0.98, prior: float = 0.3) -> None:
+        self.decay = decay
+        self.prior = prior
+        self._steps = 0
+        self._rows: dict[int, list[float]] = {}  # rows -> [weight, weighted seconds, step of the last update]
+        self._fits: dict[int | None, tuple[float, float]] = {}  # since the last step observed
+
+    def observe(self, rows: int, seconds: float) -> None:
+        if not self._rows:  # a pseudo-point that says: each row costs `prior` of the fixed part
+            fixed = seconds / (1 + self.prior * rows)
+            self._add(rows + 8, fixed * (1 + self.prior * (rows + 8)))
+        self._add(rows, seconds)
+
+    def _add(self, x: int, y: float) -> None:
+        self._steps += 1
+        self._fits.clear()
+        found = self._rows.get(x)
+        if found is None:
+            self._rows[x] = [1.0, y, self._steps]
+            return
+        aged = self.decay ** (self._steps - found[2])
+        found[0], found[1], found[2] = aged * found[0] + 1, aged * found[1] + y, self._steps
+
+    def fit(self, rows: int | None = None) -> tuple[float, float]:
+        """(fixed, per_row) seconds of the line near `rows` (through every row count when None); (0, 0) before
+        any step."""
+        found = self._fits.get(rows)
+        if found is None:
+            found = self._fits[rows] = self._fit(rows)
+        return found
+
+    def _fit(self, rows: int | None) -> tuple[float, float]:
+        points = [(x, w * self.decay ** (self._steps - t), y / w) for x, (w, y, t) in self._rows.items()]
+        if rows is not None:
+            near = [p for p in points if rows / 2 <= p[0] <= 2 * rows + 2]
+            points = near if len(near) >= 2 else points
+        if not points:
+            return 0.0, 0.0
+        sw = sum(w for _, w, _ in points)
+        mx, my = sum(w * x for x, w, _ in points) / sw, sum(w * y for _, w, y in points) / sw
+        var = sum(w * (x - mx) ** 2 for x, w, _ in points) / sw
+        cov = sum(w * (x - mx) * (y - my) for x, w, y in points) / sw
+        per_row = max(0.0, cov / var) if var > 1e-9 else 0.0
+        fixed = my - per_row * mx
+        if fixed <= 0.05 * my:  # noise, or a line steeper than its own mean: keep a fixed part
+            fixed = 0.05 * my
+            per_row = (my - fixed) / max(mx, 1.0)
+        return fixed, per_row
+
+    def step_time(self, rows: int) -> float:
+        """Seconds a step of `rows` rows takes (0 before any step)."""
+        fixed, per_row = self.fit(rows)
+        return fixed + per_row * rows
+
+    def row_share(self, rows: int, extra: float = 0.0) -> float:
+        """(per_row + extra) x rows / (fixed + per_row x rows), the line near `rows`: the share of such a step its
+        rows cost, a row costing `extra` seconds more elsewhere (a draft model's token) (prior before data)."""
+        fixed, per_row = self.fit(rows)
+        if fixed + per_row == 0.0:
+            return self.prior * rows / (1 + self.prior * rows)
+        return (per_row + extra) * rows / (fixed + per_row * rows)
