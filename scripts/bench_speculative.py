@@ -12,9 +12,11 @@ Workloads (chat-templated, greedy, the model's own EOS ends an answer, at most -
   constrained to JSON (`response_format` json_object: every verification row masked by the grammar);
 - tools (on request): the grounded prompts with two tools offered in the chat template and tool_choice auto: the
   tool-call grammar waits for its trigger (a lazy constraint), what an agent's requests look like.
-At 1 stream the prompts of a workload run one after another; at 16 streams all 16 at once. Each round runs every
-(workload, streams) cell with speculation off, then on (then on/off in the next round: A B, B A), in the same
-process on the same loaded model. Greedy answers are the same tokens either way (checked, or the run fails), so a
+At 1 stream the prompts of a workload run one after another; at 16 streams all 16 at once (one wave: the batch
+shrinks as answers end), or with --requests-per-stream N each stream sends N requests back to back (steady load:
+a finished request's slot takes the next prompt at once; stream i's j-th prompt is the workload's i + j). Each
+round runs every (workload, streams) cell with speculation off, then on (then on/off in the next round: A B, B A),
+in the same process on the same loaded model. Greedy answers are the same tokens either way (checked, or the run fails), so a
 cell's speed-up is its time ratio. Reported per cell: output tokens/s (end to end, prefill included) of the median
 round for each mode, the median of the per-round ratios, the same for decoding alone (each request's first output to
 its last, summed: what speculation changes), and the share of proposed tokens accepted. A second table counts the
@@ -142,6 +144,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--one-stream-prompts", type=int, default=16,
                    help="prompts per workload at 1 stream (of 16: one_stream's spread)")
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--requests-per-stream", type=int, default=1,
+                   help="at more than one stream, requests each stream sends back to back (1: one wave of them all "
+                        "at once; more: steady load, a finished request's slot taking the next at once)")
     p.add_argument("--speculative-tokens", type=int, default=None, help="k (default: the engine's)")
     p.add_argument("--workloads", default="grounded,open", help="grounded, open, copy, json, tools (comma-separated)")
     p.add_argument("--modes", default="off,ngram",
@@ -221,10 +226,11 @@ def weight_bytes(engine: Any) -> int | None:
     return count() if count else None
 
 
-def run(engine: Any, prompts: list[list[int]], streams: int, max_tokens: int,
-        constraint: Any = None) -> tuple[float, float, list[list[int]], list[tuple[int, int, float]]]:
-    """Serve `prompts`, `streams` at a time (each group starts when the previous one is done), the answers held
-    to `constraint` (engine.types.Constraint) if one is given. Returns the seconds it took, the decode seconds
+def run(engine: Any, prompts: list[list[int]], streams: int, max_tokens: int, constraint: Any = None,
+        steady: bool = False) -> tuple[float, float, list[list[int]], list[tuple[int, int, float]]]:
+    """Serve `prompts`, `streams` at a time: in waves (each group starts when the previous one is done) or, when
+    `steady`, with `streams` always in flight (a finished request's slot takes the next prompt at once), the answers
+    held to `constraint` (engine.types.Constraint) if one is given. Returns the seconds it took, the decode seconds
     summed over requests (first output to last: what follows the prefill), each request's tokens, and each decode
     step's (rows, tokens, seconds): a step in which no request got its first token; its rows are the sequences
     that decoded plus the proposals verified (the engine's counter), its tokens those it emitted."""
@@ -235,24 +241,33 @@ def run(engine: Any, prompts: list[list[int]], streams: int, max_tokens: int,
     first_at: dict[str, float] = {}
     last_at: dict[str, float] = {}
     steps: list[tuple[int, int, float]] = []
-    start = time.perf_counter()
-    for first in range(0, len(prompts), streams):
-        for i in range(first, min(first + streams, len(prompts))):
+    admitted = 0
+
+    def admit(count: int) -> None:
+        nonlocal admitted
+        for i in range(admitted, min(admitted + count, len(prompts))):
             engine.add_request(f"p{i}", prompts[i], params)
             tokens[f"p{i}"] = []
-        while engine.has_work:
-            proposed = engine.counters.spec_proposed_tokens
-            began = time.perf_counter()
-            outs = engine.step()
-            now = time.perf_counter()
-            fresh = any(out.request_id not in first_at for out in outs)
-            for out in outs:
-                tokens[out.request_id] += out.token_ids
-                first_at.setdefault(out.request_id, now)
-                last_at[out.request_id] = now
-            if outs and not fresh:
-                rows = len({out.request_id for out in outs}) + engine.counters.spec_proposed_tokens - proposed
-                steps.append((rows, sum(len(out.token_ids) for out in outs), now - began))
+        admitted = min(admitted + count, len(prompts))
+
+    start = time.perf_counter()
+    while admitted < len(prompts) or engine.has_work:
+        if not engine.has_work:
+            admit(streams)
+        proposed = engine.counters.spec_proposed_tokens
+        began = time.perf_counter()
+        outs = engine.step()
+        now = time.perf_counter()
+        fresh = any(out.request_id not in first_at for out in outs)
+        for out in outs:
+            tokens[out.request_id] += out.token_ids
+            first_at.setdefault(out.request_id, now)
+            last_at[out.request_id] = now
+        if outs and not fresh:
+            rows = len({out.request_id for out in outs}) + engine.counters.spec_proposed_tokens - proposed
+            steps.append((rows, sum(len(out.token_ids) for out in outs), now - began))
+        if steady:
+            admit(sum(1 for out in outs if out.finish_reason is not None))
     decode = sum(last_at[r] - first_at[r] for r in tokens)
     return time.perf_counter() - start, decode, [tokens[f"p{i}"] for i in range(len(prompts))], steps
 
@@ -316,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     modes = list(engines)
     header = cpu_header()
     print(f"# {header}\n# {platform.platform()}; {about}, greedy, max_tokens {args.max_tokens}, "
-          f"adaptive {'off' if args.fixed else 'on'}", flush=True)
+          f"adaptive {'off' if args.fixed else 'on'}, {args.requests_per_stream} request(s) a stream", flush=True)
     warm = sets["open"][0]
     for engine in engines.values():
         run(engine, [warm], 1, 8)
@@ -325,14 +340,15 @@ def main(argv: list[str] | None = None) -> int:
         order = modes if rnd % 2 == 0 else modes[::-1]  # A B C, C B A, ...
         for workload in workloads:
             for streams in levels:
-                prompts = one_stream(sets[workload], args.one_stream_prompts) if streams == 1 else sets[workload][
-                    :streams]
+                group = sets[workload][:streams]  # stream i's j-th request: prompt i + j of the group
+                prompts = one_stream(sets[workload], args.one_stream_prompts) if streams == 1 else [
+                    group[(i + j) % len(group)] for j in range(args.requests_per_stream) for i in range(streams)]
                 answers, seconds, decode = {}, {}, {}
                 for mode in order:
                     engine = engines[mode]
                     before = engine.stats()
-                    seconds[mode], decode[mode], answers[mode], steps = run(engine, prompts, streams,
-                                                                            args.max_tokens, constraints.get(workload))
+                    seconds[mode], decode[mode], answers[mode], steps = run(
+                        engine, prompts, streams, args.max_tokens, constraints.get(workload), steady=streams > 1)
                     after = engine.stats()
                     cell = cells.setdefault((workload, streams, mode), {"tok_s": [], "tokens": 0, "ratios": [],
                                                                         "decode_ratios": [], "proposed": 0,
