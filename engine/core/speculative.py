@@ -287,7 +287,7 @@ def plan_lengths(candidates: list[tuple[Sequence, int]], rows: int, proposer: Pr
     it yields: a compute-bound step of many rows), nothing is weighed at all. What no one tries is not measured
     again, so a cost or a rate that noise set too high (a busy machine's slow steps) would stop proposals for
     good: after PROBE_STEPS steps without a proposal one sequence tries one whatever the bar (a probe)."""
-    bar = (1 + MARGIN) * step_cost.row_share(rows, proposer.token_cost(rows))
+    bar = _bar(rows, rows, proposer, step_cost)
     acceptance.unprobed += 1
     probe = acceptance.unprobed >= PROBE_STEPS
     if bar >= 1.0 and not probe:  # not even a proposal sure to be kept pays (nor may a try be made)
@@ -298,12 +298,13 @@ def plan_lengths(candidates: list[tuple[Sequence, int]], rows: int, proposer: Pr
     candidates = [c for c, kind in zip(candidates, kinds, strict=True) if kind is not None]
     if not candidates:
         return [0] * len(kinds)
-    rates = [acceptance.rate(kind) > bar for kind in kinds if kind is not None]  # may a due try be made
+    kind_rates = [acceptance.rate(kind) for kind in kinds if kind is not None]
+    rates = [rate > bar for rate in kind_rates]  # may a due try be made
     proposing = sum(1 for a, (_, room), may in zip(states, candidates, rates, strict=True)
                     if (a.pause == 0 and may) or a.pays(room, bar))
     if 0 < proposing < rows:  # the proposer's step is shared by fewer sequences than decode
-        bar = (1 + MARGIN) * step_cost.row_share(rows, proposer.token_cost(proposing))
-        rates = [acceptance.rate(kind) > bar for kind in kinds if kind is not None]
+        bar = _bar(rows, proposing, proposer, step_cost)
+        rates = [rate > bar for rate in kind_rates]
     saving = _saving(rows, proposing, proposer, step_cost)
     lengths = [a.length(room, bar, _affordable(seq, a, saving, proposer, k, max_model_len), may)
                for a, (seq, room), may in zip(states, candidates, rates, strict=True)]
@@ -314,6 +315,12 @@ def plan_lengths(candidates: list[tuple[Sequence, int]], rows: int, proposer: Pr
         acceptance.unprobed = 0
     found = iter(lengths)
     return [0 if kind is None else next(found) for kind in kinds]
+
+
+def _bar(rows: int, proposing: int, proposer: Proposer, step_cost: StepCost) -> float:
+    """The chance a proposal must exceed to pay in a step of `rows` decodes, `proposing` of them proposing: the
+    rows' share of the step (a row and the proposer's token) and MARGIN over it."""
+    return (1 + MARGIN) * step_cost.row_share(rows, proposer.token_cost(proposing))
 
 
 def _saving(rows: int, proposing: int, proposer: Proposer, step_cost: StepCost) -> float | None:
