@@ -52,3 +52,32 @@ def test_cuda_seeded_sampling_and_bf16(tiny: Any) -> None:
     assert tokens_of(first) == tokens_of(second) and len(tokens_of(first)) == 12
     assert all(o.logprobs and len(o.logprobs[0].top) == 2 for o in first)
     assert engine.blocks.num_used_blocks == 0
+
+
+def test_cuda_speculation_answers_as_plain_decoding(tiny_cuda: Loaded) -> None:
+    """n-gram speculation on the GPU (float32): greedy and seeded answers are those of plain decoding on the same
+    device, batched, with proposals made and kept; the step cost is pinned so that proposals pay whatever the
+    GPU's timings (the adaptive rule has its own unit tests)."""
+    from engine.llm_engine import LLMEngine
+    from engine.types import EngineConfig
+    from tests.support import pin
+
+    def build(**kw: Any) -> Any:
+        cfg = EngineConfig(model_path="in-memory", model_name="t", device="cuda", kv_cache_bytes=8 << 20,
+                           max_num_batched_tokens=64, **kw)
+        return LLMEngine(tiny_cuda.model, tiny_cuda.tokenizer, cfg, torch.device("cuda"), torch.float32,
+                         tiny_cuda.max_model_len)
+
+    plain, spec = build(), build(speculative="ngram")
+    pin(spec.step_cost, 0.002, 0.0001)
+    enc = tiny_cuda.tokenizer.encode
+    prompts = {f"r{i}": enc(t) for i, t in enumerate(["one two three four one two three four one two",
+                                                      "abc abc abc abc abc", "The quick brown fox " * 3])}
+    for params in (SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True),
+                   SamplingParams(temperature=0.9, seed=21, max_tokens=32, ignore_eos=True)):
+        requests = {r: (p, params) for r, p in prompts.items()}
+        want = {r: tokens_of(o) for r, o in run_all(plain, requests).items()}
+        assert {r: tokens_of(o) for r, o in run_all(spec, requests).items()} == want, params.temperature
+    stats = spec.stats()
+    assert stats.spec_proposed_tokens_total > 0 and stats.spec_accepted_tokens_total > 0
+    assert spec.blocks.num_used_blocks == 0
