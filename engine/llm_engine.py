@@ -136,7 +136,7 @@ class LLMEngine:
         per_item = [[next(sampled) for _ in range(item.num_rows)] for item in sampling]
         if self.proposer is not None and all(item.num_tokens == 1 + len(item.draft) for item in batch.scheduled):
             # decodes and verifications only: a prompt chunk's rows run another path (and would dominate the fit)
-            self.step_cost.observe(batch.num_batched_tokens, time.perf_counter() - started)
+            self.step_cost.observe(batch.num_batched_tokens, time.perf_counter() - started, len(batch.scheduled))
         grown = self.scheduler.update(batch, [tokens[0].token_id for tokens in per_item])
         self.kv_cache.release(self.blocks.take_released())
         self.counters.steps += 1

@@ -327,10 +327,10 @@ def _saving(rows: int, proposing: int, proposer: Proposer, step_cost: StepCost) 
     """Seconds a proposal that is kept saves its sequence in a step of `rows` decodes, `proposing` of them
     proposing: what a decoded token costs (the step's time over its rows) less what a proposal costs (a row, and the
     proposer's token). None before the step's cost is known."""
-    step = step_cost.step_time(rows)
+    step, per_row = step_cost.prices(rows)
     if step == 0.0:
         return None
-    return step / rows - step_cost.fit(rows)[1] - proposer.token_cost(max(proposing, 1))
+    return step / rows - per_row - proposer.token_cost(max(proposing, 1))
 
 
 def _affordable(seq: Sequence, adaptive: Adaptive, saving: float | None, proposer: Proposer, k: int,

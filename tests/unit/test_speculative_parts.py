@@ -251,6 +251,35 @@ def test_step_cost_prices_a_row_by_the_line_near_the_step_rows() -> None:
     assert lone.fit(16) != lone.fit()
 
 
+def test_step_cost_prices_a_proposal_among_steps_of_as_many_decodes() -> None:
+    """One wave of 16 streams: while all 16 decode, proposals come and go (0-12 rows a step) and each costs 1.02 ms;
+    the steps of fewer decodes come later, deeper in the contexts, each row dearer, so the line across row counts
+    prices a row under what a proposal adds at 16 decodes. Among the steps of 16 decodes alone the proposals' own
+    slope is found, and the step without them; where proposals did not vary (8 decodes, always 3 proposed) the
+    line is the price. Steps observed without their decodes leave only the line."""
+    def seconds(decodes: int, extra: int, depth: float) -> float:
+        return 4.7e-3 + (0.95e-3 + 0.3e-3 * depth) * decodes + 1.02e-3 * extra
+
+    cost = StepCost()
+    for i in range(200):  # the wave: 16 decodes near the start of their contexts, proposals varying
+        extra = (i * 7) % 13
+        cost.observe(16 + extra, seconds(16, extra, 0.2), 16)
+    for decodes in range(15, 0, -1):  # then fewer, deeper
+        for _ in range(10):
+            cost.observe(decodes + 3, seconds(decodes, 3, 1.0), decodes)
+    step, per_row = cost.prices(16)
+    assert abs(per_row - 1.02e-3) < 1e-6 and abs(step - seconds(16, 0, 0.2)) < 1e-6
+    assert cost.fit(16)[1] < 0.99 * per_row  # the line across counts: cheaper than the proposals' own cost
+    assert cost.row_share(16) == per_row * 16 / step
+    assert cost.proposal_rows(8) is None
+    fixed, line = cost.fit(8)
+    assert cost.prices(8) == (fixed + line * 8, line)
+    blind = StepCost()
+    for i in range(200):
+        blind.observe(16 + (i * 7) % 13, seconds(16, (i * 7) % 13, 0.2))
+    assert blind.proposal_rows(16) is None and blind.prices(16)[1] == blind.fit(16)[1]
+
+
 def test_proposals_end_where_the_sequence_would() -> None:
     """No row past a proposal that would end the sequence if kept: an EOS (unless it ignores EOS) or a stop token,
     once min_tokens are out (before, a stop token is an ordinary token and what follows it may be kept)."""
