@@ -108,7 +108,8 @@ class Settings(DerivedValues, BaseSettings):
     cpu_isa: Literal["auto", "amx", "avx512_bf16", "avx512", "avx_vnni", "avx2", "none"] = Field(
         "auto",
         description="Highest CPU instruction set Peregrine's kernels may use (auto: what the CPU has); they use the "
-        "highest level at or below it that the CPU has. amx: AMX-BF16 tiles; avx512_bf16: AVX-512 with the BF16 "
+        "highest level at or below it that the CPU has. amx: AMX tiles (bf16 matmuls, and int8 for steps of 9 rows "
+        "and more on Q4_0 / Q4_1 / Q8_0 weights); avx512_bf16: AVX-512 with the BF16 "
         "and VNNI dot products; avx512: AVX-512 F/BW/VL with VNNI, no BF16 or AMX; avx_vnni: AVX2 with 256-bit "
         "VNNI int8 dot products; avx2: AVX2 + FMA + F16C (docs/gguf-and-kernels.md has the table). Lower it to run "
         "the paths of a smaller CPU; it travels in the engine config, so Ray replicas follow it too.",

@@ -58,7 +58,8 @@ def random_blocks(fmt: str, n: int, k: int) -> np.ndarray:
         return np.frombuffer(gguf_random.tensor_values(fmt, (k, n), rng), np.uint8).reshape(n, -1)
 
 
-def time_rows(module: object, fmt: str, k: int, rows: int, repeats: int, tiled: bool = False) -> dict[str, float]:
+def time_rows(module: object, fmt: str, k: int, rows: int, repeats: int, tiled: bool = False,
+              amx: bool = False) -> dict[str, float]:
 
     _, per_block, block_bytes = FORMATS[TYPES[fmt]]
     n = max(16, ROWS_BYTES // (k // per_block * block_bytes) // 16 * 16)
@@ -67,13 +68,14 @@ def time_rows(module: object, fmt: str, k: int, rows: int, repeats: int, tiled: 
     if tiled and packed.qtype in TILES:
         packed.tile_()  # as the engine's decoder holds them where the build multiplies tiles
     x = torch.randn(rows, k)
+    qlinear = module.qlinear_amx if amx else module.qlinear
     for _ in range(200):  # warm: rows into L2, the thread pool up
-        module.qlinear(x, packed.blocks, packed.qtype, None)
+        qlinear(x, packed.blocks, packed.qtype, None)
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         for _ in range(500):
-            module.qlinear(x, packed.blocks, packed.qtype, None)
+            qlinear(x, packed.blocks, packed.qtype, None)
         best = min(best, (time.perf_counter() - start) / 500)
     return {"k": k, "rows": n, "ns_per_row": round(best / n * 1e9, 2),
             "gb_s": round(packed.blocks.numel() / best / 1e9, 1)}
@@ -153,6 +155,9 @@ def main() -> None:
     parser.add_argument("--untiled", action="store_true",
                         help="packed Q4_0 / Q4_1 / Q8_0, Q5_0, Q4_K, Q5_K and Q6_K as rows, not in the tiles the "
                              "engine gives them where the build multiplies tiles (the AVX-512 VNNI builds)")
+    parser.add_argument("--amx", action="store_true",
+                        help="the tiled Q4_0 / Q4_1 / Q8_0 forms on AMX int8 tiles from 9 rows (qlinear_amx: the "
+                             "avx512_bf16 build on a CPU with AMX-INT8), as the decoder runs them at the amx level")
     parser.add_argument("--against", type=Path, metavar="CHECKOUT",
                         help="another checkout's kernels, timed in turns with this one's (two processes, same rows)")
     args = parser.parse_args()
@@ -178,14 +183,17 @@ def main() -> None:
         print(json.dumps({"isa": module.isa(), "format": args.format, "rows": args.rows, "against": str(args.against),
                           "results": results}))
         return
-    results = [time_rows(module, args.format, k, args.rows, args.repeats, tiled) for k in ks]
+    if args.amx and not module.amx_int8_available():
+        sys.exit(f"--amx: the {module.isa()} build or this CPU has no AMX int8 tiles")
+    results = [time_rows(module, args.format, k, args.rows, args.repeats, tiled, args.amx) for k in ks]
     layout = "tiled" if tiled and PACKS.get(TYPES[args.format], TYPES[args.format]) in TILES else "rows"
-    print(f"qlinear, {args.format} ({layout}), {args.rows} activation row(s), one thread, {module.isa()} build")
+    print(f"qlinear{'_amx' if args.amx else ''}, {args.format} ({layout}), {args.rows} activation row(s), one thread, "
+          f"{module.isa()} build")
     print(f"{'K':>6}{'rows':>7}{'ns a row':>10}{'GB/s':>8}")
     for r in results:
         print(f"{r['k']:>6}{r['rows']:>7}{r['ns_per_row']:>10}{r['gb_s']:>8}")
     print(json.dumps({"isa": module.isa(), "format": args.format, "layout": layout, "rows": args.rows, "threads": 1,
-                      "results": results}))
+                      "amx": args.amx, "results": results}))
 
 
 if __name__ == "__main__":

@@ -49,11 +49,11 @@ BUILT = ".peregrine-built"  # written once the library is whole
 # baseline, for code that has a portable path (the quantized-weight kernels); which builds a module is built for is
 # its caller's choice. Each x86 build's flags are its level's CPU flags (cpu_features.needs), so a build runs no
 # instruction its level does not promise, except AMX's in avx512_bf16, whose tiles are used only where the CPU
-# says it has them (amx.cpp asks at run time). (GCC's -mavx512f implies neither FMA nor F16C.)
+# says it has them (amx.cpp and qdot_lanes.h ask at run time). (GCC's -mavx512f implies neither FMA nor F16C.)
 _AVX2 = ["-mavx2", "-mfma", "-mf16c"]
 _AVX512 = [*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
 LEVEL_FLAGS: dict[str, list[str]] = {
-    "avx512_bf16": [*_AVX512, "-mavx512bf16", "-mamx-tile", "-mamx-bf16"],  # AMX picked at run time inside it
+    "avx512_bf16": [*_AVX512, "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mamx-int8"],  # AMX: at run time
     "avx512": _AVX512,
     "avx_vnni": [*_AVX2, "-mavxvnni"],
     "avx2": _AVX2,

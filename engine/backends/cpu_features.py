@@ -10,7 +10,8 @@ The kernels come in ISA levels, named by what their code uses, each with its own
   Lake, Ice Lake; everything after it too);
 - `avx512_bf16`: that and AVX512-BF16, the bf16 dot products (`vdpbf16ps`) of the bf16 linear (AMD Zen 4+,
   Intel Cooper Lake, Sapphire Rapids+);
-- `amx`: AMX-BF16 tiles on top of that, for the decoder's bf16 matmuls (Intel Sapphire Rapids and later).
+- `amx`: AMX tiles on top of that, for the decoder's bf16 matmuls and (with AMX-INT8) its steps of 9 rows and more on
+  tiled Q4_0 / Q4_1 / Q8_0 weights (Intel Sapphire Rapids and later).
 
 They are ordered as listed (LEVELS), each one's kernels doing at least what the one before does, but they are no
 chain of flags: Ice Lake has AVX-512 VNNI and no AVX-VNNI, Alder Lake the reverse. The CPU's level is the highest

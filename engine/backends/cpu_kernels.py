@@ -206,18 +206,18 @@ def _serves(table: dict[str, tuple[torch.dtype, ...]], dtype: torch.dtype, opts:
 def llama_decoder_for(dtype: torch.dtype, opts: KernelOptions, amx: bool | None = None) -> DecoderFactory | None:
     """A builder of `LlamaDecoder_<dtype>(embed, layers, final_norm, head, head_bias, heads, kv_heads, head_dim,
     eps, block_size, scale)` (`LlamaDecoder_<dtype>_kv_float16` where the caches are float16) for float32 or
-    bfloat16 on CPU when the kernels load and serve that dtype (`DECODER_DTYPES`), else None. bf16 matmuls use AMX
-    where `cpu_features.amx` (the one AMX decision) says so and the OS grants the tiles (`amx`: None; the decoder
-    then keeps a packed copy of the weights) or as told (False: the vector rows of `linear_small` on the model's
-    own weights)."""
+    bfloat16 on CPU when the kernels load and serve that dtype (`DECODER_DTYPES`), else None. Where
+    `cpu_features.amx` (the one AMX decision) says so and the OS grants the tiles (`amx`: None), or as told (False:
+    none), AMX takes bf16 dense matmuls (the decoder then keeps a packed copy of the weights) and, in any dtype, the
+    tiled Q4_0 / Q4_1 / Q8_0 weights' steps of 8 rows and more (int8 tiles, the same bits as without:
+    qdot_lanes.h)."""
     module = _for(opts, dtype)
     if module is None or not _serves(DECODER_DTYPES, dtype, opts):
         return None
-    if dtype != torch.bfloat16:
-        amx = False
     amx = bool(module.amx_available()) and cpu_features.amx(opts.isa) if amx is None else amx
     log.info("decode steps: one kernel call per step, %s matmuls on %s", str(dtype).removeprefix("torch."),
-             "AMX" if amx else module.isa())
+             module.isa() if not amx else "AMX" if dtype == torch.bfloat16 else
+             f"{module.isa()} (tiled quantized weights on AMX int8 tiles from 9 rows)")
     name = f"LlamaDecoder_{str(dtype).removeprefix('torch.')}"
 
     def build(embed: torch.Tensor, embed_type: int, layers: list[list[torch.Tensor]], *rest: object) -> object:

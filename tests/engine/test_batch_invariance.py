@@ -21,7 +21,7 @@ from tests.support import Loaded, chat_ids, make_engine, run_all
 
 # the op-by-op pass of the none level attends token by token: minutes on a loaded 2-core machine
 pytestmark = pytest.mark.timeout(3 * 900)
-LEVELS = [lv for lv in cpu_features.available_levels() if lv != "amx"]  # amx: the avx512_bf16 build, Q4_1 no tiles
+LEVELS = cpu_features.available_levels()  # amx: the avx512_bf16 build with steps of 8 rows on AMX int8 tiles
 STEPS = 6
 QUESTION = ("You help a bird-watching club on the northern coast. On the cliffs this morning I watched a falcon dive "
             "very fast at a flock of pigeons over the harbour. What bird was it likely to be, and how fast can it "

@@ -21,7 +21,7 @@ from tests.engine.test_batch_invariance import recorded
 from tests.support import Loaded, make_engine, run_all
 
 pytestmark = pytest.mark.timeout(3 * 900)
-LEVELS = [lv for lv in cpu_features.available_levels() if lv != "amx"]
+LEVELS = cpu_features.available_levels()
 STEPS = 2
 NONE_PROMPT, NONE_CHUNK = 400, 133  # `none`: scalar steps, so fewer of them; still odd chunks, three edges
 CASES = [(lv, n) for lv in LEVELS for n in ((NONE_PROMPT,) if lv == "none" else (700, 1500))]

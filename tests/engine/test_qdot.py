@@ -249,6 +249,32 @@ def test_qlinear_on_packed_q8_0_matches_the_dequantized_product(module: Any, k: 
         assert torch.equal(got, module.qlinear(x, torch.from_numpy(blocks), TYPES["Q8_0"], None))
 
 
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("k", [576, 1536])
+def test_amx_int8_tiles_give_the_lanes_bits(module: Any, fmt: str, k: int) -> None:
+    """The tiled Q4_0 / Q4_1 / Q8_0 forms on AMX int8 tiles (`qlinear_amx`: from 9 activation rows, at most 16 a pass)
+    give the 16-lane loop's bits for every number of rows, so a row's logits do not depend on whether its step had
+    8 rows or 7: each group's integer sums are exact either way and go through the same float operations. Where the
+    build or the CPU has no AMX-INT8, `qlinear_amx` refuses."""
+    if not module.amx_int8_available():
+        with pytest.raises(RuntimeError, match="AMX"):
+            module.qlinear_amx(torch.zeros(8, k), torch.zeros(16, k // 32 * 18, dtype=torch.uint8), TYPES["Q4_0"], None)
+        pytest.skip(f"the {module.isa()} build or this CPU has no AMX-INT8")
+    blocks = torch.from_numpy(make_blocks(fmt, 48, k, np.random.default_rng(11)))
+    tiled = QuantWeight(blocks, TYPES[fmt], (48, k)).repack()
+    tiled.tile_()
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(5))
+    want = module.qlinear(x, tiled.blocks, tiled.qtype, None)
+    for rows in (1, 7, 8, 9, 16, 17, 20, 33, 40):
+        got = module.qlinear_amx(x[:rows], tiled.blocks, tiled.qtype, None)
+        assert torch.equal(got, want[:rows]), rows
+    one = torch.cat([module.qlinear(x[m : m + 1], tiled.blocks, tiled.qtype, None) for m in range(40)])
+    assert torch.equal(one, want)  # the lanes loop itself: a row's bits whatever its batch
+    bias = torch.randn(48, generator=torch.Generator().manual_seed(6))
+    assert torch.equal(module.qlinear_amx(x[:12], tiled.blocks, tiled.qtype, bias),
+                       module.qlinear(x[:12], tiled.blocks, tiled.qtype, bias))
+
+
 def test_qlinear_refuses_what_it_cannot_take(module: Any) -> None:
     blocks = torch.from_numpy(make_blocks("Q8_0", 16, 64, np.random.default_rng(0)))
     with pytest.raises(RuntimeError, match="unsupported GGUF quantization type"):

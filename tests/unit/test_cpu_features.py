@@ -104,7 +104,7 @@ def test_each_level_maps_to_a_build_with_exactly_its_flags() -> None:
             assert level == "none"
             continue
         flags = {cpu_flag(option) for option in LEVEL_FLAGS[build]}
-        assert flags - {"amx_tile", "amx_bf16"} == set(cpu_features.needs(build)), build
+        assert flags - {"amx_tile", "amx_bf16", "amx_int8"} == set(cpu_features.needs(build)), build
         assert set(cpu_features.needs(build)) <= set(cpu_features.needs(level)), level  # runs where the level does
         quant = cpu_features.quant_build(level)
         assert {cpu_flag(option) for option in LEVEL_FLAGS[quant]} <= set(cpu_features.needs(level)), level

@@ -20,6 +20,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // (the others raised cleanly there). Whether this form raises cleanly there is not yet verified.
   m.def("qlinear", &qlinear, "x[M, K] @ W^T (+ bias or None), W GGUF blocks [N, bytes] of a ggml type; int8 dots",
         release());
+  m.def("qlinear_amx", &qlinear_amx, "qlinear with the tiled forms on AMX int8 tiles from 9 rows (same bits)",
+        release());
+  m.def("amx_int8_available", &amx_int8_available,
+        "this build and CPU have AMX-INT8 and Linux lets the process use the tiles");
   m.def("tile_rows", &tile_rows,
         "rows a tile of the tiled Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q4_K / Q6_K forms this build multiplies (0: none)");
   m.def("amx_available", &amx_available, "this build and CPU have AMX-BF16 and Linux lets the process use it");

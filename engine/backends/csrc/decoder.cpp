@@ -56,7 +56,9 @@ class LlamaDecoder {
                int64_t kv_heads, int64_t head_dim, double eps, int64_t block_size, double scale, bool amx)
       : embed_(embed), embed_qtype_(static_cast<int>(embed_qtype)), final_norm_(final_norm), heads_(heads),
         kv_heads_(kv_heads), dim_(head_dim), eps_(eps), block_size_(block_size), scale_(scale), amx_(amx) {
-    TORCH_CHECK(!amx || (amx_available() && std::is_same_v<T, bf16>), "LlamaDecoder: AMX is not available");
+    TORCH_CHECK(!amx || amx_available(), "LlamaDecoder: AMX is not available");
+    amx_ = amx && std::is_same_v<T, bf16>;  // bf16 tiles for dense weights (below); int8 tiles for tiled quantized ones
+    amx_int8_ = amx && q::amx_int8_available();
     TORCH_CHECK(head_dim % 32 == 0 && head_dim <= 512 && heads % kv_heads == 0, "LlamaDecoder: head_dim % 32, GQA");
     const size_t n = layers.size();
     TORCH_CHECK(weights.size() == 4 * n + 1 && qtypes.size() == weights.size() && biases.size() == weights.size(),
@@ -238,6 +240,7 @@ class LlamaDecoder {
       }  // (the implicit barrier here publishes them)
       const int nt = barrier.n, t = omp_get_thread_num();
       Scratch s;
+      s.quant.amx = amx_int8_;
       std::vector<T> normed(D);  // a q or k head after its norm
       std::vector<float> kv_row(kInt8Cache ? D : 0);  // a k or v row on its way into an int8 cache
       // h += add; x = RMSNorm(h) * w: a share of the rows each, or with few rows (own_rows) every row on every
@@ -344,6 +347,7 @@ class LlamaDecoder {
         for (int64_t m = 0; m < S; ++m)
           for (int64_t n = v0; n < v1; n += Vec::W) Vec::load(lp + m * V + n).store(logitsp + m * V + n);
       if (amx_) amx_release();
+      if (amx_int8_) q::amx_int8_release();
     }
     return logits;
   }
@@ -381,6 +385,7 @@ class LlamaDecoder {
   int64_t rope_tables_ = 1;  // the step's cos and sin hold this many tables of equal rows, stacked
   bool gelu_ = false;
   bool amx_;
+  bool amx_int8_ = false;  // the tiled Q4_0 / Q4_1 / Q8_0 weights on AMX int8 tiles from 9 rows (qdot_lanes.h)
 
   static torch::Tensor checked_norm(const torch::Tensor& w, int64_t size) {
     TORCH_CHECK(w.scalar_type() == kType<T> && w.is_contiguous() && w.numel() == size,

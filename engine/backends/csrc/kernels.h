@@ -39,6 +39,11 @@ torch::Tensor linear_small(const torch::Tensor& x, const torch::Tensor& w, const
 // --- qlinear.cpp: x @ W^T for W kept quantized (GGUF blocks), int8 dot products (qdot.h); float32 out ---
 torch::Tensor qlinear(const torch::Tensor& x, const torch::Tensor& w, int64_t type,
                       const c10::optional<torch::Tensor>& bias);
+// This build and CPU have AMX-INT8 and Linux lets the process use the tiles (qdot_lanes.h).
+bool amx_int8_available();
+// qlinear with the tiled Q4_0 / Q4_1 / Q8_0 forms on AMX int8 tiles from 9 rows (qdot_lanes.h; the same bits)
+torch::Tensor qlinear_amx(const torch::Tensor& x, const torch::Tensor& w, int64_t type,
+                          const c10::optional<torch::Tensor>& bias);
 int64_t tile_rows();
 
 // --- norms.cpp ---

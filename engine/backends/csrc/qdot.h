@@ -126,13 +126,13 @@ void qlinear_rows(int type, const uint8_t* w, int64_t ldw, const QRows& x, int64
       if constexpr (lanes_packed(kQ8_0R)) return qlinear_lanes<kQ8_0R>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
       return qlinear_range_packed<kQ8_0R>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
     case kQ4_0T:
-      if constexpr (lanes_packed(kQ4_0R)) return qlinear_tiles<kQ4_0R>(w, ldw, x, M, bias, out, ldo, n_begin, n_end);
+      if constexpr (lanes_packed(kQ4_0R)) return qlinear_tiles<kQ4_0R>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
       return qlinear_untiling(type, w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
     case kQ4_1T:
-      if constexpr (lanes_packed(kQ4_1R)) return qlinear_tiles<kQ4_1R>(w, ldw, x, M, bias, out, ldo, n_begin, n_end);
+      if constexpr (lanes_packed(kQ4_1R)) return qlinear_tiles<kQ4_1R>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
       return qlinear_untiling(type, w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
     case kQ8_0T:
-      if constexpr (lanes_packed(kQ8_0R)) return qlinear_tiles<kQ8_0R>(w, ldw, x, M, bias, out, ldo, n_begin, n_end);
+      if constexpr (lanes_packed(kQ8_0R)) return qlinear_tiles<kQ8_0R>(w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
       return qlinear_untiling(type, w, ldw, x, M, bias, out, ldo, n_begin, n_end, s);
     case kQ5_0T:  // (tiled only where rows are a multiple of 64 values: quant.py)
       if constexpr (lanes_q5(kQ5_0))

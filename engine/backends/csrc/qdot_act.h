@@ -161,6 +161,8 @@ inline void quantize_row_k(const T* x, int64_t K, int8_t* q, float* d, int16_t* 
 // Per-thread buffers: the activations quantized (rows x K, in either set of blocks), and one weight row's scales and
 // minimums (and those scales times each activation row's).
 struct QScratch {
+  bool amx = false;  // the tiled Q4_0 / Q4_1 / Q8_0 forms may multiply on AMX int8 tiles (qdot_lanes.h: the caller's
+                     // AMX decision, where amx_int8_available())
   std::vector<int8_t> q, kq, wq;  // wq: one weight row's values, decoded once for many activation rows
   std::vector<float> d, s, wd, mins, sc, kd, ksf;
   std::vector<int16_t> ks;

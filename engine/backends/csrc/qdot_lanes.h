@@ -26,6 +26,11 @@
 
 #include "qdot_packed.h"
 
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace peregrine_quant {
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__FMA__) && defined(__F16C__)
@@ -42,6 +47,7 @@ static_assert(kUnsignedQ8, "packed Q8_0 goes through the lanes as q + 128, its m
 // 576 Q4_1 matrix from memory, 2 threads, AMD EPYC Zen 4): the 16 rows are read across, which the hardware's stream
 // prefetch does not follow; three tiles ahead into L2 gave 0.49-0.59.
 constexpr int kLanes = 16, kLaneRowsR = 8, kLanesAhead = 3;
+constexpr int64_t kAmxRows = 9, kAmxMaxRows = 16;  // the AMX int8 path: from 9 activation rows, at most 16 a pass
 static_assert(kLanes == kTileRows, "a tile of the tiled forms is one 16-lane tile");
 
 // t[k] holds row k's eight dwords in its low 256 bits and row k + 8's in its high ones; on return t[i] holds dword i
@@ -162,6 +168,58 @@ __attribute__((always_inline)) inline void pair_rows(const __m512i w0[8], const 
   }
 }
 
+// A pair of groups of 16 rows as bytes, in place: packed Q8_0 (w0, w1: each group's 32 bytes a row, transposed)
+// flipped to q + 128; the 4-bit forms (w0: the pair's 32 bytes a row, g's values in the low nibbles, g + 1's in the
+// high ones) split into w0 and w1.
+template <int T>
+__attribute__((always_inline)) inline void bytes_of_pair(__m512i w0[8], __m512i w1[8]) {
+  if constexpr (T == kQ8_0R) {
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int i = 0; i < 8; ++i) {
+      w0[i] = _mm512_xor_si512(w0[i], flip);
+      w1[i] = _mm512_xor_si512(w1[i], flip);
+    }
+  } else {
+    const __m512i low = _mm512_set1_epi8(0xF);
+    for (int i = 0; i < 8; ++i) {
+      w1[i] = _mm512_and_si512(_mm512_srli_epi16(w0[i], 4), low);
+      w0[i] = _mm512_and_si512(w0[i], low);
+    }
+  }
+}
+
+// Groups g and g + 1 of a tiled tile (quant.h: kQ4_0T ...; `tile` its first byte, rows of K values): their values
+// as bytes (bytes_of_pair), their scales d0, d1 and minimums m0v, m1v (lane j row j's). The tile holds each 32-byte
+// chunk of its 16 rows as the transpose leaves it, then the scale halves (K / 2 or K bytes a row on): 32 bytes a
+// column.
+template <int T>
+__attribute__((always_inline)) inline void tiled_pair(const uint8_t* tile, int64_t K, int64_t g, __m512i w0[8],
+                                                      __m512i w1[8], __m512& d0, __m512& d1, __m512& m0v,
+                                                      __m512& m1v) {
+  auto chunk = [tile](int64_t c, __m512i t[8]) {
+    for (int k = 0; k < 8; ++k) t[k] = _mm512_loadu_si512(tile + 512 * c + 64 * k);
+  };
+  if constexpr (T == kQ8_0R) {
+    chunk(g, w0);
+    chunk(g + 1, w1);
+  } else {
+    chunk(g / 2, w0);
+  }
+  bytes_of_pair<T>(w0, w1);
+  const int64_t groups = K / kQK;
+  const uint8_t* halves = tile + kLanes * scales_at<T>(K);
+  auto column = [halves](int64_t h) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(halves + 32 * h)));
+  };
+  d0 = column(g), d1 = column(g + 1);
+  if constexpr (T == kQ4_1R) {
+    m0v = column(groups + g), m1v = column(groups + g + 1);
+  } else {  // as tile_scales: a minimum of -8 d (-128 d)
+    m0v = _mm512_mul_ps(_mm512_set1_ps(offset_min<T>()), d0);
+    m1v = _mm512_mul_ps(_mm512_set1_ps(offset_min<T>()), d1);
+  }
+}
+
 // res[r] (16 lanes) = activation row m0 + r times the tile's 16 rows, r < R. Rows: p[j] is row j, and sd / sm hold
 // the tile's scale and minimum columns (tile_scales); Tiled (quant.h: kQ4_0T ...): p[0] is the tile, already
 // transposed, its scales read from it (sd, sm unused): the same values in the same lanes, so the same bits.
@@ -171,53 +229,22 @@ inline void lanes_block(const uint8_t* const p[kLanes], const float* sd, const f
   const int64_t K = x.K, groups = K / kQK;
   __m512 acc[R][2], macc[R];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = macc[r] = _mm512_setzero_ps();
-  const __m512i low = _mm512_set1_epi8(0xF);
   const int64_t pairs = groups / 2, step = (fetch_bytes / pairs + 63) / 64 * 64;  // the lines to fetch a pair
   for (int64_t g = 0; g < groups; g += 2) {
     for (int64_t o = (g / 2) * step; o < std::min(fetch_bytes, (g / 2 + 1) * step); o += 64)
       __builtin_prefetch(fetch + o, 0, 1);  // into L2 (prefetcht2)
     __m512i w0[8], w1[8];  // groups g and g + 1: values 4i .. 4i + 3 of each row
-    auto chunk = [&p](int64_t c, __m512i t[8]) {  // a tiled tile's 32-byte chunk c of its 16 rows, transposed
-      for (int k = 0; k < 8; ++k) t[k] = _mm512_loadu_si512(p[0] + 512 * c + 64 * k);
-    };
-    if constexpr (T == kQ8_0R) {  // a group's 32 values a row, signed: flipped to q + 128
-      const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-      if constexpr (Tiled) {
-        chunk(g, w0);
-        chunk(g + 1, w1);
-      } else {
+    __m512 d0, d1, m0v, m1v;
+    if constexpr (Tiled) {
+      tiled_pair<T>(p[0], K, g, w0, w1, d0, d1, m0v, m1v);
+    } else {
+      if constexpr (T == kQ8_0R) {
         load_transposed16(p, kQK * g, w0);
         load_transposed16(p, kQK * (g + 1), w1);
+      } else {
+        load_transposed16(p, 16 * g, w0);
       }
-      for (int i = 0; i < 8; ++i) {
-        w0[i] = _mm512_xor_si512(w0[i], flip);
-        w1[i] = _mm512_xor_si512(w1[i], flip);
-      }
-    } else {  // the pair's 32 bytes a row: g's values in the low nibbles, g + 1's in the high ones
-      __m512i t[8];
-      if constexpr (Tiled)
-        chunk(g / 2, t);
-      else
-        load_transposed16(p, 16 * g, t);
-      for (int i = 0; i < 8; ++i) {
-        w0[i] = _mm512_and_si512(t[i], low);
-        w1[i] = _mm512_and_si512(_mm512_srli_epi16(t[i], 4), low);
-      }
-    }
-    __m512 d0, d1, m0v, m1v;
-    if constexpr (Tiled) {  // the scale halves after the tile's values (K / 2 or K bytes a row): 32 bytes a column
-      const uint8_t* halves = p[0] + kLanes * scales_at<T>(K);
-      auto column = [halves](int64_t h) {
-        return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(halves + 32 * h)));
-      };
-      d0 = column(g), d1 = column(g + 1);
-      if constexpr (T == kQ4_1R) {
-        m0v = column(groups + g), m1v = column(groups + g + 1);
-      } else {  // as tile_scales: a minimum of -8 d (-128 d)
-        m0v = _mm512_mul_ps(_mm512_set1_ps(offset_min<T>()), d0);
-        m1v = _mm512_mul_ps(_mm512_set1_ps(offset_min<T>()), d1);
-      }
-    } else {
+      bytes_of_pair<T>(w0, w1);
       d0 = _mm512_loadu_ps(sd + g * kLanes), d1 = _mm512_loadu_ps(sd + (g + 1) * kLanes);
       m0v = _mm512_loadu_ps(sm + g * kLanes), m1v = _mm512_loadu_ps(sm + (g + 1) * kLanes);
     }
@@ -246,6 +273,119 @@ inline void row_blocks(int64_t M, F&& block) {
   }
 }
 
+// The activation rows 0 .. M - 1 in balanced chunks of at most kAmxMaxRows (20 rows: 10 + 10): block(m, rows) for
+// rows m .. m + rows - 1, `rows` a number (the AMX path's tile configuration follows it).
+template <typename F>
+inline void amx_chunks(int64_t M, F&& block) {
+  const int64_t chunks = (M + kAmxMaxRows - 1) / kAmxMaxRows;
+  for (int64_t c = 0, m = 0; c < chunks; ++c) {
+    const int64_t rows = (M - m + chunks - c - 1) / (chunks - c);
+    block(m, rows);
+    m += rows;
+  }
+}
+
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+// AMX int8 tiles for the tiled Q4_0 / Q4_1 / Q8_0 forms at kAmxRows activation rows and more (Sapphire Rapids and
+// later; the avx512_bf16 build, used at the amx level: QScratch::amx). A pair of groups is decoded as the 16-lane loop
+// decodes it (tiled_pair: lane j of register i holds row j's values 4i .. 4i + 3, which is an AMX B tile's row i),
+// staged in memory as two B tiles, and `tdpbsud` multiplies each group with the rows' 32 activations read in place
+// (A tiles, K bytes apart): each group's int32 sums, exact, as `vpdpbusd` gives them. Those go through pair_rows'
+// float operations in the same order, so the results are the 16-lane loop's bits for every number of rows (batch
+// invariance holds across the two paths). Measured in a one-thread harness on this shape (K = 576, a tile in L2,
+// docs/speculative.md "AMX int8 tiles for a verification's rows"): 0.81x the 16-lane loop at 5 rows, 1.14x at 8,
+// 1.55x at 16 (staging the decoded bytes through memory is a fixed cost a pair); here, `bench_qdot.py --amx`
+// (Q4_1, K = 576 and 1536, one thread, Intel Xeon with AMX): 0.97-0.98x at 8 rows, 1.11x at 9, 1.33x at 16, 1.20-1.27x
+// at 24 (two passes of 12): hence from 9 rows.
+constexpr bool kAmxInt8Build = true;
+
+// This CPU has AMX-TILE and AMX-INT8 and Linux lets the process use the tiles (asked once).
+inline bool amx_int8_available() {
+  static const bool ok = [] {
+    unsigned a, b, c, d;
+    __asm__ __volatile__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+    return (d >> 24 & 1) && (d >> 25 & 1) && syscall(SYS_arch_prctl, 0x1023, 18) == 0;  // XTILEDATA
+  }();
+  return ok;
+}
+
+// Tiles 0-1: a pair's two groups' int32 sums (`rows` activation rows x 16 weight rows), 2-3: the rows' 32
+// activations of each group, 4-5: each group's 16 weight rows as bytes (8 rows of 64: four values a weight row).
+inline void amx_int8_config(int64_t rows) {
+  struct {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+  } cfg;
+  cfg.rows[0] = cfg.rows[1] = cfg.rows[2] = cfg.rows[3] = static_cast<uint8_t>(rows);
+  cfg.colsb[0] = cfg.colsb[1] = 64;
+  cfg.colsb[2] = cfg.colsb[3] = kQK;
+  cfg.rows[4] = cfg.rows[5] = 8;
+  cfg.colsb[4] = cfg.colsb[5] = 64;
+  _tile_loadconfig(&cfg);
+}
+
+inline void amx_int8_release() { _tile_release(); }
+
+// res[r] (16 lanes) = activation row m0 + r times the tiled tile at `tile`, r < rows (<= kAmxMaxRows; the tile
+// configuration holds `rows`): lanes_block<T, rows, true>'s bits.
+template <int T>
+void amx_tile_rows(const uint8_t* tile, const QRows& x, int64_t m0, int64_t rows, __m512* res, const uint8_t* fetch,
+                   int64_t fetch_bytes) {
+  const int64_t K = x.K, groups = K / kQK;
+  alignas(64) uint8_t b[2][512];
+  alignas(64) int32_t c[2][kAmxMaxRows * kLanes];
+  alignas(64) float acc[kAmxMaxRows][3][kLanes];  // each row's two groups' chains and its minimums
+  for (int64_t r = 0; r < rows; ++r)
+    for (int k = 0; k < 3; ++k) _mm512_store_ps(acc[r][k], _mm512_setzero_ps());
+  const int64_t pairs = groups / 2, step = (fetch_bytes / pairs + 63) / 64 * 64;
+  for (int64_t g = 0; g < groups; g += 2) {
+    for (int64_t o = (g / 2) * step; o < std::min(fetch_bytes, (g / 2 + 1) * step); o += 64)
+      __builtin_prefetch(fetch + o, 0, 1);
+    __m512i w0[8], w1[8];
+    __m512 d0, d1, m0v, m1v;
+    tiled_pair<T>(tile, K, g, w0, w1, d0, d1, m0v, m1v);
+    for (int i = 0; i < 8; ++i) {
+      _mm512_store_si512(b[0] + 64 * i, w0[i]);
+      _mm512_store_si512(b[1] + 64 * i, w1[i]);
+    }
+    const int8_t* a = x.q + m0 * K + g * kQK;
+    _tile_loadd(4, b[0], 64);
+    _tile_loadd(5, b[1], 64);
+    _tile_loadd(2, a, K);
+    _tile_loadd(3, a + kQK, K);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_dpbsud(0, 2, 4);
+    _tile_dpbsud(1, 3, 5);
+    _tile_stored(0, c[0], 64);
+    _tile_stored(1, c[1], 64);
+    for (int64_t r = 0; r < rows; ++r) {  // pair_rows' operations, in its order
+      const float* da = x.d + (m0 + r) * groups + g;
+      const float* sa = x.s + (m0 + r) * groups + g;
+      const __m512 s0 = _mm512_cvtepi32_ps(_mm512_load_si512(c[0] + kLanes * r));
+      const __m512 s1 = _mm512_cvtepi32_ps(_mm512_load_si512(c[1] + kLanes * r));
+      _mm512_store_ps(acc[r][0], _mm512_fmadd_ps(s0, _mm512_mul_ps(d0, _mm512_set1_ps(da[0])),
+                                                 _mm512_load_ps(acc[r][0])));
+      _mm512_store_ps(acc[r][1], _mm512_fmadd_ps(s1, _mm512_mul_ps(d1, _mm512_set1_ps(da[1])),
+                                                 _mm512_load_ps(acc[r][1])));
+      const __m512 mins = _mm512_fmadd_ps(m0v, _mm512_set1_ps(sa[0]), _mm512_load_ps(acc[r][2]));
+      _mm512_store_ps(acc[r][2], _mm512_fmadd_ps(m1v, _mm512_set1_ps(sa[1]), mins));
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    res[r] = _mm512_add_ps(_mm512_add_ps(_mm512_load_ps(acc[r][0]), _mm512_load_ps(acc[r][1])),
+                           _mm512_load_ps(acc[r][2]));
+}
+#else
+constexpr bool kAmxInt8Build = false;
+inline bool amx_int8_available() { return false; }
+inline void amx_int8_config(int64_t) {}
+inline void amx_int8_release() {}
+template <int T>
+void amx_tile_rows(const uint8_t*, const QRows&, int64_t, int64_t, __m512*, const uint8_t*, int64_t) {}
+#endif
+
 // The first `count` lanes of v (those set in `mask`) to out (as O).
 template <typename O>
 inline void store_lanes(O* out, __m512 v, int64_t count, __mmask16 mask) {
@@ -261,7 +401,7 @@ inline void store_lanes(O* out, __m512 v, int64_t count, __mmask16 mask) {
 // Output rows [n_begin, n_end) of a tiled weight (quant.h: kQ4_0T ...; tiles of 16 rows from row 0): each tile that
 // meets the range is multiplied whole (`block(p, m, rows, res, fetch, fetch_bytes)`: p[0] the tile, activation rows
 // m .. m + rows - 1 into res, the first block prefetching the tile kLanesAhead on) and its lanes in the range stored.
-template <typename O, typename F>
+template <bool Amx = false, typename O, typename F>
 void tiles_in(const uint8_t* w, int64_t ldw, int64_t M, const float* bias, O* out, int64_t ldo, int64_t n_begin,
               int64_t n_end, F&& tile_block) {
   const int64_t end_row = (n_end + kLanes - 1) / kLanes * kLanes;  // the last tile met, whole
@@ -273,11 +413,11 @@ void tiles_in(const uint8_t* w, int64_t ldw, int64_t M, const float* bias, O* ou
     const int64_t fetch_bytes = std::min(end_row, n + kLanes * (kLanesAhead + 1)) * ldw - fetch_begin;
     const __mmask16 mask = static_cast<__mmask16>(((1u << count) - 1) << (lo - n));
     const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
-    __m512 res[kLaneRowsR];
+    __m512 res[kAmxMaxRows];
     auto block = [&](int64_t m, auto rr) {
       tile_block(p, m, rr, res, m == 0 ? w + fetch_begin : nullptr, m == 0 ? fetch_bytes : 0);
-      constexpr int RR = decltype(rr)::value;
-      for (int r = 0; r < RR; ++r) {
+      const int64_t RR = rr;  // (a constant on the 16-lane loops' path)
+      for (int64_t r = 0; r < RR; ++r) {
         if (lo == n) {
           store_lanes(out + (m + r) * ldo + n, _mm512_add_ps(res[r], b), count, mask);
           continue;
@@ -287,13 +427,26 @@ void tiles_in(const uint8_t* w, int64_t ldw, int64_t M, const float* bias, O* ou
         for (int64_t j = 0; j < count; ++j) out[(m + r) * ldo + lo + j] = static_cast<O>(lanes[lo - n + j]);
       }
     };
-    row_blocks(M, block);
+    if constexpr (Amx)
+      amx_chunks(M, block);
+    else
+      row_blocks(M, block);
   }
 }
 
 template <int T, typename O>
 void qlinear_tiles(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, const float* bias, O* out, int64_t ldo,
-                   int64_t n_begin, int64_t n_end) {
+                   int64_t n_begin, int64_t n_end, QScratch& s) {
+  if (kAmxInt8Build && s.amx && M >= kAmxRows) {
+    int64_t configured = 0;  // the rows the thread's tile configuration holds
+    tiles_in<true>(w, ldw, M, bias, out, ldo, n_begin, n_end, [&](const uint8_t* const p[kLanes], int64_t m,
+                                                                 int64_t rows, __m512* res, const uint8_t* fetch,
+                                                                 int64_t fetch_bytes) {
+      if (rows != configured) amx_int8_config(configured = rows);
+      amx_tile_rows<T>(p[0], x, m, rows, res, fetch, fetch_bytes);
+    });
+    return;
+  }
   tiles_in(w, ldw, M, bias, out, ldo, n_begin, n_end, [&](const uint8_t* const p[kLanes], int64_t m, auto rr,
                                                          __m512* res, const uint8_t* fetch, int64_t fetch_bytes) {
     lanes_block<T, decltype(rr)::value, true>(p, nullptr, nullptr, x, m, res, fetch, fetch_bytes);
@@ -336,7 +489,9 @@ void qlinear_lanes(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, con
                    int64_t n_begin, int64_t n_end, QScratch& s);
 template <int T, typename O>  // likewise
 void qlinear_tiles(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, const float* bias, O* out, int64_t ldo,
-                   int64_t n_begin, int64_t n_end);
+                   int64_t n_begin, int64_t n_end, QScratch& s);
+inline bool amx_int8_available() { return false; }
+inline void amx_int8_release() {}
 #endif
 
 }  // namespace peregrine_quant

@@ -5,8 +5,10 @@
 
 namespace peregrine {
 
-torch::Tensor qlinear(const torch::Tensor& x, const torch::Tensor& w, int64_t type,
-                      const c10::optional<torch::Tensor>& bias) {
+namespace {
+
+torch::Tensor qlinear_on(const torch::Tensor& x, const torch::Tensor& w, int64_t type,
+                         const c10::optional<torch::Tensor>& bias, bool amx) {
   namespace q = peregrine_quant;
   // Each check's message is one string: on an Intel Xeon with torch 2.11 and GCC 13.3 the process died where a check
   // formatted a number into its message (the arguments "text ", n); checks with one string raised as they should.
@@ -29,6 +31,7 @@ torch::Tensor qlinear(const torch::Tensor& x, const torch::Tensor& w, int64_t ty
   const int64_t ldw = w.stride(0), ldx = x.stride(0);
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     q::QScratch s;
+    s.amx = amx;
     q::QRows rows{};
     if (x.scalar_type() == at::kFloat)
       q::quantize_for(static_cast<int>(type), x.data_ptr<float>(), ldx, M, K, s, rows);
@@ -39,6 +42,21 @@ torch::Tensor qlinear(const torch::Tensor& x, const torch::Tensor& w, int64_t ty
   return out;
 }
 
+}  // namespace
+
+torch::Tensor qlinear(const torch::Tensor& x, const torch::Tensor& w, int64_t type,
+                      const c10::optional<torch::Tensor>& bias) {
+  return qlinear_on(x, w, type, bias, false);
+}
+
+torch::Tensor qlinear_amx(const torch::Tensor& x, const torch::Tensor& w, int64_t type,
+                          const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(peregrine_quant::amx_int8_available(), "qlinear_amx: this build or CPU has no AMX int8 tiles");
+  return qlinear_on(x, w, type, bias, true);
+}
+
 int64_t tile_rows() { return peregrine_quant::tile_rows(); }
+
+bool amx_int8_available() { return peregrine_quant::amx_int8_available(); }
 
 }  // namespace peregrine
