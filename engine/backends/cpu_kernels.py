@@ -209,7 +209,7 @@ def llama_decoder_for(dtype: torch.dtype, opts: KernelOptions, amx: bool | None 
     bfloat16 on CPU when the kernels load and serve that dtype (`DECODER_DTYPES`), else None. Where
     `cpu_features.amx` (the one AMX decision) says so and the OS grants the tiles (`amx`: None), or as told (False:
     none), AMX takes bf16 dense matmuls (the decoder then keeps a packed copy of the weights) and, in any dtype, the
-    tiled Q4_0 / Q4_1 / Q8_0 weights' steps of 8 rows and more (int8 tiles, the same bits as without:
+    tiled Q4_0 / Q4_1 / Q8_0 weights' steps of 9 rows and more (int8 tiles, the same bits as without:
     qdot_lanes.h)."""
     module = _for(opts, dtype)
     if module is None or not _serves(DECODER_DTYPES, dtype, opts):

@@ -43,9 +43,9 @@ class StepCost:
     def proposal_rows(self, decodes: int) -> tuple[float, float] | None:
         """(a step's seconds without proposals, seconds a proposed row adds) among the steps of exactly `decodes`
         decoding sequences: the least-squares line of their time against the rows proposals added (older steps
-        forgotten). Unlike the line across row counts, the decodes' own rows and how deep in their contexts they
-        are stay the same along it: at 16 streams the line across counts priced a proposal 11% under what it added
-        (0.91 against 1.02 ms), its fewer-row steps being those later in the sequences. None until proposals there
+        forgotten). Unlike the line across row counts, the decodes' own rows (and, in one wave, how deep in their
+        contexts they are) stay the same along it: after the grounded mix at one stream the line near one row priced
+        a proposed row at 0.55 ms where these steps said 0.83 (docs/speculative.md). None until proposals there
         varied by at least a row (variance of 1) over 8 steps' weight, or where the slope comes out at or below 0."""
         found = self._split.get(decodes)
         if found is None or found[0] < 8.0:
