@@ -252,8 +252,9 @@ def test_qlinear_on_packed_q8_0_matches_the_dequantized_product(module: Any, k: 
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("k", [576, 1536])
 def test_amx_int8_tiles_give_the_lanes_bits(module: Any, fmt: str, k: int) -> None:
-    """The tiled Q4_0 / Q4_1 / Q8_0 forms on AMX int8 tiles (`qlinear_amx`: from 9 activation rows, at most 16 a pass)
-    give the 16-lane loop's bits for every number of rows, so a row's logits do not depend on whether its step had
+    """The tiled Q4_0 / Q4_1 / Q8_0 forms on AMX int8 tiles (`qlinear_amx`: from 9 activation rows, in passes of 16,
+    the rows after the last pass on the 16-lane loop when fewer than 9: 17 = 16 + 1, 24 = 16 + 8, 25 = 16 + 9) give
+    the 16-lane loop's bits for every number of rows, so a row's logits do not depend on whether its step had
     8 rows or 7: each group's integer sums are exact either way and go through the same float operations. Where the
     build or the CPU has no AMX-INT8, `qlinear_amx` refuses."""
     if not module.amx_int8_available():
@@ -265,7 +266,7 @@ def test_amx_int8_tiles_give_the_lanes_bits(module: Any, fmt: str, k: int) -> No
     tiled.tile_()
     x = torch.randn(40, k, generator=torch.Generator().manual_seed(5))
     want = module.qlinear(x, tiled.blocks, tiled.qtype, None)
-    for rows in (1, 7, 8, 9, 16, 17, 20, 33, 40):
+    for rows in (1, 7, 8, 9, 16, 17, 20, 24, 25, 33, 40):
         got = module.qlinear_amx(x[:rows], tiled.blocks, tiled.qtype, None)
         assert torch.equal(got, want[:rows]), rows
     one = torch.cat([module.qlinear(x[m : m + 1], tiled.blocks, tiled.qtype, None) for m in range(40)])

@@ -9,12 +9,6 @@
 namespace peregrine {
 namespace {
 
-bool amx_permitted() {
-  // Linux hands the AMX tile state to a process only after it asks (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA).
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return ok;
-}
-
 bool cpu_has_amx_bf16() {
   unsigned a, b, c, d;
   __asm__ __volatile__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
@@ -23,7 +17,13 @@ bool cpu_has_amx_bf16() {
 
 }  // namespace
 
-bool amx_available() { return cpu_has_amx_bf16() && amx_permitted(); }
+bool amx_tiles_permitted() {
+  // Linux hands the AMX tile state to a process only after it asks (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA).
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+
+bool amx_available() { return cpu_has_amx_bf16() && amx_tiles_permitted(); }
 
 namespace {
 

@@ -55,10 +55,10 @@ class LlamaDecoder {
                const std::vector<torch::Tensor>& biases, const torch::Tensor& final_norm, int64_t heads,
                int64_t kv_heads, int64_t head_dim, double eps, int64_t block_size, double scale, bool amx)
       : embed_(embed), embed_qtype_(static_cast<int>(embed_qtype)), final_norm_(final_norm), heads_(heads),
-        kv_heads_(kv_heads), dim_(head_dim), eps_(eps), block_size_(block_size), scale_(scale), amx_(amx) {
+        kv_heads_(kv_heads), dim_(head_dim), eps_(eps), block_size_(block_size), scale_(scale),
+        amx_(amx && std::is_same_v<T, bf16>), amx_int8_(amx && q::amx_int8_available()) {
+    // amx_: bf16 tiles for dense weights (below); amx_int8_: int8 tiles for tiled quantized ones
     TORCH_CHECK(!amx || amx_available(), "LlamaDecoder: AMX is not available");
-    amx_ = amx && std::is_same_v<T, bf16>;  // bf16 tiles for dense weights (below); int8 tiles for tiled quantized ones
-    amx_int8_ = amx && q::amx_int8_available();
     TORCH_CHECK(head_dim % 32 == 0 && head_dim <= 512 && heads % kv_heads == 0, "LlamaDecoder: head_dim % 32, GQA");
     const size_t n = layers.size();
     TORCH_CHECK(weights.size() == 4 * n + 1 && qtypes.size() == weights.size() && biases.size() == weights.size(),
@@ -385,7 +385,7 @@ class LlamaDecoder {
   int64_t rope_tables_ = 1;  // the step's cos and sin hold this many tables of equal rows, stacked
   bool gelu_ = false;
   bool amx_;
-  bool amx_int8_ = false;  // the tiled Q4_0 / Q4_1 / Q8_0 weights on AMX int8 tiles from 9 rows (qdot_lanes.h)
+  bool amx_int8_;  // the tiled Q4_0 / Q4_1 / Q8_0 weights on AMX int8 tiles from 9 rows (qdot_lanes.h)
 
   static torch::Tensor checked_norm(const torch::Tensor& w, int64_t size) {
     TORCH_CHECK(w.scalar_type() == kType<T> && w.is_contiguous() && w.numel() == size,

@@ -27,8 +27,9 @@
 #include "qdot_packed.h"
 
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)
-#include <sys/syscall.h>
-#include <unistd.h>
+namespace peregrine {
+bool amx_tiles_permitted();  // amx.cpp: Linux lets the process use the AMX tile state (asked once)
+}
 #endif
 
 namespace peregrine_quant {
@@ -148,6 +149,18 @@ __attribute__((always_inline)) inline void pair_sums(const __m512i w0[8], const 
   s1 = _mm512_add_epi32(s1a, s1b);
 }
 
+// A pair of groups' int32 sums s0, s1 (16 weight rows x one activation row, whose scales and block sums are da[0..1],
+// sa[0..1]) into its accumulators: a0 / a1 the groups' scaled sums (two chains), macc the minimums times the block
+// sums. The one place these float operations are written: the 16-lane loop and the AMX path both call it, in the
+// same order group by group, so their results are the same bits.
+__attribute__((always_inline)) inline void scaled_pair(__m512i s0, __m512i s1, __m512 d0, __m512 d1, __m512 m0v,
+                                                       __m512 m1v, const float* da, const float* sa, __m512& a0,
+                                                       __m512& a1, __m512& macc) {
+  a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_mul_ps(d0, _mm512_set1_ps(da[0])), a0);
+  a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_mul_ps(d1, _mm512_set1_ps(da[1])), a1);
+  macc = _mm512_fmadd_ps(m1v, _mm512_set1_ps(sa[1]), _mm512_fmadd_ps(m0v, _mm512_set1_ps(sa[0]), macc));
+}
+
 // Activation rows m0 .. m0 + R - 1 times groups g and g + 1 of 16 weight rows, decoded: w0[i] (w1[i]) values 4i ..
 // 4i + 3 of each row's group g (g + 1) as unsigned bytes, d0 / d1 the rows' scales, m0v / m1v their minimums. Into
 // acc[r] (each group's scaled integer sums) and macc[r] (the minimums times the activation blocks' sums): the same
@@ -160,12 +173,18 @@ __attribute__((always_inline)) inline void pair_rows(const __m512i w0[8], const 
   for (int r = 0; r < R; ++r) {
     __m512i s0, s1;
     pair_sums(w0, w1, x.q + (m0 + r) * K + g * kQK, s0, s1);
-    const float* da = x.d + (m0 + r) * groups + g;
-    const float* sa = x.s + (m0 + r) * groups + g;
-    acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_mul_ps(d0, _mm512_set1_ps(da[0])), acc[r][0]);
-    acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_mul_ps(d1, _mm512_set1_ps(da[1])), acc[r][1]);
-    macc[r] = _mm512_fmadd_ps(m1v, _mm512_set1_ps(sa[1]), _mm512_fmadd_ps(m0v, _mm512_set1_ps(sa[0]), macc[r]));
+    scaled_pair(s0, s1, d0, d1, m0v, m1v, x.d + (m0 + r) * groups + g, x.s + (m0 + r) * groups + g, acc[r][0],
+                acc[r][1], macc[r]);
   }
+}
+
+// The weights of a later tile (`fetch`, `fetch_bytes`; kLanesAhead tiles on) prefetched into L2, spread over a tile's
+// `pairs` pairs of groups: fetch_step's lines at pair g / 2 (prefetch_pair).
+inline int64_t fetch_step(int64_t fetch_bytes, int64_t pairs) { return (fetch_bytes / pairs + 63) / 64 * 64; }
+
+inline void prefetch_pair(const uint8_t* fetch, int64_t fetch_bytes, int64_t step, int64_t g) {
+  for (int64_t o = (g / 2) * step; o < std::min(fetch_bytes, (g / 2 + 1) * step); o += 64)
+    __builtin_prefetch(fetch + o, 0, 1);  // into L2 (prefetcht2)
 }
 
 // A pair of groups of 16 rows as bytes, in place: packed Q8_0 (w0, w1: each group's 32 bytes a row, transposed)
@@ -229,10 +248,9 @@ inline void lanes_block(const uint8_t* const p[kLanes], const float* sd, const f
   const int64_t K = x.K, groups = K / kQK;
   __m512 acc[R][2], macc[R];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = macc[r] = _mm512_setzero_ps();
-  const int64_t pairs = groups / 2, step = (fetch_bytes / pairs + 63) / 64 * 64;  // the lines to fetch a pair
+  const int64_t step = fetch_step(fetch_bytes, groups / 2);
   for (int64_t g = 0; g < groups; g += 2) {
-    for (int64_t o = (g / 2) * step; o < std::min(fetch_bytes, (g / 2 + 1) * step); o += 64)
-      __builtin_prefetch(fetch + o, 0, 1);  // into L2 (prefetcht2)
+    prefetch_pair(fetch, fetch_bytes, step, g);
     __m512i w0[8], w1[8];  // groups g and g + 1: values 4i .. 4i + 3 of each row
     __m512 d0, d1, m0v, m1v;
     if constexpr (Tiled) {
@@ -273,15 +291,19 @@ inline void row_blocks(int64_t M, F&& block) {
   }
 }
 
-// The activation rows 0 .. M - 1 in balanced chunks of at most kAmxMaxRows (20 rows: 10 + 10): block(m, rows) for
-// rows m .. m + rows - 1, `rows` a number (the AMX path's tile configuration follows it).
+// The activation rows 0 .. M - 1 (at least kAmxRows) for the AMX path: passes of kAmxMaxRows (16) rows from the
+// front, block(m, rows) with `rows` a number (the tile configuration follows it), the last pass taking what is left
+// if that is kAmxRows or more; fewer left go through the 16-lane loop (row_blocks: block(m, integral_constant)),
+// whose bits are the same. A pass costs about the same from 9 rows to 16 (`bench_qdot.py --amx`: K = 576, 35.5 ns
+// a weight row at 9 rows, 49 at 16, against the 16-lane loop's 8.4 at one row and 34 at 8), so 17 rows as 16 + 1
+// cost a pass and a row, where two balanced passes of 9 + 8 cost two passes: docs/speculative.md.
 template <typename F>
 inline void amx_chunks(int64_t M, F&& block) {
-  const int64_t chunks = (M + kAmxMaxRows - 1) / kAmxMaxRows;
-  for (int64_t c = 0, m = 0; c < chunks; ++c) {
-    const int64_t rows = (M - m + chunks - c - 1) / (chunks - c);
-    block(m, rows);
-    m += rows;
+  int64_t m = 0;
+  for (; M - m >= kAmxRows; m += std::min(kAmxMaxRows, M - m)) block(m, std::min(kAmxMaxRows, M - m));
+  if (m < M) {
+    auto rest = [&](int64_t r, auto rr) { block(m + r, rr); };
+    row_blocks(M - m, rest);
   }
 }
 
@@ -290,21 +312,21 @@ inline void amx_chunks(int64_t M, F&& block) {
 // later; the avx512_bf16 build, used at the amx level: QScratch::amx). A pair of groups is decoded as the 16-lane loop
 // decodes it (tiled_pair: lane j of register i holds row j's values 4i .. 4i + 3, which is an AMX B tile's row i),
 // staged in memory as two B tiles, and `tdpbsud` multiplies each group with the rows' 32 activations read in place
-// (A tiles, K bytes apart): each group's int32 sums, exact, as `vpdpbusd` gives them. Those go through pair_rows'
+// (A tiles, K bytes apart): each group's int32 sums, exact, as `vpdpbusd` gives them. Those go through scaled_pair's
 // float operations in the same order, so the results are the 16-lane loop's bits for every number of rows (batch
 // invariance holds across the two paths). Measured in a one-thread harness on this shape (K = 576, a tile in L2,
 // docs/speculative.md "AMX int8 tiles for a verification's rows"): 0.81x the 16-lane loop at 5 rows, 1.14x at 8,
 // 1.55x at 16 (staging the decoded bytes through memory is a fixed cost a pair); here, `bench_qdot.py --amx`
-// (Q4_1, K = 576 and 1536, one thread, Intel Xeon with AMX): 0.97-0.98x at 8 rows, 1.11x at 9, 1.33x at 16, 1.20-1.27x
-// at 24 (two passes of 12): hence from 9 rows.
+// (Q4_1, K = 576 and 1536, one thread, Intel Xeon with AMX): 0.97-0.98x at 8 rows, 1.11x at 9, 1.33x at 16: hence
+// from 9 rows, and past 16 in passes of 16 with the rest under 9 on the 16-lane loop (amx_chunks).
 constexpr bool kAmxInt8Build = true;
 
-// This CPU has AMX-TILE and AMX-INT8 and Linux lets the process use the tiles (asked once).
+// This CPU has AMX-TILE and AMX-INT8 and Linux lets the process use the tiles (amx.cpp asks, once).
 inline bool amx_int8_available() {
   static const bool ok = [] {
     unsigned a, b, c, d;
     __asm__ __volatile__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
-    return (d >> 24 & 1) && (d >> 25 & 1) && syscall(SYS_arch_prctl, 0x1023, 18) == 0;  // XTILEDATA
+    return (d >> 24 & 1) && (d >> 25 & 1) && peregrine::amx_tiles_permitted();  // AMX-TILE, AMX-INT8
   }();
   return ok;
 }
@@ -328,20 +350,19 @@ inline void amx_int8_config(int64_t rows) {
 inline void amx_int8_release() { _tile_release(); }
 
 // res[r] (16 lanes) = activation row m0 + r times the tiled tile at `tile`, r < rows (<= kAmxMaxRows; the tile
-// configuration holds `rows`): lanes_block<T, rows, true>'s bits.
+// configuration holds `rows`): lanes_block<T, rows, true>'s bits. Each pass decodes the tile again: keeping a
+// prompt's decoded tile for its later passes measured no faster (docs/speculative.md).
 template <int T>
 void amx_tile_rows(const uint8_t* tile, const QRows& x, int64_t m0, int64_t rows, __m512* res, const uint8_t* fetch,
                    int64_t fetch_bytes) {
-  const int64_t K = x.K, groups = K / kQK;
+  const int64_t K = x.K, groups = K / kQK, step = fetch_step(fetch_bytes, groups / 2);
   alignas(64) uint8_t b[2][512];
   alignas(64) int32_t c[2][kAmxMaxRows * kLanes];
   alignas(64) float acc[kAmxMaxRows][3][kLanes];  // each row's two groups' chains and its minimums
   for (int64_t r = 0; r < rows; ++r)
     for (int k = 0; k < 3; ++k) _mm512_store_ps(acc[r][k], _mm512_setzero_ps());
-  const int64_t pairs = groups / 2, step = (fetch_bytes / pairs + 63) / 64 * 64;
   for (int64_t g = 0; g < groups; g += 2) {
-    for (int64_t o = (g / 2) * step; o < std::min(fetch_bytes, (g / 2 + 1) * step); o += 64)
-      __builtin_prefetch(fetch + o, 0, 1);
+    prefetch_pair(fetch, fetch_bytes, step, g);
     __m512i w0[8], w1[8];
     __m512 d0, d1, m0v, m1v;
     tiled_pair<T>(tile, K, g, w0, w1, d0, d1, m0v, m1v);
@@ -361,16 +382,10 @@ void amx_tile_rows(const uint8_t* tile, const QRows& x, int64_t m0, int64_t rows
     _tile_stored(0, c[0], 64);
     _tile_stored(1, c[1], 64);
     for (int64_t r = 0; r < rows; ++r) {  // pair_rows' operations, in its order
-      const float* da = x.d + (m0 + r) * groups + g;
-      const float* sa = x.s + (m0 + r) * groups + g;
-      const __m512 s0 = _mm512_cvtepi32_ps(_mm512_load_si512(c[0] + kLanes * r));
-      const __m512 s1 = _mm512_cvtepi32_ps(_mm512_load_si512(c[1] + kLanes * r));
-      _mm512_store_ps(acc[r][0], _mm512_fmadd_ps(s0, _mm512_mul_ps(d0, _mm512_set1_ps(da[0])),
-                                                 _mm512_load_ps(acc[r][0])));
-      _mm512_store_ps(acc[r][1], _mm512_fmadd_ps(s1, _mm512_mul_ps(d1, _mm512_set1_ps(da[1])),
-                                                 _mm512_load_ps(acc[r][1])));
-      const __m512 mins = _mm512_fmadd_ps(m0v, _mm512_set1_ps(sa[0]), _mm512_load_ps(acc[r][2]));
-      _mm512_store_ps(acc[r][2], _mm512_fmadd_ps(m1v, _mm512_set1_ps(sa[1]), mins));
+      __m512 a0 = _mm512_load_ps(acc[r][0]), a1 = _mm512_load_ps(acc[r][1]), macc = _mm512_load_ps(acc[r][2]);
+      scaled_pair(_mm512_load_si512(c[0] + kLanes * r), _mm512_load_si512(c[1] + kLanes * r), d0, d1, m0v, m1v,
+                  x.d + (m0 + r) * groups + g, x.s + (m0 + r) * groups + g, a0, a1, macc);
+      _mm512_store_ps(acc[r][0], a0), _mm512_store_ps(acc[r][1], a1), _mm512_store_ps(acc[r][2], macc);
     }
   }
   for (int64_t r = 0; r < rows; ++r)
@@ -440,10 +455,14 @@ void qlinear_tiles(const uint8_t* w, int64_t ldw, const QRows& x, int64_t M, con
   if (kAmxInt8Build && s.amx && M >= kAmxRows) {
     int64_t configured = 0;  // the rows the thread's tile configuration holds
     tiles_in<true>(w, ldw, M, bias, out, ldo, n_begin, n_end, [&](const uint8_t* const p[kLanes], int64_t m,
-                                                                 int64_t rows, __m512* res, const uint8_t* fetch,
+                                                                 auto rr, __m512* res, const uint8_t* fetch,
                                                                  int64_t fetch_bytes) {
-      if (rows != configured) amx_int8_config(configured = rows);
-      amx_tile_rows<T>(p[0], x, m, rows, res, fetch, fetch_bytes);
+      if constexpr (std::is_integral_v<decltype(rr)>) {  // an AMX pass (amx_chunks)
+        if (rr != configured) amx_int8_config(configured = rr);
+        amx_tile_rows<T>(p[0], x, m, rr, res, fetch, fetch_bytes);
+      } else {  // the rows after the last pass
+        lanes_block<T, decltype(rr)::value, true>(p, nullptr, nullptr, x, m, res, fetch, fetch_bytes);
+      }
     });
     return;
   }
