@@ -191,7 +191,7 @@ class Settings(DerivedValues, BaseSettings):
         "SmolLM2-135M drafting for a larger SmolLM2.",
     )
     speculative_tokens: int = Field(
-        8, ge=1, le=16, description="Most tokens a sequence proposes per step with --speculative ngram or draft."
+        12, ge=1, le=16, description="Most tokens a sequence proposes per step with --speculative ngram or draft."
     )
     speculative_adaptive: bool = Field(
         True,

@@ -223,7 +223,7 @@ class EngineConfig:
     prefix_caching: bool = True  # reuse the KV of full blocks whose prefix was computed before (block_manager)
     kv_window_release: bool = True  # sliding-window layers give back the KV pages of blocks behind every window
     speculative: str = "off"  # off | ngram | draft: speculative decoding's proposer (engine/core/speculative.py)
-    speculative_tokens: int = 8  # most tokens proposed per sequence and step
+    speculative_tokens: int = 12  # most tokens proposed per sequence and step
     speculative_adaptive: bool = True  # propose as many as pay (Adaptive, StepCost); False: always speculative_tokens
     speculative_ngram_max: int = 4  # prompt lookup matches the last n tokens, n from this ...
     speculative_ngram_min: int = 1  # ... down to this
