@@ -215,9 +215,10 @@ def llama_decoder_for(dtype: torch.dtype, opts: KernelOptions, amx: bool | None 
     if module is None or not _serves(DECODER_DTYPES, dtype, opts):
         return None
     amx = bool(module.amx_available()) and cpu_features.amx(opts.isa) if amx is None else amx
+    int8 = amx and bool(module.amx_int8_available())  # what the decoder asks too (decoder.cpp: amx_int8_)
     log.info("decode steps: one kernel call per step, %s matmuls on %s", str(dtype).removeprefix("torch."),
-             module.isa() if not amx else "AMX" if dtype == torch.bfloat16 else
-             f"{module.isa()} (tiled quantized weights on AMX int8 tiles from 9 rows)")
+             "AMX" if amx and dtype == torch.bfloat16 else
+             f"{module.isa()} (tiled quantized weights on AMX int8 tiles from 9 rows)" if int8 else module.isa())
     name = f"LlamaDecoder_{str(dtype).removeprefix('torch.')}"
 
     def build(embed: torch.Tensor, embed_type: int, layers: list[list[torch.Tensor]], *rest: object) -> object:

@@ -1,6 +1,7 @@
 // AMX tiles for the decoder's matmuls (Sapphire Rapids and later): the weights packed as B tiles in the order a
 // step reads them, the step's 1-32 input rows as A tiles read in place.
 #include "kernels.h"
+#include "amx_tiles.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <sys/syscall.h>
@@ -26,12 +27,6 @@ bool amx_tiles_permitted() {
 bool amx_available() { return cpu_has_amx_bf16() && amx_tiles_permitted(); }
 
 namespace {
-
-struct TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 // Tiles: 0-3 accumulators C[m block][n block] (up to 16 input rows x 16 float32), 4-5 weights B (16 k-pairs x 16
 // weight rows x 2 bf16), 6-7 inputs A (up to 16 input rows x 32 bf16). The A and C tiles hold exactly the pass's

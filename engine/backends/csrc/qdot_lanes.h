@@ -26,11 +26,7 @@
 
 #include "qdot_packed.h"
 
-#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
-namespace peregrine {
-bool amx_tiles_permitted();  // amx.cpp: Linux lets the process use the AMX tile state (asked once)
-}
-#endif
+#include "amx_tiles.h"
 
 namespace peregrine_quant {
 
@@ -334,11 +330,7 @@ inline bool amx_int8_available() {
 // Tiles 0-1: a pair's two groups' int32 sums (`rows` activation rows x 16 weight rows), 2-3: the rows' 32
 // activations of each group, 4-5: each group's 16 weight rows as bytes (8 rows of 64: four values a weight row).
 inline void amx_int8_config(int64_t rows) {
-  struct {
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-  } cfg;
+  peregrine::TileConfig cfg;
   cfg.rows[0] = cfg.rows[1] = cfg.rows[2] = cfg.rows[3] = static_cast<uint8_t>(rows);
   cfg.colsb[0] = cfg.colsb[1] = 64;
   cfg.colsb[2] = cfg.colsb[3] = kQK;
