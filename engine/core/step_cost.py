@@ -97,12 +97,18 @@ class StepCost:
 
     def prices(self, rows: int) -> tuple[float, float]:
         """(seconds a step of `rows` decodes takes, seconds a proposed row adds to it): `proposal_rows` where the
-        steps of that many decodes say, else the line near `rows` (0, 0 before any step)."""
+        steps of that many decodes say; else the line near `rows`, a proposed row priced by the steps of the nearest
+        count of decodes (one or two away) that say, where one does (0, 0 before any step). A wave's decodes fall
+        one by one, each count new to the price, and the line near them holds one stream's verifications (many rows
+        of one sequence): open chat's first 16-stream wave after one stream ran 0.91-0.97x plain priced by the line,
+        0.99-1.01x priced by the neighbour (docs/speculative.md, "A new count of decodes")."""
         split = self.proposal_rows(rows)
         if split is not None:
             return split
         fixed, per_row = self.fit(rows)
-        return fixed + per_row * rows, per_row
+        near = next((found for d in (rows - 1, rows + 1, rows - 2, rows + 2)
+                     if d > 0 and (found := self.proposal_rows(d)) is not None), None)
+        return fixed + per_row * rows, per_row if near is None else near[1]
 
     def step_time(self, rows: int) -> float:
         """Seconds a step of `rows` decodes takes (0 before any step)."""

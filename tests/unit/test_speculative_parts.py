@@ -280,6 +280,25 @@ def test_step_cost_prices_a_proposal_among_steps_of_as_many_decodes() -> None:
     assert blind.proposal_rows(16) is None and blind.prices(16)[1] == blind.fit(16)[1]
 
 
+def test_step_cost_prices_a_new_count_of_decodes_by_its_neighbour() -> None:
+    """A wave's decodes fall one by one: at 15 decodes, before its own steps have varied, a proposed row is priced by
+    the steps of 16 decodes (what a proposal adds there), not by the line across row counts, which one stream's
+    verifications (many cheap rows) drew flat. Two counts away still counts; further, the line is the price."""
+    cost = StepCost()
+    for i in range(200):  # one stream: verifications of 1-13 rows, 0.3 ms a row
+        cost.observe(1 + i % 13, 2.5e-3 + 0.3e-3 * (1 + i % 13), 1)
+    for i in range(40):  # 16 decodes, proposals varying, 0.9 ms a proposed row
+        extra = i % 5
+        cost.observe(16 + extra, 12e-3 + 0.9e-3 * extra, 16)
+    fixed, line = cost.fit(15)
+    assert line < 0.8e-3  # the line across counts, the one-stream rows among its points: under the 0.9 ms
+    step, per_row = cost.prices(15)
+    assert abs(per_row - 0.9e-3) < 1e-9 and step == fixed + line * 15
+    assert abs(cost.prices(14)[1] - 0.9e-3) < 1e-9  # two away
+    assert cost.prices(13)[1] == cost.fit(13)[1]  # three away: the line
+    assert cost.row_share(15) == per_row * 15 / step
+
+
 def test_proposals_end_where_the_sequence_would() -> None:
     """No row past a proposal that would end the sequence if kept: an EOS (unless it ignores EOS) or a stop token,
     once min_tokens are out (before, a stop token is an ordinary token and what follows it may be kept)."""
