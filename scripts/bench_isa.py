@@ -43,6 +43,16 @@ def kernel_levels(flags: frozenset[str] | None = None) -> list[str]:
     return list(builds)
 
 
+def compared_levels(flags: frozenset[str] | None = None) -> list[str]:
+    """The levels compared by default: each build of its own (`kernel_levels`), and `amx` where the CPU has AMX-INT8:
+    the same build as avx512_bf16, whose decode steps of 9 rows and more then multiply on the AMX int8 tiles."""
+    levels = kernel_levels(flags)
+    have = cpu_features.cpu_flags() if flags is None else flags
+    if "amx" in cpu_features.available_levels(flags) and "amx_int8" in have:
+        levels.append("amx")
+    return levels
+
+
 def environment(threads: int) -> tuple[list[str], dict[str, str]]:
     """The command prefix and environment that hold a child to `threads` cores (all of them when 0)."""
     env = dict(os.environ)
@@ -89,7 +99,7 @@ def run_json(command: list[str], env: dict[str, str], log: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--levels", help=f"comma-separated levels (default: {','.join(kernel_levels())} on this CPU)")
+    p.add_argument("--levels", help=f"comma-separated levels (default: {','.join(compared_levels())} on this CPU)")
     p.add_argument("--threads", type=int, default=0, help="cores and threads for every run (0: all)")
     p.add_argument("--gguf", type=Path, help="the GGUF file (default: the bundled SmolLM2-135M Q4_1)")
     p.add_argument("--output-len", type=int, default=128)
@@ -99,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="also write the result here")
     p.add_argument("--log", type=Path, help="every run's whole output (default: a temporary file)")
     args = p.parse_args(argv)
-    levels = args.levels.split(",") if args.levels else kernel_levels()
+    levels = args.levels.split(",") if args.levels else compared_levels()
     missing = [level for level in levels if level not in cpu_features.available_levels()]
     if missing:
         raise SystemExit(f"this CPU cannot run {', '.join(missing)} (it runs {cpu_features.available_levels()})")

@@ -29,6 +29,8 @@ def test_the_levels_compared_are_the_builds_a_cpu_runs(flags: frozenset[str], le
     if os.uname().machine not in ("x86_64", "AMD64"):
         pytest.skip("the x86 levels")
     assert bench_isa.kernel_levels(flags) == levels
+    amx = ["amx"] if "amx_int8" in flags else []  # compared besides: its decode steps of 9 rows on the int8 tiles
+    assert bench_isa.compared_levels(flags) == levels + amx
 
 
 def test_two_threads_get_two_cores_where_there_are() -> None:
