@@ -177,8 +177,18 @@ def native_flags() -> list[str]:
     return ["--no-repack"] if _cpu_has("amx_tile") else []
 
 
+def llama_server_binary(given: str | Path | None = None) -> Path:
+    """The llama-server to run: `given`, else `setup`'s build, else the static build the suite's llama.cpp tests make
+    (tests/llama_cpp.py, in ~/.cache/peregrine) where only that one exists."""
+    if given:
+        return Path(given)
+    static = Path.home() / ".cache" / "peregrine" / "llama.cpp-0.3.36" / "build" / "bin" / "llama-server"
+    built = LLAMA_BUILD / "bin" / "llama-server"
+    return built if built.exists() or not static.exists() else static
+
+
 def _llama_server(name: str, opts: PeerOptions, port: int) -> Peer:
-    binary = opts.llama_server or LLAMA_BUILD / "bin" / "llama-server"
+    binary = llama_server_binary(opts.llama_server)
     desc = "llama.cpp llama-server (continuous batching over slots, unified KV)"
     if not binary.exists():
         return Peer(name, desc, skip_reason=f"{binary} not found (python scripts/bench_peers.py setup)")

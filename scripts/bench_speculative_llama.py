@@ -157,18 +157,10 @@ def run_cell(url: str, prompts: list[list[int]], streams: int, max_tokens: int,
     return time.perf_counter() - start, totals
 
 
-def llama_server_binary(given: str | None) -> Path | None:
-    if given:
-        return Path(given)
-    static = Path.home() / ".cache" / "peregrine" / "llama.cpp-0.3.36" / "build" / "bin" / "llama-server"
-    built = bench_peers.LLAMA_BUILD / "bin" / "llama-server"
-    return built if built.exists() or not static.exists() else static
-
-
 def server(args: argparse.Namespace, gguf: Path, draft: Path, extra: list[str]) -> bench_peers.Peer:
     opts = bench_peers.PeerOptions(gguf=gguf, dense_dir=bench_peers.DENSE_DIR, threads=args.threads,
                                    max_concurrency=16, context_per_request=512,
-                                   llama_server=llama_server_binary(args.llama_server),
+                                   llama_server=bench_peers.llama_server_binary(args.llama_server),
                                    llama_defaults=args.llama_server is not None)
     peer = bench_peers.make_peer("llamacpp", opts)
     peer.name = "llamacpp-spec"  # its log: .cache/bench-logs/llamacpp-spec.log
