@@ -105,8 +105,9 @@ def print_report(runs: list[dict[str, Any]], rel: list[dict[str, Any]]) -> None:
             print(f"| {r['load']} | {r['peer']} | {' | '.join(cells)} |{each}")
 
 
+# the flags that pick Peregrine's (and llama.cpp's) kernels
 KERNEL_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
-                "amx_tile", "amx_bf16", "asimd", "asimddp")  # the flags that pick Peregrine's (and llama.cpp's) kernels
+                "amx_tile", "amx_int8", "amx_bf16", "asimd", "asimddp")
 
 
 def machine(bandwidth_gb_s: float | None = None) -> dict[str, Any]:
