@@ -101,9 +101,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="CPU threads for the llama.cpp peers")
     p.add_argument("--peregrine-args", default="", help="extra flags for python main.py (one string)")
     p.add_argument("--llama-server", type=Path,
-                   help="llama-server binary (default: .cache/llama-build, else the suite's static build in ~/.cache/peregrine; "
-                   "a binary given here runs with llama.cpp's "
-                   "defaults, without the --no-repack the native build needs on AMX CPUs)")
+                   help="llama-server binary (default: .cache/llama-build, else the suite's static build in "
+                   "~/.cache/peregrine; a binary given here runs with llama.cpp's defaults, without the --no-repack "
+                   "the native build needs on AMX CPUs)")
     p.add_argument(
         "--peers-python", type=Path, help="python with llama-cpp-python (default: .cache/peers-venv)"
     )

@@ -46,11 +46,9 @@ def kernel_levels(flags: frozenset[str] | None = None) -> list[str]:
 def compared_levels(flags: frozenset[str] | None = None) -> list[str]:
     """The levels compared by default: each build of its own (`kernel_levels`), and `amx` where the CPU has AMX-INT8:
     the same build as avx512_bf16, whose decode steps of 9 rows and more then multiply on the AMX int8 tiles."""
-    levels = kernel_levels(flags)
     have = cpu_features.cpu_flags() if flags is None else flags
-    if "amx" in cpu_features.available_levels(flags) and "amx_int8" in have:
-        levels.append("amx")
-    return levels
+    levels = kernel_levels(have)
+    return levels + ["amx"] if "amx" in cpu_features.available_levels(have) and "amx_int8" in have else levels
 
 
 def environment(threads: int) -> tuple[list[str], dict[str, str]]:

@@ -44,7 +44,11 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DENSE_DIR = CACHE / "bench-models" / "smollm2-135m-instruct"
 LLAMA_BUILD = CACHE / "llama-build"
 PEERS_VENV = CACHE / "peers-venv"
-LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
+LLAMA_CPP_VERSION = "0.3.36"
+LLAMA_CPP_PYTHON = f"llama-cpp-python=={LLAMA_CPP_VERSION}"
+# the static build the suite's llama.cpp tests make (tests/llama_cpp.py), shared by the checkouts of a machine
+SUITE_LLAMA_CPP = Path(os.environ.get("PEREGRINE_LLAMA_CPP_CACHE",
+                                      Path.home() / ".cache" / "peregrine" / f"llama.cpp-{LLAMA_CPP_VERSION}"))
 PEER_NAMES = ("peregrine", "transformers", "transformers-cb", "llamacpp", "llamacpp-python")
 
 
@@ -178,11 +182,11 @@ def native_flags() -> list[str]:
 
 
 def llama_server_binary(given: str | Path | None = None) -> Path:
-    """The llama-server to run: `given`, else `setup`'s build, else the static build the suite's llama.cpp tests make
-    (tests/llama_cpp.py, in ~/.cache/peregrine) where only that one exists."""
+    """The llama-server to run: `given`, else `setup`'s build, else the suite's static build (SUITE_LLAMA_CPP) where
+    only that one exists."""
     if given:
         return Path(given)
-    static = Path.home() / ".cache" / "peregrine" / "llama.cpp-0.3.36" / "build" / "bin" / "llama-server"
+    static = SUITE_LLAMA_CPP / "build" / "bin" / "llama-server"
     built = LLAMA_BUILD / "bin" / "llama-server"
     return built if built.exists() or not static.exists() else static
 

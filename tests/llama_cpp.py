@@ -6,7 +6,6 @@ machine without cmake, ninja or a C++ compiler skips the tests that need it, say
 from __future__ import annotations
 
 import fcntl
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -14,8 +13,6 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-VERSION = "0.3.36"
-CACHE = Path(os.environ.get("PEREGRINE_LLAMA_CPP_CACHE", Path.home() / ".cache" / "peregrine" / f"llama.cpp-{VERSION}"))
 
 
 def _bench_peers():  # noqa: ANN202 - the scripts/ module
@@ -25,6 +22,9 @@ def _bench_peers():  # noqa: ANN202 - the scripts/ module
     finally:
         sys.path.pop(0)
     return bench_peers
+
+
+CACHE = _bench_peers().SUITE_LLAMA_CPP  # the benchmarks' llama-server falls back on this build too
 
 
 def source() -> Path:

@@ -240,12 +240,13 @@ def test_llama_server_repacks_unless_its_native_build_meets_amx(monkeypatch: pyt
 
 def test_llama_server_is_setups_build_else_the_suites(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Every workload runs the same llama-server: `bench_peers.py setup`'s build, else the static build the suite's
-    llama.cpp tests make in ~/.cache/peregrine (the long-prompt workload once looked for the first only and skipped
-    llama-server where the speculative workload found the second); with neither, setup's place (the skip names it)."""
+    llama.cpp tests make (`SUITE_LLAMA_CPP`, tests/llama_cpp.py's CACHE; the long-prompt workload once looked for the
+    first only and skipped llama-server where the speculative workload found the second); with neither, setup's place
+    (the skip names it)."""
     monkeypatch.setattr(bench_peers, "LLAMA_BUILD", tmp_path / "build")
-    monkeypatch.setattr(Path, "home", lambda: tmp_path / "home")
+    monkeypatch.setattr(bench_peers, "SUITE_LLAMA_CPP", tmp_path / "suite")
     built = tmp_path / "build" / "bin" / "llama-server"
-    static = tmp_path / "home" / ".cache" / "peregrine" / "llama.cpp-0.3.36" / "build" / "bin" / "llama-server"
+    static = tmp_path / "suite" / "build" / "bin" / "llama-server"
     assert bench_peers.llama_server_binary() == built
     static.parent.mkdir(parents=True)
     static.write_text("#!/bin/sh\n")
